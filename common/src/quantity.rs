@@ -43,7 +43,12 @@ pub fn parse_size(text: &str) -> Result<u64, QuantityError> {
         "m" | "M" | "Mi" => 20,
         "g" | "G" | "Gi" => 30,
         "t" | "T" | "Ti" => 40,
-        other => return Err(QuantityError::BadSuffix(text.to_string(), other.to_string())),
+        other => {
+            return Err(QuantityError::BadSuffix(
+                text.to_string(),
+                other.to_string(),
+            ))
+        }
     };
     let value: u64 = digits
         .parse()
@@ -98,10 +103,22 @@ mod tests {
 
     #[test]
     fn rejects_what_hami_core_misreads() {
-        assert!(matches!(parse_size("1.5g"), Err(QuantityError::BadSuffix(..))));
-        assert!(matches!(parse_size("2GB"), Err(QuantityError::BadSuffix(..))));
-        assert!(matches!(parse_size("2 G"), Err(QuantityError::BadSuffix(..))));
-        assert!(matches!(parse_size("-1"), Err(QuantityError::NotANumber(_))));
+        assert!(matches!(
+            parse_size("1.5g"),
+            Err(QuantityError::BadSuffix(..))
+        ));
+        assert!(matches!(
+            parse_size("2GB"),
+            Err(QuantityError::BadSuffix(..))
+        ));
+        assert!(matches!(
+            parse_size("2 G"),
+            Err(QuantityError::BadSuffix(..))
+        ));
+        assert!(matches!(
+            parse_size("-1"),
+            Err(QuantityError::NotANumber(_))
+        ));
         assert!(matches!(parse_size("g"), Err(QuantityError::NotANumber(_))));
         assert_eq!(parse_size(""), Err(QuantityError::Empty));
         assert_eq!(parse_size("   "), Err(QuantityError::Empty));
@@ -109,8 +126,14 @@ mod tests {
 
     #[test]
     fn rejects_overflow() {
-        assert!(matches!(parse_size("99999999999999999999"), Err(QuantityError::Overflow(_))));
-        assert!(matches!(parse_size("20000000000T"), Err(QuantityError::Overflow(_))));
+        assert!(matches!(
+            parse_size("99999999999999999999"),
+            Err(QuantityError::Overflow(_))
+        ));
+        assert!(matches!(
+            parse_size("20000000000T"),
+            Err(QuantityError::Overflow(_))
+        ));
         assert_eq!(parse_size("16777215T"), Ok(16_777_215u64 << 40));
     }
 

@@ -443,10 +443,11 @@ impl Region {
         if ptr == libc::MAP_FAILED {
             return Err(io_error(path, "mmap", io::Error::last_os_error()));
         }
-        let base = NonNull::new(ptr.cast::<RegionLayout>()).ok_or_else(|| RegionError::Corrupt {
-            path: path.to_path_buf(),
-            what: "mmap returned null".into(),
-        })?;
+        let base =
+            NonNull::new(ptr.cast::<RegionLayout>()).ok_or_else(|| RegionError::Corrupt {
+                path: path.to_path_buf(),
+                what: "mmap returned null".into(),
+            })?;
         Ok(Self {
             base,
             fd: AtomicI32::new(file.into_raw_fd()),
@@ -663,6 +664,33 @@ impl Region {
         })
     }
 
+    /// Moves `slot`'s charge of `kind` on `device` from `old_bytes` to
+    /// `new_bytes` in one step, without a cap check. For memory the driver
+    /// already holds (a pool that grew by more than was reserved for it):
+    /// the books must show it even if that means exceeding the cap, so the
+    /// next reservation is refused.
+    pub fn recharge(
+        &self,
+        slot: usize,
+        device: usize,
+        kind: MemoryKind,
+        old_bytes: u64,
+        new_bytes: u64,
+    ) -> Result<(), RegionError> {
+        let layout = self.layout();
+        let record = &layout.devices[device];
+        let counter = layout.slots[slot].devices[device].counter(kind);
+        self.with_lock(|| {
+            let held = counter.load(Ordering::Relaxed);
+            let returned = old_bytes.min(held);
+            counter.store(held - returned + new_bytes, Ordering::Relaxed);
+            let used = record.used.load(Ordering::Relaxed);
+            let new_used = used.saturating_sub(returned).saturating_add(new_bytes);
+            record.used.store(new_used, Ordering::Relaxed);
+            record.peak_used.fetch_max(new_used, Ordering::Relaxed);
+        })
+    }
+
     /// Device memory the container holds on `device`.
     pub fn device_used(&self, device: usize) -> u64 {
         self.layout().devices[device].used.load(Ordering::Acquire)
@@ -873,18 +901,43 @@ mod tests {
         let path = temp_path("cap");
         let region = Region::open_or_create(&path, &limits(1000)).expect("create");
         let slot = region.claim_slot(1).expect("slot");
-        assert_eq!(region.reserve(slot, 0, MemoryKind::Data, 600).expect("io"), Ok(()));
+        assert_eq!(
+            region.reserve(slot, 0, MemoryKind::Data, 600).expect("io"),
+            Ok(())
+        );
         let refused = region
             .reserve(slot, 0, MemoryKind::Data, 401)
             .expect("io")
             .expect_err("over cap");
-        assert_eq!(refused, CapExceeded { limit: 1000, used: 600, requested: 401 });
-        assert_eq!(region.reserve(slot, 0, MemoryKind::Module, 400).expect("io"), Ok(()));
+        assert_eq!(
+            refused,
+            CapExceeded {
+                limit: 1000,
+                used: 600,
+                requested: 401
+            }
+        );
+        assert_eq!(
+            region
+                .reserve(slot, 0, MemoryKind::Module, 400)
+                .expect("io"),
+            Ok(())
+        );
         assert_eq!(region.device_used(0), 1000);
         assert!(region.release(slot, 0, MemoryKind::Data, 600).expect("io"));
-        assert!(!region.release(slot, 0, MemoryKind::Module, 500).expect("io"), "over-release is clamped");
+        assert!(
+            !region
+                .release(slot, 0, MemoryKind::Module, 500)
+                .expect("io"),
+            "over-release is clamped"
+        );
         assert_eq!(region.device_used(0), 0);
-        assert_eq!(region.layout().devices[0].oom_events.load(Ordering::Relaxed), 1);
+        assert_eq!(
+            region.layout().devices[0]
+                .oom_events
+                .load(Ordering::Relaxed),
+            1
+        );
         let _ = std::fs::remove_file(&path);
     }
 
@@ -906,7 +959,11 @@ mod tests {
             Region::open_or_create(&path, &limits(1)),
             Err(RegionError::WrongSize { .. })
         ));
-        assert_eq!(std::fs::read(&path).expect("read"), b"hello", "left untouched");
+        assert_eq!(
+            std::fs::read(&path).expect("read"),
+            b"hello",
+            "left untouched"
+        );
 
         let mut foreign = vec![0u8; REGION_BYTES];
         foreign[..8].copy_from_slice(b"SOMEELSE");
@@ -922,8 +979,13 @@ mod tests {
         future[8] = 99;
         future[24] = 1;
         std::fs::write(&path, &future).expect("write");
-        let err = Region::open_or_create(&path, &limits(1)).err().expect("refused");
-        assert!(matches!(err, RegionError::Version { found: 99, .. }), "{err}");
+        let err = Region::open_or_create(&path, &limits(1))
+            .err()
+            .expect("refused");
+        assert!(
+            matches!(err, RegionError::Version { found: 99, .. }),
+            "{err}"
+        );
         let _ = std::fs::remove_file(&path);
     }
 
@@ -934,9 +996,16 @@ mod tests {
         // A second open file description stands in for another process.
         let other = Region::open_existing(&path).expect("attach");
         let theirs = other.claim_slot(2).expect("slot");
-        other.reserve(theirs, 0, MemoryKind::Data, 4096).expect("io").expect("fits");
+        other
+            .reserve(theirs, 0, MemoryKind::Data, 4096)
+            .expect("io")
+            .expect("fits");
         assert!(region.slot_is_live(theirs).expect("probe"));
-        assert_eq!(region.reclaim_dead_slots(None).expect("sweep"), 0, "owner alive");
+        assert_eq!(
+            region.reclaim_dead_slots(None).expect("sweep"),
+            0,
+            "owner alive"
+        );
         drop(other); // closes its file description: the kernel drops its lock
         assert!(!region.slot_is_live(theirs).expect("probe"));
         assert_eq!(region.reclaim_dead_slots(None).expect("sweep"), 1);
@@ -949,9 +1018,14 @@ mod tests {
         let path = temp_path("recount");
         let region = Region::open_or_create(&path, &limits(0)).expect("create");
         let slot = region.claim_slot(3).expect("slot");
-        region.reserve(slot, 0, MemoryKind::Data, 100).expect("io").expect("fits");
+        region
+            .reserve(slot, 0, MemoryKind::Data, 100)
+            .expect("io")
+            .expect("fits");
         // Simulate a holder that died between updating the total and the slot.
-        region.layout().devices[0].used.store(12345, Ordering::Relaxed);
+        region.layout().devices[0]
+            .used
+            .store(12345, Ordering::Relaxed);
         region.recount_totals();
         assert_eq!(region.device_used(0), 100);
         let _ = std::fs::remove_file(&path);

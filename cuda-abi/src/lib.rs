@@ -7,6 +7,8 @@
 //! declared.
 
 #![no_std]
+// The names are the C API's own.
+#![allow(non_camel_case_types, non_snake_case)]
 
 pub mod cuda;
 pub mod nvml;

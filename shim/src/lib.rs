@@ -1,1 +1,34 @@
-//! libvgpu.so
+//! `libvgpu.so`: caps the GPU memory and compute of every process of a
+//! container sharing a GPU.
+//!
+//! The library is preloaded (`LD_PRELOAD` or `/etc/ld.so.preload`) into every
+//! process of the container. It exports the CUDA driver and NVML functions it
+//! needs to see, under their exact versioned names, and also catches the
+//! other ways programs reach the driver: `dlopen` + `dlsym` (see [`dlsym`])
+//! and `cuGetProcAddress` (see `hooks::procaddr`), through which every
+//! CUDA runtime since 11.3 obtains driver entry points.
+//!
+//! Each container has one region file shared by all its processes (see
+//! `vgpu_common::region`); allocations are charged there before the driver
+//! is asked, so the container's total never exceeds its cap.
+//!
+//! Every exported function catches panics ([`guarded!`]) so none unwinds
+//! into C, and nothing is written to standard output.
+
+/// Runs `$body`, returning `$fallback` if it panics: no unwind may cross
+/// into the C caller.
+macro_rules! guarded {
+    ($fallback:expr, $body:block) => {
+        match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| $body)) {
+            Ok(value) => value,
+            Err(_) => $fallback,
+        }
+    };
+}
+
+mod dlsym;
+mod driver;
+mod enforcer;
+mod hooks;
+mod logging;
+mod table;

@@ -1,0 +1,497 @@
+//! The shim's process-wide state: configuration, the container's region,
+//! this process's slot and what it has allocated.
+//!
+//! State is built once, on the first hooked call, so processes of the
+//! container that never touch the GPU (shells, package managers) never open
+//! the region. The environment is read only then.
+
+use crate::driver::cuda as real;
+use crate::table::{AllocationTable, Charge, Resource};
+use std::ffi::CString;
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering};
+use std::sync::OnceLock;
+use vgpu_common::config::ShimConfig;
+use vgpu_common::quantity::human_bytes;
+use vgpu_common::region::{MemoryKind, Region, RegionLimits, MAX_DEVICES};
+use vgpu_cuda_abi::cuda::*;
+
+/// How hooked calls behave in this process.
+// One instance per process lives in a static, so the size of the small
+// variants is irrelevant, and boxing would add a load to every hook.
+#[allow(clippy::large_enum_variant)]
+pub enum Mode {
+    /// Nothing configured: forward every call.
+    Passthrough,
+    /// Limits configured and the region usable.
+    Enforce(Enforcer),
+    /// The configuration or region is unusable: refuse GPU work rather than
+    /// run without the limits the container was promised.
+    FailClosed,
+}
+
+static MODE: OnceLock<Mode> = OnceLock::new();
+
+/// The process's mode, initialising it on first use.
+#[inline(always)]
+pub fn mode() -> &'static Mode {
+    MODE.get_or_init(initialise)
+}
+
+fn initialise() -> Mode {
+    let config = ShimConfig::from_env();
+    let log_level = config.as_ref().map(|c| c.log_level).unwrap_or(1);
+    crate::logging::init(log_level);
+    let config = match config {
+        Ok(config) => config,
+        Err(error) => {
+            tracing::error!(
+                "invalid configuration, GPU calls will fail until it is fixed: {error}"
+            );
+            return Mode::FailClosed;
+        }
+    };
+    if !config.enforces_anything() {
+        tracing::debug!("no limits configured; forwarding calls unchanged");
+        return Mode::Passthrough;
+    }
+    match Enforcer::new(config) {
+        Ok(enforcer) => Mode::Enforce(enforcer),
+        Err(error) => {
+            tracing::error!("cannot use the container region, GPU calls will fail: {error}");
+            Mode::FailClosed
+        }
+    }
+}
+
+const NO_SLOT: usize = usize::MAX;
+
+pub struct Enforcer {
+    pub config: ShimConfig,
+    pub region: Region,
+    region_path: CString,
+    slot: AtomicUsize,
+    pub table: AllocationTable,
+    /// Primary-context retains this process holds per device.
+    primary_retains: [AtomicU32; MAX_DEVICES],
+    /// Pools with a charge in the table (skips pool refresh when zero).
+    pools: AtomicUsize,
+    last_oom_log_ms: AtomicU64,
+    uuids_recorded: AtomicBool,
+    warned_device_range: AtomicBool,
+}
+
+impl Enforcer {
+    fn new(config: ShimConfig) -> Result<Self, vgpu_common::region::RegionError> {
+        let mut limits = RegionLimits {
+            policy: config.policy as u32,
+            priority: config.priority,
+            ..RegionLimits::default()
+        };
+        for device in 0..MAX_DEVICES {
+            limits.memory_limit[device] = config.memory_limit[device].unwrap_or(0);
+            limits.sm_limit[device] = config.sm_limit[device].unwrap_or(0);
+        }
+        let path = std::path::Path::new(&config.region_path);
+        let region = Region::open_or_create(path, &limits)?;
+        let stored = region.limits();
+        if stored.memory_limit != limits.memory_limit || stored.sm_limit != limits.sm_limit {
+            tracing::warn!(
+                region = %config.region_path,
+                "limits in the environment differ from the container region's; the region's apply"
+            );
+        }
+        let region_path = CString::new(config.region_path.clone()).map_err(|_| {
+            vgpu_common::region::RegionError::Corrupt {
+                path: path.to_path_buf(),
+                what: "path contains a NUL byte".into(),
+            }
+        })?;
+        // SAFETY: the handlers are plain functions that only touch
+        // async-signal-safe state (see `fork_*`).
+        unsafe {
+            libc::pthread_atfork(Some(fork_prepare), Some(fork_parent), Some(fork_child));
+        }
+        tracing::debug!(region = %config.region_path, "enforcing limits");
+        Ok(Self {
+            config,
+            region,
+            region_path,
+            slot: AtomicUsize::new(NO_SLOT),
+            table: AllocationTable::new(),
+            primary_retains: Default::default(),
+            pools: AtomicUsize::new(0),
+            last_oom_log_ms: AtomicU64::new(0),
+            uuids_recorded: AtomicBool::new(false),
+            warned_device_range: AtomicBool::new(false),
+        })
+    }
+
+    /// This process's slot, claimed on first use. Claiming also returns the
+    /// memory of processes of the container that died.
+    pub fn slot(&self) -> Result<usize, CUresult> {
+        let slot = self.slot.load(Ordering::Acquire);
+        if slot != NO_SLOT {
+            return Ok(slot);
+        }
+        // SAFETY: getpid has no preconditions.
+        let pid = unsafe { libc::getpid() } as u32;
+        let claimed = self.region.claim_slot(pid).map_err(|error| {
+            tracing::error!("cannot claim a process slot: {error}");
+            CUDA_ERROR_OUT_OF_MEMORY
+        })?;
+        match self
+            .slot
+            .compare_exchange(NO_SLOT, claimed, Ordering::AcqRel, Ordering::Acquire)
+        {
+            Ok(_) => {
+                match self.region.reclaim_dead_slots(Some(claimed)) {
+                    Ok(0) => {}
+                    Ok(count) => tracing::info!(count, "returned the memory of exited processes"),
+                    Err(error) => tracing::warn!("sweeping exited processes failed: {error}"),
+                }
+                Ok(claimed)
+            }
+            Err(winner) => {
+                // Another thread claimed first; give ours back.
+                if let Err(error) = self.region.release_slot(claimed) {
+                    tracing::warn!("releasing a surplus slot failed: {error}");
+                }
+                Ok(winner)
+            }
+        }
+    }
+
+    fn device_index(&self, device: usize) -> Option<usize> {
+        if device < MAX_DEVICES {
+            return Some(device);
+        }
+        if !self.warned_device_range.swap(true, Ordering::Relaxed) {
+            tracing::warn!(device, "device ordinal beyond {MAX_DEVICES}: not accounted");
+        }
+        None
+    }
+
+    /// Charges `bytes` to `device` if the cap allows it.
+    pub fn reserve(&self, device: usize, kind: MemoryKind, bytes: u64) -> Result<(), CUresult> {
+        let Some(device) = self.device_index(device) else {
+            return Ok(());
+        };
+        let slot = self.slot()?;
+        let attempt = |enforcer: &Self| {
+            enforcer
+                .region
+                .reserve(slot, device, kind, bytes)
+                .map_err(|error| {
+                    tracing::error!("region reservation failed: {error}");
+                    CUDA_ERROR_UNKNOWN
+                })
+        };
+        match attempt(self)? {
+            Ok(()) => Ok(()),
+            Err(_) if self.pools.load(Ordering::Relaxed) > 0 => {
+                // Pools may have returned cached memory since they were last
+                // looked at: refresh their charges and try once more.
+                self.refresh_pools();
+                attempt(self)?.map_err(|refused| self.refuse(device, refused))
+            }
+            Err(refused) => Err(self.refuse(device, refused)),
+        }
+    }
+
+    fn refuse(&self, device: usize, refused: vgpu_common::region::CapExceeded) -> CUresult {
+        let now_ms = monotonic_ms();
+        let last = self.last_oom_log_ms.load(Ordering::Relaxed);
+        if now_ms.saturating_sub(last) >= 1000
+            && self
+                .last_oom_log_ms
+                .compare_exchange(last, now_ms, Ordering::Relaxed, Ordering::Relaxed)
+                .is_ok()
+        {
+            tracing::warn!(
+                "device {device}: allocation of {} refused: the container holds {} of its {} cap",
+                human_bytes(refused.requested),
+                human_bytes(refused.used),
+                human_bytes(refused.limit),
+            );
+        }
+        CUDA_ERROR_OUT_OF_MEMORY
+    }
+
+    /// Returns `bytes` charged to `device`.
+    pub fn release(&self, device: usize, kind: MemoryKind, bytes: u64) {
+        let Some(device) = self.device_index(device) else {
+            return;
+        };
+        let Ok(slot) = self.slot() else { return };
+        match self.region.release(slot, device, kind, bytes) {
+            Ok(true) => {}
+            Ok(false) => tracing::warn!(device, bytes, "released more than was charged; clamped"),
+            Err(error) => tracing::error!("region release failed: {error}"),
+        }
+    }
+
+    /// Sets the charge of `device` from `old` to `new` bytes, unchecked.
+    pub fn recharge(&self, device: usize, kind: MemoryKind, old: u64, new: u64) {
+        let Some(device) = self.device_index(device) else {
+            return;
+        };
+        let Ok(slot) = self.slot() else { return };
+        if let Err(error) = self.region.recharge(slot, device, kind, old, new) {
+            tracing::error!("region recharge failed: {error}");
+        }
+    }
+
+    /// Runs `allocate` after reserving `bytes` on `device`; on success the
+    /// resource it returns is recorded so its free returns the charge, on
+    /// failure the reservation is returned at once.
+    pub fn charged(
+        &self,
+        charge: Charge,
+        resource: Resource,
+        allocate: impl FnOnce() -> (CUresult, u64),
+    ) -> CUresult {
+        if let Err(code) = self.reserve(charge.device, charge.kind, charge.bytes) {
+            return code;
+        }
+        let (code, id) = allocate();
+        if code == CUDA_SUCCESS {
+            if let Some(previous) = self.table.insert(resource, id, charge) {
+                // The driver reused an identity we thought live: its old
+                // charge is stale.
+                self.release(previous.device, previous.kind, previous.bytes);
+            }
+        } else {
+            self.release(charge.device, charge.kind, charge.bytes);
+        }
+        code
+    }
+
+    /// Runs `free` and, if it succeeded, returns what `resource` was charged.
+    pub fn uncharged(
+        &self,
+        resource: Resource,
+        id: u64,
+        free: impl FnOnce() -> CUresult,
+    ) -> CUresult {
+        let code = free();
+        if code == CUDA_SUCCESS {
+            if let Some(charge) = self.table.remove(resource, id) {
+                self.release(charge.device, charge.kind, charge.bytes);
+                if charge.pool != 0 {
+                    self.sync_pool(charge.pool as CUmemoryPool);
+                }
+            }
+        }
+        code
+    }
+
+    /// Returns everything charged to a context that no longer exists.
+    pub fn release_context_resources(&self, context: usize) {
+        for ((resource, id), charge) in self.table.drain_context(context) {
+            self.release(charge.device, charge.kind, charge.bytes);
+            if resource == Resource::Pool {
+                self.pools.fetch_sub(1, Ordering::Relaxed);
+            }
+            tracing::trace!(?resource, id, "returned with its context");
+        }
+    }
+
+    /// Primary-context bookkeeping: returns true when this retain is the
+    /// process's first on `device` (and so must be charged).
+    pub fn primary_retained(&self, device: usize) -> bool {
+        self.device_index(device)
+            .map(|d| self.primary_retains[d].fetch_add(1, Ordering::AcqRel) == 0)
+            .unwrap_or(false)
+    }
+
+    /// Undoes `primary_retained` after a failed retain.
+    pub fn primary_retain_failed(&self, device: usize) {
+        if let Some(d) = self.device_index(device) {
+            self.primary_retains[d].fetch_sub(1, Ordering::AcqRel);
+        }
+    }
+
+    /// Returns true when this release drops the process's last retain.
+    pub fn primary_released(&self, device: usize) -> bool {
+        let Some(d) = self.device_index(device) else {
+            return false;
+        };
+        self.primary_retains[d]
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| n.checked_sub(1))
+            .map(|previous| previous == 1)
+            .unwrap_or(false)
+    }
+
+    /// After a primary-context reset: returns true if the process held it.
+    pub fn primary_reset(&self, device: usize) -> bool {
+        self.device_index(device)
+            .map(|d| self.primary_retains[d].swap(0, Ordering::AcqRel) > 0)
+            .unwrap_or(false)
+    }
+
+    /// Starts tracking `pool` on `device` (idempotent).
+    pub fn track_pool(&self, pool: CUmemoryPool, device: usize) {
+        let charge = Charge {
+            device,
+            kind: MemoryKind::Data,
+            bytes: 0,
+            context: 0,
+            pool: 0,
+        };
+        let inserted = self
+            .table
+            .with(|map| match map.entry((Resource::Pool, pool as u64)) {
+                std::collections::hash_map::Entry::Occupied(_) => false,
+                std::collections::hash_map::Entry::Vacant(slot) => {
+                    slot.insert(charge);
+                    true
+                }
+            });
+        if inserted {
+            self.pools.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+
+    /// Bytes a pool holds that are not handed out (reusable without growth).
+    pub fn pool_cached_bytes(&self, pool: CUmemoryPool) -> u64 {
+        let reserved = pool_attribute(pool, CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT);
+        let used = pool_attribute(pool, CU_MEMPOOL_ATTR_USED_MEM_CURRENT);
+        reserved.saturating_sub(used)
+    }
+
+    /// Sets a pool's charge to what the driver says it holds now.
+    pub fn sync_pool(&self, pool: CUmemoryPool) {
+        let reserved = pool_attribute(pool, CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT);
+        let previous = self.table.with(|map| {
+            map.get_mut(&(Resource::Pool, pool as u64)).map(|charge| {
+                let old = charge.bytes;
+                charge.bytes = reserved;
+                (charge.device, old)
+            })
+        });
+        if let Some((device, old)) = previous {
+            if old != reserved {
+                self.recharge(device, MemoryKind::Data, old, reserved);
+            }
+        }
+    }
+
+    /// Stops tracking a destroyed pool and returns its charge.
+    pub fn forget_pool(&self, pool: CUmemoryPool) {
+        if let Some(charge) = self.table.remove(Resource::Pool, pool as u64) {
+            self.pools.fetch_sub(1, Ordering::Relaxed);
+            self.release(charge.device, charge.kind, charge.bytes);
+        }
+    }
+
+    fn refresh_pools(&self) {
+        let pools: Vec<u64> = self.table.with(|map| {
+            map.keys()
+                .filter(|(resource, _)| *resource == Resource::Pool)
+                .map(|(_, id)| *id)
+                .collect()
+        });
+        for pool in pools {
+            self.sync_pool(pool as CUmemoryPool);
+        }
+    }
+
+    /// Writes the devices' UUIDs into the region once, for the monitor and
+    /// for matching NVML devices to CUDA ordinals.
+    pub fn record_device_uuids(&self) {
+        if self.uuids_recorded.swap(true, Ordering::AcqRel) {
+            return;
+        }
+        let mut count = 0i32;
+        // SAFETY: valid out-pointer.
+        if unsafe { real::cuDeviceGetCount(&mut count) } != CUDA_SUCCESS {
+            return;
+        }
+        for device in 0..(count.max(0) as usize).min(MAX_DEVICES) {
+            let mut uuid = CUuuid::default();
+            // SAFETY: valid out-pointer and an ordinal below the count.
+            if unsafe { real::cuDeviceGetUuid(&mut uuid, device as CUdevice) } == CUDA_SUCCESS {
+                self.region
+                    .set_device_uuid(device, &format_uuid(&uuid.bytes));
+            }
+        }
+    }
+}
+
+/// Formats a UUID the way NVML and `nvidia-smi` print it.
+pub fn format_uuid(bytes: &[u8; 16]) -> String {
+    let hex: Vec<String> = bytes.iter().map(|b| format!("{b:02x}")).collect();
+    format!(
+        "GPU-{}-{}-{}-{}-{}",
+        hex[0..4].concat(),
+        hex[4..6].concat(),
+        hex[6..8].concat(),
+        hex[8..10].concat(),
+        hex[10..16].concat()
+    )
+}
+
+fn pool_attribute(pool: CUmemoryPool, attribute: CUmemPool_attribute) -> u64 {
+    let mut value = 0u64;
+    // SAFETY: these attributes are 64-bit values written to `value`.
+    let code =
+        unsafe { real::cuMemPoolGetAttribute(pool, attribute, (&mut value as *mut u64).cast()) };
+    if code == CUDA_SUCCESS {
+        value
+    } else {
+        0
+    }
+}
+
+/// The current context and its device, if a context is current.
+pub fn current_context() -> Option<(usize, usize)> {
+    let mut context: CUcontext = std::ptr::null_mut();
+    // SAFETY: valid out-pointer.
+    if unsafe { real::cuCtxGetCurrent(&mut context) } != CUDA_SUCCESS || context.is_null() {
+        return None;
+    }
+    let mut device: CUdevice = 0;
+    // SAFETY: valid out-pointer.
+    if unsafe { real::cuCtxGetDevice(&mut device) } != CUDA_SUCCESS || device < 0 {
+        return None;
+    }
+    Some((device as usize, context as usize))
+}
+
+fn monotonic_ms() -> u64 {
+    let mut now = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: valid out-pointer.
+    unsafe {
+        libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut now);
+    }
+    now.tv_sec as u64 * 1000 + now.tv_nsec as u64 / 1_000_000
+}
+
+extern "C" fn fork_prepare() {
+    if let Some(Mode::Enforce(enforcer)) = MODE.get() {
+        enforcer.table.before_fork();
+    }
+}
+
+extern "C" fn fork_parent() {
+    if let Some(Mode::Enforce(enforcer)) = MODE.get() {
+        enforcer.table.after_fork_in_parent();
+    }
+}
+
+extern "C" fn fork_child() {
+    if let Some(Mode::Enforce(enforcer)) = MODE.get() {
+        enforcer.table.after_fork_in_child();
+        // The child must not share the parent's liveness lock, or it could
+        // take the parent's slot for its own.
+        enforcer.region.reopen_after_fork(&enforcer.region_path);
+        enforcer.slot.store(NO_SLOT, Ordering::Release);
+        for retains in &enforcer.primary_retains {
+            retains.store(0, Ordering::Relaxed);
+        }
+        enforcer.pools.store(0, Ordering::Relaxed);
+    }
+}

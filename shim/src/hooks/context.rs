@@ -1,0 +1,194 @@
+//! Contexts: each one is charged the configured context reservation
+//! (`VGPU_CONTEXT_RESERVE`), since a context holds device memory of its own
+//! (code, stacks, printf buffer) that no allocation call shows.
+
+use super::written_handle;
+use crate::driver::cuda as real;
+use crate::enforcer::{mode, Enforcer, Mode};
+use crate::table::{Charge, Resource};
+use vgpu_common::region::MemoryKind;
+use vgpu_cuda_abi::cuda::*;
+
+fn context_charge(enforcer: &Enforcer, device: CUdevice) -> Charge {
+    Charge {
+        device: device.max(0) as usize,
+        kind: MemoryKind::Context,
+        bytes: enforcer.config.context_reserve,
+        context: 0,
+        pool: 0,
+    }
+}
+
+/// Creates a context through `create`, charging it first.
+fn create_context(
+    device: CUdevice,
+    ctx: *mut CUcontext,
+    create: impl FnOnce() -> CUresult,
+) -> CUresult {
+    match mode() {
+        Mode::Passthrough => create(),
+        Mode::FailClosed => CUDA_ERROR_NOT_INITIALIZED,
+        Mode::Enforce(enforcer) => {
+            enforcer.charged(context_charge(enforcer, device), Resource::Context, || {
+                let code = create();
+                // SAFETY: `ctx` is the caller's out-pointer, written on success.
+                (code, unsafe { written_handle(ctx) })
+            })
+        }
+    }
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuCtxCreate_v2(
+    ctx: *mut CUcontext,
+    flags: u32,
+    device: CUdevice,
+) -> CUresult {
+    guarded!(CUDA_ERROR_UNKNOWN, {
+        // SAFETY: forwarded unchanged.
+        create_context(device, ctx, || unsafe {
+            real::cuCtxCreate_v2(ctx, flags, device)
+        })
+    })
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuCtxCreate_v3(
+    ctx: *mut CUcontext,
+    params: *mut std::ffi::c_void,
+    num_params: i32,
+    flags: u32,
+    device: CUdevice,
+) -> CUresult {
+    guarded!(CUDA_ERROR_UNKNOWN, {
+        create_context(device, ctx, || {
+            // SAFETY: forwarded unchanged.
+            unsafe { real::cuCtxCreate_v3(ctx, params, num_params, flags, device) }
+        })
+    })
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuCtxCreate_v4(
+    ctx: *mut CUcontext,
+    params: *mut std::ffi::c_void,
+    flags: u32,
+    device: CUdevice,
+) -> CUresult {
+    guarded!(CUDA_ERROR_UNKNOWN, {
+        // SAFETY: forwarded unchanged.
+        create_context(device, ctx, || unsafe {
+            real::cuCtxCreate_v4(ctx, params, flags, device)
+        })
+    })
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuCtxDestroy_v2(ctx: CUcontext) -> CUresult {
+    guarded!(CUDA_ERROR_UNKNOWN, {
+        match mode() {
+            // SAFETY: forwarded unchanged.
+            Mode::Passthrough | Mode::FailClosed => unsafe { real::cuCtxDestroy_v2(ctx) },
+            Mode::Enforce(enforcer) => {
+                // SAFETY: forwarded unchanged.
+                let code = enforcer.uncharged(Resource::Context, ctx as u64, || unsafe {
+                    real::cuCtxDestroy_v2(ctx)
+                });
+                if code == CUDA_SUCCESS {
+                    // Destroying a context frees everything allocated in it.
+                    enforcer.release_context_resources(ctx as usize);
+                }
+                code
+            }
+        }
+    })
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuDevicePrimaryCtxRetain(
+    ctx: *mut CUcontext,
+    device: CUdevice,
+) -> CUresult {
+    guarded!(CUDA_ERROR_UNKNOWN, {
+        match mode() {
+            // SAFETY: forwarded unchanged.
+            Mode::Passthrough => unsafe { real::cuDevicePrimaryCtxRetain(ctx, device) },
+            Mode::FailClosed => CUDA_ERROR_NOT_INITIALIZED,
+            Mode::Enforce(enforcer) => {
+                let first = enforcer.primary_retained(device.max(0) as usize);
+                let charge = context_charge(enforcer, device);
+                if first {
+                    if let Err(code) = enforcer.reserve(charge.device, charge.kind, charge.bytes) {
+                        enforcer.primary_retain_failed(charge.device);
+                        return code;
+                    }
+                }
+                // SAFETY: forwarded unchanged.
+                let code = unsafe { real::cuDevicePrimaryCtxRetain(ctx, device) };
+                if code != CUDA_SUCCESS {
+                    enforcer.primary_retain_failed(charge.device);
+                    if first {
+                        enforcer.release(charge.device, charge.kind, charge.bytes);
+                    }
+                }
+                code
+            }
+        }
+    })
+}
+
+/// Common part of the primary-context release and reset hooks.
+fn primary_context_gone(device: CUdevice, code: CUresult, reset: bool) -> CUresult {
+    if code != CUDA_SUCCESS {
+        return code;
+    }
+    if let Mode::Enforce(enforcer) = mode() {
+        let index = device.max(0) as usize;
+        let dropped = if reset {
+            enforcer.primary_reset(index)
+        } else {
+            enforcer.primary_released(index)
+        };
+        if dropped {
+            let charge = context_charge(enforcer, device);
+            enforcer.release(charge.device, charge.kind, charge.bytes);
+        }
+    }
+    code
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuDevicePrimaryCtxRelease(device: CUdevice) -> CUresult {
+    guarded!(CUDA_ERROR_UNKNOWN, {
+        // SAFETY: forwarded unchanged.
+        let code = unsafe { real::cuDevicePrimaryCtxRelease(device) };
+        primary_context_gone(device, code, false)
+    })
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuDevicePrimaryCtxRelease_v2(device: CUdevice) -> CUresult {
+    guarded!(CUDA_ERROR_UNKNOWN, {
+        // SAFETY: forwarded unchanged.
+        let code = unsafe { real::cuDevicePrimaryCtxRelease_v2(device) };
+        primary_context_gone(device, code, false)
+    })
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuDevicePrimaryCtxReset(device: CUdevice) -> CUresult {
+    guarded!(CUDA_ERROR_UNKNOWN, {
+        // SAFETY: forwarded unchanged.
+        let code = unsafe { real::cuDevicePrimaryCtxReset(device) };
+        primary_context_gone(device, code, true)
+    })
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuDevicePrimaryCtxReset_v2(device: CUdevice) -> CUresult {
+    guarded!(CUDA_ERROR_UNKNOWN, {
+        // SAFETY: forwarded unchanged.
+        let code = unsafe { real::cuDevicePrimaryCtxReset_v2(device) };
+        primary_context_gone(device, code, true)
+    })
+}

@@ -1,0 +1,588 @@
+//! Device memory: every way the driver API hands out device memory is
+//! charged to the container before the driver is asked, and every way it is
+//! given back returns the charge.
+
+use super::{written, written_handle};
+use crate::driver::cuda as real;
+use crate::enforcer::{current_context, mode, Enforcer, Mode};
+use crate::table::{Charge, Resource};
+use vgpu_common::region::MemoryKind;
+use vgpu_cuda_abi::cuda::*;
+
+/// Pitch alignment assumed before the driver reports the real pitch. Real
+/// devices align pitched rows to at most 512 bytes.
+const PITCH_ALIGNMENT_BOUND: u64 = 512;
+
+/// Allocates through `allocate` in the current context, charging `bytes`.
+fn allocate_in_context(
+    kind: MemoryKind,
+    resource: Resource,
+    bytes: u64,
+    allocate: impl FnOnce() -> (CUresult, u64),
+) -> CUresult {
+    match mode() {
+        Mode::Passthrough => allocate().0,
+        Mode::FailClosed => CUDA_ERROR_NOT_INITIALIZED,
+        Mode::Enforce(enforcer) => match current_context() {
+            // No context: the driver will refuse the call with its own error.
+            None => allocate().0,
+            Some((device, context)) => {
+                let charge = Charge {
+                    device,
+                    kind,
+                    bytes,
+                    context,
+                    pool: 0,
+                };
+                enforcer.charged(charge, resource, allocate)
+            }
+        },
+    }
+}
+
+/// Frees through `free`, returning the charge of `resource` `id`.
+fn free_resource(resource: Resource, id: u64, free: impl FnOnce() -> CUresult) -> CUresult {
+    match mode() {
+        Mode::Enforce(enforcer) => enforcer.uncharged(resource, id, free),
+        Mode::Passthrough | Mode::FailClosed => free(),
+    }
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuMemAlloc_v2(dptr: *mut CUdeviceptr, bytes: usize) -> CUresult {
+    guarded!(CUDA_ERROR_UNKNOWN, {
+        allocate_in_context(
+            MemoryKind::Data,
+            Resource::DevicePointer,
+            bytes as u64,
+            || {
+                // SAFETY: forwarded unchanged; `dptr` is written on success.
+                let code = unsafe { real::cuMemAlloc_v2(dptr, bytes) };
+                // SAFETY: the caller's out-pointer.
+                (code, unsafe { written(dptr) })
+            },
+        )
+    })
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuMemAllocManaged(
+    dptr: *mut CUdeviceptr,
+    bytes: usize,
+    flags: u32,
+) -> CUresult {
+    guarded!(CUDA_ERROR_UNKNOWN, {
+        allocate_in_context(
+            MemoryKind::Data,
+            Resource::DevicePointer,
+            bytes as u64,
+            || {
+                // SAFETY: forwarded unchanged.
+                let code = unsafe { real::cuMemAllocManaged(dptr, bytes, flags) };
+                // SAFETY: the caller's out-pointer.
+                (code, unsafe { written(dptr) })
+            },
+        )
+    })
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuMemAllocPitch_v2(
+    dptr: *mut CUdeviceptr,
+    pitch: *mut usize,
+    width: usize,
+    height: usize,
+    element_bytes: u32,
+) -> CUresult {
+    guarded!(CUDA_ERROR_UNKNOWN, {
+        let allocate = || {
+            // SAFETY: forwarded unchanged.
+            unsafe { real::cuMemAllocPitch_v2(dptr, pitch, width, height, element_bytes) }
+        };
+        let Mode::Enforce(enforcer) = mode() else {
+            return match mode() {
+                Mode::FailClosed => CUDA_ERROR_NOT_INITIALIZED,
+                _ => allocate(),
+            };
+        };
+        let Some((device, context)) = current_context() else {
+            return allocate();
+        };
+        // Reserve an upper bound, then settle on the real pitch x height.
+        let bound = (width as u64)
+            .div_ceil(PITCH_ALIGNMENT_BOUND)
+            .saturating_mul(PITCH_ALIGNMENT_BOUND)
+            .saturating_mul(height as u64);
+        if let Err(code) = enforcer.reserve(device, MemoryKind::Data, bound) {
+            return code;
+        }
+        let code = allocate();
+        if code != CUDA_SUCCESS {
+            enforcer.release(device, MemoryKind::Data, bound);
+            return code;
+        }
+        // SAFETY: both out-pointers were written by the successful call.
+        let (address, real_pitch) =
+            unsafe { (written(dptr), pitch.as_ref().copied().unwrap_or(0)) };
+        let actual = (real_pitch as u64).saturating_mul(height as u64);
+        enforcer.recharge(device, MemoryKind::Data, bound, actual);
+        let charge = Charge {
+            device,
+            kind: MemoryKind::Data,
+            bytes: actual,
+            context,
+            pool: 0,
+        };
+        enforcer
+            .table
+            .insert(Resource::DevicePointer, address, charge);
+        code
+    })
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuMemFree_v2(dptr: CUdeviceptr) -> CUresult {
+    guarded!(CUDA_ERROR_UNKNOWN, {
+        // SAFETY: forwarded unchanged.
+        free_resource(Resource::DevicePointer, dptr, || unsafe {
+            real::cuMemFree_v2(dptr)
+        })
+    })
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuMemCreate(
+    handle: *mut CUmemGenericAllocationHandle,
+    bytes: usize,
+    prop: *const CUmemAllocationProp,
+    flags: u64,
+) -> CUresult {
+    guarded!(CUDA_ERROR_UNKNOWN, {
+        let create = || {
+            // SAFETY: forwarded unchanged.
+            unsafe { real::cuMemCreate(handle, bytes, prop, flags) }
+        };
+        // SAFETY: `prop` is null or points to the caller's description.
+        let location = unsafe { prop.as_ref() }.map(|p| p.location);
+        match (mode(), location) {
+            (Mode::FailClosed, _) => CUDA_ERROR_NOT_INITIALIZED,
+            (Mode::Enforce(enforcer), Some(location))
+                if location.type_ == CU_MEM_LOCATION_TYPE_DEVICE && location.id >= 0 =>
+            {
+                let charge = Charge {
+                    device: location.id as usize,
+                    kind: MemoryKind::Data,
+                    bytes: bytes as u64,
+                    context: 0,
+                    pool: 0,
+                };
+                enforcer.charged(charge, Resource::PhysicalHandle, || {
+                    let code = create();
+                    // SAFETY: the caller's out-pointer.
+                    (code, unsafe { written(handle) })
+                })
+            }
+            // Host-located physical memory is not device memory.
+            _ => create(),
+        }
+    })
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuMemRelease(handle: CUmemGenericAllocationHandle) -> CUresult {
+    guarded!(CUDA_ERROR_UNKNOWN, {
+        // SAFETY: forwarded unchanged.
+        free_resource(Resource::PhysicalHandle, handle, || unsafe {
+            real::cuMemRelease(handle)
+        })
+    })
+}
+
+// ---- Arrays ----
+
+fn array_bytes(
+    width: usize,
+    height: usize,
+    depth: usize,
+    format: CUarray_format,
+    channels: u32,
+) -> u64 {
+    // Formats we cannot size exactly (block-compressed, video) are charged
+    // at 4 bytes per channel element.
+    let element = array_format_bytes(format).unwrap_or(4);
+    (width.max(1) as u64)
+        .saturating_mul(height.max(1) as u64)
+        .saturating_mul(depth.max(1) as u64)
+        .saturating_mul(element)
+        .saturating_mul(channels.max(1) as u64)
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuArrayCreate_v2(
+    array: *mut CUarray,
+    desc: *const CUDA_ARRAY_DESCRIPTOR,
+) -> CUresult {
+    guarded!(CUDA_ERROR_UNKNOWN, {
+        // SAFETY: `desc` is null or the caller's descriptor.
+        let bytes = unsafe { desc.as_ref() }
+            .map(|d| array_bytes(d.width, d.height, 1, d.format, d.num_channels))
+            .unwrap_or(0);
+        allocate_in_context(MemoryKind::Data, Resource::Array, bytes, || {
+            // SAFETY: forwarded unchanged.
+            let code = unsafe { real::cuArrayCreate_v2(array, desc) };
+            // SAFETY: the caller's out-pointer.
+            (code, unsafe { written_handle(array) })
+        })
+    })
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuArray3DCreate_v2(
+    array: *mut CUarray,
+    desc: *const CUDA_ARRAY3D_DESCRIPTOR,
+) -> CUresult {
+    guarded!(CUDA_ERROR_UNKNOWN, {
+        // SAFETY: `desc` is null or the caller's descriptor.
+        let bytes = unsafe { desc.as_ref() }
+            .map(|d| array_bytes(d.width, d.height, d.depth, d.format, d.num_channels))
+            .unwrap_or(0);
+        allocate_in_context(MemoryKind::Data, Resource::Array, bytes, || {
+            // SAFETY: forwarded unchanged.
+            let code = unsafe { real::cuArray3DCreate_v2(array, desc) };
+            // SAFETY: the caller's out-pointer.
+            (code, unsafe { written_handle(array) })
+        })
+    })
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuArrayDestroy(array: CUarray) -> CUresult {
+    guarded!(CUDA_ERROR_UNKNOWN, {
+        // SAFETY: forwarded unchanged.
+        free_resource(Resource::Array, array as u64, || unsafe {
+            real::cuArrayDestroy(array)
+        })
+    })
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuMipmappedArrayCreate(
+    array: *mut CUmipmappedArray,
+    desc: *const CUDA_ARRAY3D_DESCRIPTOR,
+    levels: u32,
+) -> CUresult {
+    guarded!(CUDA_ERROR_UNKNOWN, {
+        // SAFETY: `desc` is null or the caller's descriptor.
+        let bytes = unsafe { desc.as_ref() }
+            .map(|d| {
+                (0..levels.min(32)).fold(0u64, |total, level| {
+                    let shrink = |extent: usize| {
+                        if extent == 0 {
+                            0
+                        } else {
+                            (extent >> level).max(1)
+                        }
+                    };
+                    total.saturating_add(array_bytes(
+                        shrink(d.width),
+                        shrink(d.height),
+                        shrink(d.depth),
+                        d.format,
+                        d.num_channels,
+                    ))
+                })
+            })
+            .unwrap_or(0);
+        allocate_in_context(MemoryKind::Data, Resource::Array, bytes, || {
+            // SAFETY: forwarded unchanged.
+            let code = unsafe { real::cuMipmappedArrayCreate(array, desc, levels) };
+            // SAFETY: the caller's out-pointer.
+            (code, unsafe { written_handle(array) })
+        })
+    })
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuMipmappedArrayDestroy(array: CUmipmappedArray) -> CUresult {
+    guarded!(CUDA_ERROR_UNKNOWN, {
+        // SAFETY: forwarded unchanged.
+        free_resource(Resource::Array, array as u64, || unsafe {
+            real::cuMipmappedArrayDestroy(array)
+        })
+    })
+}
+
+// ---- Stream-ordered allocator ----
+//
+// A pool keeps freed memory for reuse, so what it holds on the device is its
+// *reserved* size, not the sum of live allocations. The charge of a pool is
+// kept equal to the reserved size the driver reports after each allocation,
+// free and trim; an allocation is checked against the cap for the growth it
+// may cause (its size less what the pool holds unused).
+
+fn pool_allocate(
+    enforcer: &Enforcer,
+    pool: CUmemoryPool,
+    device: usize,
+    context: usize,
+    bytes: u64,
+    dptr: *mut CUdeviceptr,
+    allocate: impl FnOnce() -> CUresult,
+) -> CUresult {
+    enforcer.track_pool(pool, device);
+    let growth = bytes.saturating_sub(enforcer.pool_cached_bytes(pool));
+    if let Err(code) = enforcer.reserve(device, MemoryKind::Data, growth) {
+        return code;
+    }
+    let code = allocate();
+    // Charge the pool what it now holds before dropping the temporary
+    // reservation, so the books never show less than the device does.
+    enforcer.sync_pool(pool);
+    enforcer.release(device, MemoryKind::Data, growth);
+    if code == CUDA_SUCCESS {
+        // SAFETY: the caller's out-pointer, written on success.
+        let address = unsafe { written(dptr) };
+        let charge = Charge {
+            device,
+            kind: MemoryKind::Data,
+            bytes: 0,
+            context,
+            pool: pool as usize,
+        };
+        enforcer
+            .table
+            .insert(Resource::DevicePointer, address, charge);
+    }
+    code
+}
+
+fn alloc_async(
+    dptr: *mut CUdeviceptr,
+    bytes: usize,
+    allocate: impl FnOnce() -> CUresult,
+) -> CUresult {
+    match mode() {
+        Mode::Passthrough => allocate(),
+        Mode::FailClosed => CUDA_ERROR_NOT_INITIALIZED,
+        Mode::Enforce(enforcer) => {
+            let Some((device, context)) = current_context() else {
+                return allocate();
+            };
+            let mut pool: CUmemoryPool = std::ptr::null_mut();
+            // SAFETY: valid out-pointer and the current device.
+            if unsafe { real::cuDeviceGetMemPool(&mut pool, device as CUdevice) } != CUDA_SUCCESS {
+                return allocate();
+            }
+            pool_allocate(
+                enforcer,
+                pool,
+                device,
+                context,
+                bytes as u64,
+                dptr,
+                allocate,
+            )
+        }
+    }
+}
+
+fn alloc_from_pool(
+    dptr: *mut CUdeviceptr,
+    bytes: usize,
+    pool: CUmemoryPool,
+    allocate: impl FnOnce() -> CUresult,
+) -> CUresult {
+    match mode() {
+        Mode::Passthrough => allocate(),
+        Mode::FailClosed => CUDA_ERROR_NOT_INITIALIZED,
+        Mode::Enforce(enforcer) => {
+            let Some((current_device, context)) = current_context() else {
+                return allocate();
+            };
+            // A pool we saw created knows its device; otherwise assume the
+            // current one.
+            let device = enforcer
+                .table
+                .get(Resource::Pool, pool as u64)
+                .map(|charge| charge.device)
+                .unwrap_or(current_device);
+            pool_allocate(
+                enforcer,
+                pool,
+                device,
+                context,
+                bytes as u64,
+                dptr,
+                allocate,
+            )
+        }
+    }
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuMemAllocAsync(
+    dptr: *mut CUdeviceptr,
+    bytes: usize,
+    stream: CUstream,
+) -> CUresult {
+    guarded!(CUDA_ERROR_UNKNOWN, {
+        // SAFETY: forwarded unchanged.
+        alloc_async(dptr, bytes, || unsafe {
+            real::cuMemAllocAsync(dptr, bytes, stream)
+        })
+    })
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuMemAllocAsync_ptsz(
+    dptr: *mut CUdeviceptr,
+    bytes: usize,
+    stream: CUstream,
+) -> CUresult {
+    guarded!(CUDA_ERROR_UNKNOWN, {
+        // SAFETY: forwarded unchanged.
+        alloc_async(dptr, bytes, || unsafe {
+            real::cuMemAllocAsync_ptsz(dptr, bytes, stream)
+        })
+    })
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuMemAllocFromPoolAsync(
+    dptr: *mut CUdeviceptr,
+    bytes: usize,
+    pool: CUmemoryPool,
+    stream: CUstream,
+) -> CUresult {
+    guarded!(CUDA_ERROR_UNKNOWN, {
+        alloc_from_pool(dptr, bytes, pool, || {
+            // SAFETY: forwarded unchanged.
+            unsafe { real::cuMemAllocFromPoolAsync(dptr, bytes, pool, stream) }
+        })
+    })
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuMemAllocFromPoolAsync_ptsz(
+    dptr: *mut CUdeviceptr,
+    bytes: usize,
+    pool: CUmemoryPool,
+    stream: CUstream,
+) -> CUresult {
+    guarded!(CUDA_ERROR_UNKNOWN, {
+        alloc_from_pool(dptr, bytes, pool, || {
+            // SAFETY: forwarded unchanged.
+            unsafe { real::cuMemAllocFromPoolAsync_ptsz(dptr, bytes, pool, stream) }
+        })
+    })
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuMemFreeAsync(dptr: CUdeviceptr, stream: CUstream) -> CUresult {
+    guarded!(CUDA_ERROR_UNKNOWN, {
+        // SAFETY: forwarded unchanged.
+        free_resource(Resource::DevicePointer, dptr, || unsafe {
+            real::cuMemFreeAsync(dptr, stream)
+        })
+    })
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuMemFreeAsync_ptsz(dptr: CUdeviceptr, stream: CUstream) -> CUresult {
+    guarded!(CUDA_ERROR_UNKNOWN, {
+        // SAFETY: forwarded unchanged.
+        free_resource(Resource::DevicePointer, dptr, || unsafe {
+            real::cuMemFreeAsync_ptsz(dptr, stream)
+        })
+    })
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuMemPoolTrimTo(pool: CUmemoryPool, keep: usize) -> CUresult {
+    guarded!(CUDA_ERROR_UNKNOWN, {
+        // SAFETY: forwarded unchanged.
+        let code = unsafe { real::cuMemPoolTrimTo(pool, keep) };
+        if let (CUDA_SUCCESS, Mode::Enforce(enforcer)) = (code, mode()) {
+            enforcer.sync_pool(pool);
+        }
+        code
+    })
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuMemPoolCreate(
+    pool: *mut CUmemoryPool,
+    props: *const CUmemPoolProps,
+) -> CUresult {
+    guarded!(CUDA_ERROR_UNKNOWN, {
+        // SAFETY: forwarded unchanged.
+        let code = unsafe { real::cuMemPoolCreate(pool, props) };
+        if let (CUDA_SUCCESS, Mode::Enforce(enforcer)) = (code, mode()) {
+            // SAFETY: `props` was accepted by the driver; `pool` written.
+            let (location, created) =
+                unsafe { (props.as_ref().map(|p| p.location), written_handle(pool)) };
+            if let Some(location) = location {
+                if location.type_ == CU_MEM_LOCATION_TYPE_DEVICE && location.id >= 0 {
+                    enforcer.track_pool(created as CUmemoryPool, location.id as usize);
+                }
+            }
+        }
+        code
+    })
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuMemPoolDestroy(pool: CUmemoryPool) -> CUresult {
+    guarded!(CUDA_ERROR_UNKNOWN, {
+        // SAFETY: forwarded unchanged.
+        let code = unsafe { real::cuMemPoolDestroy(pool) };
+        if let (CUDA_SUCCESS, Mode::Enforce(enforcer)) = (code, mode()) {
+            enforcer.forget_pool(pool);
+        }
+        code
+    })
+}
+
+fn note_device_pool(code: CUresult, pool: *mut CUmemoryPool, device: CUdevice) -> CUresult {
+    if let (CUDA_SUCCESS, Mode::Enforce(enforcer)) = (code, mode()) {
+        // SAFETY: written by the successful call.
+        let pool = unsafe { written_handle(pool) };
+        if pool != 0 && device >= 0 {
+            enforcer.track_pool(pool as CUmemoryPool, device as usize);
+        }
+    }
+    code
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuDeviceGetDefaultMemPool(
+    pool: *mut CUmemoryPool,
+    device: CUdevice,
+) -> CUresult {
+    guarded!(CUDA_ERROR_UNKNOWN, {
+        // SAFETY: forwarded unchanged.
+        let code = unsafe { real::cuDeviceGetDefaultMemPool(pool, device) };
+        note_device_pool(code, pool, device)
+    })
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuDeviceGetMemPool(pool: *mut CUmemoryPool, device: CUdevice) -> CUresult {
+    guarded!(CUDA_ERROR_UNKNOWN, {
+        // SAFETY: forwarded unchanged.
+        let code = unsafe { real::cuDeviceGetMemPool(pool, device) };
+        note_device_pool(code, pool, device)
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn array_sizes() {
+        assert_eq!(array_bytes(100, 0, 0, CU_AD_FORMAT_FLOAT, 4), 1600);
+        assert_eq!(array_bytes(16, 16, 4, CU_AD_FORMAT_UNSIGNED_INT8, 1), 1024);
+        assert_eq!(array_bytes(8, 8, 0, CU_AD_FORMAT_HALF, 2), 256);
+    }
+}

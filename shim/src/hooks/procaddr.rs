@@ -1,0 +1,93 @@
+//! `cuInit` and `cuGetProcAddress`.
+//!
+//! `cuGetProcAddress` is asked by name, CUDA version and stream flavour
+//! (legacy or per-thread default stream). The real driver decides which
+//! variant that means (`cuMemAlloc` at 12.0 is `cuMemAlloc_v2`,
+//! `cuLaunchKernel` with the per-thread flag is `cuLaunchKernel_ptsz`) and
+//! writes `symbolStatus`; we let it, then swap the returned address for our
+//! hook of that very variant if we hook it. Status and return code stay
+//! exactly the driver's.
+
+use crate::driver::cuda as real;
+use crate::enforcer::{mode, Mode};
+use std::ffi::{c_char, c_void};
+use vgpu_cuda_abi::cuda::*;
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuInit(flags: u32) -> CUresult {
+    guarded!(CUDA_ERROR_UNKNOWN, {
+        let mode = mode();
+        if let Mode::FailClosed = mode {
+            return CUDA_ERROR_NOT_INITIALIZED;
+        }
+        // SAFETY: forwarded unchanged.
+        let code = unsafe { real::cuInit(flags) };
+        if code == CUDA_SUCCESS {
+            if let Mode::Enforce(enforcer) = mode {
+                enforcer.record_device_uuids();
+                if let Err(code) = enforcer.slot() {
+                    return code;
+                }
+            }
+        }
+        code
+    })
+}
+
+/// Replaces a just-returned driver address with our hook, if we hook it.
+///
+/// # Safety
+/// `pfn` must be null or valid for reads and writes.
+unsafe fn redirect_result(code: CUresult, pfn: *mut *mut c_void) {
+    if code != CUDA_SUCCESS || pfn.is_null() {
+        return;
+    }
+    // SAFETY: non-null and valid per the caller's contract with the driver.
+    let address = unsafe { *pfn };
+    if address.is_null() {
+        return;
+    }
+    if let Some(hook) = real::LIBRARY.redirect(address) {
+        // SAFETY: as above.
+        unsafe { *pfn = hook };
+    }
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuGetProcAddress(
+    symbol: *const c_char,
+    pfn: *mut *mut c_void,
+    cuda_version: i32,
+    flags: u64,
+) -> CUresult {
+    guarded!(CUDA_ERROR_UNKNOWN, {
+        if let Mode::FailClosed = mode() {
+            return CUDA_ERROR_NOT_INITIALIZED;
+        }
+        // SAFETY: forwarded unchanged.
+        let code = unsafe { real::cuGetProcAddress(symbol, pfn, cuda_version, flags) };
+        // SAFETY: `pfn` is the caller's out-pointer.
+        unsafe { redirect_result(code, pfn) };
+        code
+    })
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuGetProcAddress_v2(
+    symbol: *const c_char,
+    pfn: *mut *mut c_void,
+    cuda_version: i32,
+    flags: u64,
+    status: *mut CUdriverProcAddressQueryResult,
+) -> CUresult {
+    guarded!(CUDA_ERROR_UNKNOWN, {
+        if let Mode::FailClosed = mode() {
+            return CUDA_ERROR_NOT_INITIALIZED;
+        }
+        // SAFETY: forwarded unchanged.
+        let code = unsafe { real::cuGetProcAddress_v2(symbol, pfn, cuda_version, flags, status) };
+        // SAFETY: `pfn` is the caller's out-pointer.
+        unsafe { redirect_result(code, pfn) };
+        code
+    })
+}
