@@ -160,7 +160,7 @@ mod tests {
     fn sizes_text_elf_and_fatbin_images() {
         let ptx = c"//\n.version 8.0\n";
         // SAFETY: a NUL-terminated string.
-        assert_eq!(unsafe { image_bytes(ptx.as_ptr().cast()) }, 15);
+        assert_eq!(unsafe { image_bytes(ptx.as_ptr().cast()) }, 16);
 
         let mut elf = [0u8; 64];
         elf[..4].copy_from_slice(&ELF_MAGIC);
