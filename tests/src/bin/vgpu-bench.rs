@@ -1,0 +1,197 @@
+//! `vgpu-bench`: the shim's added cost on the simulated GPU, measured side
+//! by side with the driver alone, printed as a table.
+//!
+//! Run from a release build so the shim measured is the one shipped:
+//! `cargo build --release && cargo run --release -p vgpu-tests --bin vgpu-bench`.
+//! Every figure is a median over repeats; the ratio columns compare runs
+//! taken in the same pass, which is what survives a noisy shared machine.
+
+use anyhow::{bail, Context, Result};
+use std::io::{BufRead, BufReader, Write};
+use std::process::{Child, Stdio};
+use vgpu_tests::{programs_dir, Sandbox};
+
+#[derive(Clone, Copy)]
+enum Setup {
+    Driver,
+    Shim,
+}
+
+struct Options {
+    repeats: usize,
+    alloc_iterations: u64,
+    launch_iterations: u64,
+}
+
+fn parse_options() -> Result<Options> {
+    let mut options = Options {
+        repeats: 7,
+        alloc_iterations: 200_000,
+        launch_iterations: 20_000_000,
+    };
+    let mut args = std::env::args().skip(1);
+    while let Some(arg) = args.next() {
+        let mut value = |name: &str| -> Result<u64> {
+            args.next()
+                .with_context(|| format!("{name} needs a value"))?
+                .parse()
+                .with_context(|| format!("{name} needs a whole number"))
+        };
+        match arg.as_str() {
+            "--repeats" => options.repeats = value("--repeats")?.max(1) as usize,
+            "--alloc-iterations" => options.alloc_iterations = value("--alloc-iterations")?.max(1),
+            "--launch-iterations" => options.launch_iterations = value("--launch-iterations")?.max(1),
+            "--quick" => {
+                options.repeats = 3;
+                options.alloc_iterations = 20_000;
+                options.launch_iterations = 2_000_000;
+            }
+            "-h" | "--help" => {
+                println!(
+                    "vgpu-bench: measures what the shim adds to driver calls on the simulated GPU.\n\n\
+                     Options:\n  --repeats N            runs per figure (median reported; default 7)\n  \
+                     --alloc-iterations N   alloc+free pairs per run (default 200000)\n  \
+                     --launch-iterations N  launches per run (default 20000000)\n  \
+                     --quick                small runs, for a smoke test\n\n\
+                     Needs release builds of libvgpu.so and libsimgpu.so (cargo build --release)."
+                );
+                std::process::exit(0);
+            }
+            other => bail!("unknown argument {other:?} (see --help)"),
+        }
+    }
+    Ok(options)
+}
+
+fn sandbox() -> Sandbox {
+    let mut sandbox = Sandbox::new("bench", 1, "80Gi");
+    sandbox.set("CUDA_DEVICE_MEMORY_LIMIT", "40Gi");
+    sandbox
+}
+
+fn spawn(sandbox: &Sandbox, setup: Setup, args: &[&str]) -> Result<Child> {
+    let program = programs_dir().join("bench");
+    let mut command = match setup {
+        Setup::Driver => sandbox.command_without_shim(&program),
+        Setup::Shim => sandbox.command(&program),
+    };
+    command
+        .args(args)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .context("spawn bench program")
+}
+
+/// Starts `count` processes, waits until all are ready, releases them at
+/// once and returns each one's `ns=` figure.
+fn run_together(sandbox: &Sandbox, setup: Setup, count: usize, args: &[&str]) -> Result<Vec<f64>> {
+    let mut children = Vec::with_capacity(count);
+    let mut readers = Vec::with_capacity(count);
+    for _ in 0..count {
+        let mut child = spawn(sandbox, setup, args)?;
+        let stdout = child.stdout.take().context("bench stdout")?;
+        children.push(child);
+        readers.push(BufReader::new(stdout));
+    }
+    for reader in &mut readers {
+        let mut line = String::new();
+        reader.read_line(&mut line)?;
+        if line.trim() != "ready" {
+            bail!("bench program did not get ready: {line:?}");
+        }
+    }
+    for child in &mut children {
+        child.stdin.as_mut().context("stdin")?.write_all(b"go\n")?;
+    }
+    let mut figures = Vec::with_capacity(count);
+    for (mut child, mut reader) in children.into_iter().zip(readers) {
+        let mut line = String::new();
+        reader.read_line(&mut line)?;
+        let status = child.wait()?;
+        if !status.success() {
+            bail!("bench program failed: {status}");
+        }
+        let value = line
+            .trim()
+            .strip_prefix("ns=")
+            .with_context(|| format!("unexpected output {line:?}"))?;
+        figures.push(value.parse()?);
+    }
+    Ok(figures)
+}
+
+fn median(values: &mut [f64]) -> f64 {
+    values.sort_by(f64::total_cmp);
+    values[values.len() / 2]
+}
+
+fn percentile(values: &mut [f64], fraction: f64) -> f64 {
+    values.sort_by(f64::total_cmp);
+    let index = ((values.len() as f64 - 1.0) * fraction).round() as usize;
+    values[index]
+}
+
+/// Median over repeats of the per-run median across processes; driver and
+/// shim runs alternate so drift on the machine hits both alike.
+fn paired(options: &Options, count: usize, args: &[&str]) -> Result<(f64, f64)> {
+    let (mut driver, mut shim) = (Vec::new(), Vec::new());
+    for _ in 0..options.repeats {
+        let sandbox = sandbox();
+        driver.push(median(&mut run_together(&sandbox, Setup::Driver, count, args)?));
+        shim.push(median(&mut run_together(&sandbox, Setup::Shim, count, args)?));
+    }
+    Ok((median(&mut driver), median(&mut shim)))
+}
+
+fn main() -> Result<()> {
+    let options = parse_options()?;
+    let alloc_iterations = options.alloc_iterations.to_string();
+    let launch_iterations = options.launch_iterations.to_string();
+    println!("vgpu-bench: simulated GPU, {} repeats per figure (median)\n", options.repeats);
+    println!("| measurement | driver alone | with shim | added | ratio |");
+    println!("|---|---:|---:|---:|---:|");
+    for processes in [1usize, 8] {
+        let (driver, shim) = paired(&options, processes, &["alloc", &alloc_iterations, "1048576"])?;
+        println!(
+            "| cuMemAlloc_v2 + cuMemFree_v2 (1 MiB), {processes} process{} | {driver:.0} ns | {shim:.0} ns | {:.0} ns | {:.2}x |",
+            if processes == 1 { "" } else { "es" },
+            shim - driver,
+            shim / driver
+        );
+    }
+    let (driver, shim) = paired(&options, 1, &["launch", &launch_iterations])?;
+    println!(
+        "| cuLaunchKernel, no compute cap | {driver:.1} ns | {shim:.1} ns | {:.1} ns | {:.2}x |",
+        shim - driver,
+        shim / driver
+    );
+    for processes in [1usize, 64] {
+        let (mut driver, mut shim) = (Vec::new(), Vec::new());
+        for _ in 0..options.repeats {
+            let sandbox = sandbox();
+            driver.extend(run_together(&sandbox, Setup::Driver, processes, &["init"])?);
+            shim.extend(run_together(&sandbox, Setup::Shim, processes, &["init"])?);
+        }
+        let (d50, s50) = (percentile(&mut driver, 0.5), percentile(&mut shim, 0.5));
+        let (d99, s99) = (percentile(&mut driver, 0.99), percentile(&mut shim, 0.99));
+        println!(
+            "| first cuInit, {processes} process{} starting at once: p50 | {:.3} ms | {:.3} ms | {:.3} ms | {:.2}x |",
+            if processes == 1 { "" } else { "es" },
+            d50 / 1e6,
+            s50 / 1e6,
+            (s50 - d50) / 1e6,
+            s50 / d50
+        );
+        println!(
+            "| first cuInit, {processes} process{} starting at once: p99 | {:.3} ms | {:.3} ms | {:.3} ms | {:.2}x |",
+            if processes == 1 { "" } else { "es" },
+            d99 / 1e6,
+            s99 / 1e6,
+            (s99 - d99) / 1e6,
+            s99 / d99
+        );
+    }
+    Ok(())
+}
