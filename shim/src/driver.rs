@@ -63,10 +63,31 @@ pub struct Library {
     redirects: OnceLock<Vec<(usize, usize)>>,
 }
 
+thread_local! {
+    /// Set while this thread is inside a library load. `dlopen` runs the
+    /// library's constructors, which may look driver symbols up again; such
+    /// a nested lookup must not wait for the load it is part of.
+    static LOADING: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
 impl Library {
     /// Loads the library (once) and resolves every declared function.
     pub fn ensure_loaded(&self) {
-        self.redirects.get_or_init(|| self.load());
+        self.loaded();
+    }
+
+    /// The redirect table, loading the library first if needed; `None` for
+    /// a lookup nested inside this thread's own load.
+    fn loaded(&self) -> Option<&Vec<(usize, usize)>> {
+        if let Some(redirects) = self.redirects.get() {
+            return Some(redirects);
+        }
+        if LOADING.with(|loading| loading.replace(true)) {
+            return None;
+        }
+        let redirects = self.redirects.get_or_init(|| self.load());
+        LOADING.with(|loading| loading.set(false));
+        Some(redirects)
     }
 
     fn load(&self) -> Vec<(usize, usize)> {
@@ -102,7 +123,7 @@ impl Library {
     /// Our hook for a real address, if the address is a hooked function of
     /// this library. Loads the library if needed.
     pub fn redirect(&self, address: *mut c_void) -> Option<*mut c_void> {
-        let redirects = self.redirects.get_or_init(|| self.load());
+        let redirects = self.loaded()?;
         redirects
             .binary_search_by_key(&(address as usize), |(real, _)| *real)
             .ok()
