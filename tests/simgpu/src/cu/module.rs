@@ -1,0 +1,395 @@
+//! Modules (text images) and kernel launches on the shared timeline.
+//!
+//! A simulated module image is text:
+//!
+//! ```text
+//! SIMGPU-MODULE
+//! # comments and blank lines are ignored
+//! add_one 20us
+//! busy_20ms 20ms
+//! ```
+//!
+//! Each line declares a kernel and how long it occupies the device. A module
+//! costs device memory equal to its image length.
+
+use std::ffi::{c_char, c_int, c_uint, c_void};
+
+use vgpu_cuda_abi::cuda::*;
+
+use super::{inp, out};
+use crate::clock::{self, parse_duration};
+use crate::driver::{self, charge, check_init, lock, new_handle, Function, Module, QUEUE_DEPTH};
+use crate::ffi::cstr;
+
+const MAGIC: &[u8] = b"SIMGPU-MODULE";
+
+/// Parses an image into (kernel name, duration ns) pairs.
+pub fn parse_image(image: &[u8]) -> Option<Vec<(String, u64)>> {
+    let text = std::str::from_utf8(image).ok()?;
+    let mut lines = text.lines();
+    if lines.next()?.trim() != "SIMGPU-MODULE" {
+        return None;
+    }
+    let mut kernels = Vec::new();
+    for line in lines {
+        let line = line.trim();
+        if line.is_empty() || line.starts_with('#') {
+            continue;
+        }
+        let mut parts = line.split_whitespace();
+        let name = parts.next()?;
+        let duration = parse_duration(parts.next()?)?;
+        if parts.next().is_some() {
+            return None;
+        }
+        kernels.push((name.to_string(), duration));
+    }
+    Some(kernels)
+}
+
+/// Reads an in-memory image: only a NUL-terminated text image that starts
+/// with the magic is accepted. Stops at the first mismatching byte, so
+/// binary images of any length are never over-read.
+///
+/// # Safety
+/// `image` must be NULL or point to a readable image.
+unsafe fn read_image(image: *const c_void) -> Result<Vec<u8>, CUresult> {
+    if image.is_null() {
+        return Err(CUDA_ERROR_INVALID_VALUE);
+    }
+    let p = image.cast::<u8>();
+    for (i, &want) in MAGIC.iter().enumerate() {
+        // SAFETY: bytes before `i` matched the magic (none were NUL), so the
+        // image extends at least to byte `i`.
+        if unsafe { p.add(i).read() } != want {
+            return Err(CUDA_ERROR_INVALID_IMAGE);
+        }
+    }
+    // SAFETY: a text image is NUL-terminated by contract.
+    let text = unsafe { std::ffi::CStr::from_ptr(p.cast::<c_char>()) };
+    Ok(text.to_bytes().to_vec())
+}
+
+fn load(module: *mut CUmodule, image: &[u8]) -> Result<(), CUresult> {
+    check_init()?;
+    if module.is_null() {
+        return Err(CUDA_ERROR_INVALID_VALUE);
+    }
+    let kernels = parse_image(image).ok_or(CUDA_ERROR_INVALID_IMAGE)?;
+    let mut inner = lock();
+    let (ctx, device) = inner.current()?;
+    let bytes = image.len() as u64;
+    charge(device, bytes)?;
+    let handle = new_handle();
+    let mut functions = Vec::with_capacity(kernels.len());
+    for (name, duration_ns) in kernels {
+        let f = new_handle();
+        inner.functions.insert(
+            f,
+            Function {
+                module: handle,
+                name,
+                duration_ns,
+            },
+        );
+        functions.push(f);
+    }
+    inner.modules.insert(
+        handle,
+        Module {
+            ctx,
+            device,
+            bytes,
+            functions,
+        },
+    );
+    // SAFETY: C API out-pointer, checked non-NULL.
+    unsafe { out(module, handle as CUmodule) }
+}
+
+cuda_fn! {
+    fn cuModuleLoad(module: *mut CUmodule, fname: *const c_char) {
+        check_init()?;
+        // SAFETY: C string from the caller.
+        let path = unsafe { cstr(fname) }.ok_or(CUDA_ERROR_INVALID_VALUE)?;
+        let image = match std::fs::read(path) {
+            Ok(bytes) => bytes,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                return Err(CUDA_ERROR_FILE_NOT_FOUND)
+            }
+            Err(_) => return Err(CUDA_ERROR_INVALID_VALUE),
+        };
+        if !image.starts_with(MAGIC) {
+            return Err(CUDA_ERROR_INVALID_IMAGE);
+        }
+        load(module, &image)
+    }
+}
+
+cuda_fn! {
+    fn cuModuleLoadData(module: *mut CUmodule, image: *const c_void) {
+        check_init()?;
+        // SAFETY: image pointer from the caller.
+        let bytes = unsafe { read_image(image) }?;
+        load(module, &bytes)
+    }
+}
+
+cuda_fn! {
+    /// JIT options are accepted and ignored.
+    fn cuModuleLoadDataEx(
+        module: *mut CUmodule,
+        image: *const c_void,
+        num_options: c_uint,
+        options: *mut c_int,
+        option_values: *mut *mut c_void,
+    ) {
+        let _ = (num_options, options, option_values);
+        check_init()?;
+        // SAFETY: image pointer from the caller.
+        let bytes = unsafe { read_image(image) }?;
+        load(module, &bytes)
+    }
+}
+
+cuda_fn! {
+    fn cuModuleLoadFatBinary(module: *mut CUmodule, fat_cubin: *const c_void) {
+        check_init()?;
+        // SAFETY: image pointer from the caller.
+        let bytes = unsafe { read_image(fat_cubin) }?;
+        load(module, &bytes)
+    }
+}
+
+cuda_fn! {
+    fn cuModuleUnload(module: CUmodule) {
+        check_init()?;
+        if lock().unload_module(module as u64) {
+            Ok(())
+        } else {
+            Err(CUDA_ERROR_INVALID_HANDLE)
+        }
+    }
+}
+
+cuda_fn! {
+    fn cuModuleGetFunction(hfunc: *mut CUfunction, module: CUmodule, name: *const c_char) {
+        check_init()?;
+        // SAFETY: C string from the caller.
+        let name = unsafe { cstr(name) }.ok_or(CUDA_ERROR_INVALID_VALUE)?;
+        let inner = lock();
+        let m = inner
+            .modules
+            .get(&(module as u64))
+            .ok_or(CUDA_ERROR_INVALID_HANDLE)?;
+        let f = m
+            .functions
+            .iter()
+            .copied()
+            .find(|f| inner.functions.get(f).is_some_and(|x| x.name == name))
+            .ok_or(CUDA_ERROR_NOT_FOUND)?;
+        // SAFETY: C API out-pointer.
+        unsafe { out(hfunc, f as CUfunction) }
+    }
+}
+
+cuda_fn! {
+    /// Simulated modules have no globals.
+    fn cuModuleGetGlobal_v2(
+        dptr: *mut CUdeviceptr,
+        bytes: *mut usize,
+        module: CUmodule,
+        name: *const c_char,
+    ) {
+        let _ = (dptr, bytes, name);
+        check_init()?;
+        if !lock().modules.contains_key(&(module as u64)) {
+            return Err(CUDA_ERROR_INVALID_HANDLE);
+        }
+        Err(CUDA_ERROR_NOT_FOUND)
+    }
+}
+
+cuda_fn! {
+    /// Attributes of simulated kernels: 1024 threads per block, else 0.
+    fn cuFuncGetAttribute(pi: *mut c_int, attrib: c_int, func: CUfunction) {
+        check_init()?;
+        if !lock().functions.contains_key(&(func as u64)) {
+            return Err(CUDA_ERROR_INVALID_HANDLE);
+        }
+        let v = match attrib {
+            0 => 1024, // CU_FUNC_ATTRIBUTE_MAX_THREADS_PER_BLOCK
+            5 | 6 => 90, // PTX_VERSION / BINARY_VERSION
+            a if (0..20).contains(&a) => 0,
+            _ => return Err(CUDA_ERROR_INVALID_VALUE),
+        };
+        // SAFETY: C API out-pointer.
+        unsafe { out(pi, v) }
+    }
+}
+
+cuda_fn! {
+    fn cuFuncSetAttribute(func: CUfunction, attrib: c_int, value: c_int) {
+        let _ = (attrib, value);
+        check_init()?;
+        if lock().functions.contains_key(&(func as u64)) {
+            Ok(())
+        } else {
+            Err(CUDA_ERROR_INVALID_HANDLE)
+        }
+    }
+}
+
+cuda_fn! {
+    fn cuFuncSetCacheConfig(func: CUfunction, config: c_int) {
+        let _ = config;
+        check_init()?;
+        if lock().functions.contains_key(&(func as u64)) {
+            Ok(())
+        } else {
+            Err(CUDA_ERROR_INVALID_HANDLE)
+        }
+    }
+}
+
+cuda_fn! {
+    fn cuFuncGetModule(hmod: *mut CUmodule, func: CUfunction) {
+        check_init()?;
+        let m = lock()
+            .functions
+            .get(&(func as u64))
+            .ok_or(CUDA_ERROR_INVALID_HANDLE)?
+            .module;
+        // SAFETY: C API out-pointer.
+        unsafe { out(hmod, m as CUmodule) }
+    }
+}
+
+/// Launch geometry check: grid ≥ 1, block ≤ 1024 threads (z ≤ 64).
+fn check_dims(grid: [c_uint; 3], block: [c_uint; 3]) -> Result<(), CUresult> {
+    if grid.contains(&0) || block.contains(&0) {
+        return Err(CUDA_ERROR_INVALID_VALUE);
+    }
+    let threads = u64::from(block[0]) * u64::from(block[1]) * u64::from(block[2]);
+    if threads > 1024 || block[0] > 1024 || block[1] > 1024 || block[2] > 64 {
+        return Err(CUDA_ERROR_INVALID_VALUE);
+    }
+    if grid[1] > 65535 || grid[2] > 65535 {
+        return Err(CUDA_ERROR_INVALID_VALUE);
+    }
+    Ok(())
+}
+
+/// Queues a kernel: it occupies its device exclusively for its duration,
+/// after everything already queued on the device and on its stream. The
+/// call returns at once unless the stream already has `QUEUE_DEPTH`
+/// kernels outstanding, in which case it sleeps until one finishes.
+fn launch(
+    func: CUfunction,
+    grid: [c_uint; 3],
+    block: [c_uint; 3],
+    stream: CUstream,
+) -> Result<(), CUresult> {
+    check_init()?;
+    check_dims(grid, block)?;
+    loop {
+        let mut inner = lock();
+        let duration = inner
+            .functions
+            .get(&(func as u64))
+            .ok_or(CUDA_ERROR_INVALID_HANDLE)?
+            .duration_ns;
+        let (sref, _, device) = inner.stream(stream)?;
+        let now = clock::now_ns();
+        let timeline = inner.timeline(sref).ok_or(CUDA_ERROR_INVALID_HANDLE)?;
+        timeline.prune(now);
+        if timeline.queue.len() >= QUEUE_DEPTH {
+            let first = timeline.queue.front().copied().unwrap_or(now);
+            drop(inner);
+            driver::wait_until(first);
+            continue;
+        }
+        let not_before = timeline.last_end;
+        let (_, end) = driver::shared()?
+            .run_kernel(device, not_before, duration)
+            .map_err(|_| CUDA_ERROR_LAUNCH_FAILED)?;
+        let timeline = inner.timeline(sref).ok_or(CUDA_ERROR_INVALID_HANDLE)?;
+        timeline.last_end = timeline.last_end.max(end);
+        timeline.queue.push_back(end);
+        return Ok(());
+    }
+}
+
+twin!(cuLaunchKernel, cuLaunchKernel_ptsz, (
+    f: CUfunction,
+    grid_x: c_uint,
+    grid_y: c_uint,
+    grid_z: c_uint,
+    block_x: c_uint,
+    block_y: c_uint,
+    block_z: c_uint,
+    shared_mem_bytes: c_uint,
+    stream: CUstream,
+    kernel_params: *mut *mut c_void,
+    extra: *mut *mut c_void,
+) {
+    let _ = (shared_mem_bytes, kernel_params, extra);
+    launch(f, [grid_x, grid_y, grid_z], [block_x, block_y, block_z], stream)
+});
+
+twin!(cuLaunchKernelEx, cuLaunchKernelEx_ptsz, (
+    config: *const CUlaunchConfig,
+    f: CUfunction,
+    kernel_params: *mut *mut c_void,
+    extra: *mut *mut c_void,
+) {
+    let _ = (kernel_params, extra);
+    // SAFETY: the caller passes a valid launch config (NULL rejected).
+    let c = unsafe { inp(config) }?;
+    launch(
+        f,
+        [c.grid_dim_x, c.grid_dim_y, c.grid_dim_z],
+        [c.block_dim_x, c.block_dim_y, c.block_dim_z],
+        c.h_stream,
+    )
+});
+
+twin!(cuLaunchCooperativeKernel, cuLaunchCooperativeKernel_ptsz, (
+    f: CUfunction,
+    grid_x: c_uint,
+    grid_y: c_uint,
+    grid_z: c_uint,
+    block_x: c_uint,
+    block_y: c_uint,
+    block_z: c_uint,
+    shared_mem_bytes: c_uint,
+    stream: CUstream,
+    kernel_params: *mut *mut c_void,
+) {
+    let _ = (shared_mem_bytes, kernel_params);
+    launch(f, [grid_x, grid_y, grid_z], [block_x, block_y, block_z], stream)
+});
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn images() {
+        let k = parse_image(b"SIMGPU-MODULE\n# c\n\nadd 20us\nbusy 30ms\n").expect("valid");
+        assert_eq!(k, vec![("add".into(), 20_000), ("busy".into(), 30_000_000)]);
+        assert!(parse_image(b"SIMGPU-MODULE").expect("empty ok").is_empty());
+        assert!(parse_image(b"ELF\x7f").is_none());
+        assert!(parse_image(b"SIMGPU-MODULE\nadd\n").is_none());
+        assert!(parse_image(b"SIMGPU-MODULE\nadd 20 us\n").is_none());
+        assert!(parse_image(b"SIMGPU-MODULE\nadd 20parsecs\n").is_none());
+    }
+
+    #[test]
+    fn dims() {
+        assert!(check_dims([1, 1, 1], [1024, 1, 1]).is_ok());
+        assert!(check_dims([1, 1, 1], [1025, 1, 1]).is_err());
+        assert!(check_dims([0, 1, 1], [1, 1, 1]).is_err());
+        assert!(check_dims([1, 1, 1], [32, 32, 2]).is_err());
+    }
+}

@@ -1,0 +1,260 @@
+//! Streams and events on the real-time timeline.
+//!
+//! A stream knows when its last queued work ends (`last_end`); an event
+//! records that time; synchronising sleeps until it.
+
+use std::ffi::{c_int, c_uint};
+
+use vgpu_cuda_abi::cuda::*;
+
+use super::out;
+use crate::clock;
+use crate::driver::{self, check_init, lock, new_handle, Event, Stream, StreamRef, Timeline};
+
+const STREAM_FLAGS: c_uint = 0x1; // CU_STREAM_NON_BLOCKING
+const EVENT_FLAGS: c_uint = 0xf; // BLOCKING_SYNC | DISABLE_TIMING | INTERPROCESS
+const EVENT_DISABLE_TIMING: c_uint = 0x2;
+/// Stream priorities: 0 is the lowest, -5 the greatest (like an H100).
+const PRIORITY_LEAST: c_int = 0;
+const PRIORITY_GREATEST: c_int = -5;
+
+fn create(ph: *mut CUstream, flags: c_uint, priority: c_int) -> Result<(), CUresult> {
+    check_init()?;
+    if ph.is_null() || flags & !STREAM_FLAGS != 0 {
+        return Err(CUDA_ERROR_INVALID_VALUE);
+    }
+    let mut inner = lock();
+    let (ctx, _) = inner.current()?;
+    let handle = new_handle();
+    inner.streams.insert(
+        handle,
+        Stream {
+            ctx,
+            flags,
+            priority: priority.clamp(PRIORITY_GREATEST, PRIORITY_LEAST),
+            timeline: Timeline::default(),
+        },
+    );
+    // SAFETY: C API out-pointer, checked non-NULL.
+    unsafe { out(ph, handle as CUstream) }
+}
+
+cuda_fn! {
+    fn cuStreamCreate(ph: *mut CUstream, flags: c_uint) {
+        create(ph, flags, PRIORITY_LEAST)
+    }
+}
+
+cuda_fn! {
+    fn cuStreamCreateWithPriority(ph: *mut CUstream, flags: c_uint, priority: c_int) {
+        create(ph, flags, priority)
+    }
+}
+
+cuda_fn! {
+    fn cuStreamDestroy_v2(stream: CUstream) {
+        check_init()?;
+        let mut inner = lock();
+        inner
+            .streams
+            .remove(&(stream as u64))
+            .map(|_| ())
+            .ok_or(CUDA_ERROR_INVALID_HANDLE)
+    }
+}
+
+/// When the stream's queued work ends, and the device it runs on.
+fn stream_end(stream: CUstream) -> Result<(u64, usize), CUresult> {
+    check_init()?;
+    let mut inner = lock();
+    let (sref, _, device) = inner.stream(stream)?;
+    let end = inner.timeline(sref).map_or(0, |t| t.last_end);
+    Ok((end, device))
+}
+
+fn synchronize(stream: CUstream) -> Result<(), CUresult> {
+    let (end, device) = stream_end(stream)?;
+    driver::wait_until(end);
+    lock().trim_pools_to_threshold(Some(device));
+    Ok(())
+}
+
+twin!(cuStreamSynchronize, cuStreamSynchronize_ptsz, (stream: CUstream) {
+    synchronize(stream)
+});
+
+twin!(cuStreamQuery, cuStreamQuery_ptsz, (stream: CUstream) {
+    let (end, _) = stream_end(stream)?;
+    if end > clock::now_ns() {
+        Err(CUDA_ERROR_NOT_READY)
+    } else {
+        Ok(())
+    }
+});
+
+fn wait_event(stream: CUstream, event: CUevent, flags: c_uint) -> Result<(), CUresult> {
+    check_init()?;
+    if flags & !0x1 != 0 {
+        return Err(CUDA_ERROR_INVALID_VALUE);
+    }
+    let mut inner = lock();
+    let (sref, _, _) = inner.stream(stream)?;
+    let time = inner
+        .events
+        .get(&(event as u64))
+        .ok_or(CUDA_ERROR_INVALID_HANDLE)?
+        .time;
+    if let (Some(t), Some(timeline)) = (time, inner.timeline(sref)) {
+        timeline.last_end = timeline.last_end.max(t);
+    }
+    Ok(())
+}
+
+twin!(cuStreamWaitEvent, cuStreamWaitEvent_ptsz, (stream: CUstream, event: CUevent, flags: c_uint) {
+    wait_event(stream, event, flags)
+});
+
+twin!(cuStreamGetCtx, cuStreamGetCtx_ptsz, (stream: CUstream, pctx: *mut CUcontext) {
+    check_init()?;
+    let (_, ctx, _) = lock().stream(stream)?;
+    // SAFETY: C API out-pointer.
+    unsafe { out(pctx, ctx as CUcontext) }
+});
+
+twin!(cuStreamIsCapturing, cuStreamIsCapturing_ptsz, (stream: CUstream, status: *mut CUstreamCaptureStatus) {
+    check_init()?;
+    lock().stream(stream)?;
+    // SAFETY: C API out-pointer.
+    unsafe { out(status, CU_STREAM_CAPTURE_STATUS_NONE) }
+});
+
+twin!(cuStreamGetPriority, cuStreamGetPriority_ptsz, (stream: CUstream, priority: *mut c_int) {
+    check_init()?;
+    let inner = lock();
+    let p = match inner.stream(stream)?.0 {
+        StreamRef::Default(_) => PRIORITY_LEAST,
+        StreamRef::Created(h) => inner.streams.get(&h).map_or(PRIORITY_LEAST, |s| s.priority),
+    };
+    // SAFETY: C API out-pointer.
+    unsafe { out(priority, p) }
+});
+
+twin!(cuStreamGetFlags, cuStreamGetFlags_ptsz, (stream: CUstream, flags: *mut c_uint) {
+    check_init()?;
+    let inner = lock();
+    let f = match inner.stream(stream)?.0 {
+        StreamRef::Default(_) => 0,
+        StreamRef::Created(h) => inner.streams.get(&h).map_or(0, |s| s.flags),
+    };
+    // SAFETY: C API out-pointer.
+    unsafe { out(flags, f) }
+});
+
+cuda_fn! {
+    fn cuEventCreate(ph: *mut CUevent, flags: c_uint) {
+        check_init()?;
+        if ph.is_null() || flags & !EVENT_FLAGS != 0 {
+            return Err(CUDA_ERROR_INVALID_VALUE);
+        }
+        let mut inner = lock();
+        let (ctx, _) = inner.current()?;
+        let handle = new_handle();
+        inner.events.insert(handle, Event { ctx, flags, time: None });
+        // SAFETY: C API out-pointer, checked non-NULL.
+        unsafe { out(ph, handle as CUevent) }
+    }
+}
+
+fn record(event: CUevent, stream: CUstream) -> Result<(), CUresult> {
+    check_init()?;
+    let mut inner = lock();
+    let (sref, _, _) = inner.stream(stream)?;
+    let last = inner.timeline(sref).map_or(0, |t| t.last_end);
+    let ev = inner
+        .events
+        .get_mut(&(event as u64))
+        .ok_or(CUDA_ERROR_INVALID_HANDLE)?;
+    ev.time = Some(last.max(clock::now_ns()));
+    Ok(())
+}
+
+twin!(cuEventRecord, cuEventRecord_ptsz, (event: CUevent, stream: CUstream) {
+    record(event, stream)
+});
+
+twin!(cuEventRecordWithFlags, cuEventRecordWithFlags_ptsz, (event: CUevent, stream: CUstream, flags: c_uint) {
+    if flags & !0x1 != 0 {
+        return Err(CUDA_ERROR_INVALID_VALUE);
+    }
+    record(event, stream)
+});
+
+/// (completion time, device) of an event.
+fn event_time(event: CUevent) -> Result<(Option<u64>, Option<usize>), CUresult> {
+    check_init()?;
+    let inner = lock();
+    let ev = inner
+        .events
+        .get(&(event as u64))
+        .ok_or(CUDA_ERROR_INVALID_HANDLE)?;
+    let device = inner.contexts.get(&ev.ctx).map(|c| c.device);
+    Ok((ev.time, device))
+}
+
+cuda_fn! {
+    fn cuEventSynchronize(event: CUevent) {
+        let (time, device) = event_time(event)?;
+        if let Some(t) = time {
+            driver::wait_until(t);
+        }
+        if let Some(d) = device {
+            lock().trim_pools_to_threshold(Some(d));
+        }
+        Ok(())
+    }
+}
+
+cuda_fn! {
+    fn cuEventQuery(event: CUevent) {
+        match event_time(event)?.0 {
+            Some(t) if t > clock::now_ns() => Err(CUDA_ERROR_NOT_READY),
+            _ => Ok(()),
+        }
+    }
+}
+
+cuda_fn! {
+    fn cuEventElapsedTime(ms: *mut f32, start: CUevent, end: CUevent) {
+        check_init()?;
+        if ms.is_null() {
+            return Err(CUDA_ERROR_INVALID_VALUE);
+        }
+        let inner = lock();
+        let get = |e: CUevent| -> Result<u64, CUresult> {
+            let ev = inner.events.get(&(e as u64)).ok_or(CUDA_ERROR_INVALID_HANDLE)?;
+            if ev.flags & EVENT_DISABLE_TIMING != 0 {
+                return Err(CUDA_ERROR_INVALID_HANDLE);
+            }
+            ev.time.ok_or(CUDA_ERROR_INVALID_HANDLE)
+        };
+        let (a, b) = (get(start)?, get(end)?);
+        let now = clock::now_ns();
+        if a > now || b > now {
+            return Err(CUDA_ERROR_NOT_READY);
+        }
+        let elapsed = (b as f64 - a as f64) / 1e6;
+        // SAFETY: C API out-pointer, checked non-NULL.
+        unsafe { out(ms, elapsed as f32) }
+    }
+}
+
+cuda_fn! {
+    fn cuEventDestroy_v2(event: CUevent) {
+        check_init()?;
+        lock()
+            .events
+            .remove(&(event as u64))
+            .map(|_| ())
+            .ok_or(CUDA_ERROR_INVALID_HANDLE)
+    }
+}

@@ -1,0 +1,674 @@
+//! Exported NVML entry points.
+//!
+//! NVML works without any CUDA call in the same process: it reads the shared
+//! state file, so an nvidia-smi-like client sees every process's memory and
+//! the kernel timeline. Memory and process queries first reclaim the memory
+//! of dead processes.
+
+use std::ffi::{c_char, c_int, c_uint, c_ulonglong, c_void, CStr};
+use std::sync::atomic::{AtomicU32, Ordering};
+
+use vgpu_cuda_abi::nvml::*;
+
+use crate::clock;
+use crate::config::{self, Config};
+use crate::ffi::{cstr, put, write_cstr};
+use crate::state::{self, Shared};
+
+/// A device handle points at one of these (stable for the process).
+#[repr(C)]
+pub struct NvmlDevice {
+    index: usize,
+}
+
+const fn make_devices() -> [NvmlDevice; config::MAX_DEVICES] {
+    let mut out = [const { NvmlDevice { index: 0 } }; config::MAX_DEVICES];
+    let mut i = 0;
+    while i < config::MAX_DEVICES {
+        out[i] = NvmlDevice { index: i };
+        i += 1;
+    }
+    out
+}
+
+static DEVICES: [NvmlDevice; config::MAX_DEVICES] = make_devices();
+static INIT_COUNT: AtomicU32 = AtomicU32::new(0);
+
+const NVML_FEATURE_ENABLED: c_uint = 1;
+const NVML_COMPUTEMODE_DEFAULT: c_uint = 0;
+const NVML_DEVICE_ARCH_HOPPER: c_uint = 9;
+const MIG_INSTANCE_NONE: c_uint = 0xFFFF_FFFF;
+const PCI_DEVICE_ID: c_uint = 0x2330_10DE;
+const PCI_SUBSYSTEM_ID: c_uint = 0x16C1_10DE;
+const POWER_IDLE_MW: u64 = 70_000;
+const POWER_LIMIT_MW: c_uint = 700_000;
+const ONE_SECOND_NS: u64 = 1_000_000_000;
+
+/// Writes through an NVML out-pointer (NULL → INVALID_ARGUMENT).
+///
+/// # Safety
+/// `ptr` must be NULL or valid for writing one `T`.
+unsafe fn out<T>(ptr: *mut T, value: T) -> Result<(), nvmlReturn_t> {
+    // SAFETY: forwarded caller contract.
+    unsafe { put(ptr, value, NVML_ERROR_INVALID_ARGUMENT) }
+}
+
+/// Reads an in/out count (NULL → INVALID_ARGUMENT).
+///
+/// # Safety
+/// `ptr` must be NULL or valid for reading a `c_uint`.
+unsafe fn read_count(ptr: *const c_uint) -> Result<c_uint, nvmlReturn_t> {
+    // SAFETY: forwarded caller contract.
+    unsafe { crate::ffi::get(ptr, NVML_ERROR_INVALID_ARGUMENT) }
+}
+
+fn init() -> Result<(), nvmlReturn_t> {
+    config::get().map_err(|()| NVML_ERROR_UNKNOWN)?;
+    state::shared().map_err(|_| NVML_ERROR_UNKNOWN)?;
+    INIT_COUNT.fetch_add(1, Ordering::AcqRel);
+    Ok(())
+}
+
+fn ready() -> Result<(&'static Config, &'static Shared), nvmlReturn_t> {
+    if INIT_COUNT.load(Ordering::Acquire) == 0 {
+        return Err(NVML_ERROR_UNINITIALIZED);
+    }
+    let cfg = config::get().map_err(|()| NVML_ERROR_UNINITIALIZED)?;
+    let shared = state::shared().map_err(|_| NVML_ERROR_UNKNOWN)?;
+    Ok((cfg, shared))
+}
+
+fn handle(index: usize) -> nvmlDevice_t {
+    &DEVICES[index] as *const NvmlDevice as nvmlDevice_t
+}
+
+/// Validates a device handle: (config, state, device index).
+fn device(h: nvmlDevice_t) -> Result<(&'static Config, &'static Shared, usize), nvmlReturn_t> {
+    let (cfg, shared) = ready()?;
+    let index = (0..cfg.devices)
+        .find(|&i| handle(i) == h)
+        .ok_or(NVML_ERROR_INVALID_ARGUMENT)?;
+    Ok((cfg, shared, index))
+}
+
+/// Writes a string into a caller buffer; too small → INSUFFICIENT_SIZE.
+fn string_out(buf: *mut c_char, length: c_uint, text: &str) -> Result<(), nvmlReturn_t> {
+    if buf.is_null() {
+        return Err(NVML_ERROR_INVALID_ARGUMENT);
+    }
+    // SAFETY: the caller provides `length` writable bytes.
+    if unsafe { write_cstr(buf, length as usize, text, false) } {
+        Ok(())
+    } else {
+        Err(NVML_ERROR_INSUFFICIENT_SIZE)
+    }
+}
+
+nvml_fn! {
+    fn nvmlInit() {
+        init()
+    }
+}
+
+nvml_fn! {
+    fn nvmlInit_v2() {
+        init()
+    }
+}
+
+nvml_fn! {
+    fn nvmlInitWithFlags(flags: c_uint) {
+        let _ = flags;
+        init()
+    }
+}
+
+nvml_fn! {
+    fn nvmlShutdown() {
+        INIT_COUNT
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| n.checked_sub(1))
+            .map(|_| ())
+            .map_err(|_| NVML_ERROR_UNINITIALIZED)
+    }
+}
+
+/// (code, text) of NVML results.
+const ERRORS: &[(nvmlReturn_t, &CStr)] = &[
+    (0, c"Success"),
+    (1, c"Uninitialized"),
+    (2, c"Invalid Argument"),
+    (3, c"Not Supported"),
+    (4, c"Insufficient Permissions"),
+    (5, c"Already Initialized"),
+    (6, c"Not Found"),
+    (7, c"Insufficient Size"),
+    (8, c"Insufficient External Power"),
+    (9, c"Driver Not Loaded"),
+    (10, c"Timeout"),
+    (11, c"Interrupt Request Issue"),
+    (12, c"NVML Shared Library Not Found"),
+    (13, c"Function Not Found"),
+    (14, c"Corrupted infoROM"),
+    (15, c"GPU is lost"),
+    (16, c"GPU requires restart"),
+    (17, c"Driver/library version mismatch"),
+    (18, c"In use by another client"),
+    (19, c"Memory Error"),
+    (20, c"No data"),
+    (21, c"Requested vgpu operation is not available"),
+    (22, c"Insufficient resources"),
+    (23, c"Frequency not supported"),
+    (24, c"Argument version mismatch"),
+    (25, c"Argument version mismatch"),
+    (26, c"Deprecated"),
+    (27, c"Not Ready"),
+    (999, c"Unknown Error"),
+];
+
+/// `nvmlErrorString`: a static string for every code.
+#[no_mangle]
+pub extern "C" fn nvmlErrorString(result: nvmlReturn_t) -> *const c_char {
+    ERRORS
+        .iter()
+        .find(|(c, _)| *c == result)
+        .map_or(c"Unknown Error".as_ptr(), |(_, s)| s.as_ptr())
+}
+
+nvml_fn! {
+    fn nvmlSystemGetDriverVersion(version: *mut c_char, length: c_uint) {
+        let (cfg, _) = ready()?;
+        string_out(version, length, &cfg.nvml_driver_version)
+    }
+}
+
+nvml_fn! {
+    fn nvmlSystemGetNVMLVersion(version: *mut c_char, length: c_uint) {
+        let (cfg, _) = ready()?;
+        let text = format!("{}.{}", cfg.driver_version / 1000, cfg.nvml_driver_version);
+        string_out(version, length, &text)
+    }
+}
+
+nvml_fn! {
+    fn nvmlSystemGetCudaDriverVersion(version: *mut c_int) {
+        let (cfg, _) = ready()?;
+        // SAFETY: NVML out-pointer.
+        unsafe { out(version, cfg.driver_version) }
+    }
+}
+
+nvml_fn! {
+    fn nvmlSystemGetCudaDriverVersion_v2(version: *mut c_int) {
+        let (cfg, _) = ready()?;
+        // SAFETY: NVML out-pointer.
+        unsafe { out(version, cfg.driver_version) }
+    }
+}
+
+fn count(out_count: *mut c_uint) -> Result<(), nvmlReturn_t> {
+    let (cfg, _) = ready()?;
+    // SAFETY: NVML out-pointer.
+    unsafe { out(out_count, cfg.devices as c_uint) }
+}
+
+nvml_fn! {
+    fn nvmlDeviceGetCount(device_count: *mut c_uint) {
+        count(device_count)
+    }
+}
+
+nvml_fn! {
+    fn nvmlDeviceGetCount_v2(device_count: *mut c_uint) {
+        count(device_count)
+    }
+}
+
+fn by_index(index: c_uint, dev: *mut nvmlDevice_t) -> Result<(), nvmlReturn_t> {
+    let (cfg, _) = ready()?;
+    if index as usize >= cfg.devices {
+        return Err(NVML_ERROR_INVALID_ARGUMENT);
+    }
+    // SAFETY: NVML out-pointer.
+    unsafe { out(dev, handle(index as usize)) }
+}
+
+nvml_fn! {
+    fn nvmlDeviceGetHandleByIndex(index: c_uint, dev: *mut nvmlDevice_t) {
+        by_index(index, dev)
+    }
+}
+
+nvml_fn! {
+    fn nvmlDeviceGetHandleByIndex_v2(index: c_uint, dev: *mut nvmlDevice_t) {
+        by_index(index, dev)
+    }
+}
+
+nvml_fn! {
+    fn nvmlDeviceGetHandleByUUID(uuid: *const c_char, dev: *mut nvmlDevice_t) {
+        let (cfg, _) = ready()?;
+        // SAFETY: C string from the caller.
+        let text = unsafe { cstr(uuid) }.ok_or(NVML_ERROR_INVALID_ARGUMENT)?;
+        let index = (0..cfg.devices)
+            .find(|&i| cfg.uuid_string(i).eq_ignore_ascii_case(text.trim()))
+            .ok_or(NVML_ERROR_NOT_FOUND)?;
+        // SAFETY: NVML out-pointer.
+        unsafe { out(dev, handle(index)) }
+    }
+}
+
+fn by_bus_id(bus_id: *const c_char, dev: *mut nvmlDevice_t) -> Result<(), nvmlReturn_t> {
+    let (cfg, _) = ready()?;
+    // SAFETY: C string from the caller.
+    let text = unsafe { cstr(bus_id) }.ok_or(NVML_ERROR_INVALID_ARGUMENT)?;
+    let bus = crate::cu::device::parse_bus_id(text).ok_or(NVML_ERROR_NOT_FOUND)?;
+    let index = (0..cfg.devices)
+        .find(|&i| cfg.pci_bus(i) == bus)
+        .ok_or(NVML_ERROR_NOT_FOUND)?;
+    // SAFETY: NVML out-pointer.
+    unsafe { out(dev, handle(index)) }
+}
+
+nvml_fn! {
+    fn nvmlDeviceGetHandleByPciBusId(bus_id: *const c_char, dev: *mut nvmlDevice_t) {
+        by_bus_id(bus_id, dev)
+    }
+}
+
+nvml_fn! {
+    fn nvmlDeviceGetHandleByPciBusId_v2(bus_id: *const c_char, dev: *mut nvmlDevice_t) {
+        by_bus_id(bus_id, dev)
+    }
+}
+
+nvml_fn! {
+    fn nvmlDeviceGetIndex(dev: nvmlDevice_t, index: *mut c_uint) {
+        let (_, _, i) = device(dev)?;
+        // SAFETY: NVML out-pointer.
+        unsafe { out(index, i as c_uint) }
+    }
+}
+
+nvml_fn! {
+    fn nvmlDeviceGetMinorNumber(dev: nvmlDevice_t, minor: *mut c_uint) {
+        let (_, _, i) = device(dev)?;
+        // SAFETY: NVML out-pointer.
+        unsafe { out(minor, i as c_uint) }
+    }
+}
+
+nvml_fn! {
+    fn nvmlDeviceGetName(dev: nvmlDevice_t, name: *mut c_char, length: c_uint) {
+        let (cfg, _, _) = device(dev)?;
+        string_out(name, length, &cfg.name)
+    }
+}
+
+nvml_fn! {
+    fn nvmlDeviceGetUUID(dev: nvmlDevice_t, uuid: *mut c_char, length: c_uint) {
+        let (cfg, _, i) = device(dev)?;
+        string_out(uuid, length, &cfg.uuid_string(i))
+    }
+}
+
+fn copy_bytes<const N: usize>(text: &str) -> [u8; N] {
+    let mut out = [0u8; N];
+    let n = text.len().min(N - 1);
+    out[..n].copy_from_slice(&text.as_bytes()[..n]);
+    out
+}
+
+fn pci_info(cfg: &Config, index: usize) -> nvmlPciInfo_t {
+    let bus = cfg.pci_bus(index);
+    nvmlPciInfo_t {
+        bus_id_legacy: copy_bytes(&format!("0000:{bus:02X}:00.0")),
+        domain: 0,
+        bus,
+        device: 0,
+        pci_device_id: PCI_DEVICE_ID,
+        pci_sub_system_id: PCI_SUBSYSTEM_ID,
+        bus_id: copy_bytes(&format!("00000000:{bus:02X}:00.0")),
+    }
+}
+
+nvml_fn! {
+    fn nvmlDeviceGetPciInfo_v3(dev: nvmlDevice_t, pci: *mut nvmlPciInfo_t) {
+        let (cfg, _, i) = device(dev)?;
+        // SAFETY: NVML out-pointer.
+        unsafe { out(pci, pci_info(cfg, i)) }
+    }
+}
+
+nvml_fn! {
+    fn nvmlDeviceGetPciInfo_v2(dev: nvmlDevice_t, pci: *mut nvmlPciInfo_t) {
+        let (cfg, _, i) = device(dev)?;
+        // SAFETY: NVML out-pointer.
+        unsafe { out(pci, pci_info(cfg, i)) }
+    }
+}
+
+/// The original (v1) PCI info layout: a 16-byte bus id and reserved words.
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct PciInfoV1 {
+    bus_id: [u8; 16],
+    domain: c_uint,
+    bus: c_uint,
+    device: c_uint,
+    pci_device_id: c_uint,
+    pci_sub_system_id: c_uint,
+    reserved: [c_uint; 4],
+}
+
+nvml_fn! {
+    fn nvmlDeviceGetPciInfo(dev: nvmlDevice_t, pci: *mut c_void) {
+        let (cfg, _, i) = device(dev)?;
+        let v3 = pci_info(cfg, i);
+        let v1 = PciInfoV1 {
+            bus_id: v3.bus_id_legacy,
+            domain: v3.domain,
+            bus: v3.bus,
+            device: v3.device,
+            pci_device_id: v3.pci_device_id,
+            pci_sub_system_id: v3.pci_sub_system_id,
+            reserved: [0; 4],
+        };
+        // SAFETY: NVML out-pointer for the v1 struct.
+        unsafe { out(pci.cast::<PciInfoV1>(), v1) }
+    }
+}
+
+nvml_fn! {
+    fn nvmlDeviceGetMemoryInfo(dev: nvmlDevice_t, memory: *mut nvmlMemory_t) {
+        let (_, shared, i) = device(dev)?;
+        let (total, used) = shared.memory(i);
+        let info = nvmlMemory_t {
+            total,
+            free: total.saturating_sub(used),
+            used,
+        };
+        // SAFETY: NVML out-pointer.
+        unsafe { out(memory, info) }
+    }
+}
+
+nvml_fn! {
+    fn nvmlDeviceGetMemoryInfo_v2(dev: nvmlDevice_t, memory: *mut nvmlMemory_v2_t) {
+        let (_, shared, i) = device(dev)?;
+        // SAFETY: NVML in/out struct; only the version word is read.
+        let version = unsafe { crate::ffi::get(memory.cast::<c_uint>(), NVML_ERROR_INVALID_ARGUMENT) }?;
+        if version != NVML_MEMORY_V2 {
+            return Err(NVML_ERROR_ARGUMENT_VERSION_MISMATCH);
+        }
+        let (total, used) = shared.memory(i);
+        let info = nvmlMemory_v2_t {
+            version,
+            total,
+            reserved: 0,
+            free: total.saturating_sub(used),
+            used,
+        };
+        // SAFETY: NVML out-pointer.
+        unsafe { out(memory, info) }
+    }
+}
+
+/// The NVML process-list protocol over this device's live processes.
+fn process_list<T>(
+    dev: nvmlDevice_t,
+    count: *mut c_uint,
+    infos: *mut T,
+    graphics: bool,
+    make: impl Fn(u32, u64) -> T,
+) -> Result<(), nvmlReturn_t> {
+    let (_, shared, i) = device(dev)?;
+    // SAFETY: NVML in/out count.
+    let capacity = unsafe { read_count(count) }? as usize;
+    let procs = if graphics {
+        Vec::new()
+    } else {
+        shared.processes(i)
+    };
+    if capacity < procs.len() {
+        // SAFETY: NVML out-pointer (validated by the read above).
+        unsafe { out(count, procs.len() as c_uint) }?;
+        return Err(NVML_ERROR_INSUFFICIENT_SIZE);
+    }
+    if !procs.is_empty() && infos.is_null() {
+        return Err(NVML_ERROR_INVALID_ARGUMENT);
+    }
+    for (k, &(pid, used)) in procs.iter().enumerate() {
+        // SAFETY: the caller's array holds `capacity >= procs.len()` entries.
+        unsafe { infos.add(k).write_unaligned(make(pid, used)) };
+    }
+    // SAFETY: NVML out-pointer.
+    unsafe { out(count, procs.len() as c_uint) }
+}
+
+fn v1(pid: u32, used: u64) -> nvmlProcessInfo_v1_t {
+    nvmlProcessInfo_v1_t {
+        pid,
+        used_gpu_memory: used,
+    }
+}
+
+fn v2(pid: u32, used: u64) -> nvmlProcessInfo_t {
+    nvmlProcessInfo_t {
+        pid,
+        used_gpu_memory: used,
+        gpu_instance_id: MIG_INSTANCE_NONE,
+        compute_instance_id: MIG_INSTANCE_NONE,
+    }
+}
+
+nvml_fn! {
+    fn nvmlDeviceGetComputeRunningProcesses(dev: nvmlDevice_t, count: *mut c_uint, infos: *mut nvmlProcessInfo_v1_t) {
+        process_list(dev, count, infos, false, v1)
+    }
+}
+
+nvml_fn! {
+    fn nvmlDeviceGetComputeRunningProcesses_v2(dev: nvmlDevice_t, count: *mut c_uint, infos: *mut nvmlProcessInfo_t) {
+        process_list(dev, count, infos, false, v2)
+    }
+}
+
+nvml_fn! {
+    fn nvmlDeviceGetComputeRunningProcesses_v3(dev: nvmlDevice_t, count: *mut c_uint, infos: *mut nvmlProcessInfo_t) {
+        process_list(dev, count, infos, false, v2)
+    }
+}
+
+nvml_fn! {
+    fn nvmlDeviceGetGraphicsRunningProcesses(dev: nvmlDevice_t, count: *mut c_uint, infos: *mut nvmlProcessInfo_v1_t) {
+        process_list(dev, count, infos, true, v1)
+    }
+}
+
+nvml_fn! {
+    fn nvmlDeviceGetGraphicsRunningProcesses_v2(dev: nvmlDevice_t, count: *mut c_uint, infos: *mut nvmlProcessInfo_t) {
+        process_list(dev, count, infos, true, v2)
+    }
+}
+
+nvml_fn! {
+    fn nvmlDeviceGetGraphicsRunningProcesses_v3(dev: nvmlDevice_t, count: *mut c_uint, infos: *mut nvmlProcessInfo_t) {
+        process_list(dev, count, infos, true, v2)
+    }
+}
+
+/// Percentage of `window` that `busy` covers, rounded, at most 100.
+fn percent(busy: u64, window: u64) -> c_uint {
+    if window == 0 {
+        return 0;
+    }
+    (((busy as u128 * 100 + window as u128 / 2) / window as u128).min(100)) as c_uint
+}
+
+/// GPU utilization over the last second.
+fn gpu_percent(shared: &Shared, index: usize) -> Result<c_uint, nvmlReturn_t> {
+    let now = clock::now_ns();
+    let busy = shared
+        .busy_between(index, now.saturating_sub(ONE_SECOND_NS), now)
+        .map_err(|_| NVML_ERROR_UNKNOWN)?;
+    Ok(percent(busy.total_ns, ONE_SECOND_NS.min(now)))
+}
+
+nvml_fn! {
+    fn nvmlDeviceGetUtilizationRates(dev: nvmlDevice_t, utilization: *mut nvmlUtilization_t) {
+        let (_, shared, i) = device(dev)?;
+        let gpu = gpu_percent(shared, i)?;
+        // SAFETY: NVML out-pointer.
+        unsafe { out(utilization, nvmlUtilization_t { gpu, memory: 0 }) }
+    }
+}
+
+nvml_fn! {
+    /// Per-process SM utilization since `last_seen` (µs, wall clock), or
+    /// over the last second when it is 0.
+    fn nvmlDeviceGetProcessUtilization(
+        dev: nvmlDevice_t,
+        utilization: *mut nvmlProcessUtilizationSample_t,
+        count: *mut c_uint,
+        last_seen: c_ulonglong,
+    ) {
+        let (_, shared, i) = device(dev)?;
+        // SAFETY: NVML in/out count.
+        let capacity = unsafe { read_count(count) }? as usize;
+        let now = clock::now_ns();
+        let now_us = clock::realtime_us();
+        let window = if last_seen == 0 {
+            ONE_SECOND_NS
+        } else {
+            now_us.saturating_sub(last_seen).saturating_mul(1000)
+        }
+        .min(now);
+        let busy = shared
+            .busy_between(i, now - window, now)
+            .map_err(|_| NVML_ERROR_UNKNOWN)?;
+        let mut samples: Vec<(u32, u64)> = busy.per_pid;
+        for (pid, _) in shared.processes(i) {
+            if !samples.iter().any(|(p, _)| *p == pid) {
+                samples.push((pid, 0));
+            }
+        }
+        if samples.is_empty() || window == 0 {
+            // SAFETY: NVML out-pointer.
+            unsafe { out(count, 0) }?;
+            return Err(NVML_ERROR_NOT_FOUND);
+        }
+        if utilization.is_null() || capacity < samples.len() {
+            // SAFETY: NVML out-pointer.
+            unsafe { out(count, samples.len() as c_uint) }?;
+            return Err(NVML_ERROR_INSUFFICIENT_SIZE);
+        }
+        for (k, &(pid, ns)) in samples.iter().enumerate() {
+            let sample = nvmlProcessUtilizationSample_t {
+                pid,
+                time_stamp: now_us,
+                sm_util: percent(ns, window),
+                mem_util: 0,
+                enc_util: 0,
+                dec_util: 0,
+            };
+            // SAFETY: the caller's array holds `capacity >= samples.len()`.
+            unsafe { utilization.add(k).write_unaligned(sample) };
+        }
+        // SAFETY: NVML out-pointer.
+        unsafe { out(count, samples.len() as c_uint) }
+    }
+}
+
+nvml_fn! {
+    fn nvmlDeviceGetTemperature(dev: nvmlDevice_t, sensor: c_uint, temp: *mut c_uint) {
+        let (_, shared, i) = device(dev)?;
+        if sensor != NVML_TEMPERATURE_GPU {
+            return Err(NVML_ERROR_INVALID_ARGUMENT);
+        }
+        let util = gpu_percent(shared, i)?;
+        // SAFETY: NVML out-pointer.
+        unsafe { out(temp, 35 + util * 45 / 100) }
+    }
+}
+
+nvml_fn! {
+    /// Milliwatts: idle power plus a share of the limit by utilization.
+    fn nvmlDeviceGetPowerUsage(dev: nvmlDevice_t, power: *mut c_uint) {
+        let (_, shared, i) = device(dev)?;
+        let util = u64::from(gpu_percent(shared, i)?);
+        let mw = POWER_IDLE_MW + (u64::from(POWER_LIMIT_MW) - POWER_IDLE_MW) * util / 100;
+        // SAFETY: NVML out-pointer.
+        unsafe { out(power, mw as c_uint) }
+    }
+}
+
+nvml_fn! {
+    fn nvmlDeviceGetEnforcedPowerLimit(dev: nvmlDevice_t, limit: *mut c_uint) {
+        device(dev)?;
+        // SAFETY: NVML out-pointer.
+        unsafe { out(limit, POWER_LIMIT_MW) }
+    }
+}
+
+nvml_fn! {
+    fn nvmlDeviceGetPowerManagementLimit(dev: nvmlDevice_t, limit: *mut c_uint) {
+        device(dev)?;
+        // SAFETY: NVML out-pointer.
+        unsafe { out(limit, POWER_LIMIT_MW) }
+    }
+}
+
+nvml_fn! {
+    fn nvmlDeviceGetNumGpuCores(dev: nvmlDevice_t, cores: *mut c_uint) {
+        let (cfg, _, _) = device(dev)?;
+        // SAFETY: NVML out-pointer.
+        unsafe { out(cores, cfg.sm_count as c_uint * 128) }
+    }
+}
+
+nvml_fn! {
+    fn nvmlDeviceGetCudaComputeCapability(dev: nvmlDevice_t, major: *mut c_int, minor: *mut c_int) {
+        device(dev)?;
+        // SAFETY: NVML out-pointers.
+        unsafe {
+            out(major, 9)?;
+            out(minor, 0)
+        }
+    }
+}
+
+nvml_fn! {
+    fn nvmlDeviceGetArchitecture(dev: nvmlDevice_t, arch: *mut c_uint) {
+        device(dev)?;
+        // SAFETY: NVML out-pointer.
+        unsafe { out(arch, NVML_DEVICE_ARCH_HOPPER) }
+    }
+}
+
+nvml_fn! {
+    fn nvmlDeviceGetPersistenceMode(dev: nvmlDevice_t, mode: *mut c_uint) {
+        device(dev)?;
+        // SAFETY: NVML out-pointer.
+        unsafe { out(mode, NVML_FEATURE_ENABLED) }
+    }
+}
+
+nvml_fn! {
+    fn nvmlDeviceGetComputeMode(dev: nvmlDevice_t, mode: *mut c_uint) {
+        device(dev)?;
+        // SAFETY: NVML out-pointer.
+        unsafe { out(mode, NVML_COMPUTEMODE_DEFAULT) }
+    }
+}
+
+nvml_fn! {
+    /// MIG is disabled (current and pending).
+    fn nvmlDeviceGetMigMode(dev: nvmlDevice_t, current: *mut c_uint, pending: *mut c_uint) {
+        device(dev)?;
+        // SAFETY: NVML out-pointers.
+        unsafe {
+            out(current, 0)?;
+            out(pending, 0)
+        }
+    }
+}

@@ -1,0 +1,238 @@
+//! Integration tests of the simulated GPU (`libsimgpu.so`).
+//!
+//! The library reads its configuration once per process, so each test runs
+//! one or more child processes (this same executable, re-run with
+//! `SIMGPU_TEST_SCENARIO` naming what to do; see `scenarios.rs`), each with
+//! its own environment and a private state file.
+
+mod common;
+mod scenarios;
+
+use std::time::{Duration, Instant};
+
+use common::{TestEnv, SCENARIO_VAR};
+
+const MI: u64 = 1 << 20;
+
+/// Entry point of child processes; does nothing in a normal test run.
+#[test]
+fn child_entry() {
+    if let Ok(name) = std::env::var(SCENARIO_VAR) {
+        scenarios::run(&name);
+    }
+}
+
+#[test]
+fn devices_memory_and_sm_count_come_from_env() {
+    TestEnv::new("devices")
+        .var("SIMGPU_DEVICES", 3)
+        .var("SIMGPU_MEMORY", "8Gi")
+        .var("SIMGPU_MEMORY_1", "4096m")
+        .var("SIMGPU_SM_COUNT", 66)
+        .var("SIMGPU_NAME", "Test GPU")
+        .var("SIMGPU_DRIVER_VERSION", 12040)
+        .run("devices", &[]);
+}
+
+#[test]
+fn a_bad_value_is_one_stderr_line_and_init_fails() {
+    let out = TestEnv::new("badenv")
+        .var("SIMGPU_MEMORY", "12X")
+        .run("bad_env", &[]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    let lines: Vec<&str> = stderr.lines().filter(|l| l.contains("simgpu:")).collect();
+    assert_eq!(lines.len(), 1, "{stderr}");
+    assert!(lines[0].contains("SIMGPU_MEMORY"), "{}", lines[0]);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(!stdout.contains("simgpu"), "nothing on stdout: {stdout}");
+}
+
+#[test]
+fn allocations_beyond_total_fail_and_contexts_free_their_memory() {
+    TestEnv::new("memory")
+        .var("SIMGPU_MEMORY", "1Gi")
+        .var("SIMGPU_CONTEXT_BYTES", "16Mi")
+        .run("memory_accounting", &[]);
+}
+
+#[test]
+fn copies_round_trip_bytes_and_are_bounds_checked() {
+    TestEnv::new("memcpy").run("memcpy", &[]);
+}
+
+#[test]
+fn get_proc_address_follows_versions_and_flags() {
+    let out = TestEnv::new("procaddr").run("proc_address", &[]);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        stdout.contains("@EXPORTS")
+            || String::from_utf8_lossy(&out.stderr).contains("nm not available")
+    );
+}
+
+#[test]
+fn contexts_stack_and_primary_contexts() {
+    TestEnv::new("contexts")
+        .var("SIMGPU_CONTEXT_BYTES", "8Mi")
+        .run("contexts", &[]);
+}
+
+#[test]
+fn two_processes_share_used_memory() {
+    let env = TestEnv::new("shared").var("SIMGPU_MEMORY", "4Gi");
+    let mut holder = env.spawn("hold", &[("HOLD_BYTES", (1024 * MI).to_string())]);
+    let pid = holder.expect("READY");
+    env.run(
+        "check_shared",
+        &[
+            ("EXPECT_USED", (1024 * MI).to_string()),
+            ("HOLDER_PID", pid.clone()),
+        ],
+    );
+    holder.send("done");
+    holder.finish();
+    env.run(
+        "nvml_expect",
+        &[
+            ("EXPECT_USED", "0".into()),
+            ("EXPECT_PID", pid),
+            ("EXPECT_PRESENT", "0".into()),
+        ],
+    );
+}
+
+#[test]
+fn memory_of_a_sigkilled_process_is_reclaimed() {
+    let env = TestEnv::new("sigkill").var("SIMGPU_MEMORY", "4Gi");
+    let mut holder = env.spawn("hold", &[("HOLD_BYTES", (2048 * MI).to_string())]);
+    let pid = holder.expect("READY");
+    env.run(
+        "nvml_expect",
+        &[
+            ("EXPECT_USED", (2048 * MI).to_string()),
+            ("EXPECT_PID", pid.clone()),
+            ("EXPECT_PRESENT", "1".into()),
+        ],
+    );
+    holder.kill();
+    env.run(
+        "nvml_expect",
+        &[
+            ("EXPECT_USED", "0".into()),
+            ("EXPECT_PID", pid),
+            ("EXPECT_PRESENT", "0".into()),
+        ],
+    );
+}
+
+#[test]
+fn kernels_from_two_processes_run_one_after_another() {
+    let env = TestEnv::new("timeline");
+    let mut a = env.spawn("kernel_race", &[]);
+    let mut b = env.spawn("kernel_race", &[]);
+    a.expect("READY");
+    b.expect("READY");
+    a.send("go");
+    b.send("go");
+    let parse = |s: String| -> Vec<u64> {
+        s.split_whitespace()
+            .map(|x| x.parse().expect("time"))
+            .collect()
+    };
+    let ta = parse(a.expect("TIMES"));
+    let tb = parse(b.expect("TIMES"));
+    a.finish();
+    b.finish();
+    for t in [&ta, &tb] {
+        assert!(t[2] - t[0] >= 20_000_000, "each kernel takes 20 ms: {t:?}");
+    }
+    let first_start = ta[0].min(tb[0]);
+    let last_end = ta[2].max(tb[2]);
+    assert!(
+        last_end - first_start >= 40_000_000,
+        "two 20 ms kernels on one device take at least 40 ms: {ta:?} {tb:?}"
+    );
+}
+
+#[test]
+fn events_streams_queue_depth_and_utilization() {
+    TestEnv::new("timing").run("timing", &[]);
+}
+
+#[test]
+fn nvml_memory_and_process_list() {
+    TestEnv::new("nvml")
+        .var("SIMGPU_MEMORY", "2Gi")
+        .var("SIMGPU_CONTEXT_BYTES", "10Mi")
+        .run("nvml_processes", &[]);
+}
+
+#[test]
+fn pools_reserve_chunks_and_release_at_sync_and_trim() {
+    TestEnv::new("pool")
+        .var("SIMGPU_MEMORY", "1Gi")
+        .run("pool", &[]);
+}
+
+#[test]
+fn virtual_memory_maps_real_bytes() {
+    TestEnv::new("vmm").run("vmm", &[]);
+}
+
+#[test]
+fn a_forked_child_has_its_own_accounting() {
+    TestEnv::new("fork").run("fork", &[]);
+}
+
+#[test]
+fn a_stale_state_file_is_replaced_but_a_used_one_is_not() {
+    let env = TestEnv::new("stale");
+    env.run("init_expect", &[("EXPECT_INIT", "0".into())]);
+    // Same file, another device count, nobody using it: replaced.
+    let mut holder = env.spawn(
+        "init_expect",
+        &[
+            ("EXPECT_INIT", "0".into()),
+            ("HOLD", "1".into()),
+            ("SIMGPU_DEVICES", "2".into()),
+        ],
+    );
+    holder.expect("READY");
+    // In use with two devices: a one-device configuration is refused.
+    let out = env
+        .command("init_expect", &[("EXPECT_INIT", "1".into())])
+        .output()
+        .expect("spawn");
+    common::assert_passed("init_expect", &out);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("another configuration"), "{stderr}");
+    holder.send("done");
+    holder.finish();
+}
+
+#[test]
+fn a_process_killed_while_launching_never_blocks_the_device() {
+    let env = TestEnv::new("robust");
+    let mut looper = env.spawn("launch_loop", &[]);
+    looper.expect("READY");
+    std::thread::sleep(Duration::from_millis(100));
+    looper.kill();
+    let mut child = env
+        .command("kernel_once", &[])
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .expect("spawn");
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        if let Some(status) = child.try_wait().expect("wait") {
+            assert!(status.success(), "kernel_once failed: {status:?}");
+            break;
+        }
+        if Instant::now() > deadline {
+            let _ = child.kill();
+            panic!("a launch hung after another process was killed");
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
