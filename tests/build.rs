@@ -18,7 +18,8 @@ fn compile(args: &[&str], what: &str) {
 }
 
 fn main() {
-    let source = PathBuf::from(std::env::var("CARGO_MANIFEST_DIR").expect("manifest dir")).join("programs");
+    let source =
+        PathBuf::from(std::env::var("CARGO_MANIFEST_DIR").expect("manifest dir")).join("programs");
     let out = PathBuf::from(std::env::var("OUT_DIR").expect("out dir")).join("programs");
     let stub_dir = out.join("stub");
     std::fs::create_dir_all(&stub_dir).expect("create output directories");
@@ -68,7 +69,14 @@ fn main() {
     let interposer_out = dst(&out, "next_interposer.so");
     let interposer_src = src("next_interposer.c");
     let mut interposer: Vec<&str> = common.to_vec();
-    interposer.extend(["-shared", "-fPIC", "-o", &interposer_out, &interposer_src, "-ldl"]);
+    interposer.extend([
+        "-shared",
+        "-fPIC",
+        "-o",
+        &interposer_out,
+        &interposer_src,
+        "-ldl",
+    ]);
     compile(&interposer, "next_interposer.so");
 
     println!("cargo:rustc-env=VGPU_TEST_PROGRAMS={}", out.display());

@@ -150,11 +150,50 @@ impl ProcessSlot {
     }
 }
 
+/// One bit per slot that may be active, so sweeps and readers visit only
+/// those slots instead of touching every page of the slot table. A bit is
+/// set before its slot becomes active and cleared after it is freed, so it
+/// may be stale-set (the slot is then checked and skipped) but never
+/// stale-clear for an active slot.
+#[repr(C)]
+pub struct ActiveSlots {
+    pub words: [AtomicU64; MAX_SLOTS / 64],
+}
+
+impl ActiveSlots {
+    fn set(&self, index: usize) {
+        self.words[index / 64].fetch_or(1 << (index % 64), Ordering::AcqRel);
+    }
+
+    fn clear(&self, index: usize) {
+        self.words[index / 64].fetch_and(!(1 << (index % 64)), Ordering::AcqRel);
+    }
+
+    /// Indices whose bit is set, in order.
+    pub fn indices(&self) -> impl Iterator<Item = usize> + '_ {
+        self.words
+            .iter()
+            .enumerate()
+            .flat_map(|(word_index, word)| {
+                let mut bits = word.load(Ordering::Acquire);
+                std::iter::from_fn(move || {
+                    if bits == 0 {
+                        return None;
+                    }
+                    let bit = bits.trailing_zeros() as usize;
+                    bits &= bits - 1;
+                    Some(word_index * 64 + bit)
+                })
+            })
+    }
+}
+
 /// The whole file.
 #[repr(C)]
 pub struct RegionLayout {
     pub header: Header,
     pub lock: SharedMutex,
+    pub active: ActiveSlots,
     pub devices: [DeviceRecord; MAX_DEVICES],
     pub slots: [ProcessSlot; MAX_SLOTS],
 }
@@ -259,19 +298,40 @@ impl Drop for Region {
 
 impl Region {
     /// Opens the region at `path`, creating and initialising it with `limits`
-    /// if the file does not exist or is empty. An existing region keeps its
-    /// own limits (the first process of a container sets them).
+    /// if it does not exist. An existing region keeps its own limits (the
+    /// first process of a container sets them).
+    ///
+    /// A new region is built in a private file next to `path` and published
+    /// with `link`, which fails if the name exists: processes starting
+    /// together never wait for one another, and no half-built region is ever
+    /// visible under `path`. An empty file already at `path` (created by a
+    /// tool) is initialised in place under `flock` instead.
     pub fn open_or_create(path: &Path, limits: &RegionLimits) -> Result<Self, RegionError> {
-        let file = OpenOptions::new()
-            .read(true)
-            .write(true)
-            .create(true)
-            .mode(0o666)
-            .custom_flags(libc::O_CLOEXEC)
-            .open(path)
-            .map_err(|source| io_error(path, "open", source))?;
+        // Bounded: each round either opens the file or loses a creation race
+        // to a process that has just published it.
+        for _ in 0..8 {
+            match OpenOptions::new()
+                .read(true)
+                .write(true)
+                .custom_flags(libc::O_CLOEXEC)
+                .open(path)
+            {
+                Ok(file) => return Self::attach(file, path, limits),
+                Err(error) if error.kind() == io::ErrorKind::NotFound => {
+                    if let Some(region) = Self::create_and_publish(path, limits)? {
+                        return Ok(region);
+                    }
+                }
+                Err(source) => return Err(io_error(path, "open", source)),
+            }
+        }
+        Err(RegionError::Corrupt {
+            path: path.to_path_buf(),
+            what: "the file keeps appearing and disappearing".into(),
+        })
+    }
 
-        // Fast path: an initialised region needs no file lock.
+    fn attach(file: File, path: &Path, limits: &RegionLimits) -> Result<Self, RegionError> {
         let size = file_size(&file, path)?;
         if size == REGION_BYTES as u64 {
             let region = Self::map(file, path)?;
@@ -289,6 +349,38 @@ impl Region {
             });
         }
         Self::initialise_locked(file, path, limits)
+    }
+
+    /// Builds a region in a private file and links it to `path`. `None` when
+    /// another process published one first.
+    fn create_and_publish(path: &Path, limits: &RegionLimits) -> Result<Option<Self>, RegionError> {
+        let mut private = path.as_os_str().to_owned();
+        let nanos = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.subsec_nanos())
+            .unwrap_or(0);
+        private.push(format!(".new.{}.{nanos}", std::process::id()));
+        let private = PathBuf::from(private);
+        let file = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create_new(true)
+            .mode(0o666)
+            .custom_flags(libc::O_CLOEXEC)
+            .open(&private)
+            .map_err(|source| io_error(&private, "create", source))?;
+        let built = file
+            .set_len(REGION_BYTES as u64)
+            .map_err(|source| io_error(&private, "ftruncate", source))
+            .and_then(|()| Self::map(file, path))
+            .and_then(|region| region.initialise(limits, true).map(|()| region));
+        let published = built.and_then(|region| match std::fs::hard_link(&private, path) {
+            Ok(()) => Ok(Some(region)),
+            Err(error) if error.kind() == io::ErrorKind::AlreadyExists => Ok(None),
+            Err(source) => Err(io_error(path, "link", source)),
+        });
+        let _ = std::fs::remove_file(&private);
+        published
     }
 
     /// Opens an existing region without creating it (monitor, tools, tests).
@@ -330,7 +422,8 @@ impl Region {
             return Err(io_error(path, "flock", io::Error::last_os_error()));
         }
         let size = file_size(&file, path)?;
-        if size == 0 {
+        let fresh = size == 0;
+        if fresh {
             file.set_len(REGION_BYTES as u64)
                 .map_err(|source| io_error(path, "ftruncate", source))?;
         } else if size != REGION_BYTES as u64 {
@@ -353,7 +446,7 @@ impl Region {
                     found: magic,
                 });
             }
-            region.initialise(limits)?;
+            region.initialise(limits, fresh)?;
         }
         let fd = region.fd.load(Ordering::Relaxed);
         // SAFETY: fd is open and owned by `region`.
@@ -363,13 +456,18 @@ impl Region {
         Ok(region)
     }
 
-    fn initialise(&self, limits: &RegionLimits) -> Result<(), RegionError> {
+    fn initialise(&self, limits: &RegionLimits, fresh: bool) -> Result<(), RegionError> {
         let layout = self.layout();
-        // A dead creator may have left partial state: start from zero.
-        // SAFETY: the region is not ready, so no other process uses it (they
-        // all wait on the flock we hold), and REGION_BYTES is its mapped size.
-        unsafe {
-            std::ptr::write_bytes(self.base.as_ptr().cast::<u8>(), 0, REGION_BYTES);
+        if !fresh {
+            // A dead creator may have left partial state: start from zero.
+            // (A file just extended from empty is zero already; clearing it
+            // would fault in every page for nothing.)
+            // SAFETY: the region is not ready, so no other process uses it
+            // (they all wait on the flock we hold), and REGION_BYTES is its
+            // mapped size.
+            unsafe {
+                std::ptr::write_bytes(self.base.as_ptr().cast::<u8>(), 0, REGION_BYTES);
+            }
         }
         self.init_mutex()?;
         let header = &layout.header;
@@ -555,6 +653,7 @@ impl Region {
             slot.pid.store(pid, Ordering::Relaxed);
             slot.host_pid.store(0, Ordering::Relaxed);
             slot.generation.fetch_add(1, Ordering::Relaxed);
+            self.layout().active.set(index);
             slot.state.store(STATE_ACTIVE, Ordering::Release);
             return Ok(index);
         }
@@ -567,26 +666,43 @@ impl Region {
     /// this process holds (skipped). Returns how many slots were reclaimed.
     pub fn reclaim_dead_slots(&self, own: Option<usize>) -> Result<usize, RegionError> {
         let mut reclaimed = 0;
-        for (index, slot) in self.layout().slots.iter().enumerate() {
-            if Some(index) == own || !slot.is_active() {
+        let layout = self.layout();
+        for index in layout.active.indices() {
+            if Some(index) == own {
                 continue;
             }
             if self.try_lock_liveness(index)? {
-                self.return_slot_memory(index)?;
-                slot.state.store(STATE_FREE, Ordering::Release);
+                if layout.slots[index].is_active() {
+                    self.return_slot_memory(index)?;
+                    layout.slots[index]
+                        .state
+                        .store(STATE_FREE, Ordering::Release);
+                    reclaimed += 1;
+                }
+                layout.active.clear(index);
                 self.unlock_liveness(index);
-                reclaimed += 1;
             }
         }
         Ok(reclaimed)
     }
 
+    /// Indices of the slots that are active now.
+    pub fn active_slots(&self) -> impl Iterator<Item = usize> + '_ {
+        let layout = self.layout();
+        layout
+            .active
+            .indices()
+            .filter(|index| layout.slots[*index].is_active())
+    }
+
     /// Gives up `index` (a process that stops using the GPU cleanly).
     pub fn release_slot(&self, index: usize) -> Result<(), RegionError> {
         self.return_slot_memory(index)?;
-        self.layout().slots[index]
+        let layout = self.layout();
+        layout.slots[index]
             .state
             .store(STATE_FREE, Ordering::Release);
+        layout.active.clear(index);
         self.unlock_liveness(index);
         Ok(())
     }
@@ -804,6 +920,9 @@ impl Region {
         let layout = self.layout();
         for (device, record) in layout.devices.iter().enumerate() {
             let (mut used, mut swap) = (0u64, 0u64);
+            // Every slot, not only the flagged ones: this is the rare
+            // recovery path and must not trust a bitmap a dead holder may
+            // have been updating.
             for slot in layout.slots.iter().filter(|s| s.is_active()) {
                 used = used.saturating_add(slot.devices[device].device_bytes());
                 swap = swap.saturating_add(slot.devices[device].swap.load(Ordering::Relaxed));
@@ -937,6 +1056,63 @@ mod tests {
                 .oom_events
                 .load(Ordering::Relaxed),
             1
+        );
+        let _ = std::fs::remove_file(&path);
+    }
+
+    #[test]
+    fn concurrent_creators_end_up_sharing_one_region() {
+        let dir = std::env::temp_dir().join(format!("vgpu-region-race-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).expect("dir");
+        let path = dir.join("region");
+        let regions: Vec<Region> = std::thread::scope(|scope| {
+            let handles: Vec<_> = (0..16)
+                .map(|_| {
+                    scope.spawn(|| Region::open_or_create(&path, &limits(1 << 30)).expect("open"))
+                })
+                .collect();
+            handles
+                .into_iter()
+                .map(|h| h.join().expect("thread"))
+                .collect()
+        });
+        for (pid, region) in regions.iter().enumerate() {
+            let slot = region.claim_slot(pid as u32).expect("slot");
+            region
+                .reserve(slot, 0, MemoryKind::Data, 1)
+                .expect("io")
+                .expect("fits");
+        }
+        for region in &regions {
+            assert_eq!(
+                region.device_used(0),
+                16,
+                "every opener sees every reservation"
+            );
+        }
+        let names: Vec<_> = std::fs::read_dir(&dir)
+            .expect("list")
+            .map(|e| e.expect("entry").file_name())
+            .collect();
+        assert_eq!(
+            names,
+            vec![std::ffi::OsString::from("region")],
+            "no private files left behind"
+        );
+        drop(regions);
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn an_empty_file_is_initialised_in_place() {
+        let path = temp_path("empty");
+        std::fs::write(&path, b"").expect("create empty");
+        let region = Region::open_or_create(&path, &limits(77)).expect("initialise");
+        assert_eq!(region.device_limit(0), 77);
+        assert_eq!(
+            std::fs::metadata(&path).expect("stat").len(),
+            REGION_BYTES as u64
         );
         let _ = std::fs::remove_file(&path);
     }

@@ -31,6 +31,25 @@ pub enum Mode {
 
 static MODE: OnceLock<Mode> = OnceLock::new();
 
+/// How long building the mode took (configuration, logging, region), so the
+/// slot claim can report the whole set-up time once.
+static SETUP_NANOS: AtomicU64 = AtomicU64::new(0);
+/// CPU time of the same span (wall time minus any time the thread waited or
+/// was descheduled).
+static SETUP_CPU_NANOS: AtomicU64 = AtomicU64::new(0);
+
+fn thread_cpu_nanos() -> u64 {
+    let mut now = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: valid out-pointer.
+    unsafe {
+        libc::clock_gettime(libc::CLOCK_THREAD_CPUTIME_ID, &mut now);
+    }
+    now.tv_sec as u64 * 1_000_000_000 + now.tv_nsec as u64
+}
+
 /// The process's mode, initialising it on first use.
 #[inline(always)]
 pub fn mode() -> &'static Mode {
@@ -38,6 +57,15 @@ pub fn mode() -> &'static Mode {
 }
 
 fn initialise() -> Mode {
+    let started = std::time::Instant::now();
+    let cpu_started = thread_cpu_nanos();
+    let mode = build_mode();
+    SETUP_NANOS.store(started.elapsed().as_nanos() as u64, Ordering::Relaxed);
+    SETUP_CPU_NANOS.store(thread_cpu_nanos() - cpu_started, Ordering::Relaxed);
+    mode
+}
+
+fn build_mode() -> Mode {
     let config = ShimConfig::from_env();
     let log_level = config.as_ref().map(|c| c.log_level).unwrap_or(1);
     crate::logging::init(log_level);
@@ -133,6 +161,8 @@ impl Enforcer {
         if slot != NO_SLOT {
             return Ok(slot);
         }
+        let started = std::time::Instant::now();
+        let cpu_started = thread_cpu_nanos();
         // SAFETY: getpid has no preconditions.
         let pid = unsafe { libc::getpid() } as u32;
         let claimed = self.region.claim_slot(pid).map_err(|error| {
@@ -149,6 +179,16 @@ impl Enforcer {
                     Ok(count) => tracing::info!(count, "returned the memory of exited processes"),
                     Err(error) => tracing::warn!("sweeping exited processes failed: {error}"),
                 }
+                let slot_nanos = started.elapsed().as_nanos() as u64;
+                let slot_cpu_nanos = thread_cpu_nanos() - cpu_started;
+                let setup_nanos = SETUP_NANOS.swap(0, Ordering::Relaxed);
+                let setup_cpu_nanos = SETUP_CPU_NANOS.swap(0, Ordering::Relaxed);
+                tracing::debug!(
+                    slot = claimed,
+                    "ready: set-up took {} ns, cpu {} ns (configuration and region {setup_nanos} ns, process slot {slot_nanos} ns)",
+                    setup_nanos + slot_nanos,
+                    setup_cpu_nanos + slot_cpu_nanos
+                );
                 Ok(claimed)
             }
             Err(winner) => {

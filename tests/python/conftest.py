@@ -14,7 +14,7 @@ import sys
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
-TARGET = pathlib.Path(os.environ.get("VGPU_TARGET_DIR", ROOT / "target" / "debug"))
+TARGET = pathlib.Path(os.environ.get("VGPU_TARGET_DIR", ROOT / "target" / "debug")).resolve()
 
 
 def _library(name):

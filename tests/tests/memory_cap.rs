@@ -16,7 +16,11 @@ fn cap_holds_for_every_way_of_reaching_the_driver() {
         sandbox.set("CUDA_DEVICE_MEMORY_LIMIT", "1Gi");
         let values = key_values(&run_ok(&mut sandbox.probe(access, &["fill", "67108864"])));
         assert_eq!(number(&values, "chunks"), 16, "{access}: {values:?}");
-        assert_eq!(number(&values, "refusal"), 2, "{access}: CUDA_ERROR_OUT_OF_MEMORY");
+        assert_eq!(
+            number(&values, "refusal"),
+            2,
+            "{access}: CUDA_ERROR_OUT_OF_MEMORY"
+        );
         assert_eq!(number(&values, "mem_total"), 1024 * MIB, "{access}");
         assert_eq!(number(&values, "mem_free"), 0, "{access}");
         assert_eq!(number(&values, "device_total"), 1024 * MIB, "{access}");
@@ -32,7 +36,11 @@ fn without_the_shim_the_simulated_gpu_is_not_capped() {
     let mut command = sandbox.command_without_shim(&program);
     command.args(["dlsym", "fill", "67108864"]);
     let values = key_values(&run_ok(&mut command));
-    assert_eq!(number(&values, "chunks"), 32, "the whole 2 GiB device: {values:?}");
+    assert_eq!(
+        number(&values, "chunks"),
+        32,
+        "the whole 2 GiB device: {values:?}"
+    );
 }
 
 #[test]
@@ -54,7 +62,11 @@ fn every_allocation_kind_is_charged_and_returned() {
             ("async", 10 * MIB),
         ];
         for (key, bytes) in expected {
-            assert_eq!(number(&values, key), bytes, "{access}: {key} charged: {values:?}");
+            assert_eq!(
+                number(&values, key),
+                bytes,
+                "{access}: {key} charged: {values:?}"
+            );
             if key != "context" {
                 let back = format!("{key}_back");
                 assert_eq!(number(&values, &back), 0, "{access}: {back}: {values:?}");
@@ -72,7 +84,11 @@ fn each_context_is_charged_its_reservation() {
     let values = key_values(&run_ok(&mut sandbox.probe("linked", &["kinds"])));
     assert_eq!(number(&values, "context"), 128 * MIB);
     let values = key_values(&run_ok(&mut sandbox.probe("linked", &["fill", "67108864"])));
-    assert_eq!(number(&values, "chunks"), 14, "1 GiB less one context: {values:?}");
+    assert_eq!(
+        number(&values, "chunks"),
+        14,
+        "1 GiB less one context: {values:?}"
+    );
 }
 
 #[test]
@@ -80,7 +96,8 @@ fn get_proc_address_returns_our_hook_for_the_requested_variant() {
     let mut sandbox = Sandbox::new("procaddr", 1, "8Gi");
     sandbox.set("CUDA_DEVICE_MEMORY_LIMIT", "1Gi");
     let values = key_values(&run_ok(&mut sandbox.probe("procaddr", &["getprocaddress"])));
-    let expect = |key: &str, value: i128| assert_eq!(number(&values, key), value, "{key}: {values:?}");
+    let expect =
+        |key: &str, value: i128| assert_eq!(number(&values, key), value, "{key}: {values:?}");
     expect("launch_default_is_hook", 1);
     expect("launch_default_status", 0);
     expect("launch_default_rc", 0);
@@ -126,7 +143,9 @@ fn hold(sandbox: &Sandbox, bytes: &str) -> Child {
         .expect("spawn holder");
     let stdout = child.stdout.as_mut().expect("holder stdout");
     let mut line = String::new();
-    BufReader::new(stdout).read_line(&mut line).expect("read holder");
+    BufReader::new(stdout)
+        .read_line(&mut line)
+        .expect("read holder");
     assert_eq!(line.trim(), "ready", "holder did not start");
     child
 }
@@ -139,7 +158,8 @@ fn nvml_shows_the_cap_and_the_containers_use() {
     let values = key_values(&run_ok(&mut sandbox.probe("dlsym", &["nvml"])));
     drop(holder.stdin.take());
     assert!(holder.wait().expect("holder exit").success());
-    let expect = |key: &str, value: i128| assert_eq!(number(&values, key), value, "{key}: {values:?}");
+    let expect =
+        |key: &str, value: i128| assert_eq!(number(&values, key), value, "{key}: {values:?}");
     expect("nvml_rc", 0);
     expect("nvml_total", 4096 * MIB);
     expect("nvml_used", 300 * MIB);
@@ -184,7 +204,11 @@ fn sixteen_processes_never_exceed_the_cap() {
     let mut refused = 0;
     for worker in workers {
         let output = worker.wait_with_output().expect("worker");
-        assert!(output.status.success(), "{}", String::from_utf8_lossy(&output.stderr));
+        assert!(
+            output.status.success(),
+            "{}",
+            String::from_utf8_lossy(&output.stderr)
+        );
         refused += number(&key_values(&output), "refused");
     }
     drop(sampler.stdin.take());
@@ -199,8 +223,14 @@ fn sixteen_processes_never_exceed_the_cap() {
     let max_used = number(&values, "max_used");
     assert!(number(&values, "samples") > 100, "{values:?}");
     assert!(refused > 0, "the workload must press against the cap");
-    assert!(max_used <= 512 * MIB, "driver saw {max_used} bytes, cap is 512 MiB");
-    assert!(max_used > 256 * MIB, "the workload should fill the cap: {max_used}");
+    assert!(
+        max_used <= 512 * MIB,
+        "driver saw {max_used} bytes, cap is 512 MiB"
+    );
+    assert!(
+        max_used > 256 * MIB,
+        "the workload should fill the cap: {max_used}"
+    );
 
     let region = Region::open_existing(&sandbox.region).expect("region");
     region.reclaim_dead_slots(None).expect("sweep");
@@ -241,7 +271,10 @@ fn memory_of_killed_processes_is_reclaimed() {
         let started = Instant::now();
         let values = key_values(&run_ok(&mut sandbox.probe("linked", &["fill", "67108864"])));
         assert_eq!(number(&values, "chunks"), 8, "round {round}: {values:?}");
-        assert!(started.elapsed() < Duration::from_secs(10), "round {round} took too long");
+        assert!(
+            started.elapsed() < Duration::from_secs(10),
+            "round {round} took too long"
+        );
     }
     let region = Region::open_existing(&sandbox.region).expect("region");
     region.reclaim_dead_slots(None).expect("sweep");
@@ -256,7 +289,11 @@ fn a_forked_child_has_its_own_slot() {
     assert_eq!(number(&values, "child_status"), 0, "{values:?}");
     assert_eq!(number(&values, "child_alloc"), 64 * MIB);
     assert_eq!(number(&values, "parent_before"), 64 * MIB);
-    assert_eq!(number(&values, "parent_after"), 64 * MIB, "the child's exit left the parent intact");
+    assert_eq!(
+        number(&values, "parent_after"),
+        64 * MIB,
+        "the child's exit left the parent intact"
+    );
 }
 
 #[test]
@@ -278,8 +315,14 @@ fn invalid_configuration_fails_closed_with_one_clear_line() {
     ] {
         let mut sandbox = Sandbox::new("badenv", 1, "8Gi");
         sandbox.set(var, value);
-        let output = sandbox.probe("linked", &["fill", "67108864"]).output().expect("run");
-        assert!(!output.status.success(), "{var}={value} must not run uncapped");
+        let output = sandbox
+            .probe("linked", &["fill", "67108864"])
+            .output()
+            .expect("run");
+        assert!(
+            !output.status.success(),
+            "{var}={value} must not run uncapped"
+        );
         assert!(output.stdout.is_empty(), "nothing on stdout");
         let stderr = String::from_utf8_lossy(&output.stderr);
         let lines: Vec<&str> = stderr.lines().filter(|l| l.contains(var)).collect();
@@ -292,11 +335,17 @@ fn a_corrupt_region_is_refused_and_left_alone() {
     let mut sandbox = Sandbox::new("corrupt", 1, "8Gi");
     sandbox.set("CUDA_DEVICE_MEMORY_LIMIT", "1Gi");
     std::fs::write(&sandbox.region, b"not a region").expect("write");
-    let output = sandbox.probe("linked", &["fill", "67108864"]).output().expect("run");
+    let output = sandbox
+        .probe("linked", &["fill", "67108864"])
+        .output()
+        .expect("run");
     assert!(!output.status.success());
     let stderr = String::from_utf8_lossy(&output.stderr);
     assert!(stderr.contains("region"), "{stderr}");
-    assert_eq!(std::fs::read(&sandbox.region).expect("read"), b"not a region");
+    assert_eq!(
+        std::fs::read(&sandbox.region).expect("read"),
+        b"not a region"
+    );
 }
 
 #[test]
@@ -311,10 +360,16 @@ fn refusals_are_logged_rate_limited_on_stderr_only() {
     let values = key_values(&output);
     assert!(number(&values, "refused") > 100, "{values:?}");
     let stdout = String::from_utf8_lossy(&output.stdout);
-    assert!(stdout.lines().all(|l| l.contains('=')), "only the program's lines: {stdout}");
+    assert!(
+        stdout.lines().all(|l| l.contains('=')),
+        "only the program's lines: {stdout}"
+    );
     let stderr = String::from_utf8_lossy(&output.stderr);
     let refusals = stderr.lines().filter(|l| l.contains("refused")).count();
-    assert!(refusals >= 1 && refusals <= seconds + 1, "{refusals} lines in {seconds}s");
+    assert!(
+        refusals >= 1 && refusals <= seconds + 1,
+        "{refusals} lines in {seconds}s"
+    );
     assert!(stderr.contains("64 MiB cap"), "names the cap: {stderr}");
 }
 
@@ -333,7 +388,12 @@ fn holder_stdin_protocol_is_sound() {
     let mut sandbox = Sandbox::new("holder", 1, "8Gi");
     sandbox.set("CUDA_DEVICE_MEMORY_LIMIT", "1Gi");
     let mut holder = hold(&sandbox, "1048576");
-    holder.stdin.as_mut().expect("stdin").write_all(b"x").expect("write");
+    holder
+        .stdin
+        .as_mut()
+        .expect("stdin")
+        .write_all(b"x")
+        .expect("write");
     drop(holder.stdin.take());
     assert!(holder.wait().expect("exit").success());
     let region = Region::open_existing(&sandbox.region).expect("region");

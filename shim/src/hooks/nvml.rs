@@ -141,9 +141,10 @@ unsafe fn filter_processes<T>(
     let mut kept = 0;
     for index in 0..entries.len() {
         let process_pid = pid(&entries[index]);
-        let charged = slots
-            .iter()
-            .filter(|slot| slot.is_active())
+        let charged = enforcer
+            .region
+            .active_slots()
+            .map(|slot| &slots[slot])
             .find(|slot| slot.pid.load(std::sync::atomic::Ordering::Relaxed) == process_pid)
             .map(|slot| slot.devices[ordinal].device_bytes());
         if let Some(bytes) = charged {

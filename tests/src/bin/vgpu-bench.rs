@@ -40,7 +40,9 @@ fn parse_options() -> Result<Options> {
         match arg.as_str() {
             "--repeats" => options.repeats = value("--repeats")?.max(1) as usize,
             "--alloc-iterations" => options.alloc_iterations = value("--alloc-iterations")?.max(1),
-            "--launch-iterations" => options.launch_iterations = value("--launch-iterations")?.max(1),
+            "--launch-iterations" => {
+                options.launch_iterations = value("--launch-iterations")?.max(1)
+            }
             "--quick" => {
                 options.repeats = 3;
                 options.alloc_iterations = 20_000;
@@ -75,18 +77,55 @@ fn spawn(sandbox: &Sandbox, setup: Setup, args: &[&str]) -> Result<Child> {
         Setup::Driver => sandbox.command_without_shim(&program),
         Setup::Shim => sandbox.command(&program),
     };
+    let init = args.first() == Some(&"init");
+    if init {
+        // The shim reports its own set-up time at debug level.
+        command.env("LIBCUDA_LOG_LEVEL", "3");
+    }
     command
         .args(args)
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())
-        .stderr(Stdio::inherit())
+        .stderr(if init {
+            Stdio::piped()
+        } else {
+            Stdio::inherit()
+        })
         .spawn()
         .context("spawn bench program")
+}
+
+/// The shim's own set-up time: (wall, cpu) nanoseconds.
+type SetupTime = (f64, f64);
+
+/// The shim's "set-up took N ns, cpu M ns" figures from a debug log.
+fn setup_nanos(stderr: &str) -> Option<SetupTime> {
+    let rest = stderr.split("set-up took ").nth(1)?;
+    let wall = rest.split_whitespace().next()?.parse().ok()?;
+    let cpu = rest
+        .split("cpu ")
+        .nth(1)?
+        .split_whitespace()
+        .next()?
+        .parse()
+        .ok()?;
+    Some((wall, cpu))
 }
 
 /// Starts `count` processes, waits until all are ready, releases them at
 /// once and returns each one's `ns=` figure.
 fn run_together(sandbox: &Sandbox, setup: Setup, count: usize, args: &[&str]) -> Result<Vec<f64>> {
+    Ok(run_together_with_setup(sandbox, setup, count, args)?.0)
+}
+
+/// As [`run_together`], also returning the shim's own set-up times (init
+/// runs under the shim only).
+fn run_together_with_setup(
+    sandbox: &Sandbox,
+    setup: Setup,
+    count: usize,
+    args: &[&str],
+) -> Result<(Vec<f64>, Vec<SetupTime>)> {
     let mut children = Vec::with_capacity(count);
     let mut readers = Vec::with_capacity(count);
     for _ in 0..count {
@@ -106,12 +145,20 @@ fn run_together(sandbox: &Sandbox, setup: Setup, count: usize, args: &[&str]) ->
         child.stdin.as_mut().context("stdin")?.write_all(b"go\n")?;
     }
     let mut figures = Vec::with_capacity(count);
+    let mut setups = Vec::new();
     for (mut child, mut reader) in children.into_iter().zip(readers) {
         let mut line = String::new();
         reader.read_line(&mut line)?;
+        let mut stderr = String::new();
+        if let Some(mut pipe) = child.stderr.take() {
+            std::io::Read::read_to_string(&mut pipe, &mut stderr)?;
+        }
         let status = child.wait()?;
         if !status.success() {
-            bail!("bench program failed: {status}");
+            bail!("bench program failed: {status}\n{stderr}");
+        }
+        if let (Setup::Shim, Some(figures)) = (setup, setup_nanos(&stderr)) {
+            setups.push(figures);
         }
         let value = line
             .trim()
@@ -119,7 +166,7 @@ fn run_together(sandbox: &Sandbox, setup: Setup, count: usize, args: &[&str]) ->
             .with_context(|| format!("unexpected output {line:?}"))?;
         figures.push(value.parse()?);
     }
-    Ok(figures)
+    Ok((figures, setups))
 }
 
 fn median(values: &mut [f64]) -> f64 {
@@ -139,8 +186,18 @@ fn paired(options: &Options, count: usize, args: &[&str]) -> Result<(f64, f64)> 
     let (mut driver, mut shim) = (Vec::new(), Vec::new());
     for _ in 0..options.repeats {
         let sandbox = sandbox();
-        driver.push(median(&mut run_together(&sandbox, Setup::Driver, count, args)?));
-        shim.push(median(&mut run_together(&sandbox, Setup::Shim, count, args)?));
+        driver.push(median(&mut run_together(
+            &sandbox,
+            Setup::Driver,
+            count,
+            args,
+        )?));
+        shim.push(median(&mut run_together(
+            &sandbox,
+            Setup::Shim,
+            count,
+            args,
+        )?));
     }
     Ok((median(&mut driver), median(&mut shim)))
 }
@@ -149,11 +206,18 @@ fn main() -> Result<()> {
     let options = parse_options()?;
     let alloc_iterations = options.alloc_iterations.to_string();
     let launch_iterations = options.launch_iterations.to_string();
-    println!("vgpu-bench: simulated GPU, {} repeats per figure (median)\n", options.repeats);
+    println!(
+        "vgpu-bench: simulated GPU, {} repeats per figure (median)\n",
+        options.repeats
+    );
     println!("| measurement | driver alone | with shim | added | ratio |");
     println!("|---|---:|---:|---:|---:|");
     for processes in [1usize, 8] {
-        let (driver, shim) = paired(&options, processes, &["alloc", &alloc_iterations, "1048576"])?;
+        let (driver, shim) = paired(
+            &options,
+            processes,
+            &["alloc", &alloc_iterations, "1048576"],
+        )?;
         println!(
             "| cuMemAlloc_v2 + cuMemFree_v2 (1 MiB), {processes} process{} | {driver:.0} ns | {shim:.0} ns | {:.0} ns | {:.2}x |",
             if processes == 1 { "" } else { "es" },
@@ -167,30 +231,58 @@ fn main() -> Result<()> {
         shim - driver,
         shim / driver
     );
-    for processes in [1usize, 64] {
-        let (mut driver, mut shim) = (Vec::new(), Vec::new());
+    for (processes, region_exists) in [(1usize, false), (64, false), (64, true)] {
+        let (mut driver, mut shim, mut own) = (Vec::new(), Vec::new(), Vec::new());
         for _ in 0..options.repeats {
             let sandbox = sandbox();
+            // The simulated driver creates its state file on first use: keep
+            // that out of both columns.
+            run_together(&sandbox, Setup::Driver, 1, &["init"])?;
+            if region_exists {
+                // As the device plugin prepares it before the container starts.
+                run_together(&sandbox, Setup::Shim, 1, &["init"])?;
+            }
             driver.extend(run_together(&sandbox, Setup::Driver, processes, &["init"])?);
-            shim.extend(run_together(&sandbox, Setup::Shim, processes, &["init"])?);
+            let (figures, setups) =
+                run_together_with_setup(&sandbox, Setup::Shim, processes, &["init"])?;
+            shim.extend(figures);
+            own.extend(setups);
         }
+        if own.len() != shim.len() {
+            bail!(
+                "{} of {} shim runs reported their set-up time",
+                own.len(),
+                shim.len()
+            );
+        }
+        let label = format!(
+            "{processes} process{} starting at once, region {}",
+            if processes == 1 { "" } else { "es" },
+            if region_exists {
+                "already there"
+            } else {
+                "created by them"
+            }
+        );
         let (d50, s50) = (percentile(&mut driver, 0.5), percentile(&mut shim, 0.5));
         let (d99, s99) = (percentile(&mut driver, 0.99), percentile(&mut shim, 0.99));
         println!(
-            "| first cuInit, {processes} process{} starting at once: p50 | {:.3} ms | {:.3} ms | {:.3} ms | {:.2}x |",
-            if processes == 1 { "" } else { "es" },
+            "| first cuInit, {label}: p50 / p99 | {:.3} / {:.3} ms | {:.3} / {:.3} ms | {:.3} / {:.3} ms | |",
             d50 / 1e6,
-            s50 / 1e6,
-            (s50 - d50) / 1e6,
-            s50 / d50
-        );
-        println!(
-            "| first cuInit, {processes} process{} starting at once: p99 | {:.3} ms | {:.3} ms | {:.3} ms | {:.2}x |",
-            if processes == 1 { "" } else { "es" },
             d99 / 1e6,
+            s50 / 1e6,
             s99 / 1e6,
-            (s99 - d99) / 1e6,
-            s99 / d99
+            (s50 - d50) / 1e6,
+            (s99 - d99) / 1e6
+        );
+        let mut wall: Vec<f64> = own.iter().map(|(wall, _)| *wall).collect();
+        let mut cpu: Vec<f64> = own.iter().map(|(_, cpu)| *cpu).collect();
+        println!(
+            "| shim's own set-up in it, {label}: p50 / p99 wall (cpu) | | {:.3} / {:.3} ms ({:.3} / {:.3} ms) | | |",
+            percentile(&mut wall, 0.5) / 1e6,
+            percentile(&mut wall, 0.99) / 1e6,
+            percentile(&mut cpu, 0.5) / 1e6,
+            percentile(&mut cpu, 0.99) / 1e6
         );
     }
     Ok(())
