@@ -1190,6 +1190,41 @@ mod tests {
     }
 
     #[test]
+    fn a_process_that_dies_holding_the_mutex_blocks_no_one() {
+        let path = temp_path("owner-dead");
+        let region = Region::open_or_create(&path, &limits(1000)).expect("create");
+        let slot = region.claim_slot(4).expect("slot");
+        region
+            .reserve(slot, 0, MemoryKind::Data, 100)
+            .expect("io")
+            .expect("fits");
+        // A total that disagrees with the slots, as a holder killed between
+        // its two writes would leave it.
+        region.layout().devices[0]
+            .used
+            .store(999, Ordering::Relaxed);
+        // SAFETY: the child only locks the shared mutex and exits.
+        let child = unsafe { libc::fork() };
+        if child == 0 {
+            // SAFETY: the region's robust mutex, in shared memory.
+            unsafe {
+                libc::pthread_mutex_lock(region.layout().lock.raw.get());
+                libc::_exit(0);
+            }
+        }
+        let mut status = 0;
+        // SAFETY: waiting for our own child.
+        unsafe { libc::waitpid(child, &mut status, 0) };
+        // The next locker inherits the mutex, rebuilds the totals and goes on.
+        assert_eq!(
+            region.reserve(slot, 0, MemoryKind::Data, 900).expect("io"),
+            Ok(())
+        );
+        assert_eq!(region.device_used(0), 1000);
+        let _ = std::fs::remove_file(&path);
+    }
+
+    #[test]
     fn totals_are_rebuilt_from_slots_after_a_recount() {
         let path = temp_path("recount");
         let region = Region::open_or_create(&path, &limits(0)).expect("create");

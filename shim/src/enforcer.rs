@@ -101,6 +101,9 @@ pub struct Enforcer {
     pub table: AllocationTable,
     /// Primary-context retains this process holds per device.
     primary_retains: [AtomicU32; MAX_DEVICES],
+    /// The primary context of each device, once retained (its allocations
+    /// are tied to it).
+    primary_contexts: [AtomicUsize; MAX_DEVICES],
     /// Pools with a charge in the table (skips pool refresh when zero).
     pools: AtomicUsize,
     last_oom_log_ms: AtomicU64,
@@ -147,6 +150,7 @@ impl Enforcer {
             slot: AtomicUsize::new(NO_SLOT),
             table: AllocationTable::new(),
             primary_retains: Default::default(),
+            primary_contexts: Default::default(),
             pools: AtomicUsize::new(0),
             last_oom_log_ms: AtomicU64::new(0),
             uuids_recorded: AtomicBool::new(false),
@@ -344,6 +348,24 @@ impl Enforcer {
             .unwrap_or(false)
     }
 
+    /// Remembers the primary context of `device`.
+    pub fn note_primary_context(&self, device: usize, context: usize) {
+        if let Some(d) = self.device_index(device) {
+            self.primary_contexts[d].store(context, Ordering::Release);
+        }
+    }
+
+    /// The driver destroyed the primary context of `device` (last release or
+    /// reset): everything allocated in it is gone too.
+    pub fn primary_context_destroyed(&self, device: usize) {
+        if let Some(d) = self.device_index(device) {
+            let context = self.primary_contexts[d].swap(0, Ordering::AcqRel);
+            if context != 0 {
+                self.release_context_resources(context);
+            }
+        }
+    }
+
     /// Undoes `primary_retained` after a failed retain.
     pub fn primary_retain_failed(&self, device: usize) {
         if let Some(d) = self.device_index(device) {
@@ -531,6 +553,9 @@ extern "C" fn fork_child() {
         enforcer.slot.store(NO_SLOT, Ordering::Release);
         for retains in &enforcer.primary_retains {
             retains.store(0, Ordering::Relaxed);
+        }
+        for context in &enforcer.primary_contexts {
+            context.store(0, Ordering::Relaxed);
         }
         enforcer.pools.store(0, Ordering::Relaxed);
     }

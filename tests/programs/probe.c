@@ -17,6 +17,8 @@
  *                           closes; print the maximum (run without the shim)
  *   fork BYTES              fork: parent and child allocate separately
  *   memcpy BYTES            host -> device -> host round trip
+ *   primary                 allocations die with the last primary-context
+ *                           release (dlsym and procaddr only)
  *   getprocaddress          cuGetProcAddress variant and status semantics
  *   nvml                    NVML memory info and process list (dlopen)
  *   rtld-next               dlsym(RTLD_NEXT) with another interposer loaded
@@ -412,6 +414,28 @@ static int cmd_memcpy(size_t bytes) {
 }
 
 #ifndef VGPU_LINKED
+static int cmd_primary(void) {
+    if (load_driver() != 0) return 2;
+    CUresult (*retain)(CUcontext *, CUdevice) = resolve("cuDevicePrimaryCtxRetain", "cuDevicePrimaryCtxRetain", 12000);
+    CUresult (*release)(CUdevice) = resolve("cuDevicePrimaryCtxRelease_v2", "cuDevicePrimaryCtxRelease", 12000);
+    CUresult (*set_current)(CUcontext) = resolve("cuCtxSetCurrent", "cuCtxSetCurrent", 12000);
+    if (!retain || !release || !set_current) return 2;
+    CHECK(cu.Init(0));
+    CUcontext primary;
+    CHECK(retain(&primary, 0));
+    CHECK(set_current(primary));
+    CUdeviceptr ptr;
+    CHECK(cu.MemAlloc(&ptr, 64 << 20));
+    printf("held=%llu\n", used_now());
+    /* The last release destroys the primary context and its memory. */
+    CHECK(release(0));
+    CHECK(retain(&primary, 0));
+    CHECK(set_current(primary));
+    printf("after_release=%llu\n", used_now());
+    CHECK(release(0));
+    return 0;
+}
+
 static int cmd_getprocaddress(void) {
     if (load_driver() != 0) return 2;
     CHECK(cu.Init(0));
@@ -547,6 +571,7 @@ int main(int argc, char **argv) {
     if (strcmp(command, "memcpy") == 0 && argc == 4) return cmd_memcpy(strtoull(argv[3], NULL, 0));
 #ifndef VGPU_LINKED
     if (strcmp(command, "getprocaddress") == 0) return cmd_getprocaddress();
+    if (strcmp(command, "primary") == 0) return cmd_primary();
     if (strcmp(command, "nvml") == 0) return cmd_nvml();
     if (strcmp(command, "sample") == 0) return cmd_sample();
 #endif

@@ -92,6 +92,27 @@ fn each_context_is_charged_its_reservation() {
 }
 
 #[test]
+fn allocations_are_returned_with_the_last_primary_context_release() {
+    for access in ["dlsym", "procaddr"] {
+        let mut sandbox = Sandbox::new("primary", 1, "8Gi");
+        sandbox
+            .set("CUDA_DEVICE_MEMORY_LIMIT", "1Gi")
+            .set("VGPU_CONTEXT_RESERVE", "32Mi");
+        let values = key_values(&run_ok(&mut sandbox.probe(access, &["primary"])));
+        assert_eq!(
+            number(&values, "held"),
+            96 * MIB,
+            "{access}: context + buffer"
+        );
+        assert_eq!(
+            number(&values, "after_release"),
+            32 * MIB,
+            "{access}: only the new context"
+        );
+    }
+}
+
+#[test]
 fn get_proc_address_returns_our_hook_for_the_requested_variant() {
     let mut sandbox = Sandbox::new("procaddr", 1, "8Gi");
     sandbox.set("CUDA_DEVICE_MEMORY_LIMIT", "1Gi");

@@ -125,7 +125,11 @@ pub unsafe extern "C" fn cuDevicePrimaryCtxRetain(
                 }
                 // SAFETY: forwarded unchanged.
                 let code = unsafe { real::cuDevicePrimaryCtxRetain(ctx, device) };
-                if code != CUDA_SUCCESS {
+                if code == CUDA_SUCCESS {
+                    // SAFETY: written by the successful call.
+                    enforcer.note_primary_context(charge.device, unsafe { written_handle(ctx) }
+                        as usize);
+                } else {
                     enforcer.primary_retain_failed(charge.device);
                     if first {
                         enforcer.release(charge.device, charge.kind, charge.bytes);
@@ -152,6 +156,7 @@ fn primary_context_gone(device: CUdevice, code: CUresult, reset: bool) -> CUresu
         if dropped {
             let charge = context_charge(enforcer, device);
             enforcer.release(charge.device, charge.kind, charge.bytes);
+            enforcer.primary_context_destroyed(index);
         }
     }
     code
