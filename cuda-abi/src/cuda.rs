@@ -242,3 +242,109 @@ pub const CU_STREAM_PER_THREAD: usize = 0x2;
 
 /// `cuMemAttachGlobal` for `cuMemAllocManaged`.
 pub const CU_MEM_ATTACH_GLOBAL: c_uint = 0x1;
+
+// Stream capture and graphs.
+pub const CUDA_ERROR_STREAM_CAPTURE_MERGE: CUresult = 902;
+pub const CUDA_ERROR_STREAM_CAPTURE_UNMATCHED: CUresult = 903;
+pub const CUDA_ERROR_STREAM_CAPTURE_UNJOINED: CUresult = 904;
+pub const CUDA_ERROR_STREAM_CAPTURE_ISOLATION: CUresult = 905;
+pub const CUDA_ERROR_STREAM_CAPTURE_IMPLICIT: CUresult = 906;
+pub const CUDA_ERROR_CAPTURED_EVENT: CUresult = 907;
+pub const CUDA_ERROR_STREAM_CAPTURE_WRONG_THREAD: CUresult = 908;
+
+/// `CUstreamCaptureMode`.
+pub type CUstreamCaptureMode = c_int;
+pub const CU_STREAM_CAPTURE_MODE_GLOBAL: CUstreamCaptureMode = 0;
+pub const CU_STREAM_CAPTURE_MODE_THREAD_LOCAL: CUstreamCaptureMode = 1;
+pub const CU_STREAM_CAPTURE_MODE_RELAXED: CUstreamCaptureMode = 2;
+
+/// `CUgraphNodeType`.
+pub type CUgraphNodeType = c_int;
+pub const CU_GRAPH_NODE_TYPE_KERNEL: CUgraphNodeType = 0;
+pub const CU_GRAPH_NODE_TYPE_MEMCPY: CUgraphNodeType = 1;
+pub const CU_GRAPH_NODE_TYPE_MEMSET: CUgraphNodeType = 2;
+pub const CU_GRAPH_NODE_TYPE_HOST: CUgraphNodeType = 3;
+pub const CU_GRAPH_NODE_TYPE_GRAPH: CUgraphNodeType = 4;
+pub const CU_GRAPH_NODE_TYPE_EMPTY: CUgraphNodeType = 5;
+pub const CU_GRAPH_NODE_TYPE_WAIT_EVENT: CUgraphNodeType = 6;
+pub const CU_GRAPH_NODE_TYPE_EVENT_RECORD: CUgraphNodeType = 7;
+
+/// `CUgraphInstantiate_flags`.
+pub const CUDA_GRAPH_INSTANTIATE_FLAG_AUTO_FREE_ON_LAUNCH: u64 = 1;
+pub const CUDA_GRAPH_INSTANTIATE_FLAG_UPLOAD: u64 = 2;
+pub const CUDA_GRAPH_INSTANTIATE_FLAG_DEVICE_LAUNCH: u64 = 4;
+pub const CUDA_GRAPH_INSTANTIATE_FLAG_USE_NODE_PRIORITY: u64 = 8;
+
+/// `CUgraphInstantiateResult`.
+pub type CUgraphInstantiateResult = c_int;
+pub const CUDA_GRAPH_INSTANTIATE_SUCCESS: CUgraphInstantiateResult = 0;
+pub const CUDA_GRAPH_INSTANTIATE_ERROR: CUgraphInstantiateResult = 1;
+
+/// `CUevent_record_flags` / `CUevent_wait_flags`.
+pub const CU_EVENT_RECORD_EXTERNAL: c_uint = 0x1;
+pub const CU_EVENT_WAIT_EXTERNAL: c_uint = 0x1;
+
+/// `cuLaunchCooperativeKernelMultiDevice` flags.
+pub const CUDA_COOPERATIVE_LAUNCH_MULTI_DEVICE_NO_PRE_LAUNCH_SYNC: c_uint = 0x1;
+pub const CUDA_COOPERATIVE_LAUNCH_MULTI_DEVICE_NO_POST_LAUNCH_SYNC: c_uint = 0x2;
+
+/// `CUDA_KERNEL_NODE_PARAMS_v1` (`cuGraphAddKernelNode`, CUDA 10.0).
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct CUDA_KERNEL_NODE_PARAMS_v1 {
+    pub func: CUfunction,
+    pub grid_dim_x: c_uint,
+    pub grid_dim_y: c_uint,
+    pub grid_dim_z: c_uint,
+    pub block_dim_x: c_uint,
+    pub block_dim_y: c_uint,
+    pub block_dim_z: c_uint,
+    pub shared_mem_bytes: c_uint,
+    pub kernel_params: *mut *mut c_void,
+    pub extra: *mut *mut c_void,
+}
+
+/// `CUDA_KERNEL_NODE_PARAMS_v2` (`cuGraphAddKernelNode_v2`, CUDA 12.0; what
+/// `CUDA_KERNEL_NODE_PARAMS` names since then).
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct CUDA_KERNEL_NODE_PARAMS_v2 {
+    pub func: CUfunction,
+    pub grid_dim_x: c_uint,
+    pub grid_dim_y: c_uint,
+    pub grid_dim_z: c_uint,
+    pub block_dim_x: c_uint,
+    pub block_dim_y: c_uint,
+    pub block_dim_z: c_uint,
+    pub shared_mem_bytes: c_uint,
+    pub kernel_params: *mut *mut c_void,
+    pub extra: *mut *mut c_void,
+    pub kern: CUkernel,
+    pub ctx: CUcontext,
+}
+
+/// `CUDA_LAUNCH_PARAMS` (`cuLaunchCooperativeKernelMultiDevice`).
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct CUDA_LAUNCH_PARAMS {
+    pub function: CUfunction,
+    pub grid_dim_x: c_uint,
+    pub grid_dim_y: c_uint,
+    pub grid_dim_z: c_uint,
+    pub block_dim_x: c_uint,
+    pub block_dim_y: c_uint,
+    pub block_dim_z: c_uint,
+    pub shared_mem_bytes: c_uint,
+    pub h_stream: CUstream,
+    pub kernel_params: *mut *mut c_void,
+}
+
+/// `CUDA_GRAPH_INSTANTIATE_PARAMS` (`cuGraphInstantiateWithParams`).
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct CUDA_GRAPH_INSTANTIATE_PARAMS {
+    pub flags: u64,
+    pub h_upload_stream: CUstream,
+    pub h_err_node_out: CUgraphNode,
+    pub result_out: CUgraphInstantiateResult,
+}

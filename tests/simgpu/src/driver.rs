@@ -117,6 +117,8 @@ pub struct Stream {
     pub flags: u32,
     pub priority: i32,
     pub timeline: Timeline,
+    /// The capture sequence this stream takes part in, if any.
+    pub capture: Option<u64>,
 }
 
 #[derive(Debug)]
@@ -125,6 +127,96 @@ pub struct Event {
     pub flags: u32,
     /// Completion time of the recorded work, `None` until recorded.
     pub time: Option<u64>,
+    /// The capture sequence it was last recorded in (`None` when its last
+    /// record was an ordinary one).
+    pub captured: Option<u64>,
+}
+
+/// A kernel as a graph holds it: what was launched and how long it runs.
+#[derive(Debug, Clone, Copy)]
+pub struct KernelNode {
+    pub func: u64,
+    pub grid: [u32; 3],
+    pub block: [u32; 3],
+    pub shared_mem: u32,
+    /// The caller's `kernelParams` / `extra` arrays, kept as given (the
+    /// simulation cannot know the argument sizes to copy them).
+    pub kernel_params: usize,
+    pub extra: usize,
+    pub kern: usize,
+    pub ctx: u64,
+    pub duration_ns: u64,
+}
+
+/// What one graph node does when its graph is launched.
+#[derive(Debug, Clone, Copy)]
+pub enum NodeOp {
+    Kernel(KernelNode),
+    /// A copy (instantaneous, like every simulated copy).
+    Memcpy {
+        dst: u64,
+        src: u64,
+        bytes: u64,
+    },
+    /// A fill of `count` elements of `elem` bytes.
+    Memset {
+        dst: u64,
+        value: u32,
+        elem: u8,
+        count: u64,
+    },
+    /// Records the event at this point of the launch stream.
+    EventRecord(u64),
+    /// Makes the rest of the launch wait for the event.
+    EventWait(u64),
+}
+
+impl NodeOp {
+    /// The `CUgraphNodeType` of the node.
+    pub fn node_type(&self) -> CUgraphNodeType {
+        match self {
+            NodeOp::Kernel(_) => CU_GRAPH_NODE_TYPE_KERNEL,
+            NodeOp::Memcpy { .. } => CU_GRAPH_NODE_TYPE_MEMCPY,
+            NodeOp::Memset { .. } => CU_GRAPH_NODE_TYPE_MEMSET,
+            NodeOp::EventRecord(_) => CU_GRAPH_NODE_TYPE_EVENT_RECORD,
+            NodeOp::EventWait(_) => CU_GRAPH_NODE_TYPE_WAIT_EVENT,
+        }
+    }
+}
+
+#[derive(Debug)]
+pub struct GraphNode {
+    pub graph: u64,
+    pub op: NodeOp,
+}
+
+/// A graph: its nodes in the order they were added, which is also the order
+/// they run in (every dependency is added before its dependents).
+#[derive(Debug, Default)]
+pub struct Graph {
+    pub nodes: Vec<u64>,
+}
+
+/// An instantiated graph: a snapshot of the graph's operations.
+#[derive(Debug)]
+pub struct GraphExec {
+    pub ops: Vec<NodeOp>,
+}
+
+/// A stream capture sequence.
+#[derive(Debug)]
+pub struct Capture {
+    /// The graph being built.
+    pub graph: u64,
+    /// The stream that began the capture (the one that must end it).
+    pub origin: u64,
+    pub mode: CUstreamCaptureMode,
+    pub thread: std::thread::ThreadId,
+    /// Set by an operation the capture cannot hold; ending it then fails.
+    pub invalidated: bool,
+    /// The last captured node (the capture's dependency set, handed out by
+    /// `cuStreamGetCaptureInfo`; boxed so the address stays put).
+    pub last: Box<u64>,
 }
 
 #[derive(Debug)]
@@ -325,6 +417,11 @@ pub struct Inner {
     pub vmm: HashMap<u64, VmmHandle>,
     /// VMM address reservations: start → size.
     pub reservations: BTreeMap<u64, u64>,
+    pub graphs: HashMap<u64, Graph>,
+    pub graph_nodes: HashMap<u64, GraphNode>,
+    pub graph_execs: HashMap<u64, GraphExec>,
+    /// Active capture sequences by id.
+    pub captures: HashMap<u64, Capture>,
 }
 
 pub struct Proc {
@@ -460,6 +557,72 @@ impl Inner {
         }
     }
 
+    /// The capture sequence a stream takes part in (default streams are
+    /// never captured).
+    pub fn capture_of(&self, s: StreamRef) -> Option<u64> {
+        match s {
+            StreamRef::Default(_) => None,
+            StreamRef::Created(h) => self.streams.get(&h).and_then(|s| s.capture),
+        }
+    }
+
+    /// Appends a node to a graph (after every node it already has).
+    pub fn add_node(&mut self, graph: u64, op: NodeOp) -> CuResult<u64> {
+        let g = self
+            .graphs
+            .get_mut(&graph)
+            .ok_or(CUDA_ERROR_INVALID_VALUE)?;
+        let node = new_handle();
+        g.nodes.push(node);
+        self.graph_nodes.insert(node, GraphNode { graph, op });
+        Ok(node)
+    }
+
+    /// Records an operation into a capture sequence instead of running it.
+    pub fn capture_append(&mut self, id: u64, op: NodeOp) -> CuResult<()> {
+        let capture = self
+            .captures
+            .get(&id)
+            .ok_or(CUDA_ERROR_STREAM_CAPTURE_INVALIDATED)?;
+        if capture.invalidated {
+            return Err(CUDA_ERROR_STREAM_CAPTURE_INVALIDATED);
+        }
+        let graph = capture.graph;
+        let node = self.add_node(graph, op)?;
+        if let Some(c) = self.captures.get_mut(&id) {
+            *c.last = node;
+        }
+        Ok(())
+    }
+
+    /// Marks a capture sequence failed (an operation it cannot hold).
+    pub fn invalidate_capture(&mut self, id: u64) {
+        if let Some(c) = self.captures.get_mut(&id) {
+            c.invalidated = true;
+        }
+    }
+
+    /// Ends a capture sequence: no stream takes part in it any more.
+    pub fn end_capture(&mut self, id: u64) -> Option<Capture> {
+        for s in self.streams.values_mut() {
+            if s.capture == Some(id) {
+                s.capture = None;
+            }
+        }
+        self.captures.remove(&id)
+    }
+
+    /// Destroys a graph and its nodes.
+    pub fn destroy_graph(&mut self, graph: u64) -> bool {
+        let Some(g) = self.graphs.remove(&graph) else {
+            return false;
+        };
+        for n in g.nodes {
+            self.graph_nodes.remove(&n);
+        }
+        true
+    }
+
     /// When all work queued in a context ends.
     pub fn ctx_last_end(&self, ctx: u64) -> u64 {
         let own = self
@@ -541,6 +704,15 @@ impl Inner {
             }
         }
         self.streams.retain(|_, s| s.ctx != handle);
+        let orphaned: Vec<u64> = self
+            .captures
+            .iter()
+            .filter(|(_, c)| !self.streams.contains_key(&c.origin))
+            .map(|(&id, _)| id)
+            .collect();
+        for id in orphaned {
+            self.end_capture(id);
+        }
         self.events.retain(|_, e| e.ctx != handle);
         uncharge(device, cfg.context_bytes);
         if let Ok(s) = shared() {

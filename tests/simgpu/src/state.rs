@@ -5,7 +5,7 @@
 //! | offset | content |
 //! | --- | --- |
 //! | 0 | [`Header`]: magic, layout version, header size, file size, counts, offsets |
-//! | 4096 | 16 × [`DeviceRecord`]: total and used bytes, `busy_until_ns`, ring head, robust process-shared mutex |
+//! | 4096 | 16 × [`DeviceRecord`]: total and used bytes, `busy_until_ns`, ring head, robust process-shared mutex, busy ns |
 //! | `slots_offset` | 256 × [`SlotRecord`]: pid, per-device used bytes, busy ns, context count |
 //! | `rings_offset` | per device, 65536 × [`KernelRecord`] (start, end, pid) |
 //!
@@ -69,7 +69,10 @@ pub struct DeviceRecord {
     /// Kernel records ever appended to this device's ring.
     pub ring_head: AtomicU64,
     mutex: UnsafeCell<libc::pthread_mutex_t>,
-    _reserved: [u64; 4],
+    /// Kernel time ever scheduled on the device (ns, all processes; updated
+    /// with the ring, under the mutex).
+    pub busy_ns: AtomicU64,
+    _reserved: [u64; 3],
 }
 
 /// One process's accounting.
@@ -79,6 +82,8 @@ pub struct SlotRecord {
     _pad: u32,
     pub claimed_realtime_us: AtomicU64,
     pub used: [AtomicU64; MAX_DEVICES],
+    /// Kernel time this process ever scheduled per device (ns; updated with
+    /// the device's ring, under its mutex).
     pub busy_ns: [AtomicU64; MAX_DEVICES],
     pub contexts: [AtomicU32; MAX_DEVICES],
 }
@@ -449,10 +454,48 @@ impl Shared {
                     .write_volatile(record)
             };
             rec.ring_head.store(head + 1, Ordering::Release);
+            rec.busy_ns.fetch_add(duration_ns, Ordering::AcqRel);
+            self.slot(slot).busy_ns[device].fetch_add(duration_ns, Ordering::AcqRel);
             (start, end)
         };
-        self.slot(slot).busy_ns[device].fetch_add(duration_ns, Ordering::AcqRel);
         Ok((start, end))
+    }
+
+    /// Kernel time `device` has spent so far, for one process (`Some(pid)`)
+    /// or all of them: the cumulative scheduled time less the part of the
+    /// queued kernels that lies after now. Exact however long the history:
+    /// only the queued tail of the ring is read. A pid without a slot (never
+    /// used the device, or gone) has 0.
+    pub fn elapsed_busy(&self, device: usize, pid: Option<u32>) -> Result<u64, StateError> {
+        if pid == Some(0) {
+            return Ok(0);
+        }
+        let rec = self.device(device);
+        let _guard = self.lock_device(device)?;
+        let scheduled = match pid {
+            None => rec.busy_ns.load(Ordering::Acquire),
+            Some(p) => (0..MAX_SLOTS)
+                .map(|i| self.slot(i))
+                .filter(|s| s.pid.load(Ordering::Acquire) == p)
+                .map(|s| s.busy_ns[device].load(Ordering::Acquire))
+                .sum(),
+        };
+        let now = clock::now_ns();
+        let head = rec.ring_head.load(Ordering::Acquire);
+        let mut ahead = 0u64;
+        for k in 0..head.min(RING_CAPACITY) {
+            let index = (head - 1 - k) % RING_CAPACITY;
+            // SAFETY: index < RING_CAPACITY inside the ring; the mutex is held.
+            let r = unsafe { self.ring(device).add(index as usize).read_volatile() };
+            if r.end_ns <= now {
+                // Records are appended in time order: the rest has ended.
+                break;
+            }
+            if pid.is_none_or(|p| p == r.pid) {
+                ahead += r.end_ns - r.start_ns.max(now);
+            }
+        }
+        Ok(scheduled.saturating_sub(ahead))
     }
 
     /// Kernel time on `device` inside `[from_ns, to_ns)`.

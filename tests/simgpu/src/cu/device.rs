@@ -442,6 +442,41 @@ const ERRORS: &[(CUresult, &CStr, &CStr)] = &[
         c"CUDA_ERROR_STREAM_CAPTURE_INVALIDATED",
         c"operation failed due to a previous error during capture",
     ),
+    (
+        902,
+        c"CUDA_ERROR_STREAM_CAPTURE_MERGE",
+        c"operation would result in a merge of separate capture sequences",
+    ),
+    (
+        903,
+        c"CUDA_ERROR_STREAM_CAPTURE_UNMATCHED",
+        c"capture was not ended in the same stream as it began",
+    ),
+    (
+        904,
+        c"CUDA_ERROR_STREAM_CAPTURE_UNJOINED",
+        c"capturing stream has unjoined work",
+    ),
+    (
+        905,
+        c"CUDA_ERROR_STREAM_CAPTURE_ISOLATION",
+        c"dependency created on uncaptured work in another stream",
+    ),
+    (
+        906,
+        c"CUDA_ERROR_STREAM_CAPTURE_IMPLICIT",
+        c"operation would make the legacy stream depend on a capturing blocking stream",
+    ),
+    (
+        907,
+        c"CUDA_ERROR_CAPTURED_EVENT",
+        c"operation not permitted on an event last recorded in a capturing stream",
+    ),
+    (
+        908,
+        c"CUDA_ERROR_STREAM_CAPTURE_WRONG_THREAD",
+        c"attempt to terminate a thread-local capture sequence from another thread",
+    ),
     (999, c"CUDA_ERROR_UNKNOWN", c"unknown error"),
 ];
 
@@ -503,6 +538,39 @@ pub extern "C" fn simgpu_device_used_bytes(device: c_int) -> u64 {
     .unwrap_or(u64::MAX)
 }
 
+/// Kernel time `device` has spent so far, for one pid or all (`None`);
+/// `u64::MAX` on error. Reads the shared state file (no `cuInit` needed).
+fn busy_hook(device: c_int, pid: Option<u32>) -> u64 {
+    std::panic::catch_unwind(|| {
+        let Ok(cfg) = config::get() else {
+            return u64::MAX;
+        };
+        if device < 0 || device as usize >= cfg.devices {
+            return u64::MAX;
+        }
+        match crate::state::shared() {
+            Ok(s) => s.elapsed_busy(device as usize, pid).unwrap_or(u64::MAX),
+            Err(_) => u64::MAX,
+        }
+    })
+    .unwrap_or(u64::MAX)
+}
+
+/// Test hook: nanoseconds `device` has spent running kernels of process
+/// `pid`, counting only time already elapsed (a queued kernel counts from
+/// its start up to now); 0 for a pid that has no slot; `u64::MAX` for a bad
+/// device or an unusable state file.
+#[no_mangle]
+pub extern "C" fn simgpu_process_busy_ns(device: c_int, pid: u32) -> u64 {
+    busy_hook(device, Some(pid))
+}
+
+/// Test hook: the same as [`simgpu_process_busy_ns`] for all processes.
+#[no_mangle]
+pub extern "C" fn simgpu_device_busy_ns(device: c_int) -> u64 {
+    busy_hook(device, None)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -518,7 +586,9 @@ mod tests {
 
     #[test]
     fn every_error_has_strings() {
-        for code in [0, 1, 2, 3, 100, 101, 200, 201, 400, 500, 600, 801, 999] {
+        for code in [
+            0, 1, 2, 3, 100, 101, 200, 201, 400, 500, 600, 801, 900, 907, 999,
+        ] {
             assert!(lookup_error(code).is_some(), "{code}");
         }
         assert!(lookup_error(12345).is_none());

@@ -5,7 +5,7 @@ use std::ffi::{c_int, c_uint, c_void};
 use vgpu_cuda_abi::cuda::*;
 
 use super::out;
-use crate::driver::{check_init, lock, round_up, shared, Inner, Region, RegionKind};
+use crate::driver::{check_init, lock, round_up, shared, Inner, NodeOp, Region, RegionKind};
 
 cuda_fn! {
     fn cuMemGetInfo_v2(free: *mut usize, total: *mut usize) {
@@ -247,7 +247,24 @@ fn check_end(inner: &Inner, addr: u64, len: u64, end: End) -> Result<(), CUresul
     }
 }
 
+/// The capture sequence of a copy's or fill's stream (`None` for the
+/// synchronous calls, which use the default stream).
+fn stream_capture(inner: &Inner, stream: Option<CUstream>) -> Result<Option<u64>, CUresult> {
+    match stream {
+        Some(s) => {
+            let (sref, _, _) = inner.stream(s)?;
+            Ok(inner.capture_of(sref))
+        }
+        None => {
+            inner.current()?;
+            Ok(None)
+        }
+    }
+}
+
 /// Copies `n` bytes at once (the simulated copy engine is instantaneous).
+/// On a capturing stream the copy becomes a memcpy node that copies when
+/// the graph is launched.
 fn copy(
     dst: u64,
     dst_end: End,
@@ -257,20 +274,34 @@ fn copy(
     stream: Option<CUstream>,
 ) -> Result<(), CUresult> {
     check_init()?;
-    let inner = lock();
-    match stream {
-        Some(s) => {
-            inner.stream(s)?;
-        }
-        None => {
-            inner.current()?;
-        }
-    }
+    let mut inner = lock();
+    let capture = stream_capture(&inner, stream)?;
     if n == 0 {
         return Ok(());
     }
     check_end(&inner, dst, n as u64, dst_end)?;
     check_end(&inner, src, n as u64, src_end)?;
+    if let Some(id) = capture {
+        let op = NodeOp::Memcpy {
+            dst,
+            src,
+            bytes: n as u64,
+        };
+        return inner.capture_append(id, op);
+    }
+    copy_now(&inner, dst, src, n)
+}
+
+/// A graph's memcpy node, run at launch: both ends are checked again (the
+/// memory may have been freed since the capture).
+pub(crate) fn replay_copy(inner: &Inner, dst: u64, src: u64, n: u64) -> Result<(), CUresult> {
+    check_end(inner, dst, n, End::Unified)?;
+    check_end(inner, src, n, End::Unified)?;
+    copy_now(inner, dst, src, n as usize)
+}
+
+/// Copies checked ranges.
+fn copy_now(_inner: &Inner, dst: u64, src: u64, n: usize) -> Result<(), CUresult> {
     // SAFETY: both ranges were checked to be live simulated device memory
     // (host memory of ours) or caller-provided host buffers of `n` bytes;
     // `copy` tolerates overlap. The process lock keeps them from being
@@ -304,32 +335,68 @@ twin!(cuMemcpyDtoDAsync_v2, cuMemcpyDtoDAsync_v2_ptsz, (dst: CUdeviceptr, src: C
     copy(dst, End::Device, src, End::Device, n, Some(stream))
 });
 
-/// Fills `count` elements of `T` at `dst` with `value`.
-fn fill<T: Copy>(
+/// Fills `count` elements of `T` at `dst` with `value`. On a capturing
+/// stream the fill becomes a memset node that fills when the graph is
+/// launched.
+fn fill<T: Copy + Into<u32>>(
     dst: CUdeviceptr,
     value: T,
     count: usize,
     stream: Option<CUstream>,
 ) -> Result<(), CUresult> {
     check_init()?;
-    let inner = lock();
-    match stream {
-        Some(s) => {
-            inner.stream(s)?;
-        }
-        None => {
-            inner.current()?;
-        }
+    let mut inner = lock();
+    let capture = stream_capture(&inner, stream)?;
+    if let Some(id) = capture {
+        check_fill::<T>(&inner, dst, count)?;
+        let op = NodeOp::Memset {
+            dst,
+            value: value.into(),
+            elem: std::mem::size_of::<T>() as u8,
+            count: count as u64,
+        };
+        return inner.capture_append(id, op);
     }
+    fill_now(&inner, dst, value, count)
+}
+
+/// A graph's memset node, run at launch.
+pub(crate) fn replay_fill(
+    inner: &Inner,
+    dst: u64,
+    value: u32,
+    elem: u8,
+    count: u64,
+) -> Result<(), CUresult> {
+    let count = usize::try_from(count).map_err(|_| CUDA_ERROR_INVALID_VALUE)?;
+    match elem {
+        1 => fill_now(inner, dst, value as u8, count),
+        2 => fill_now(inner, dst, value as u16, count),
+        _ => fill_now(inner, dst, value, count),
+    }
+}
+
+/// Checks a fill's alignment and range.
+fn check_fill<T>(inner: &Inner, dst: CUdeviceptr, count: usize) -> Result<(), CUresult> {
     let size = std::mem::size_of::<T>();
     if dst % size as u64 != 0 {
         return Err(CUDA_ERROR_INVALID_VALUE);
     }
+    let bytes = count.checked_mul(size).ok_or(CUDA_ERROR_INVALID_VALUE)?;
+    inner.check_device_range(dst, bytes as u64)
+}
+
+/// Fills now, after checking the range.
+fn fill_now<T: Copy>(
+    inner: &Inner,
+    dst: CUdeviceptr,
+    value: T,
+    count: usize,
+) -> Result<(), CUresult> {
+    check_fill::<T>(inner, dst, count)?;
     if count == 0 {
         return Ok(());
     }
-    let bytes = count.checked_mul(size).ok_or(CUDA_ERROR_INVALID_VALUE)?;
-    inner.check_device_range(dst, bytes as u64)?;
     // SAFETY: the range is live simulated device memory, aligned for T
     // (checked), and the process lock keeps it alive while we write.
     unsafe { std::slice::from_raw_parts_mut(dst as *mut T, count) }.fill(value);

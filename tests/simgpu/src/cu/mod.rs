@@ -3,6 +3,7 @@
 pub mod array;
 pub mod ctx;
 pub mod device;
+pub mod graph;
 pub mod mem;
 pub mod module;
 pub mod pool;

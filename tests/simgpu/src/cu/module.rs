@@ -18,7 +18,9 @@ use vgpu_cuda_abi::cuda::*;
 
 use super::{inp, out};
 use crate::clock::{self, parse_duration};
-use crate::driver::{self, charge, check_init, lock, new_handle, Function, Module, QUEUE_DEPTH};
+use crate::driver::{
+    self, charge, check_init, lock, new_handle, Function, KernelNode, Module, NodeOp, QUEUE_DEPTH,
+};
 use crate::ffi::cstr;
 
 const MAGIC: &[u8] = b"SIMGPU-MODULE";
@@ -280,26 +282,105 @@ fn check_dims(grid: [c_uint; 3], block: [c_uint; 3]) -> Result<(), CUresult> {
     Ok(())
 }
 
-/// Queues a kernel: it occupies its device exclusively for its duration,
-/// after everything already queued on the device and on its stream. The
-/// call returns at once unless the stream already has `QUEUE_DEPTH`
-/// kernels outstanding, in which case it sleeps until one finishes.
+/// Launches a kernel on a stream, or records it when the stream is
+/// capturing (the kernel then does not run).
 fn launch(
     func: CUfunction,
     grid: [c_uint; 3],
     block: [c_uint; 3],
+    shared_mem: c_uint,
+    kernel_params: *mut *mut c_void,
+    extra: *mut *mut c_void,
     stream: CUstream,
 ) -> Result<(), CUresult> {
     check_init()?;
+    let node = kernel_node(func, grid, block, shared_mem, kernel_params, extra, stream)?;
+    enqueue(stream, &node, 0).map(|_| ())
+}
+
+/// Validates a launch and describes it as a graph would hold it.
+fn kernel_node(
+    func: CUfunction,
+    grid: [c_uint; 3],
+    block: [c_uint; 3],
+    shared_mem: c_uint,
+    kernel_params: *mut *mut c_void,
+    extra: *mut *mut c_void,
+    stream: CUstream,
+) -> Result<KernelNode, CUresult> {
     check_dims(grid, block)?;
+    let inner = lock();
+    let duration_ns = inner
+        .functions
+        .get(&(func as u64))
+        .ok_or(CUDA_ERROR_INVALID_HANDLE)?
+        .duration_ns;
+    let (_, ctx, _) = inner.stream(stream)?;
+    Ok(KernelNode {
+        func: func as u64,
+        grid,
+        block,
+        shared_mem,
+        kernel_params: kernel_params as usize,
+        extra: extra as usize,
+        kern: 0,
+        ctx,
+        duration_ns,
+    })
+}
+
+/// A kernel node's launch description for a graph (`cuGraphAddKernelNode`):
+/// the function must exist; the context defaults to the current one.
+pub(crate) fn graph_kernel_node(p: &CUDA_KERNEL_NODE_PARAMS_v2) -> Result<KernelNode, CUresult> {
+    let grid = [p.grid_dim_x, p.grid_dim_y, p.grid_dim_z];
+    let block = [p.block_dim_x, p.block_dim_y, p.block_dim_z];
+    check_dims(grid, block)?;
+    if p.func.is_null() {
+        // CUkernel (library) handles do not exist in the simulation.
+        return Err(CUDA_ERROR_INVALID_VALUE);
+    }
+    let inner = lock();
+    let duration_ns = inner
+        .functions
+        .get(&(p.func as u64))
+        .ok_or(CUDA_ERROR_INVALID_VALUE)?
+        .duration_ns;
+    let ctx = if p.ctx.is_null() {
+        inner.current().map_or(0, |(c, _)| c)
+    } else {
+        p.ctx as u64
+    };
+    Ok(KernelNode {
+        func: p.func as u64,
+        grid,
+        block,
+        shared_mem: p.shared_mem_bytes,
+        kernel_params: p.kernel_params as usize,
+        extra: p.extra as usize,
+        kern: p.kern as usize,
+        ctx,
+        duration_ns,
+    })
+}
+
+/// Queues a kernel: it occupies its device exclusively for its duration,
+/// after everything already queued on the device, on its stream, and
+/// `not_before_ns`. The call returns at once unless the stream already has
+/// `QUEUE_DEPTH` kernels outstanding, in which case it sleeps until one
+/// finishes. On a capturing stream the kernel is appended to the capture's
+/// graph instead (`Ok(None)`); otherwise returns when it ends.
+pub(crate) fn enqueue(
+    stream: CUstream,
+    node: &KernelNode,
+    not_before_ns: u64,
+) -> Result<Option<u64>, CUresult> {
     loop {
         let mut inner = lock();
-        let duration = inner
-            .functions
-            .get(&(func as u64))
-            .ok_or(CUDA_ERROR_INVALID_HANDLE)?
-            .duration_ns;
         let (sref, _, device) = inner.stream(stream)?;
+        if let Some(id) = inner.capture_of(sref) {
+            inner.capture_append(id, NodeOp::Kernel(*node))?;
+            return Ok(None);
+        }
         let now = clock::now_ns();
         let timeline = inner.timeline(sref).ok_or(CUDA_ERROR_INVALID_HANDLE)?;
         timeline.prune(now);
@@ -309,14 +390,14 @@ fn launch(
             driver::wait_until(first);
             continue;
         }
-        let not_before = timeline.last_end;
+        let not_before = timeline.last_end.max(not_before_ns);
         let (_, end) = driver::shared()?
-            .run_kernel(device, not_before, duration)
+            .run_kernel(device, not_before, node.duration_ns)
             .map_err(|_| CUDA_ERROR_LAUNCH_FAILED)?;
         let timeline = inner.timeline(sref).ok_or(CUDA_ERROR_INVALID_HANDLE)?;
         timeline.last_end = timeline.last_end.max(end);
         timeline.queue.push_back(end);
-        return Ok(());
+        return Ok(Some(end));
     }
 }
 
@@ -333,8 +414,15 @@ twin!(cuLaunchKernel, cuLaunchKernel_ptsz, (
     kernel_params: *mut *mut c_void,
     extra: *mut *mut c_void,
 ) {
-    let _ = (shared_mem_bytes, kernel_params, extra);
-    launch(f, [grid_x, grid_y, grid_z], [block_x, block_y, block_z], stream)
+    launch(
+        f,
+        [grid_x, grid_y, grid_z],
+        [block_x, block_y, block_z],
+        shared_mem_bytes,
+        kernel_params,
+        extra,
+        stream,
+    )
 });
 
 twin!(cuLaunchKernelEx, cuLaunchKernelEx_ptsz, (
@@ -343,13 +431,15 @@ twin!(cuLaunchKernelEx, cuLaunchKernelEx_ptsz, (
     kernel_params: *mut *mut c_void,
     extra: *mut *mut c_void,
 ) {
-    let _ = (kernel_params, extra);
     // SAFETY: the caller passes a valid launch config (NULL rejected).
     let c = unsafe { inp(config) }?;
     launch(
         f,
         [c.grid_dim_x, c.grid_dim_y, c.grid_dim_z],
         [c.block_dim_x, c.block_dim_y, c.block_dim_z],
+        c.shared_mem_bytes,
+        kernel_params,
+        extra,
         c.h_stream,
     )
 });
@@ -366,9 +456,90 @@ twin!(cuLaunchCooperativeKernel, cuLaunchCooperativeKernel_ptsz, (
     stream: CUstream,
     kernel_params: *mut *mut c_void,
 ) {
-    let _ = (shared_mem_bytes, kernel_params);
-    launch(f, [grid_x, grid_y, grid_z], [block_x, block_y, block_z], stream)
+    launch(
+        f,
+        [grid_x, grid_y, grid_z],
+        [block_x, block_y, block_z],
+        shared_mem_bytes,
+        kernel_params,
+        std::ptr::null_mut(),
+        stream,
+    )
 });
+
+cuda_fn! {
+    /// One kernel per entry, each on its own stream, on distinct devices.
+    /// Unless the flags say otherwise, every kernel starts after the work
+    /// queued on all the entries' streams (pre-launch sync) and every
+    /// stream's later work waits for all the kernels (post-launch sync).
+    /// Capturing streams are not supported (`CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED`).
+    fn cuLaunchCooperativeKernelMultiDevice(
+        launch_params_list: *mut CUDA_LAUNCH_PARAMS,
+        num_devices: c_uint,
+        flags: c_uint,
+    ) {
+        let cfg = check_init()?;
+        let known = CUDA_COOPERATIVE_LAUNCH_MULTI_DEVICE_NO_PRE_LAUNCH_SYNC
+            | CUDA_COOPERATIVE_LAUNCH_MULTI_DEVICE_NO_POST_LAUNCH_SYNC;
+        if launch_params_list.is_null()
+            || num_devices == 0
+            || num_devices as usize > cfg.devices
+            || flags & !known != 0
+        {
+            return Err(CUDA_ERROR_INVALID_VALUE);
+        }
+        let mut entries = Vec::with_capacity(num_devices as usize);
+        for i in 0..num_devices as usize {
+            // SAFETY: the caller passes `num_devices` entries.
+            entries.push(unsafe { inp(launch_params_list.add(i)) }?);
+        }
+        let mut nodes = Vec::with_capacity(entries.len());
+        let mut devices = Vec::with_capacity(entries.len());
+        let mut ready = 0;
+        for e in &entries {
+            let node = kernel_node(
+                e.function,
+                [e.grid_dim_x, e.grid_dim_y, e.grid_dim_z],
+                [e.block_dim_x, e.block_dim_y, e.block_dim_z],
+                e.shared_mem_bytes,
+                e.kernel_params,
+                std::ptr::null_mut(),
+                e.h_stream,
+            )?;
+            let mut inner = lock();
+            let (sref, _, device) = inner.stream(e.h_stream)?;
+            if devices.contains(&device) {
+                return Err(CUDA_ERROR_INVALID_VALUE);
+            }
+            devices.push(device);
+            if let Some(id) = inner.capture_of(sref) {
+                inner.invalidate_capture(id);
+                return Err(CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED);
+            }
+            ready = ready.max(inner.timeline(sref).map_or(0, |t| t.last_end));
+            nodes.push(node);
+        }
+        if flags & CUDA_COOPERATIVE_LAUNCH_MULTI_DEVICE_NO_PRE_LAUNCH_SYNC != 0 {
+            ready = 0;
+        }
+        let mut done = 0;
+        for (e, node) in entries.iter().zip(&nodes) {
+            if let Some(end) = enqueue(e.h_stream, node, ready)? {
+                done = done.max(end);
+            }
+        }
+        if flags & CUDA_COOPERATIVE_LAUNCH_MULTI_DEVICE_NO_POST_LAUNCH_SYNC == 0 {
+            let mut inner = lock();
+            for e in &entries {
+                let (sref, _, _) = inner.stream(e.h_stream)?;
+                if let Some(t) = inner.timeline(sref) {
+                    t.last_end = t.last_end.max(done);
+                }
+            }
+        }
+        Ok(())
+    }
+}
 
 #[cfg(test)]
 mod tests {

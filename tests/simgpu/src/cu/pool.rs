@@ -11,7 +11,9 @@ use std::ffi::{c_int, c_void};
 use vgpu_cuda_abi::cuda::*;
 
 use super::{inp, out};
-use crate::driver::{check_device, check_init, lock, new_handle, Pool, RegionKind};
+use crate::driver::{
+    check_device, check_init, lock, new_handle, Inner, Pool, RegionKind, StreamRef,
+};
 
 cuda_fn! {
     fn cuDeviceGetDefaultMemPool(pool: *mut CUmemoryPool, dev: CUdevice) {
@@ -164,6 +166,18 @@ cuda_fn! {
     }
 }
 
+/// Stream-ordered allocation is not captured (the real driver makes memory
+/// nodes): on a capturing stream it fails and invalidates the capture.
+fn refuse_capture(inner: &mut Inner, sref: StreamRef) -> Result<(), CUresult> {
+    match inner.capture_of(sref) {
+        Some(id) => {
+            inner.invalidate_capture(id);
+            Err(CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED)
+        }
+        None => Ok(()),
+    }
+}
+
 /// Allocates from `pool` (or the stream device's current pool).
 fn alloc_async(
     dptr: *mut CUdeviceptr,
@@ -176,7 +190,8 @@ fn alloc_async(
         return Err(CUDA_ERROR_INVALID_VALUE);
     }
     let mut inner = lock();
-    let (_, ctx, device) = inner.stream(stream)?;
+    let (sref, ctx, device) = inner.stream(stream)?;
+    refuse_capture(&mut inner, sref)?;
     let pool = match pool {
         Some(p) => {
             let h = p as u64;
@@ -209,7 +224,8 @@ twin!(cuMemAllocFromPoolAsync, cuMemAllocFromPoolAsync_ptsz, (
 fn free_async(dptr: CUdeviceptr, stream: CUstream) -> Result<(), CUresult> {
     check_init()?;
     let mut inner = lock();
-    inner.stream(stream)?;
+    let (sref, _, _) = inner.stream(stream)?;
+    refuse_capture(&mut inner, sref)?;
     match inner.region_at(dptr).map(|r| r.kind) {
         Some(RegionKind::PoolAlloc { .. } | RegionKind::Device | RegionKind::Managed) => {
             inner.free_region(dptr)

@@ -15,6 +15,7 @@ use vgpu_cuda_abi::cuda::*;
 use super::array::*;
 use super::ctx::*;
 use super::device::*;
+use super::graph::*;
 use super::mem::*;
 use super::module::*;
 use super::out;
@@ -35,7 +36,7 @@ pub struct Variant {
 macro_rules! variants {
     (@opt) => { None };
     (@opt $p:path) => { Some($p as *const () as usize) };
-    ($( $name:literal => [ $( ($ver:expr, $f:path $(, $p:path)?) ),+ ] ),+ $(,)?) => {{
+    ($( $name:literal => [ $( ($ver:expr, $f:path $(, $p:path)?) ),+ $(,)? ] ),+ $(,)?) => {{
         let mut m: HashMap<&'static str, Vec<Variant>> = HashMap::new();
         $(
             m.insert($name, vec![ $( Variant {
@@ -173,6 +174,39 @@ pub fn table() -> &'static HashMap<&'static str, Vec<Variant>> {
             "cuLaunchKernel" => [(4000, cuLaunchKernel, cuLaunchKernel_ptsz)],
             "cuLaunchKernelEx" => [(11060, cuLaunchKernelEx, cuLaunchKernelEx_ptsz)],
             "cuLaunchCooperativeKernel" => [(9000, cuLaunchCooperativeKernel, cuLaunchCooperativeKernel_ptsz)],
+            "cuLaunchCooperativeKernelMultiDevice" => [(9000, cuLaunchCooperativeKernelMultiDevice)],
+
+            "cuStreamBeginCapture" => [
+                (10000, cuStreamBeginCapture, cuStreamBeginCapture_ptsz),
+                (10010, cuStreamBeginCapture_v2, cuStreamBeginCapture_v2_ptsz),
+            ],
+            "cuStreamEndCapture" => [(10000, cuStreamEndCapture, cuStreamEndCapture_ptsz)],
+            "cuStreamGetCaptureInfo" => [
+                (10010, cuStreamGetCaptureInfo, cuStreamGetCaptureInfo_ptsz),
+                (11030, cuStreamGetCaptureInfo_v2, cuStreamGetCaptureInfo_v2_ptsz),
+                (12030, cuStreamGetCaptureInfo_v3, cuStreamGetCaptureInfo_v3_ptsz),
+            ],
+            "cuThreadExchangeStreamCaptureMode" => [(10010, cuThreadExchangeStreamCaptureMode)],
+            "cuGraphCreate" => [(10000, cuGraphCreate)],
+            "cuGraphDestroy" => [(10000, cuGraphDestroy)],
+            "cuGraphAddKernelNode" => [(10000, cuGraphAddKernelNode), (12000, cuGraphAddKernelNode_v2)],
+            "cuGraphGetNodes" => [(10000, cuGraphGetNodes)],
+            "cuGraphNodeGetType" => [(10000, cuGraphNodeGetType)],
+            "cuGraphKernelNodeGetParams" => [
+                (10000, cuGraphKernelNodeGetParams),
+                (12000, cuGraphKernelNodeGetParams_v2),
+            ],
+            // CUDA 12's cuda.h: `#define cuGraphInstantiate cuGraphInstantiateWithFlags`.
+            "cuGraphInstantiate" => [
+                (10000, cuGraphInstantiate),
+                (11000, cuGraphInstantiate_v2),
+                (12000, cuGraphInstantiateWithFlags),
+            ],
+            "cuGraphInstantiateWithFlags" => [(11040, cuGraphInstantiateWithFlags)],
+            "cuGraphInstantiateWithParams" => [(12000, cuGraphInstantiateWithParams, cuGraphInstantiateWithParams_ptsz)],
+            "cuGraphExecDestroy" => [(10000, cuGraphExecDestroy)],
+            "cuGraphUpload" => [(11010, cuGraphUpload, cuGraphUpload_ptsz)],
+            "cuGraphLaunch" => [(10000, cuGraphLaunch, cuGraphLaunch_ptsz)],
         }
     })
 }

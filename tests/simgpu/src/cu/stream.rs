@@ -2,6 +2,15 @@
 //!
 //! A stream knows when its last queued work ends (`last_end`); an event
 //! records that time; synchronising sleeps until it.
+//!
+//! While a stream is capturing (see [`super::graph`]), synchronising or
+//! querying it fails with `CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED` and
+//! invalidates the capture, like the real driver. Event record and wait are
+//! how captures fork and join: recording on a capturing stream marks the
+//! event as captured (no node, no time); a stream that waits on such an
+//! event joins the capture. With `CU_EVENT_RECORD_EXTERNAL` /
+//! `CU_EVENT_WAIT_EXTERNAL` they become event-record / wait-event nodes that
+//! act when the graph runs.
 
 use std::ffi::{c_int, c_uint};
 
@@ -9,7 +18,9 @@ use vgpu_cuda_abi::cuda::*;
 
 use super::out;
 use crate::clock;
-use crate::driver::{self, check_init, lock, new_handle, Event, Stream, StreamRef, Timeline};
+use crate::driver::{
+    self, check_init, lock, new_handle, Event, NodeOp, Stream, StreamRef, Timeline,
+};
 
 const STREAM_FLAGS: c_uint = 0x1; // CU_STREAM_NON_BLOCKING
 const EVENT_FLAGS: c_uint = 0xf; // BLOCKING_SYNC | DISABLE_TIMING | INTERPROCESS
@@ -33,6 +44,7 @@ fn create(ph: *mut CUstream, flags: c_uint, priority: c_int) -> Result<(), CUres
             flags,
             priority: priority.clamp(PRIORITY_GREATEST, PRIORITY_LEAST),
             timeline: Timeline::default(),
+            capture: None,
         },
     );
     // SAFETY: C API out-pointer, checked non-NULL.
@@ -55,19 +67,30 @@ cuda_fn! {
     fn cuStreamDestroy_v2(stream: CUstream) {
         check_init()?;
         let mut inner = lock();
-        inner
+        let s = inner
             .streams
             .remove(&(stream as u64))
-            .map(|_| ())
-            .ok_or(CUDA_ERROR_INVALID_HANDLE)
+            .ok_or(CUDA_ERROR_INVALID_HANDLE)?;
+        if let Some(id) = s.capture {
+            inner.invalidate_capture(id);
+            if inner.captures.get(&id).is_some_and(|c| c.origin == stream as u64) {
+                inner.end_capture(id);
+            }
+        }
+        Ok(())
     }
 }
 
-/// When the stream's queued work ends, and the device it runs on.
+/// When the stream's queued work ends, and the device it runs on. A
+/// capturing stream cannot be waited for: its capture is invalidated.
 fn stream_end(stream: CUstream) -> Result<(u64, usize), CUresult> {
     check_init()?;
     let mut inner = lock();
     let (sref, _, device) = inner.stream(stream)?;
+    if let Some(id) = inner.capture_of(sref) {
+        inner.invalidate_capture(id);
+        return Err(CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED);
+    }
     let end = inner.timeline(sref).map_or(0, |t| t.last_end);
     Ok((end, device))
 }
@@ -94,16 +117,37 @@ twin!(cuStreamQuery, cuStreamQuery_ptsz, (stream: CUstream) {
 
 fn wait_event(stream: CUstream, event: CUevent, flags: c_uint) -> Result<(), CUresult> {
     check_init()?;
-    if flags & !0x1 != 0 {
+    if flags & !CU_EVENT_WAIT_EXTERNAL != 0 {
         return Err(CUDA_ERROR_INVALID_VALUE);
     }
     let mut inner = lock();
     let (sref, _, _) = inner.stream(stream)?;
-    let time = inner
+    let ev = inner
         .events
         .get(&(event as u64))
-        .ok_or(CUDA_ERROR_INVALID_HANDLE)?
-        .time;
+        .ok_or(CUDA_ERROR_INVALID_HANDLE)?;
+    let (time, captured) = (ev.time, ev.captured);
+    let capture = inner.capture_of(sref);
+    if let Some(id) = capture {
+        if flags & CU_EVENT_WAIT_EXTERNAL != 0 {
+            return inner.capture_append(id, NodeOp::EventWait(event as u64));
+        }
+        // A join inside the capture (or a wait on outside work, which the
+        // simulation treats as already satisfied): ordering only, no node.
+        return match inner.captures.get(&id) {
+            Some(c) if c.invalidated => Err(CUDA_ERROR_STREAM_CAPTURE_INVALIDATED),
+            _ => Ok(()),
+        };
+    }
+    if let Some(id) = captured {
+        // Fork: the waiting stream joins the capture the event belongs to.
+        if let (StreamRef::Created(h), true) = (sref, inner.captures.contains_key(&id)) {
+            if let Some(s) = inner.streams.get_mut(&h) {
+                s.capture = Some(id);
+            }
+            return Ok(());
+        }
+    }
     if let (Some(t), Some(timeline)) = (time, inner.timeline(sref)) {
         timeline.last_end = timeline.last_end.max(t);
     }
@@ -123,9 +167,9 @@ twin!(cuStreamGetCtx, cuStreamGetCtx_ptsz, (stream: CUstream, pctx: *mut CUconte
 
 twin!(cuStreamIsCapturing, cuStreamIsCapturing_ptsz, (stream: CUstream, status: *mut CUstreamCaptureStatus) {
     check_init()?;
-    lock().stream(stream)?;
+    let (st, _) = super::graph::capture_status(stream)?;
     // SAFETY: C API out-pointer.
-    unsafe { out(status, CU_STREAM_CAPTURE_STATUS_NONE) }
+    unsafe { out(status, st) }
 });
 
 twin!(cuStreamGetPriority, cuStreamGetPriority_ptsz, (stream: CUstream, priority: *mut c_int) {
@@ -159,37 +203,62 @@ cuda_fn! {
         let mut inner = lock();
         let (ctx, _) = inner.current()?;
         let handle = new_handle();
-        inner.events.insert(handle, Event { ctx, flags, time: None });
+        inner.events.insert(
+            handle,
+            Event {
+                ctx,
+                flags,
+                time: None,
+                captured: None,
+            },
+        );
         // SAFETY: C API out-pointer, checked non-NULL.
         unsafe { out(ph, handle as CUevent) }
     }
 }
 
-fn record(event: CUevent, stream: CUstream) -> Result<(), CUresult> {
+fn record(event: CUevent, stream: CUstream, external: bool) -> Result<(), CUresult> {
     check_init()?;
     let mut inner = lock();
     let (sref, _, _) = inner.stream(stream)?;
+    if !inner.events.contains_key(&(event as u64)) {
+        return Err(CUDA_ERROR_INVALID_HANDLE);
+    }
+    if let Some(id) = inner.capture_of(sref) {
+        if external {
+            return inner.capture_append(id, NodeOp::EventRecord(event as u64));
+        }
+        if inner.captures.get(&id).is_some_and(|c| c.invalidated) {
+            return Err(CUDA_ERROR_STREAM_CAPTURE_INVALIDATED);
+        }
+        if let Some(ev) = inner.events.get_mut(&(event as u64)) {
+            ev.captured = Some(id);
+        }
+        return Ok(());
+    }
     let last = inner.timeline(sref).map_or(0, |t| t.last_end);
     let ev = inner
         .events
         .get_mut(&(event as u64))
         .ok_or(CUDA_ERROR_INVALID_HANDLE)?;
     ev.time = Some(last.max(clock::now_ns()));
+    ev.captured = None;
     Ok(())
 }
 
 twin!(cuEventRecord, cuEventRecord_ptsz, (event: CUevent, stream: CUstream) {
-    record(event, stream)
+    record(event, stream, false)
 });
 
 twin!(cuEventRecordWithFlags, cuEventRecordWithFlags_ptsz, (event: CUevent, stream: CUstream, flags: c_uint) {
-    if flags & !0x1 != 0 {
+    if flags & !CU_EVENT_RECORD_EXTERNAL != 0 {
         return Err(CUDA_ERROR_INVALID_VALUE);
     }
-    record(event, stream)
+    record(event, stream, flags & CU_EVENT_RECORD_EXTERNAL != 0)
 });
 
-/// (completion time, device) of an event.
+/// (completion time, device) of an event; `CUDA_ERROR_CAPTURED_EVENT` for
+/// one last recorded in a capture.
 fn event_time(event: CUevent) -> Result<(Option<u64>, Option<usize>), CUresult> {
     check_init()?;
     let inner = lock();
@@ -197,6 +266,9 @@ fn event_time(event: CUevent) -> Result<(Option<u64>, Option<usize>), CUresult> 
         .events
         .get(&(event as u64))
         .ok_or(CUDA_ERROR_INVALID_HANDLE)?;
+    if ev.captured.is_some() {
+        return Err(CUDA_ERROR_CAPTURED_EVENT);
+    }
     let device = inner.contexts.get(&ev.ctx).map(|c| c.device);
     Ok((ev.time, device))
 }
@@ -234,6 +306,9 @@ cuda_fn! {
             let ev = inner.events.get(&(e as u64)).ok_or(CUDA_ERROR_INVALID_HANDLE)?;
             if ev.flags & EVENT_DISABLE_TIMING != 0 {
                 return Err(CUDA_ERROR_INVALID_HANDLE);
+            }
+            if ev.captured.is_some() {
+                return Err(CUDA_ERROR_CAPTURED_EVENT);
             }
             ev.time.ok_or(CUDA_ERROR_INVALID_HANDLE)
         };

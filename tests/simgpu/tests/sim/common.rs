@@ -191,6 +191,27 @@ api!(Cu {
     cuGetProcAddress_v2(sym: *const c_char, pfn: *mut *mut c_void, v: c_int, flags: u64,
         status: *mut CUdriverProcAddressQueryResult) -> CUresult;
     simgpu_device_used_bytes(d: c_int) -> u64;
+    cuEventRecordWithFlags(e: CUevent, s: CUstream, flags: c_uint) -> CUresult;
+    cuLaunchCooperativeKernelMultiDevice(p: *mut CUDA_LAUNCH_PARAMS, n: c_uint, flags: c_uint) -> CUresult;
+    cuStreamBeginCapture_v2(s: CUstream, mode: CUstreamCaptureMode) -> CUresult;
+    cuStreamEndCapture(s: CUstream, g: *mut CUgraph) -> CUresult;
+    cuStreamIsCapturing(s: CUstream, st: *mut CUstreamCaptureStatus) -> CUresult;
+    cuStreamGetCaptureInfo_v2(s: CUstream, st: *mut CUstreamCaptureStatus, id: *mut u64, g: *mut CUgraph,
+        deps: *mut *const CUgraphNode, n: *mut usize) -> CUresult;
+    cuGraphCreate(g: *mut CUgraph, flags: c_uint) -> CUresult;
+    cuGraphDestroy(g: CUgraph) -> CUresult;
+    cuGraphAddKernelNode_v2(n: *mut CUgraphNode, g: CUgraph, deps: *const CUgraphNode, ndeps: usize,
+        p: *const CUDA_KERNEL_NODE_PARAMS_v2) -> CUresult;
+    cuGraphGetNodes(g: CUgraph, nodes: *mut CUgraphNode, n: *mut usize) -> CUresult;
+    cuGraphNodeGetType(n: CUgraphNode, t: *mut CUgraphNodeType) -> CUresult;
+    cuGraphKernelNodeGetParams_v2(n: CUgraphNode, p: *mut CUDA_KERNEL_NODE_PARAMS_v2) -> CUresult;
+    cuGraphInstantiateWithFlags(e: *mut CUgraphExec, g: CUgraph, flags: u64) -> CUresult;
+    cuGraphInstantiate_v2(e: *mut CUgraphExec, g: CUgraph, err: *mut CUgraphNode, log: *mut c_char,
+        size: usize) -> CUresult;
+    cuGraphExecDestroy(e: CUgraphExec) -> CUresult;
+    cuGraphLaunch(e: CUgraphExec, s: CUstream) -> CUresult;
+    simgpu_process_busy_ns(d: c_int, pid: u32) -> u64;
+    simgpu_device_busy_ns(d: c_int) -> u64;
 });
 
 api!(Nvml {

@@ -6,6 +6,7 @@
 //! its own environment and a private state file.
 
 mod common;
+mod graphs;
 mod scenarios;
 
 use std::time::{Duration, Instant};
@@ -235,4 +236,54 @@ fn a_process_killed_while_launching_never_blocks_the_device() {
         }
         std::thread::sleep(Duration::from_millis(10));
     }
+}
+
+#[test]
+fn captured_kernels_do_not_run_and_a_replayed_graph_takes_their_time() {
+    TestEnv::new("capture").run("graph_capture", &[]);
+}
+
+#[test]
+fn explicit_graph_nodes_round_trip() {
+    TestEnv::new("graph").run("graph_explicit", &[]);
+}
+
+#[test]
+fn cooperative_multi_device_launch_runs_on_each_stream() {
+    TestEnv::new("multidev")
+        .var("SIMGPU_DEVICES", 2)
+        .run("multi_device", &[]);
+}
+
+#[test]
+fn busy_time_stays_exact_beyond_the_ring() {
+    TestEnv::new("busylong").run("busy_long", &[]);
+}
+
+#[test]
+fn busy_time_hooks_count_elapsed_kernel_time_per_process() {
+    let env = TestEnv::new("busy");
+    let mut probe = env.spawn("busy_probe", &[]);
+    probe.expect("READY");
+    let mut a = env.spawn("busy_kernel", &[("KERNEL_MS", "50".into())]);
+    let mut b = env.spawn("busy_kernel", &[("KERNEL_MS", "30".into())]);
+    let a_pid = a.expect("READY");
+    let b_pid = b.expect("READY");
+    a.send("go");
+    let a_times = a.expect("LAUNCHED");
+    b.send("go");
+    b.expect("LAUNCHED");
+    probe.send(&format!("{a_pid} {b_pid} {a_times}"));
+    probe.expect("SAMPLED");
+    for p in [&mut a, &mut b] {
+        p.send("sync");
+        p.expect("DONE");
+    }
+    probe.send("after");
+    probe.expect("CHECKED");
+    probe.finish();
+    a.send("exit");
+    b.send("exit");
+    a.finish();
+    b.finish();
 }

@@ -13,7 +13,7 @@ use crate::common::*;
 
 const MI: usize = 1 << 20;
 
-fn env_u64(name: &str) -> u64 {
+pub(crate) fn env_u64(name: &str) -> u64 {
     std::env::var(name)
         .unwrap_or_else(|_| panic!("{name} not set"))
         .parse()
@@ -40,31 +40,37 @@ pub fn run(name: &str) {
         "init_expect" => init_expect(),
         "launch_loop" => launch_loop(),
         "kernel_once" => kernel_once(),
+        "graph_capture" => crate::graphs::graph_capture(),
+        "graph_explicit" => crate::graphs::graph_explicit(),
+        "busy_kernel" => crate::graphs::busy_kernel(),
+        "busy_probe" => crate::graphs::busy_probe(),
+        "multi_device" => crate::graphs::multi_device(),
+        "busy_long" => crate::graphs::busy_long(),
         other => panic!("unknown scenario {other}"),
     }
 }
 
-fn load() -> (Lib, Cu) {
+pub(crate) fn load() -> (Lib, Cu) {
     let lib = Lib::open();
     let cu = Cu::load(&lib);
     (lib, cu)
 }
 
 /// cuInit + a context on device 0, current.
-fn context(cu: &Cu) -> CUcontext {
+pub(crate) fn context(cu: &Cu) -> CUcontext {
     ok(cu.cuInit(0), "cuInit");
     let mut ctx = null_mut();
     ok(cu.cuCtxCreate_v2(&mut ctx, 0, 0), "cuCtxCreate_v2");
     ctx
 }
 
-fn alloc(cu: &Cu, bytes: usize) -> CUdeviceptr {
+pub(crate) fn alloc(cu: &Cu, bytes: usize) -> CUdeviceptr {
     let mut p = 0;
     ok(cu.cuMemAlloc_v2(&mut p, bytes), "cuMemAlloc_v2");
     p
 }
 
-fn load_module(cu: &Cu, text: &str) -> CUmodule {
+pub(crate) fn load_module(cu: &Cu, text: &str) -> CUmodule {
     let image = CString::new(text).expect("image");
     let mut m = null_mut();
     ok(
@@ -74,7 +80,7 @@ fn load_module(cu: &Cu, text: &str) -> CUmodule {
     m
 }
 
-fn function(cu: &Cu, m: CUmodule, name: &str) -> CUfunction {
+pub(crate) fn function(cu: &Cu, m: CUmodule, name: &str) -> CUfunction {
     let n = CString::new(name).expect("name");
     let mut f = null_mut();
     ok(
@@ -84,7 +90,7 @@ fn function(cu: &Cu, m: CUmodule, name: &str) -> CUfunction {
     f
 }
 
-fn launch(cu: &Cu, f: CUfunction, stream: CUstream) -> CUresult {
+pub(crate) fn launch(cu: &Cu, f: CUfunction, stream: CUstream) -> CUresult {
     cu.cuLaunchKernel(f, 1, 1, 1, 32, 1, 1, 0, stream, null_mut(), null_mut())
 }
 
