@@ -66,6 +66,18 @@ fn main() {
     bench.extend([include.as_str(), "-o", &bench_out, &bench_src, "-ldl"]);
     compile(&bench, "bench");
 
+    for (name, libraries) in [
+        ("workload", vec!["-ldl", "-lpthread"]),
+        ("simtool", vec!["-ldl"]),
+    ] {
+        let program_src = src(&format!("{name}.c"));
+        let program_out = dst(&out, name);
+        let mut args: Vec<&str> = common.to_vec();
+        args.extend([include.as_str(), "-o", &program_out, &program_src]);
+        args.extend(libraries);
+        compile(&args, name);
+    }
+
     let interposer_out = dst(&out, "next_interposer.so");
     let interposer_src = src("next_interposer.c");
     let mut interposer: Vec<&str> = common.to_vec();

@@ -24,6 +24,10 @@ pub const ENV_OVERSUBSCRIBE: &str = "CUDA_OVERSUBSCRIBE";
 pub const ENV_LOG_LEVEL: &str = "LIBCUDA_LOG_LEVEL";
 /// Device memory charged for each CUDA context (vgpu addition).
 pub const ENV_CONTEXT_RESERVE: &str = "VGPU_CONTEXT_RESERVE";
+/// Compute share in percent the container may use when the device has idle
+/// capacity; `_<i>` overrides device `i` (vgpu addition, like KubeShare's
+/// `gpu_limit`). Only a node monitor lends it; alone the share is the cap.
+pub const ENV_SM_BURST_LIMIT: &str = "VGPU_SM_BURST_LIMIT";
 
 /// Region path used when `CUDA_DEVICE_MEMORY_SHARED_CACHE` is unset.
 pub const DEFAULT_REGION_PATH: &str = "/tmp/cudevshr.cache";
@@ -87,6 +91,8 @@ pub struct ShimConfig {
     pub memory_limit: [Option<u64>; MAX_DEVICES],
     /// Compute share per device ordinal in percent; `None` means uncapped.
     pub sm_limit: [Option<u32>; MAX_DEVICES],
+    /// Burst share per device in percent; `None` means no burst above the share.
+    pub sm_burst: [Option<u32>; MAX_DEVICES],
     /// Region file path.
     pub region_path: String,
     /// Whether the region path came from the environment.
@@ -113,14 +119,18 @@ impl ShimConfig {
     pub fn from_lookup(get: impl Fn(&str) -> Option<String>) -> Result<Self, ConfigError> {
         let memory_all = read_size(&get, ENV_MEMORY_LIMIT)?;
         let sm_all = read_percent(&get, ENV_SM_LIMIT)?;
+        let burst_all = read_percent(&get, ENV_SM_BURST_LIMIT)?;
         let mut memory_limit = [None; MAX_DEVICES];
         let mut sm_limit = [None; MAX_DEVICES];
+        let mut sm_burst = [None; MAX_DEVICES];
         for index in 0..MAX_DEVICES {
             let memory = read_size(&get, &format!("{ENV_MEMORY_LIMIT}_{index}"))?.or(memory_all);
             // Zero means "no cap", as in HAMi-core.
             memory_limit[index] = memory.filter(|bytes| *bytes > 0);
             let sm = read_percent(&get, &format!("{ENV_SM_LIMIT}_{index}"))?.or(sm_all);
             sm_limit[index] = sm.filter(|percent| *percent > 0 && *percent < 100);
+            let burst = read_percent(&get, &format!("{ENV_SM_BURST_LIMIT}_{index}"))?.or(burst_all);
+            sm_burst[index] = burst.filter(|percent| *percent > 0);
         }
 
         let (region_path, region_path_set) = match get(ENV_REGION_PATH) {
@@ -185,6 +195,7 @@ impl ShimConfig {
         Ok(Self {
             memory_limit,
             sm_limit,
+            sm_burst,
             region_path,
             region_path_set,
             policy,
@@ -287,6 +298,7 @@ mod tests {
             ("CUDA_OVERSUBSCRIBE", "maybe"),
             ("LIBCUDA_LOG_LEVEL", "9"),
             ("VGPU_CONTEXT_RESERVE", "-1"),
+            ("VGPU_SM_BURST_LIMIT", "120"),
             ("CUDA_DEVICE_MEMORY_SHARED_CACHE", " "),
         ];
         for (var, value) in cases {

@@ -35,7 +35,7 @@ use std::os::fd::{AsRawFd, FromRawFd, IntoRawFd};
 use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
 use std::ptr::NonNull;
-use std::sync::atomic::{AtomicI32, AtomicU32, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicI32, AtomicI64, AtomicU32, AtomicU64, Ordering};
 use thiserror::Error;
 
 /// Devices per container the region describes (HAMi-core's limit too).
@@ -94,13 +94,48 @@ pub struct DeviceRecord {
     pub oom_events: AtomicU64,
     /// Configured compute share in percent; 0 means uncapped.
     pub sm_limit: AtomicU32,
-    /// Share the container may burst to when the device is idle.
+    /// Share in percent the container may burst to when the device has idle
+    /// capacity (the monitor lends it); equal to `sm_limit` when unset.
     pub sm_burst: AtomicU32,
-    /// Share currently granted (written by the monitor).
+    /// Share currently granted, in basis points (1/100 of a percent), or
+    /// [`SHARE_UNLIMITED`]. Starts at the configured share; the monitor
+    /// changes it while programs run and the shim follows.
     pub sm_effective: AtomicU32,
     pub reserved0: AtomicU32,
-    /// Reserved for the compute-share token bucket.
-    pub compute: [AtomicU64; 16],
+    /// The container's token bucket for this device.
+    pub compute: ComputeBucket,
+}
+
+/// `sm_effective` value meaning "no compute cap".
+pub const SHARE_UNLIMITED: u32 = u32::MAX;
+/// Basis points in a whole device.
+pub const SHARE_FULL: u32 = 10_000;
+
+/// A container's compute budget on one device, shared by its processes.
+///
+/// Tokens are nanoseconds of device time. They accrue at the granted share
+/// of wall time (up to `capacity_ns`), and every kernel launch spends the
+/// device time it is expected to take; a launch waits while the balance is
+/// negative. Clock values are `CLOCK_MONOTONIC` nanoseconds, the same in
+/// every process on the node.
+#[repr(C)]
+pub struct ComputeBucket {
+    /// Balance in nanoseconds of device time; negative is debt.
+    pub tokens: AtomicI64,
+    /// When tokens were last credited.
+    pub refilled_at: AtomicU64,
+    /// Most tokens that may accumulate while the container is idle.
+    pub capacity_ns: AtomicU64,
+    /// Device time charged to launches, corrections included (counter).
+    pub granted_ns: AtomicU64,
+    /// Time launching threads spent waiting for tokens (counter).
+    pub throttled_ns: AtomicU64,
+    /// Kernel and graph launches (counter).
+    pub launches: AtomicU64,
+    /// When a launch was last admitted (coarse: updated on sampled and
+    /// throttled launches).
+    pub last_launch_at: AtomicU64,
+    pub reserved: [AtomicU64; 9],
 }
 
 /// One process's use of one device.
@@ -213,7 +248,10 @@ pub enum MemoryKind {
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct RegionLimits {
     pub memory_limit: [u64; MAX_DEVICES],
+    /// Compute share in percent (0 = uncapped).
     pub sm_limit: [u32; MAX_DEVICES],
+    /// Burst share in percent (0 = same as `sm_limit`).
+    pub sm_burst: [u32; MAX_DEVICES],
     pub policy: u32,
     pub priority: i32,
 }
@@ -494,12 +532,18 @@ impl Region {
             device
                 .memory_limit
                 .store(limits.memory_limit[index], Ordering::Relaxed);
-            device
-                .sm_limit
-                .store(limits.sm_limit[index], Ordering::Relaxed);
-            device
-                .sm_effective
-                .store(limits.sm_limit[index], Ordering::Relaxed);
+            let share = limits.sm_limit[index];
+            device.sm_limit.store(share, Ordering::Relaxed);
+            let burst = limits.sm_burst[index].max(share);
+            device.sm_burst.store(burst, Ordering::Relaxed);
+            device.sm_effective.store(
+                if share == 0 {
+                    SHARE_UNLIMITED
+                } else {
+                    share * (SHARE_FULL / 100)
+                },
+                Ordering::Relaxed,
+            );
         }
         header.ready.store(1, Ordering::Release);
         Ok(())
@@ -633,6 +677,7 @@ impl Region {
         for (index, device) in layout.devices.iter().enumerate() {
             limits.memory_limit[index] = device.memory_limit.load(Ordering::Relaxed);
             limits.sm_limit[index] = device.sm_limit.load(Ordering::Relaxed);
+            limits.sm_burst[index] = device.sm_burst.load(Ordering::Relaxed);
         }
         limits
     }

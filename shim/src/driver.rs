@@ -299,8 +299,32 @@ driver_library! {
         fn cuModuleUnload(module: CUmodule) -> CUresult;
         fn cuLaunchKernel(function: CUfunction, gx: u32, gy: u32, gz: u32, bx: u32, by: u32, bz: u32, shared: u32, stream: CUstream, params: *mut *mut c_void, extra: *mut *mut c_void) -> CUresult;
         fn cuLaunchKernel_ptsz(function: CUfunction, gx: u32, gy: u32, gz: u32, bx: u32, by: u32, bz: u32, shared: u32, stream: CUstream, params: *mut *mut c_void, extra: *mut *mut c_void) -> CUresult;
+        fn cuLaunchKernelEx(config: *const CUlaunchConfig, function: CUfunction, params: *mut *mut c_void, extra: *mut *mut c_void) -> CUresult;
+        fn cuLaunchKernelEx_ptsz(config: *const CUlaunchConfig, function: CUfunction, params: *mut *mut c_void, extra: *mut *mut c_void) -> CUresult;
+        fn cuLaunchCooperativeKernel(function: CUfunction, gx: u32, gy: u32, gz: u32, bx: u32, by: u32, bz: u32, shared: u32, stream: CUstream, params: *mut *mut c_void) -> CUresult;
+        fn cuLaunchCooperativeKernel_ptsz(function: CUfunction, gx: u32, gy: u32, gz: u32, bx: u32, by: u32, bz: u32, shared: u32, stream: CUstream, params: *mut *mut c_void) -> CUresult;
+        fn cuLaunchCooperativeKernelMultiDevice(launches: *mut CUDA_LAUNCH_PARAMS, count: u32, flags: u32) -> CUresult;
+        fn cuGraphLaunch(exec: CUgraphExec, stream: CUstream) -> CUresult;
+        fn cuGraphLaunch_ptsz(exec: CUgraphExec, stream: CUstream) -> CUresult;
+        fn cuStreamBeginCapture_v2(stream: CUstream, mode: i32) -> CUresult;
+        fn cuStreamBeginCapture_v2_ptsz(stream: CUstream, mode: i32) -> CUresult;
+        fn cuStreamBeginCaptureToGraph(stream: CUstream, graph: CUgraph, dependencies: *const CUgraphNode, edges: *const c_void, count: usize, mode: i32) -> CUresult;
+        fn cuStreamBeginCaptureToGraph_ptsz(stream: CUstream, graph: CUgraph, dependencies: *const CUgraphNode, edges: *const c_void, count: usize, mode: i32) -> CUresult;
+        fn cuStreamEndCapture(stream: CUstream, graph: *mut CUgraph) -> CUresult;
+        fn cuStreamEndCapture_ptsz(stream: CUstream, graph: *mut CUgraph) -> CUresult;
     }
     used {
+        fn cuEventCreate(event: *mut CUevent, flags: u32) -> CUresult;
+        fn cuEventRecord(event: CUevent, stream: CUstream) -> CUresult;
+        fn cuEventRecord_ptsz(event: CUevent, stream: CUstream) -> CUresult;
+        fn cuEventQuery(event: CUevent) -> CUresult;
+        fn cuEventElapsedTime(milliseconds: *mut f32, start: CUevent, end: CUevent) -> CUresult;
+        fn cuEventDestroy_v2(event: CUevent) -> CUresult;
+        fn cuStreamIsCapturing(stream: CUstream, status: *mut CUstreamCaptureStatus) -> CUresult;
+        fn cuStreamIsCapturing_ptsz(stream: CUstream, status: *mut CUstreamCaptureStatus) -> CUresult;
+        fn cuStreamGetCtx(stream: CUstream, context: *mut CUcontext) -> CUresult;
+        fn cuStreamQuery(stream: CUstream) -> CUresult;
+        fn cuStreamQuery_ptsz(stream: CUstream) -> CUresult;
         fn cuCtxGetDevice(device: *mut CUdevice) -> CUresult;
         fn cuCtxGetCurrent(ctx: *mut CUcontext) -> CUresult;
         fn cuDeviceGetCount(count: *mut i32) -> CUresult;

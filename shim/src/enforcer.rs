@@ -6,6 +6,7 @@
 //! the region. The environment is read only then.
 
 use crate::driver::cuda as real;
+use crate::limiter::Limiter;
 use crate::table::{AllocationTable, Charge, Resource};
 use std::ffi::CString;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering};
@@ -99,6 +100,7 @@ pub struct Enforcer {
     region_path: CString,
     slot: AtomicUsize,
     pub table: AllocationTable,
+    pub limiter: Limiter,
     /// Primary-context retains this process holds per device.
     primary_retains: [AtomicU32; MAX_DEVICES],
     /// The primary context of each device, once retained (its allocations
@@ -121,6 +123,7 @@ impl Enforcer {
         for device in 0..MAX_DEVICES {
             limits.memory_limit[device] = config.memory_limit[device].unwrap_or(0);
             limits.sm_limit[device] = config.sm_limit[device].unwrap_or(0);
+            limits.sm_burst[device] = config.sm_burst[device].unwrap_or(0);
         }
         let path = std::path::Path::new(&config.region_path);
         let region = Region::open_or_create(path, &limits)?;
@@ -143,12 +146,14 @@ impl Enforcer {
             libc::pthread_atfork(Some(fork_prepare), Some(fork_parent), Some(fork_child));
         }
         tracing::debug!(region = %config.region_path, "enforcing limits");
+        let policy = config.policy;
         Ok(Self {
             config,
             region,
             region_path,
             slot: AtomicUsize::new(NO_SLOT),
             table: AllocationTable::new(),
+            limiter: Limiter::new(policy),
             primary_retains: Default::default(),
             primary_contexts: Default::default(),
             pools: AtomicUsize::new(0),
@@ -329,8 +334,24 @@ impl Enforcer {
         code
     }
 
+    /// The device a context belongs to, for contexts this process created
+    /// or retained.
+    pub fn device_of_context(&self, context: usize) -> Option<usize> {
+        if let Some(device) = self
+            .primary_contexts
+            .iter()
+            .position(|primary| primary.load(Ordering::Acquire) == context)
+        {
+            return Some(device);
+        }
+        self.table
+            .get(Resource::Context, context as u64)
+            .map(|charge| charge.device)
+    }
+
     /// Returns everything charged to a context that no longer exists.
     pub fn release_context_resources(&self, context: usize) {
+        self.limiter.forget_context(context);
         for ((resource, id), charge) in self.table.drain_context(context) {
             self.release(charge.device, charge.kind, charge.bytes);
             if resource == Resource::Pool {
@@ -458,9 +479,10 @@ impl Enforcer {
         }
     }
 
-    /// Writes the devices' UUIDs into the region once, for the monitor and
-    /// for matching NVML devices to CUDA ordinals.
-    pub fn record_device_uuids(&self) {
+    /// After `cuInit`: tells the limiter how many devices the process sees
+    /// and writes their UUIDs into the region once, for the monitor and for
+    /// matching NVML devices to CUDA ordinals.
+    pub fn learn_devices(&self) {
         if self.uuids_recorded.swap(true, Ordering::AcqRel) {
             return;
         }
@@ -469,6 +491,7 @@ impl Enforcer {
         if unsafe { real::cuDeviceGetCount(&mut count) } != CUDA_SUCCESS {
             return;
         }
+        self.limiter.set_device_count(count);
         for device in 0..(count.max(0) as usize).min(MAX_DEVICES) {
             let mut uuid = CUuuid::default();
             // SAFETY: valid out-pointer and an ordinal below the count.
@@ -535,11 +558,13 @@ fn monotonic_ms() -> u64 {
 extern "C" fn fork_prepare() {
     if let Some(Mode::Enforce(enforcer)) = MODE.get() {
         enforcer.table.before_fork();
+        enforcer.limiter.before_fork();
     }
 }
 
 extern "C" fn fork_parent() {
     if let Some(Mode::Enforce(enforcer)) = MODE.get() {
+        enforcer.limiter.after_fork_in_parent();
         enforcer.table.after_fork_in_parent();
     }
 }
@@ -547,6 +572,7 @@ extern "C" fn fork_parent() {
 extern "C" fn fork_child() {
     if let Some(Mode::Enforce(enforcer)) = MODE.get() {
         enforcer.table.after_fork_in_child();
+        enforcer.limiter.after_fork_in_child();
         // The child must not share the parent's liveness lock, or it could
         // take the parent's slot for its own.
         enforcer.region.reopen_after_fork(&enforcer.region_path);

@@ -30,5 +30,7 @@ mod dlsym;
 mod driver;
 mod enforcer;
 mod hooks;
+mod limiter;
+mod lock;
 mod logging;
 mod table;

@@ -8,9 +8,8 @@
 //! another thread held the lock at the moment of `fork` (see
 //! [`AllocationTable::after_fork_in_child`]).
 
-use std::cell::UnsafeCell;
+use crate::lock::ForkSafeLock;
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicBool, Ordering};
 use vgpu_common::region::MemoryKind;
 
 /// What an entry stands for; part of the key, since handles of different
@@ -38,53 +37,23 @@ pub struct Charge {
     pub pool: usize,
 }
 
-pub struct AllocationTable {
-    locked: AtomicBool,
-    entries: UnsafeCell<Option<HashMap<(Resource, u64), Charge>>>,
-}
+type Entries = HashMap<(Resource, u64), Charge>;
 
-// SAFETY: `entries` is only touched while `locked` is held (see `with`).
-unsafe impl Sync for AllocationTable {}
+pub struct AllocationTable {
+    entries: ForkSafeLock<Option<Entries>>,
+}
 
 impl AllocationTable {
     pub const fn new() -> Self {
         Self {
-            locked: AtomicBool::new(false),
-            entries: UnsafeCell::new(None),
+            entries: ForkSafeLock::new(None),
         }
-    }
-
-    fn lock(&self) {
-        let mut spins = 0u32;
-        while self
-            .locked
-            .compare_exchange_weak(false, true, Ordering::Acquire, Ordering::Relaxed)
-            .is_err()
-        {
-            spins += 1;
-            if spins < 64 {
-                std::hint::spin_loop();
-            } else {
-                // Critical sections are a hash-map operation long; a holder
-                // that is descheduled gets the CPU back this way.
-                std::thread::yield_now();
-            }
-        }
-    }
-
-    fn unlock(&self) {
-        self.locked.store(false, Ordering::Release);
     }
 
     /// Runs `f` on the entries under the lock.
-    pub fn with<T>(&self, f: impl FnOnce(&mut HashMap<(Resource, u64), Charge>) -> T) -> T {
-        self.lock();
-        // SAFETY: the lock gives this thread exclusive access to `entries`.
-        let entries = unsafe { &mut *self.entries.get() };
-        let map = entries.get_or_insert_with(|| HashMap::with_capacity(1024));
-        let result = f(map);
-        self.unlock();
-        result
+    pub fn with<T>(&self, f: impl FnOnce(&mut Entries) -> T) -> T {
+        self.entries
+            .with(|entries| f(entries.get_or_insert_with(|| HashMap::with_capacity(1024))))
     }
 
     pub fn insert(&self, resource: Resource, id: u64, charge: Charge) -> Option<Charge> {
@@ -116,24 +85,22 @@ impl AllocationTable {
     /// `pthread_atfork` prepare handler: no other thread may be inside the
     /// table while the address space is copied.
     pub fn before_fork(&self) {
-        self.lock();
+        self.entries.before_fork();
     }
 
     /// `pthread_atfork` parent handler.
     pub fn after_fork_in_parent(&self) {
-        self.unlock();
+        self.entries.after_fork_in_parent();
     }
 
     /// `pthread_atfork` child handler: the child's charges start empty (its
     /// parent's allocations stay charged to the parent's slot).
     pub fn after_fork_in_child(&self) {
-        // SAFETY: the prepare handler took the lock, and the child has a
-        // single thread, so nothing else can be using `entries`.
-        let entries = unsafe { &mut *self.entries.get() };
-        if let Some(map) = entries.as_mut() {
-            map.clear();
-        }
-        self.unlock();
+        self.entries.after_fork_in_child(|entries| {
+            if let Some(map) = entries.as_mut() {
+                map.clear();
+            }
+        });
     }
 }
 

@@ -4,6 +4,8 @@
 //! Tests need the workspace's cdylibs built first (`cargo build`), as the
 //! README's test command does; a missing library is reported with that hint.
 
+pub mod compute;
+
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};

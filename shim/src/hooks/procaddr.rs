@@ -24,7 +24,7 @@ pub unsafe extern "C" fn cuInit(flags: u32) -> CUresult {
         let code = unsafe { real::cuInit(flags) };
         if code == CUDA_SUCCESS {
             if let Mode::Enforce(enforcer) = mode {
-                enforcer.record_device_uuids();
+                enforcer.learn_devices();
                 if let Err(code) = enforcer.slot() {
                     return code;
                 }

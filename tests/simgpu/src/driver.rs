@@ -1011,10 +1011,25 @@ impl Pool {
     }
 }
 
-/// Sleeps until `deadline` (monotonic ns) without holding any lock.
+/// How close to a completion a synchronising thread stops sleeping and
+/// polls instead. The real driver's default synchronisation spins then
+/// yields, and returns within microseconds of the work finishing; a plain
+/// sleep would overshoot by the kernel's timer slack (about 50 us), which
+/// would make short kernels look far slower than they are.
+const SPIN_WINDOW_NS: u64 = 100_000;
+
+/// Waits until `deadline` (monotonic ns) without holding any lock: sleeps
+/// for most of the wait, then yields until the deadline.
 pub fn wait_until(deadline: u64) {
-    if deadline > clock::now_ns() {
-        clock::sleep_until(deadline);
+    let now = clock::now_ns();
+    if deadline <= now {
+        return;
+    }
+    if deadline - now > SPIN_WINDOW_NS {
+        clock::sleep_until(deadline - SPIN_WINDOW_NS);
+    }
+    while clock::now_ns() < deadline {
+        std::thread::yield_now();
     }
 }
 

@@ -1,0 +1,354 @@
+//! What each kernel costs: device time learned from timed launches.
+//!
+//! Launches are grouped by function and launch shape (grid, block, shared
+//! memory), since the same kernel takes longer on a larger grid. A launch is
+//! charged its group's current price; a sample of launches is timed with
+//! events, and the price follows the *smallest* of the last few samples.
+//! A timed launch can only look longer than the kernel really ran (it also
+//! includes any wait for the device behind other streams or containers, and
+//! the host-side correction in `samples` never over-subtracts), so the
+//! minimum is the least polluted figure; if the kernel really slows down,
+//! every recent sample rises and so does the minimum.
+//!
+//! When the price changes, launches charged at the old price since the last
+//! change are settled at the new one, so a misprediction is paid back (or
+//! refunded) rather than lost.
+
+use crate::lock::ForkSafeLock;
+use std::hash::{Hash, Hasher};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+
+/// Groups tracked per process.
+const TABLE_SIZE: usize = 4096;
+/// Slots probed for a group before giving up on tracking it.
+const PROBES: usize = 8;
+/// Samples the price is the minimum of. Under contention most samples
+/// include a wait behind other work; the window must be long enough to
+/// hold a clean one.
+const WINDOW: usize = 32;
+/// Timing costs two event records, so cheap kernels are timed rarely and
+/// expensive ones often: a group is timed every `SAMPLE_SPACING_NS / price`
+/// launches, at least every launch and at most every `MAX_SAMPLE_EVERY`th.
+const SAMPLE_SPACING_NS: u64 = 2_000_000;
+pub const MAX_SAMPLE_EVERY: u64 = 32;
+
+/// Every how many launches a group with this price is timed.
+#[inline(always)]
+fn sample_every(price_ns: u64) -> u64 {
+    (SAMPLE_SPACING_NS / price_ns.max(1)).clamp(1, MAX_SAMPLE_EVERY)
+}
+
+/// What identifies a group of launches.
+#[derive(Clone, Copy, Debug, Hash, PartialEq, Eq)]
+pub struct LaunchKey {
+    pub function: usize,
+    pub grid: [u32; 3],
+    pub block: [u32; 3],
+    pub shared_bytes: u32,
+}
+
+impl LaunchKey {
+    /// A whole CUDA graph, timed as one unit.
+    pub fn graph(exec: usize) -> Self {
+        Self {
+            function: exec,
+            grid: [u32::MAX; 3],
+            block: [0; 3],
+            shared_bytes: 0,
+        }
+    }
+
+    fn hash64(&self) -> u64 {
+        let mut hasher = std::collections::hash_map::DefaultHasher::new();
+        self.hash(&mut hasher);
+        // 0 marks an empty slot.
+        hasher.finish() | 1
+    }
+}
+
+#[derive(Default)]
+struct Window {
+    samples: [u64; WINDOW],
+    len: usize,
+    next: usize,
+}
+
+impl Window {
+    fn push(&mut self, sample: u64) -> u64 {
+        self.samples[self.next] = sample;
+        self.next = (self.next + 1) % WINDOW;
+        self.len = (self.len + 1).min(WINDOW);
+        self.samples[..self.len]
+            .iter()
+            .copied()
+            .min()
+            .unwrap_or(sample)
+    }
+}
+
+/// One group's learned cost.
+pub struct KernelStats {
+    key: AtomicU64,
+    /// What a launch is charged now; 0 until the first sample.
+    price_ns: AtomicU64,
+    /// Launches since the last sample, and what they were charged in all.
+    unsettled_launches: AtomicU64,
+    unsettled_ns: AtomicU64,
+    launches: AtomicU64,
+    /// A timed launch of this group is in flight.
+    sampling: AtomicBool,
+    window: ForkSafeLock<Window>,
+}
+
+impl KernelStats {
+    fn new() -> Self {
+        Self {
+            key: AtomicU64::new(0),
+            price_ns: AtomicU64::new(0),
+            unsettled_launches: AtomicU64::new(0),
+            unsettled_ns: AtomicU64::new(0),
+            launches: AtomicU64::new(0),
+            sampling: AtomicBool::new(false),
+            window: ForkSafeLock::new(Window::default()),
+        }
+    }
+
+    /// The current price, 0 when the group has never been timed.
+    #[inline(always)]
+    pub fn price(&self) -> u64 {
+        self.price_ns.load(Ordering::Acquire)
+    }
+
+    /// Counts a launch charged `charged_ns` and says whether to time it.
+    #[inline(always)]
+    pub fn charge(&self, charged_ns: u64) -> bool {
+        self.unsettled_launches.fetch_add(1, Ordering::Relaxed);
+        self.unsettled_ns.fetch_add(charged_ns, Ordering::Relaxed);
+        let nth = self.launches.fetch_add(1, Ordering::Relaxed);
+        let price = self.price();
+        let due = price == 0 || nth.is_multiple_of(sample_every(price));
+        due && self.try_start_sample()
+    }
+
+    /// Takes back a launch the driver refused.
+    pub fn uncharge(&self, charged_ns: u64) {
+        let _ = self
+            .unsettled_launches
+            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| n.checked_sub(1));
+        let _ = self
+            .unsettled_ns
+            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| {
+                Some(n.saturating_sub(charged_ns))
+            });
+    }
+
+    /// Claims the group's one in-flight sample.
+    pub fn try_start_sample(&self) -> bool {
+        self.sampling
+            .compare_exchange(false, true, Ordering::AcqRel, Ordering::Relaxed)
+            .is_ok()
+    }
+
+    /// The timed launch was not made or its timing was lost.
+    pub fn abandon_sample(&self) {
+        self.sampling.store(false, Ordering::Release);
+    }
+
+    /// Whether a sample is in flight.
+    pub fn sampling(&self) -> bool {
+        self.sampling.load(Ordering::Acquire)
+    }
+
+    /// Folds in a timed launch of `measured_ns`. Returns the correction owed
+    /// for the launches since the last sample, settled at the new price
+    /// (positive: they were undercharged).
+    pub fn record(&self, measured_ns: u64) -> i64 {
+        let measured_ns = measured_ns.max(1);
+        let new_price = self.window.with(|window| window.push(measured_ns));
+        self.price_ns.store(new_price, Ordering::Release);
+        let launches = self.unsettled_launches.swap(0, Ordering::AcqRel);
+        let charged = self.unsettled_ns.swap(0, Ordering::AcqRel);
+        self.sampling.store(false, Ordering::Release);
+        let owed = (new_price as i128 * launches as i128) - charged as i128;
+        owed.clamp(i64::MIN as i128, i64::MAX as i128) as i64
+    }
+
+    fn reset_after_fork(&self) {
+        // The child is single-threaded: a window lock held by a parent thread
+        // at fork time is simply released.
+        self.window
+            .reset_in_child(|window| *window = Window::default());
+        self.sampling.store(false, Ordering::Relaxed);
+        self.unsettled_launches.store(0, Ordering::Relaxed);
+        self.unsettled_ns.store(0, Ordering::Relaxed);
+    }
+}
+
+/// All groups of this process.
+pub struct KernelTable {
+    entries: Box<[KernelStats]>,
+    /// Mean price of timed groups: the provisional charge of a launch whose
+    /// group has never been timed.
+    typical_ns: AtomicU64,
+}
+
+impl KernelTable {
+    pub fn new() -> Self {
+        Self {
+            entries: (0..TABLE_SIZE).map(|_| KernelStats::new()).collect(),
+            typical_ns: AtomicU64::new(0),
+        }
+    }
+
+    /// The group of `key`, claiming a free slot for a new one; `None` if the
+    /// probed slots all belong to other groups.
+    #[inline(always)]
+    pub fn entry(&self, key: &LaunchKey) -> Option<(usize, &KernelStats)> {
+        let hash = key.hash64();
+        let start = hash as usize % TABLE_SIZE;
+        for probe in 0..PROBES {
+            let index = (start + probe) % TABLE_SIZE;
+            let entry = &self.entries[index];
+            let current = entry.key.load(Ordering::Acquire);
+            if current == hash {
+                return Some((index, entry));
+            }
+            if current == 0 {
+                match entry
+                    .key
+                    .compare_exchange(0, hash, Ordering::AcqRel, Ordering::Acquire)
+                {
+                    Ok(_) => return Some((index, entry)),
+                    Err(winner) if winner == hash => return Some((index, entry)),
+                    Err(_) => continue,
+                }
+            }
+        }
+        None
+    }
+
+    pub fn get(&self, index: usize) -> Option<&KernelStats> {
+        self.entries.get(index)
+    }
+
+    /// Provisional price for launches of untimed groups.
+    pub fn typical(&self) -> u64 {
+        self.typical_ns.load(Ordering::Relaxed)
+    }
+
+    /// Records a sample for entry `index`; returns the correction owed.
+    pub fn record(&self, index: usize, measured_ns: u64) -> i64 {
+        let Some(entry) = self.entries.get(index) else {
+            return 0;
+        };
+        let correction = entry.record(measured_ns);
+        let price = entry.price();
+        let _ = self
+            .typical_ns
+            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |typical| {
+                Some(if typical == 0 {
+                    price
+                } else {
+                    (typical * 7 + price) / 8
+                })
+            });
+        correction
+    }
+
+    pub fn reset_after_fork(&self) {
+        for entry in self.entries.iter() {
+            entry.reset_after_fork();
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn key(function: usize) -> LaunchKey {
+        LaunchKey {
+            function,
+            grid: [1, 1, 1],
+            block: [128, 1, 1],
+            shared_bytes: 0,
+        }
+    }
+
+    #[test]
+    fn the_price_is_the_smallest_recent_sample() {
+        let table = KernelTable::new();
+        let (index, entry) = table.entry(&key(1)).expect("slot");
+        assert!(entry.charge(400), "an untimed group is timed at once");
+        assert_eq!(
+            table.record(index, 1_000),
+            600,
+            "a provisional 400 settles at 1000"
+        );
+        assert_eq!(entry.price(), 1_000);
+        // A sample inflated by waiting behind other work does not raise it.
+        assert!(!entry.charge(1_000));
+        assert_eq!(table.record(index, 5_000), 0);
+        assert_eq!(entry.price(), 1_000);
+        // Once every recent sample is higher, the kernel really got slower.
+        for _ in 0..WINDOW {
+            table.record(index, 2_000);
+        }
+        assert_eq!(entry.price(), 2_000);
+    }
+
+    #[test]
+    fn mispredictions_are_settled_for_every_launch_at_the_old_price() {
+        let table = KernelTable::new();
+        let (index, entry) = table.entry(&key(2)).expect("slot");
+        table.record(index, 3_000);
+        for _ in 0..10 {
+            entry.charge(3_000);
+        }
+        // The window still holds 3000 (smaller): the price stays, nothing owed.
+        assert_eq!(table.record(index, 4_000), 0);
+        // A smaller sample lowers the price and refunds the 10 launches.
+        for _ in 0..10 {
+            entry.charge(3_000);
+        }
+        assert_eq!(table.record(index, 1_000), -20_000);
+    }
+
+    #[test]
+    fn sampling_cadence_and_single_flight() {
+        let table = KernelTable::new();
+        let (index, entry) = table.entry(&key(3)).expect("slot");
+        table.record(index, 100);
+        let timed = (0..MAX_SAMPLE_EVERY * 4)
+            .filter(|_| entry.charge(100))
+            .count();
+        assert_eq!(timed, 1, "only one sample in flight at a time");
+        entry.abandon_sample();
+        let timed = (0..MAX_SAMPLE_EVERY * 4).filter(|_| {
+            let due = entry.charge(100);
+            if due {
+                entry.abandon_sample();
+            }
+            due
+        });
+        assert_eq!(timed.count(), 4);
+    }
+
+    #[test]
+    fn expensive_kernels_are_timed_more_often() {
+        assert_eq!(sample_every(20_000), MAX_SAMPLE_EVERY);
+        assert_eq!(sample_every(1_000_000), 2);
+        assert_eq!(sample_every(30_000_000), 1);
+    }
+
+    #[test]
+    fn distinct_shapes_are_distinct_groups() {
+        let table = KernelTable::new();
+        let (a, _) = table.entry(&key(4)).expect("slot");
+        let mut wider = key(4);
+        wider.grid[0] = 1024;
+        let (b, _) = table.entry(&wider).expect("slot");
+        assert_ne!(a, b);
+        assert_eq!(table.entry(&key(4)).map(|(i, _)| i), Some(a));
+    }
+}
