@@ -126,8 +126,9 @@ pub struct ComputeBucket {
     pub refilled_at: AtomicU64,
     /// Most tokens that may accumulate while the container is idle.
     pub capacity_ns: AtomicU64,
-    /// Device time charged to launches, corrections included (counter).
-    pub granted_ns: AtomicU64,
+    /// Device time credited to the bucket so far (counter). What launches
+    /// have been granted is this less the balance: see [`ComputeBucket::granted_ns`].
+    pub credited_ns: AtomicU64,
     /// Time launching threads spent waiting for tokens (counter).
     pub throttled_ns: AtomicU64,
     /// Kernel and graph launches (counter).
@@ -136,6 +137,18 @@ pub struct ComputeBucket {
     /// throttled launches).
     pub last_launch_at: AtomicU64,
     pub reserved: [AtomicU64; 9],
+}
+
+impl ComputeBucket {
+    /// Device time charged to launches so far, corrections included: every
+    /// charge is taken from the balance, and every credit added to it, so
+    /// charges = credits - balance (kept this way so a launch does not have
+    /// to update a second counter).
+    pub fn granted_ns(&self) -> u64 {
+        let credited = self.credited_ns.load(Ordering::Acquire) as i128;
+        let balance = self.tokens.load(Ordering::Acquire) as i128;
+        (credited - balance).clamp(0, u64::MAX as i128) as u64
+    }
 }
 
 /// One process's use of one device.
@@ -528,7 +541,15 @@ impl Region {
             .map(|d| d.as_millis() as u64)
             .unwrap_or(0);
         header.created_unix_ms.store(now_ms, Ordering::Relaxed);
+        // Compute budgets accrue from now: time that passes before the
+        // first launch is credited (up to the bucket's capacity) rather than
+        // lost, as it would be if the clock only started at a first refill.
+        let now_monotonic = monotonic_ns();
         for (index, device) in layout.devices.iter().enumerate() {
+            device
+                .compute
+                .refilled_at
+                .store(now_monotonic, Ordering::Relaxed);
             device
                 .memory_limit
                 .store(limits.memory_limit[index], Ordering::Relaxed);
@@ -1009,6 +1030,19 @@ impl Region {
             code,
         }
     }
+}
+
+/// `CLOCK_MONOTONIC` in nanoseconds, the clock compute budgets use.
+pub fn monotonic_ns() -> u64 {
+    let mut now = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: valid out-pointer.
+    unsafe {
+        libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut now);
+    }
+    now.tv_sec as u64 * 1_000_000_000 + now.tv_nsec as u64
 }
 
 fn liveness_flock(index: usize, kind: i32) -> libc::flock {

@@ -6,6 +6,8 @@
  *   bench alloc ITERATIONS BYTES   ns per cuMemAlloc_v2 + cuMemFree_v2 pair
  *   bench launch ITERATIONS        ns per cuLaunchKernel that the driver
  *                                  rejects at once (isolates the hook cost)
+ *   bench kernel ITERATIONS        ns per cuLaunchKernel of a 1 ns kernel
+ *                                  (the full launch path, limiter included)
  *   bench init                     ns for the first cuInit of the process
  *
  * Each loop prints "ready" and waits for a line on stdin before timing, so
@@ -91,6 +93,30 @@ int main(int argc, char **argv) {
             if (mem_alloc(&ptr, bytes) != CUDA_SUCCESS || mem_free(ptr) != CUDA_SUCCESS) return 3;
         }
         printf("ns=%.1f\n", (now_ns() - start) / (double)iterations);
+        return 0;
+    }
+    if (strcmp(argv[1], "kernel") == 0 && argc == 3) {
+        long iterations = atol(argv[2]);
+        CUresult (*load)(CUmodule *, const void *) = need(driver, "cuModuleLoadData");
+        CUresult (*get_function)(CUfunction *, CUmodule, const char *) = need(driver, "cuModuleGetFunction");
+        CUresult (*synchronize)(void) = need(driver, "cuCtxSynchronize");
+        CUmodule module;
+        CUfunction function;
+        if (load(&module, "SIMGPU-MODULE\nk1ns 1ns\n") != CUDA_SUCCESS ||
+            get_function(&function, module, "k1ns") != CUDA_SUCCESS) {
+            fprintf(stderr, "cannot load the bench kernel\n");
+            return 3;
+        }
+        for (long i = 0; i < iterations / 10 + 1000; i++)
+            if (launch(function, 1, 1, 1, 32, 1, 1, 0, NULL, NULL, NULL) != CUDA_SUCCESS) return 3;
+        if (synchronize() != CUDA_SUCCESS) return 3;
+        wait_for_go();
+        double start = now_ns();
+        for (long i = 0; i < iterations; i++)
+            if (launch(function, 1, 1, 1, 32, 1, 1, 0, NULL, NULL, NULL) != CUDA_SUCCESS) return 3;
+        double elapsed = now_ns() - start;
+        if (synchronize() != CUDA_SUCCESS) return 3;
+        printf("ns=%.2f\n", elapsed / (double)iterations);
         return 0;
     }
     if (strcmp(argv[1], "launch") == 0 && argc == 3) {

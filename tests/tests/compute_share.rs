@@ -263,10 +263,10 @@ fn region_counters_account_for_launches_and_throttling() {
     let region = Region::open_existing(&sandbox.region).expect("region");
     let bucket = &region.layout().devices[0].compute;
     let start = meter.read(0, pid);
-    let granted_before = bucket.granted_ns.load(Ordering::Relaxed);
+    let granted_before = bucket.granted_ns();
     wait_until(start.at_ns + 3_000_000_000);
     let end = meter.read(0, pid);
-    let granted_after = bucket.granted_ns.load(Ordering::Relaxed);
+    let granted_after = bucket.granted_ns();
     workload.finish();
     let granted = (granted_after - granted_before) as f64;
     let busy = (end.process_ns - start.process_ns) as f64;

@@ -38,19 +38,7 @@ pub fn share(record: &DeviceRecord, policy: UtilizationPolicy) -> Option<u32> {
     }
 }
 
-/// `CLOCK_MONOTONIC` in nanoseconds: the clock every process on the node
-/// (and the monitor) shares.
-pub fn monotonic_ns() -> u64 {
-    let mut now = libc::timespec {
-        tv_sec: 0,
-        tv_nsec: 0,
-    };
-    // SAFETY: valid out-pointer.
-    unsafe {
-        libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut now);
-    }
-    now.tv_sec as u64 * 1_000_000_000 + now.tv_nsec as u64
-}
+pub use vgpu_common::region::monotonic_ns;
 
 fn credit(bucket: &ComputeBucket, share: u32, now: u64) {
     let last = bucket.refilled_at.load(Ordering::Acquire);
@@ -70,7 +58,7 @@ fn credit(bucket: &ComputeBucket, share: u32, now: u64) {
     let earned = ((now - last) as u128 * share as u128 / SHARE_FULL as u128) as i64;
     let capacity = (BURST_WINDOW_NS as u128 * share as u128 / SHARE_FULL as u128) as i64;
     bucket.capacity_ns.store(capacity as u64, Ordering::Relaxed);
-    let _ = bucket
+    if let Ok(before) = bucket
         .tokens
         .fetch_update(Ordering::AcqRel, Ordering::Acquire, |tokens| {
             Some(if tokens >= capacity {
@@ -78,7 +66,17 @@ fn credit(bucket: &ComputeBucket, share: u32, now: u64) {
             } else {
                 tokens.saturating_add(earned).min(capacity)
             })
-        });
+        })
+    {
+        let after = if before >= capacity {
+            before
+        } else {
+            before.saturating_add(earned).min(capacity)
+        };
+        bucket
+            .credited_ns
+            .fetch_add((after - before).max(0) as u64, Ordering::Relaxed);
+    }
 }
 
 /// Admits a launch that will occupy the device for `charge_ns`, sleeping
@@ -115,7 +113,6 @@ pub fn spend(record: &DeviceRecord, policy: UtilizationPolicy, charge_ns: u64) -
     bucket
         .tokens
         .fetch_sub(charge_ns.min(i64::MAX as u64) as i64, Ordering::AcqRel);
-    bucket.granted_ns.fetch_add(charge_ns, Ordering::Relaxed);
     bucket.launches.fetch_add(1, Ordering::Relaxed);
     if !waited.is_zero() {
         bucket
@@ -131,19 +128,7 @@ pub fn spend(record: &DeviceRecord, policy: UtilizationPolicy, charge_ns: u64) -
 /// Adds `delta_ns` to what the container has been charged (negative
 /// refunds): a measured kernel time replacing an estimate.
 pub fn correct(record: &DeviceRecord, delta_ns: i64) {
-    let bucket = &record.compute;
-    bucket.tokens.fetch_sub(delta_ns, Ordering::AcqRel);
-    if delta_ns >= 0 {
-        bucket
-            .granted_ns
-            .fetch_add(delta_ns as u64, Ordering::Relaxed);
-    } else {
-        let _ = bucket
-            .granted_ns
-            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |granted| {
-                Some(granted.saturating_sub(delta_ns.unsigned_abs()))
-            });
-    }
+    record.compute.tokens.fetch_sub(delta_ns, Ordering::AcqRel);
 }
 
 /// Gives back the charge of a launch the driver refused.
@@ -236,10 +221,10 @@ mod tests {
         spend(&r, UtilizationPolicy::Default, 1_000);
         correct(&r, 500);
         assert_eq!(r.compute.tokens.load(Ordering::Relaxed), -1_500);
-        assert_eq!(r.compute.granted_ns.load(Ordering::Relaxed), 1_500);
+        assert_eq!(r.compute.granted_ns(), 1_500);
         refund(&r, 1_500);
         assert_eq!(r.compute.tokens.load(Ordering::Relaxed), 0);
-        assert_eq!(r.compute.granted_ns.load(Ordering::Relaxed), 0);
+        assert_eq!(r.compute.granted_ns(), 0);
         assert_eq!(r.compute.launches.load(Ordering::Relaxed), 0);
     }
 }

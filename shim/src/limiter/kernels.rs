@@ -15,8 +15,7 @@
 //! refunded) rather than lost.
 
 use crate::lock::ForkSafeLock;
-use std::hash::{Hash, Hasher};
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU64, Ordering};
 
 /// Groups tracked per process.
 const TABLE_SIZE: usize = 4096;
@@ -30,7 +29,7 @@ const WINDOW: usize = 32;
 /// expensive ones often: a group is timed every `SAMPLE_SPACING_NS / price`
 /// launches, at least every launch and at most every `MAX_SAMPLE_EVERY`th.
 const SAMPLE_SPACING_NS: u64 = 2_000_000;
-pub const MAX_SAMPLE_EVERY: u64 = 32;
+pub const MAX_SAMPLE_EVERY: u64 = 256;
 
 /// Every how many launches a group with this price is timed.
 #[inline(always)]
@@ -58,11 +57,26 @@ impl LaunchKey {
         }
     }
 
+    /// A table index, not a defence against chosen inputs, so a few
+    /// multiply-rotate rounds (as in rustc's FxHash) instead of SipHash,
+    /// which would cost hundreds of instructions per launch.
+    #[inline(always)]
     fn hash64(&self) -> u64 {
-        let mut hasher = std::collections::hash_map::DefaultHasher::new();
-        self.hash(&mut hasher);
-        // 0 marks an empty slot.
-        hasher.finish() | 1
+        const K: u64 = 0x517c_c1b7_2722_0a95;
+        let words = [
+            self.function as u64,
+            self.grid[0] as u64 | (self.grid[1] as u64) << 32,
+            self.grid[2] as u64 | (self.block[0] as u64) << 32,
+            self.block[1] as u64 | (self.block[2] as u64) << 32,
+            self.shared_bytes as u64,
+        ];
+        let mut hash = 0u64;
+        for word in words {
+            hash = (hash.rotate_left(5) ^ word).wrapping_mul(K);
+        }
+        // Fold the high bits down (the index uses the low ones); 0 marks an
+        // empty slot.
+        (hash ^ (hash >> 29)) | 1
     }
 }
 
@@ -91,10 +105,13 @@ pub struct KernelStats {
     key: AtomicU64,
     /// What a launch is charged now; 0 until the first sample.
     price_ns: AtomicU64,
-    /// Launches since the last sample, and what they were charged in all.
-    unsettled_launches: AtomicU64,
-    unsettled_ns: AtomicU64,
+    /// Launches of the group so far.
     launches: AtomicU64,
+    /// `launches` at the last settlement: the launches since were charged
+    /// `price_ns` each, plus `unsettled_extra_ns` in all (provisional charges
+    /// that differed from the price).
+    settled_launches: AtomicU64,
+    unsettled_extra_ns: AtomicI64,
     /// A timed launch of this group is in flight.
     sampling: AtomicBool,
     window: ForkSafeLock<Window>,
@@ -105,9 +122,9 @@ impl KernelStats {
         Self {
             key: AtomicU64::new(0),
             price_ns: AtomicU64::new(0),
-            unsettled_launches: AtomicU64::new(0),
-            unsettled_ns: AtomicU64::new(0),
             launches: AtomicU64::new(0),
+            settled_launches: AtomicU64::new(0),
+            unsettled_extra_ns: AtomicI64::new(0),
             sampling: AtomicBool::new(false),
             window: ForkSafeLock::new(Window::default()),
         }
@@ -122,24 +139,21 @@ impl KernelStats {
     /// Counts a launch charged `charged_ns` and says whether to time it.
     #[inline(always)]
     pub fn charge(&self, charged_ns: u64) -> bool {
-        self.unsettled_launches.fetch_add(1, Ordering::Relaxed);
-        self.unsettled_ns.fetch_add(charged_ns, Ordering::Relaxed);
         let nth = self.launches.fetch_add(1, Ordering::Relaxed);
         let price = self.price();
+        if charged_ns != price {
+            self.unsettled_extra_ns
+                .fetch_add(charged_ns as i64 - price as i64, Ordering::Relaxed);
+        }
         let due = price == 0 || nth.is_multiple_of(sample_every(price));
         due && self.try_start_sample()
     }
 
-    /// Takes back a launch the driver refused.
+    /// Takes back a launch the driver refused: it stays counted, but its
+    /// charge is removed from what will be settled.
     pub fn uncharge(&self, charged_ns: u64) {
-        let _ = self
-            .unsettled_launches
-            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| n.checked_sub(1));
-        let _ = self
-            .unsettled_ns
-            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| {
-                Some(n.saturating_sub(charged_ns))
-            });
+        self.unsettled_extra_ns
+            .fetch_sub(charged_ns as i64, Ordering::Relaxed);
     }
 
     /// Claims the group's one in-flight sample.
@@ -165,11 +179,14 @@ impl KernelStats {
     pub fn record(&self, measured_ns: u64) -> i64 {
         let measured_ns = measured_ns.max(1);
         let new_price = self.window.with(|window| window.push(measured_ns));
-        self.price_ns.store(new_price, Ordering::Release);
-        let launches = self.unsettled_launches.swap(0, Ordering::AcqRel);
-        let charged = self.unsettled_ns.swap(0, Ordering::AcqRel);
+        let old_price = self.price_ns.swap(new_price, Ordering::AcqRel);
+        let launches = self.launches.load(Ordering::Acquire);
+        let settled = self.settled_launches.swap(launches, Ordering::AcqRel);
+        let extra = self.unsettled_extra_ns.swap(0, Ordering::AcqRel);
         self.sampling.store(false, Ordering::Release);
-        let owed = (new_price as i128 * launches as i128) - charged as i128;
+        let unsettled = launches.saturating_sub(settled) as i128;
+        let charged = old_price as i128 * unsettled + extra as i128;
+        let owed = new_price as i128 * unsettled - charged;
         owed.clamp(i64::MIN as i128, i64::MAX as i128) as i64
     }
 
@@ -179,8 +196,9 @@ impl KernelStats {
         self.window
             .reset_in_child(|window| *window = Window::default());
         self.sampling.store(false, Ordering::Relaxed);
-        self.unsettled_launches.store(0, Ordering::Relaxed);
-        self.unsettled_ns.store(0, Ordering::Relaxed);
+        self.settled_launches
+            .store(self.launches.load(Ordering::Relaxed), Ordering::Relaxed);
+        self.unsettled_extra_ns.store(0, Ordering::Relaxed);
     }
 }
 
@@ -336,8 +354,10 @@ mod tests {
 
     #[test]
     fn expensive_kernels_are_timed_more_often() {
-        assert_eq!(sample_every(20_000), MAX_SAMPLE_EVERY);
+        assert_eq!(sample_every(20_000), 100);
+        assert_eq!(sample_every(1_000), MAX_SAMPLE_EVERY);
         assert_eq!(sample_every(1_000_000), 2);
+        assert_eq!(sample_every(100_000), 20);
         assert_eq!(sample_every(30_000_000), 1);
     }
 

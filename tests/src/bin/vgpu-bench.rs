@@ -71,6 +71,52 @@ fn sandbox() -> Sandbox {
     sandbox
 }
 
+/// One run of the 1 ns kernel loop under a 99 % compute cap. Returns the
+/// time per launch and, of that, the time spent waiting for tokens (read
+/// from the region around the timed loop). With `prefill`, the bucket is
+/// given a large balance just before the loop, so no launch waits and the
+/// figure is the limiter's bookkeeping alone; without it, the loop runs at
+/// its cap (a kernel shorter than the host's own launch sequence is charged
+/// the host time, see the README) and pays for crediting and waiting too.
+fn capped_launch(iterations: u64, prefill: bool) -> Result<(f64, f64)> {
+    let mut sandbox = sandbox();
+    sandbox.set("CUDA_DEVICE_SM_LIMIT", "99");
+    let mut child = spawn(&sandbox, Setup::Shim, &["kernel", &iterations.to_string()])?;
+    let mut reader = BufReader::new(child.stdout.take().context("bench stdout")?);
+    let mut line = String::new();
+    reader.read_line(&mut line)?;
+    if line.trim() != "ready" {
+        bail!("bench program did not get ready: {line:?}");
+    }
+    let region = vgpu_common::region::Region::open_existing(&sandbox.region)?;
+    let throttled = || {
+        region.layout().devices[0]
+            .compute
+            .throttled_ns
+            .load(std::sync::atomic::Ordering::Acquire)
+    };
+    if prefill {
+        region.layout().devices[0]
+            .compute
+            .tokens
+            .store(i64::MAX / 4, std::sync::atomic::Ordering::Release);
+    }
+    let before = throttled();
+    child.stdin.as_mut().context("stdin")?.write_all(b"go\n")?;
+    line.clear();
+    reader.read_line(&mut line)?;
+    let after = throttled();
+    if !child.wait()?.success() {
+        bail!("bench program failed");
+    }
+    let total: f64 = line
+        .trim()
+        .strip_prefix("ns=")
+        .with_context(|| format!("unexpected output {line:?}"))?
+        .parse()?;
+    Ok((total, (after - before) as f64 / iterations as f64))
+}
+
 fn spawn(sandbox: &Sandbox, setup: Setup, args: &[&str]) -> Result<Child> {
     let program = programs_dir().join("bench");
     let mut command = match setup {
@@ -227,9 +273,55 @@ fn main() -> Result<()> {
     }
     let (driver, shim) = paired(&options, 1, &["launch", &launch_iterations])?;
     println!(
-        "| cuLaunchKernel, no compute cap | {driver:.1} ns | {shim:.1} ns | {:.1} ns | {:.2}x |",
+        "| cuLaunchKernel refused by the driver (hook only), no compute cap | {driver:.1} ns | {shim:.1} ns | {:.1} ns | {:.2}x |",
         shim - driver,
         shim / driver
+    );
+    let kernel_iterations = (options.launch_iterations / 10).max(1);
+    let (mut driver, mut uncapped, mut capped, mut waiting) =
+        (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+    let mut in_hand = Vec::new();
+    let iterations_text = kernel_iterations.to_string();
+    for _ in 0..options.repeats {
+        let plain = sandbox();
+        driver.push(median(&mut run_together(
+            &plain,
+            Setup::Driver,
+            1,
+            &["kernel", &iterations_text],
+        )?));
+        uncapped.push(median(&mut run_together(
+            &plain,
+            Setup::Shim,
+            1,
+            &["kernel", &iterations_text],
+        )?));
+        let (total, waited) = capped_launch(kernel_iterations, false)?;
+        capped.push(total);
+        waiting.push(waited);
+        let (total, waited) = capped_launch(kernel_iterations, true)?;
+        if waited > 0.0 {
+            bail!("a launch waited although the bucket was full");
+        }
+        in_hand.push(total);
+    }
+    let in_hand = median(&mut in_hand);
+    let (driver, uncapped) = (median(&mut driver), median(&mut uncapped));
+    let (capped, waiting) = (median(&mut capped), median(&mut waiting));
+    println!(
+        "| cuLaunchKernel of a 1 ns kernel, no compute cap | {driver:.1} ns | {uncapped:.1} ns | {:.1} ns | {:.2}x |",
+        uncapped - driver,
+        uncapped / driver
+    );
+    println!(
+        "| cuLaunchKernel of a 1 ns kernel, 99 % cap, tokens in hand | {driver:.1} ns | {in_hand:.1} ns | {:.1} ns | {:.2}x |",
+        in_hand - driver,
+        in_hand / driver
+    );
+    println!(
+        "| cuLaunchKernel of a 1 ns kernel, 99 % cap, at the cap (of which {waiting:.1} ns waiting) | {driver:.1} ns | {capped:.1} ns | {:.1} ns | {:.2}x |",
+        capped - driver,
+        capped / driver
     );
     for (processes, region_exists) in [(1usize, false), (64, false), (64, true)] {
         let (mut driver, mut shim, mut own) = (Vec::new(), Vec::new(), Vec::new());
