@@ -24,6 +24,9 @@ pub const ENV_OVERSUBSCRIBE: &str = "CUDA_OVERSUBSCRIBE";
 pub const ENV_LOG_LEVEL: &str = "LIBCUDA_LOG_LEVEL";
 /// Device memory charged for each CUDA context (vgpu addition).
 pub const ENV_CONTEXT_RESERVE: &str = "VGPU_CONTEXT_RESERVE";
+/// Host memory a device may borrow as swap when `CUDA_OVERSUBSCRIBE` is
+/// true; `_<i>` overrides device `i` (vgpu addition). Unset: no swap.
+pub const ENV_SWAP_LIMIT: &str = "VGPU_SWAP_LIMIT";
 /// Compute share in percent the container may use when the device has idle
 /// capacity; `_<i>` overrides device `i` (vgpu addition, like KubeShare's
 /// `gpu_limit`). Only a node monitor lends it; alone the share is the cap.
@@ -89,6 +92,9 @@ pub enum ConfigError {
 pub struct ShimConfig {
     /// Memory cap per device ordinal in bytes; `None` means uncapped.
     pub memory_limit: [Option<u64>; MAX_DEVICES],
+    /// Host-memory swap per device in bytes (0 = none); only used when
+    /// `oversubscribe` is set.
+    pub swap_limit: [u64; MAX_DEVICES],
     /// Compute share per device ordinal in percent; `None` means uncapped.
     pub sm_limit: [Option<u32>; MAX_DEVICES],
     /// Burst share per device in percent; `None` means no burst above the share.
@@ -120,7 +126,9 @@ impl ShimConfig {
         let memory_all = read_size(&get, ENV_MEMORY_LIMIT)?;
         let sm_all = read_percent(&get, ENV_SM_LIMIT)?;
         let burst_all = read_percent(&get, ENV_SM_BURST_LIMIT)?;
+        let swap_all = read_size(&get, ENV_SWAP_LIMIT)?;
         let mut memory_limit = [None; MAX_DEVICES];
+        let mut swap_limit = [0; MAX_DEVICES];
         let mut sm_limit = [None; MAX_DEVICES];
         let mut sm_burst = [None; MAX_DEVICES];
         for index in 0..MAX_DEVICES {
@@ -131,6 +139,9 @@ impl ShimConfig {
             sm_limit[index] = sm.filter(|percent| *percent > 0 && *percent < 100);
             let burst = read_percent(&get, &format!("{ENV_SM_BURST_LIMIT}_{index}"))?.or(burst_all);
             sm_burst[index] = burst.filter(|percent| *percent > 0);
+            swap_limit[index] = read_size(&get, &format!("{ENV_SWAP_LIMIT}_{index}"))?
+                .or(swap_all)
+                .unwrap_or(0);
         }
 
         let (region_path, region_path_set) = match get(ENV_REGION_PATH) {
@@ -192,8 +203,12 @@ impl ShimConfig {
         let context_reserve =
             read_size(&get, ENV_CONTEXT_RESERVE)?.unwrap_or(DEFAULT_CONTEXT_RESERVE);
 
+        if !oversubscribe {
+            swap_limit = [0; MAX_DEVICES];
+        }
         Ok(Self {
             memory_limit,
+            swap_limit,
             sm_limit,
             sm_burst,
             region_path,
@@ -299,12 +314,27 @@ mod tests {
             ("LIBCUDA_LOG_LEVEL", "9"),
             ("VGPU_CONTEXT_RESERVE", "-1"),
             ("VGPU_SM_BURST_LIMIT", "120"),
+            ("VGPU_SWAP_LIMIT", "lots"),
             ("CUDA_DEVICE_MEMORY_SHARED_CACHE", " "),
         ];
         for (var, value) in cases {
             let err = config(&[(var, value)]).expect_err(var);
             assert!(err.to_string().contains(var), "{err} should name {var}");
         }
+    }
+
+    #[test]
+    fn swap_needs_oversubscription() {
+        let off = config(&[("VGPU_SWAP_LIMIT", "8Gi")]).expect("valid");
+        assert_eq!(off.swap_limit[0], 0, "no swap without CUDA_OVERSUBSCRIBE");
+        let on = config(&[
+            ("VGPU_SWAP_LIMIT", "8Gi"),
+            ("VGPU_SWAP_LIMIT_1", "1Gi"),
+            ("CUDA_OVERSUBSCRIBE", "true"),
+        ])
+        .expect("valid");
+        assert_eq!(on.swap_limit[0], 8 << 30);
+        assert_eq!(on.swap_limit[1], 1 << 30);
     }
 
     #[test]

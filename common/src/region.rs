@@ -261,6 +261,8 @@ pub enum MemoryKind {
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct RegionLimits {
     pub memory_limit: [u64; MAX_DEVICES],
+    /// Host-memory swap allowance in bytes (0 = none).
+    pub swap_limit: [u64; MAX_DEVICES],
     /// Compute share in percent (0 = uncapped).
     pub sm_limit: [u32; MAX_DEVICES],
     /// Burst share in percent (0 = same as `sm_limit`).
@@ -553,6 +555,9 @@ impl Region {
             device
                 .memory_limit
                 .store(limits.memory_limit[index], Ordering::Relaxed);
+            device
+                .swap_limit
+                .store(limits.swap_limit[index], Ordering::Relaxed);
             let share = limits.sm_limit[index];
             device.sm_limit.store(share, Ordering::Relaxed);
             let burst = limits.sm_burst[index].max(share);
@@ -697,6 +702,7 @@ impl Region {
         };
         for (index, device) in layout.devices.iter().enumerate() {
             limits.memory_limit[index] = device.memory_limit.load(Ordering::Relaxed);
+            limits.swap_limit[index] = device.swap_limit.load(Ordering::Relaxed);
             limits.sm_limit[index] = device.sm_limit.load(Ordering::Relaxed);
             limits.sm_burst[index] = device.sm_burst.load(Ordering::Relaxed);
         }
@@ -844,6 +850,72 @@ impl Region {
                 .store(used.saturating_sub(returned), Ordering::Relaxed);
             returned == bytes
         })
+    }
+
+    /// Reserves `bytes` of host-memory swap for `slot` on `device`, failing
+    /// if that would take the container over the device's swap allowance.
+    pub fn reserve_swap(
+        &self,
+        slot: usize,
+        device: usize,
+        bytes: u64,
+    ) -> Result<Result<(), CapExceeded>, RegionError> {
+        let layout = self.layout();
+        let record = &layout.devices[device];
+        let counter = &layout.slots[slot].devices[device].swap;
+        self.with_lock(|| {
+            let used = record.swap_used.load(Ordering::Relaxed);
+            let limit = record.swap_limit.load(Ordering::Relaxed);
+            let new_used = used.saturating_add(bytes);
+            if new_used > limit {
+                record.oom_events.fetch_add(1, Ordering::Relaxed);
+                return Err(CapExceeded {
+                    limit,
+                    used,
+                    requested: bytes,
+                });
+            }
+            record.swap_used.store(new_used, Ordering::Relaxed);
+            counter.fetch_add(bytes, Ordering::Relaxed);
+            Ok(())
+        })
+    }
+
+    /// Returns `bytes` of swap held by `slot` on `device` (clamped like
+    /// [`Region::release`]).
+    pub fn release_swap(
+        &self,
+        slot: usize,
+        device: usize,
+        bytes: u64,
+    ) -> Result<bool, RegionError> {
+        let layout = self.layout();
+        let record = &layout.devices[device];
+        let counter = &layout.slots[slot].devices[device].swap;
+        self.with_lock(|| {
+            let held = counter.load(Ordering::Relaxed);
+            let returned = bytes.min(held);
+            counter.store(held - returned, Ordering::Relaxed);
+            let used = record.swap_used.load(Ordering::Relaxed);
+            record
+                .swap_used
+                .store(used.saturating_sub(returned), Ordering::Relaxed);
+            returned == bytes
+        })
+    }
+
+    /// Host-memory swap the container holds for `device`.
+    pub fn device_swap_used(&self, device: usize) -> u64 {
+        self.layout().devices[device]
+            .swap_used
+            .load(Ordering::Acquire)
+    }
+
+    /// Swap allowance of `device` (0 = none).
+    pub fn device_swap_limit(&self, device: usize) -> u64 {
+        self.layout().devices[device]
+            .swap_limit
+            .load(Ordering::Relaxed)
     }
 
     /// Moves `slot`'s charge of `kind` on `device` from `old_bytes` to
@@ -1193,6 +1265,24 @@ mod tests {
             std::fs::metadata(&path).expect("stat").len(),
             REGION_BYTES as u64
         );
+        let _ = std::fs::remove_file(&path);
+    }
+
+    #[test]
+    fn swap_has_its_own_allowance_and_is_returned_with_the_slot() {
+        let path = temp_path("swap");
+        let mut with_swap = limits(1000);
+        with_swap.swap_limit[0] = 500;
+        let region = Region::open_or_create(&path, &with_swap).expect("create");
+        let other = Region::open_existing(&path).expect("attach");
+        let theirs = other.claim_slot(9).expect("slot");
+        assert_eq!(other.reserve_swap(theirs, 0, 400).expect("io"), Ok(()));
+        assert!(other.reserve_swap(theirs, 0, 101).expect("io").is_err());
+        assert_eq!(region.device_swap_used(0), 400);
+        assert_eq!(region.device_used(0), 0, "swap is not device memory");
+        drop(other);
+        assert_eq!(region.reclaim_dead_slots(None).expect("sweep"), 1);
+        assert_eq!(region.device_swap_used(0), 0);
         let _ = std::fs::remove_file(&path);
     }
 

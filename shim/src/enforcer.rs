@@ -122,6 +122,7 @@ impl Enforcer {
         };
         for device in 0..MAX_DEVICES {
             limits.memory_limit[device] = config.memory_limit[device].unwrap_or(0);
+            limits.swap_limit[device] = config.swap_limit[device];
             limits.sm_limit[device] = config.sm_limit[device].unwrap_or(0);
             limits.sm_burst[device] = config.sm_burst[device].unwrap_or(0);
         }
@@ -544,15 +545,7 @@ pub fn current_context() -> Option<(usize, usize)> {
 }
 
 fn monotonic_ms() -> u64 {
-    let mut now = libc::timespec {
-        tv_sec: 0,
-        tv_nsec: 0,
-    };
-    // SAFETY: valid out-pointer.
-    unsafe {
-        libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut now);
-    }
-    now.tv_sec as u64 * 1000 + now.tv_nsec as u64 / 1_000_000
+    vgpu_common::region::monotonic_ns() / 1_000_000
 }
 
 extern "C" fn fork_prepare() {
