@@ -324,6 +324,11 @@ driver_library! {
         fn cuStreamIsCapturing_ptsz(stream: CUstream, status: *mut CUstreamCaptureStatus) -> CUresult;
         fn cuStreamGetCtx(stream: CUstream, context: *mut CUcontext) -> CUresult;
         fn cuStreamQuery(stream: CUstream) -> CUresult;
+        fn cuStreamSynchronize(stream: CUstream) -> CUresult;
+        fn cuStreamSynchronize_ptsz(stream: CUstream) -> CUresult;
+        fn cuMemHostAlloc(pointer: *mut *mut c_void, bytes: usize, flags: u32) -> CUresult;
+        fn cuMemHostGetDevicePointer_v2(dptr: *mut CUdeviceptr, pointer: *mut c_void, flags: u32) -> CUresult;
+        fn cuMemFreeHost(pointer: *mut c_void) -> CUresult;
         fn cuStreamQuery_ptsz(stream: CUstream) -> CUresult;
         fn cuCtxGetDevice(device: *mut CUdevice) -> CUresult;
         fn cuCtxGetCurrent(ctx: *mut CUcontext) -> CUresult;

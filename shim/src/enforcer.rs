@@ -221,8 +221,24 @@ impl Enforcer {
         None
     }
 
-    /// Charges `bytes` to `device` if the cap allows it.
+    /// Charges `bytes` to `device` if the cap allows it; a refusal is logged.
     pub fn reserve(&self, device: usize, kind: MemoryKind, bytes: u64) -> Result<(), CUresult> {
+        self.reserve_or_report(device, kind, bytes, true)
+    }
+
+    /// Like [`Enforcer::reserve`] without logging a refusal: for callers
+    /// that have another way to serve the allocation.
+    pub fn try_reserve(&self, device: usize, kind: MemoryKind, bytes: u64) -> Result<(), CUresult> {
+        self.reserve_or_report(device, kind, bytes, false)
+    }
+
+    fn reserve_or_report(
+        &self,
+        device: usize,
+        kind: MemoryKind,
+        bytes: u64,
+        report: bool,
+    ) -> Result<(), CUresult> {
         let Some(device) = self.device_index(device) else {
             return Ok(());
         };
@@ -236,16 +252,23 @@ impl Enforcer {
                     CUDA_ERROR_UNKNOWN
                 })
         };
-        match attempt(self)? {
-            Ok(()) => Ok(()),
+        let refused = match attempt(self)? {
+            Ok(()) => return Ok(()),
             Err(_) if self.pools.load(Ordering::Relaxed) > 0 => {
                 // Pools may have returned cached memory since they were last
                 // looked at: refresh their charges and try once more.
                 self.refresh_pools();
-                attempt(self)?.map_err(|refused| self.refuse(device, refused))
+                match attempt(self)? {
+                    Ok(()) => return Ok(()),
+                    Err(refused) => refused,
+                }
             }
-            Err(refused) => Err(self.refuse(device, refused)),
+            Err(refused) => refused,
+        };
+        if report {
+            self.refuse(device, refused);
         }
+        Err(CUDA_ERROR_OUT_OF_MEMORY)
     }
 
     fn refuse(&self, device: usize, refused: vgpu_common::region::CapExceeded) -> CUresult {
@@ -278,6 +301,53 @@ impl Enforcer {
             Ok(false) => tracing::warn!(device, bytes, "released more than was charged; clamped"),
             Err(error) => tracing::error!("region release failed: {error}"),
         }
+    }
+
+    /// Charges `bytes` of host-memory swap to `device` if the allowance
+    /// permits.
+    pub fn reserve_swap(&self, device: usize, bytes: u64) -> Result<(), CUresult> {
+        let Some(device) = self.device_index(device) else {
+            return Err(CUDA_ERROR_OUT_OF_MEMORY);
+        };
+        let slot = self.slot()?;
+        match self.region.reserve_swap(slot, device, bytes) {
+            Ok(Ok(())) => Ok(()),
+            Ok(Err(refused)) => {
+                tracing::warn!(
+                    "device {device}: {} could not be served from host memory either: the container holds {} of its {} swap",
+                    human_bytes(refused.requested),
+                    human_bytes(refused.used),
+                    human_bytes(refused.limit),
+                );
+                Err(CUDA_ERROR_OUT_OF_MEMORY)
+            }
+            Err(error) => {
+                tracing::error!("region swap reservation failed: {error}");
+                Err(CUDA_ERROR_UNKNOWN)
+            }
+        }
+    }
+
+    /// Returns what `resource` was charged: swap for spilled allocations,
+    /// device memory for everything else.
+    pub fn release_charge(&self, resource: Resource, charge: &Charge) {
+        if resource == Resource::SpilledPointer {
+            let (Some(device), Ok(slot)) = (self.device_index(charge.device), self.slot()) else {
+                return;
+            };
+            if let Err(error) = self.region.release_swap(slot, device, charge.bytes) {
+                tracing::error!("region swap release failed: {error}");
+            }
+        } else {
+            self.release(charge.device, charge.kind, charge.bytes);
+        }
+    }
+
+    /// Whether allocations on `device` may spill to host memory.
+    pub fn may_spill(&self, device: usize) -> bool {
+        self.config.oversubscribe
+            && device < MAX_DEVICES
+            && self.region.device_swap_limit(device) > 0
     }
 
     /// Sets the charge of `device` from `old` to `new` bytes, unchecked.
@@ -326,7 +396,7 @@ impl Enforcer {
         let code = free();
         if code == CUDA_SUCCESS {
             if let Some(charge) = self.table.remove(resource, id) {
-                self.release(charge.device, charge.kind, charge.bytes);
+                self.release_charge(resource, &charge);
                 if charge.pool != 0 {
                     self.sync_pool(charge.pool as CUmemoryPool);
                 }
@@ -354,7 +424,7 @@ impl Enforcer {
     pub fn release_context_resources(&self, context: usize) {
         self.limiter.forget_context(context);
         for ((resource, id), charge) in self.table.drain_context(context) {
-            self.release(charge.device, charge.kind, charge.bytes);
+            self.release_charge(resource, &charge);
             if resource == Resource::Pool {
                 self.pools.fetch_sub(1, Ordering::Relaxed);
             }
@@ -421,6 +491,7 @@ impl Enforcer {
             bytes: 0,
             context: 0,
             pool: 0,
+            host: 0,
         };
         let inserted = self
             .table

@@ -22,6 +22,8 @@ pub enum Resource {
     Context,
     PhysicalHandle,
     Pool,
+    /// A device allocation served from mapped host memory (swap).
+    SpilledPointer,
 }
 
 /// What was charged for one resource.
@@ -35,6 +37,8 @@ pub struct Charge {
     /// Pool a stream-ordered allocation came from (0 for none); the pool,
     /// not the allocation, carries the charge.
     pub pool: usize,
+    /// Host address of a spilled allocation (0 for device memory).
+    pub host: usize,
 }
 
 type Entries = HashMap<(Resource, u64), Charge>;
@@ -115,6 +119,7 @@ mod tests {
             bytes: 10,
             context,
             pool: 0,
+            host: 0,
         }
     }
 

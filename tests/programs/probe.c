@@ -17,6 +17,10 @@
  *                           closes; print the maximum (run without the shim)
  *   fork BYTES              fork: parent and child allocate separately
  *   memcpy BYTES            host -> device -> host round trip
+ *   spill TOTAL CHUNK       allocate TOTAL bytes in CHUNK buffers, write and
+ *                           read back every one, count those in host memory,
+ *                           print ready and hold them until stdin closes
+ *                           (dlsym and procaddr only)
  *   primary                 allocations die with the last primary-context
  *                           release (dlsym and procaddr only)
  *   getprocaddress          cuGetProcAddress variant and status semantics
@@ -414,6 +418,53 @@ static int cmd_memcpy(size_t bytes) {
 }
 
 #ifndef VGPU_LINKED
+static int cmd_spill(size_t total, size_t chunk) {
+    if (load_driver() != 0) return 2;
+    CUresult (*attribute)(void *, int, CUdeviceptr) = resolve("cuPointerGetAttribute", "cuPointerGetAttribute", 12000);
+    if (!attribute) return 2;
+    CUdevice device;
+    CHECK(cu.Init(0));
+    CHECK(cu.DeviceGet(&device, 0));
+    CHECK(cu.CtxCreate(&context, 0, device));
+    size_t count = total / chunk, made = 0, in_host = 0;
+    CUdeviceptr *buffers = calloc(count, sizeof *buffers);
+    CUresult refusal = CUDA_SUCCESS;
+    for (; made < count; made++) {
+        refusal = cu.MemAlloc(&buffers[made], chunk);
+        if (refusal != CUDA_SUCCESS) break;
+    }
+    unsigned char *out = malloc(chunk), *back = malloc(chunk);
+    int equal = 1;
+    for (size_t i = 0; i < made; i++) {
+        memset(out, (int)(i * 37 + 11), chunk);
+        out[chunk - 1] = (unsigned char)i;
+        CHECK(cu.MemcpyHtoD(buffers[i], out, chunk));
+    }
+    for (size_t i = 0; i < made; i++) {
+        memset(out, (int)(i * 37 + 11), chunk);
+        out[chunk - 1] = (unsigned char)i;
+        CHECK(cu.MemcpyDtoH(back, buffers[i], chunk));
+        equal &= memcmp(out, back, chunk) == 0;
+        unsigned memory_type = 0;
+        CHECK(attribute(&memory_type, 2 /* CU_POINTER_ATTRIBUTE_MEMORY_TYPE */, buffers[i]));
+        in_host += memory_type == 1; /* CU_MEMORYTYPE_HOST */
+    }
+    size_t free_bytes = 0, total_bytes = 0;
+    CHECK(cu.MemGetInfo(&free_bytes, &total_bytes));
+    printf("chunks=%zu\nallocated=%llu\nrefusal=%d\nhost_chunks=%zu\nequal=%d\n", made,
+           (unsigned long long)made * chunk, refusal, in_host, equal);
+    printf("mem_total=%zu\nmem_free=%zu\nready\n", total_bytes, free_bytes);
+    fflush(stdout);
+    char buffer[64];
+    while (read(0, buffer, sizeof buffer) > 0) {
+    }
+    for (size_t i = 0; i < made; i++) CHECK(cu.MemFree(buffers[i]));
+    CHECK(cu.MemGetInfo(&free_bytes, &total_bytes));
+    printf("free_after=%zu\n", free_bytes);
+    CHECK(cu.CtxDestroy(context));
+    return 0;
+}
+
 static int cmd_primary(void) {
     if (load_driver() != 0) return 2;
     CUresult (*retain)(CUcontext *, CUdevice) = resolve("cuDevicePrimaryCtxRetain", "cuDevicePrimaryCtxRetain", 12000);
@@ -572,6 +623,8 @@ int main(int argc, char **argv) {
 #ifndef VGPU_LINKED
     if (strcmp(command, "getprocaddress") == 0) return cmd_getprocaddress();
     if (strcmp(command, "primary") == 0) return cmd_primary();
+    if (strcmp(command, "spill") == 0 && argc == 5)
+        return cmd_spill(strtoull(argv[3], NULL, 0), strtoull(argv[4], NULL, 0));
     if (strcmp(command, "nvml") == 0) return cmd_nvml();
     if (strcmp(command, "sample") == 0) return cmd_sample();
 #endif

@@ -16,6 +16,7 @@ fn context_charge(enforcer: &Enforcer, device: CUdevice) -> Charge {
         bytes: enforcer.config.context_reserve,
         context: 0,
         pool: 0,
+        host: 0,
     }
 }
 

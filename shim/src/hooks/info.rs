@@ -26,20 +26,31 @@ pub unsafe extern "C" fn cuMemGetInfo_v2(free: *mut usize, total: *mut usize) ->
             return code;
         }
         let limit = enforcer.region.device_limit(device);
-        if limit == 0 {
+        let swap_limit = enforcer.region.device_swap_limit(device);
+        if limit == 0 && swap_limit == 0 {
             return code;
         }
         // SAFETY: both out-pointers were written by the successful call.
         unsafe {
             let physical_total = *total as u64;
             let physical_free = *free as u64;
-            let capped_total = limit.min(physical_total);
-            let used = enforcer.region.device_used(device);
-            // Never report more free memory than the device really has:
-            // other tenants may hold it (libraries size buffers from this).
-            let capped_free = capped_total.saturating_sub(used).min(physical_free);
-            *total = capped_total as usize;
-            *free = capped_free as usize;
+            let (device_total, device_free) = if limit == 0 {
+                (physical_total, physical_free)
+            } else {
+                let capped_total = limit.min(physical_total);
+                let used = enforcer.region.device_used(device);
+                // Never report more free memory than the device really
+                // has: other tenants may hold it (libraries size buffers
+                // from this).
+                (
+                    capped_total,
+                    capped_total.saturating_sub(used).min(physical_free),
+                )
+            };
+            // Host-memory swap is part of what the program may allocate.
+            let swap_free = swap_limit.saturating_sub(enforcer.region.device_swap_used(device));
+            *total = device_total.saturating_add(swap_limit) as usize;
+            *free = device_free.saturating_add(swap_free) as usize;
         }
         code
     })
@@ -58,9 +69,16 @@ pub unsafe extern "C" fn cuDeviceTotalMem_v2(bytes: *mut usize, device: CUdevice
                     && (0..vgpu_common::region::MAX_DEVICES as CUdevice).contains(&device) =>
             {
                 let limit = enforcer.region.device_limit(device as usize);
-                if limit > 0 {
-                    // SAFETY: written by the successful call.
-                    unsafe { *bytes = (*bytes as u64).min(limit) as usize };
+                let swap_limit = enforcer.region.device_swap_limit(device as usize);
+                // SAFETY: written by the successful call.
+                unsafe {
+                    let physical = *bytes as u64;
+                    let device_total = if limit > 0 {
+                        physical.min(limit)
+                    } else {
+                        physical
+                    };
+                    *bytes = device_total.saturating_add(swap_limit) as usize;
                 }
                 code
             }

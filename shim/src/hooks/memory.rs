@@ -33,6 +33,7 @@ fn allocate_in_context(
                     bytes,
                     context,
                     pool: 0,
+                    host: 0,
                 };
                 enforcer.charged(charge, resource, allocate)
             }
@@ -51,18 +52,150 @@ fn free_resource(resource: Resource, id: u64, free: impl FnOnce() -> CUresult) -
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn cuMemAlloc_v2(dptr: *mut CUdeviceptr, bytes: usize) -> CUresult {
     guarded!(CUDA_ERROR_UNKNOWN, {
+        let allocate = || {
+            // SAFETY: forwarded unchanged; `dptr` is written on success.
+            let code = unsafe { real::cuMemAlloc_v2(dptr, bytes) };
+            // SAFETY: the caller's out-pointer.
+            (code, unsafe { written(dptr) })
+        };
+        if let Mode::Enforce(enforcer) = mode() {
+            if let Some((device, context)) = current_context() {
+                if enforcer.may_spill(device) {
+                    return allocate_or_spill(
+                        enforcer,
+                        device,
+                        context,
+                        dptr,
+                        bytes as u64,
+                        allocate,
+                    );
+                }
+            }
+        }
         allocate_in_context(
             MemoryKind::Data,
             Resource::DevicePointer,
             bytes as u64,
-            || {
-                // SAFETY: forwarded unchanged; `dptr` is written on success.
-                let code = unsafe { real::cuMemAlloc_v2(dptr, bytes) };
-                // SAFETY: the caller's out-pointer.
-                (code, unsafe { written(dptr) })
-            },
+            allocate,
         )
     })
+}
+
+// ---- Host-memory swap (`CUDA_OVERSUBSCRIBE`) ----
+//
+// An allocation that does not fit under the cap, or that the device cannot
+// hold because other tenants use it, is served from page-locked host memory
+// mapped into the device's address space (`cuMemHostAlloc` with
+// `DEVICEMAP`): with unified addressing its device pointer is its host
+// address, kernels and copies use it like device memory, and the driver
+// answers pointer queries truthfully (memory type: host). Pinned host memory
+// was chosen over managed memory advised to stay on the host because its
+// pages can never migrate onto the device (device-resident bytes stay under
+// the cap whatever the access pattern) and device access costs no page
+// faults; the price is that it is locked host memory, bounded by the swap
+// allowance.
+
+/// `cuMemHostAlloc` flags: usable from every context, mapped for the device.
+const SPILL_FLAGS: u32 = 0x01 | 0x02;
+
+fn allocate_or_spill(
+    enforcer: &Enforcer,
+    device: usize,
+    context: usize,
+    dptr: *mut CUdeviceptr,
+    bytes: u64,
+    allocate: impl FnOnce() -> (CUresult, u64),
+) -> CUresult {
+    let charge = Charge {
+        device,
+        kind: MemoryKind::Data,
+        bytes,
+        context,
+        pool: 0,
+        host: 0,
+    };
+    match enforcer.try_reserve(device, MemoryKind::Data, bytes) {
+        Ok(()) => {
+            let (code, address) = allocate();
+            if code == CUDA_SUCCESS {
+                enforcer
+                    .table
+                    .insert(Resource::DevicePointer, address, charge);
+                return code;
+            }
+            enforcer.release(device, MemoryKind::Data, bytes);
+            if code != CUDA_ERROR_OUT_OF_MEMORY {
+                return code;
+            }
+        }
+        Err(CUDA_ERROR_OUT_OF_MEMORY) => {}
+        Err(code) => return code,
+    }
+    spill(enforcer, charge, dptr)
+}
+
+fn spill(enforcer: &Enforcer, mut charge: Charge, dptr: *mut CUdeviceptr) -> CUresult {
+    if dptr.is_null() {
+        return CUDA_ERROR_INVALID_VALUE;
+    }
+    if let Err(code) = enforcer.reserve_swap(charge.device, charge.bytes) {
+        return code;
+    }
+    let mut host: *mut std::ffi::c_void = std::ptr::null_mut();
+    // SAFETY: valid out-pointer; the current context is the allocation's.
+    let code = unsafe { real::cuMemHostAlloc(&mut host, charge.bytes as usize, SPILL_FLAGS) };
+    if code != CUDA_SUCCESS {
+        enforcer.release_charge(Resource::SpilledPointer, &charge);
+        return code;
+    }
+    let mut address: CUdeviceptr = 0;
+    // SAFETY: `host` was just allocated with DEVICEMAP; valid out-pointer.
+    let code = unsafe { real::cuMemHostGetDevicePointer_v2(&mut address, host, 0) };
+    if code != CUDA_SUCCESS {
+        // SAFETY: our own allocation, not handed out.
+        unsafe { real::cuMemFreeHost(host) };
+        enforcer.release_charge(Resource::SpilledPointer, &charge);
+        return code;
+    }
+    charge.host = host as usize;
+    enforcer
+        .table
+        .insert(Resource::SpilledPointer, address, charge);
+    tracing::debug!(
+        device = charge.device,
+        bytes = charge.bytes,
+        "allocation served from host memory"
+    );
+    // SAFETY: checked non-null; the caller's out-pointer.
+    unsafe { *dptr = address };
+    CUDA_SUCCESS
+}
+
+/// Frees `dptr` if it is a spilled allocation (after `before`, which must
+/// succeed); `None` if it is not one.
+fn free_if_spilled(dptr: CUdeviceptr, before: impl FnOnce() -> CUresult) -> Option<CUresult> {
+    let Mode::Enforce(enforcer) = mode() else {
+        return None;
+    };
+    if !enforcer.config.oversubscribe {
+        return None;
+    }
+    let charge = enforcer.table.get(Resource::SpilledPointer, dptr)?;
+    let code = before();
+    if code != CUDA_SUCCESS {
+        return Some(code);
+    }
+    // SAFETY: the host allocation made by `spill` for this pointer.
+    let code = unsafe { real::cuMemFreeHost(charge.host as *mut std::ffi::c_void) };
+    if code == CUDA_SUCCESS
+        && enforcer
+            .table
+            .remove(Resource::SpilledPointer, dptr)
+            .is_some()
+    {
+        enforcer.release_charge(Resource::SpilledPointer, &charge);
+    }
+    Some(code)
 }
 
 #[unsafe(no_mangle)]
@@ -132,6 +265,7 @@ pub unsafe extern "C" fn cuMemAllocPitch_v2(
             bytes: actual,
             context,
             pool: 0,
+            host: 0,
         };
         enforcer
             .table
@@ -143,6 +277,9 @@ pub unsafe extern "C" fn cuMemAllocPitch_v2(
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn cuMemFree_v2(dptr: CUdeviceptr) -> CUresult {
     guarded!(CUDA_ERROR_UNKNOWN, {
+        if let Some(code) = free_if_spilled(dptr, || CUDA_SUCCESS) {
+            return code;
+        }
         // SAFETY: forwarded unchanged.
         free_resource(Resource::DevicePointer, dptr, || unsafe {
             real::cuMemFree_v2(dptr)
@@ -175,6 +312,7 @@ pub unsafe extern "C" fn cuMemCreate(
                     bytes: bytes as u64,
                     context: 0,
                     pool: 0,
+                    host: 0,
                 };
                 enforcer.charged(charge, Resource::PhysicalHandle, || {
                     let code = create();
@@ -348,6 +486,7 @@ fn pool_allocate(
             bytes: 0,
             context,
             pool: pool as usize,
+            host: 0,
         };
         enforcer
             .table
@@ -480,6 +619,15 @@ pub unsafe extern "C" fn cuMemAllocFromPoolAsync_ptsz(
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn cuMemFreeAsync(dptr: CUdeviceptr, stream: CUstream) -> CUresult {
     guarded!(CUDA_ERROR_UNKNOWN, {
+        // Host memory cannot be freed in stream order: wait for the stream's
+        // earlier work (which may still use the buffer), then free it.
+        let wait = || {
+            // SAFETY: the caller's stream.
+            unsafe { real::cuStreamSynchronize(stream) }
+        };
+        if let Some(code) = free_if_spilled(dptr, wait) {
+            return code;
+        }
         // SAFETY: forwarded unchanged.
         free_resource(Resource::DevicePointer, dptr, || unsafe {
             real::cuMemFreeAsync(dptr, stream)
@@ -490,6 +638,15 @@ pub unsafe extern "C" fn cuMemFreeAsync(dptr: CUdeviceptr, stream: CUstream) -> 
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn cuMemFreeAsync_ptsz(dptr: CUdeviceptr, stream: CUstream) -> CUresult {
     guarded!(CUDA_ERROR_UNKNOWN, {
+        // Host memory cannot be freed in stream order: wait for the stream's
+        // earlier work (which may still use the buffer), then free it.
+        let wait = || {
+            // SAFETY: the caller's stream.
+            unsafe { real::cuStreamSynchronize_ptsz(stream) }
+        };
+        if let Some(code) = free_if_spilled(dptr, wait) {
+            return code;
+        }
         // SAFETY: forwarded unchanged.
         free_resource(Resource::DevicePointer, dptr, || unsafe {
             real::cuMemFreeAsync_ptsz(dptr, stream)

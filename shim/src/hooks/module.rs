@@ -60,6 +60,7 @@ fn load_module(module: *mut CUmodule, bytes: u64, load: impl FnOnce() -> CUresul
                 bytes,
                 context,
                 pool: 0,
+                host: 0,
             };
             enforcer.charged(charge, Resource::Module, || {
                 let code = load();

@@ -36,11 +36,20 @@ fn ordinal_of(enforcer: &Enforcer, device: nvmlDevice_t) -> Option<usize> {
     None
 }
 
-/// The capped view of a device: (total, used), when it has a cap.
+/// The capped view of a device: (total, used), when it has a cap. Host
+/// memory swap counts in both, as `cuMemGetInfo` reports it.
 fn capped_memory(enforcer: &Enforcer, device: nvmlDevice_t) -> Option<(u64, u64)> {
     let ordinal = ordinal_of(enforcer, device)?;
     let limit = enforcer.region.device_limit(ordinal);
-    (limit > 0).then(|| (limit, enforcer.region.device_used(ordinal)))
+    (limit > 0).then(|| {
+        let region = &enforcer.region;
+        (
+            limit.saturating_add(region.device_swap_limit(ordinal)),
+            region
+                .device_used(ordinal)
+                .saturating_add(region.device_swap_used(ordinal)),
+        )
+    })
 }
 
 #[unsafe(no_mangle)]

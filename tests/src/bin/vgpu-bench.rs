@@ -271,6 +271,34 @@ fn main() -> Result<()> {
             shim / driver
         );
     }
+    // Every 1 MiB allocation spills: the cap is below it.
+    let (mut device_pairs, mut spilled_pairs) = (Vec::new(), Vec::new());
+    for _ in 0..options.repeats {
+        let plain = sandbox();
+        let mut swapping = sandbox();
+        swapping
+            .set("CUDA_DEVICE_MEMORY_LIMIT", "512k")
+            .set("CUDA_OVERSUBSCRIBE", "true")
+            .set("VGPU_SWAP_LIMIT", "1Gi");
+        device_pairs.push(median(&mut run_together(
+            &plain,
+            Setup::Shim,
+            1,
+            &["alloc", &alloc_iterations, "1048576"],
+        )?));
+        spilled_pairs.push(median(&mut run_together(
+            &swapping,
+            Setup::Shim,
+            1,
+            &["alloc", &alloc_iterations, "1048576"],
+        )?));
+    }
+    let (device_pair, spilled_pair) = (median(&mut device_pairs), median(&mut spilled_pairs));
+    println!(
+        "| cuMemAlloc_v2 + cuMemFree_v2 (1 MiB) served from host swap, against one in device memory (both with shim) | {device_pair:.0} ns | {spilled_pair:.0} ns | {:.0} ns | {:.2}x |",
+        spilled_pair - device_pair,
+        spilled_pair / device_pair
+    );
     let (driver, shim) = paired(&options, 1, &["launch", &launch_iterations])?;
     println!(
         "| cuLaunchKernel refused by the driver (hook only), no compute cap | {driver:.1} ns | {shim:.1} ns | {:.1} ns | {:.2}x |",
