@@ -204,7 +204,7 @@ impl Decision {
     pub fn next_unallocated(&self, allocated: &[String]) -> Option<&ContainerDecision> {
         self.containers
             .iter()
-            .find(|c| !allocated.iter().any(|name| *name == c.name))
+            .find(|c| !allocated.contains(&c.name))
     }
 
     /// Whether every GPU container has been allocated.
