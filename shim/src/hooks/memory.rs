@@ -59,7 +59,14 @@ pub unsafe extern "C" fn cuMemAlloc_v2(dptr: *mut CUdeviceptr, bytes: usize) -> 
             (code, unsafe { written(dptr) })
         };
         if let Mode::Enforce(enforcer) = mode() {
-            if let Some((device, context)) = current_context() {
+            // Swap is off unless oversubscription is configured: do not
+            // ask the driver for the context twice on the common path.
+            let spill_device = enforcer
+                .config
+                .oversubscribe
+                .then(current_context)
+                .flatten();
+            if let Some((device, context)) = spill_device {
                 if enforcer.may_spill(device) {
                     return allocate_or_spill(
                         enforcer,

@@ -17,8 +17,9 @@
 use crate::lock::ForkSafeLock;
 use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU64, Ordering};
 
-/// Groups tracked per process.
-const TABLE_SIZE: usize = 4096;
+/// Groups tracked per process (a model with more distinct kernel shapes
+/// charges the rest at the typical price, untimed).
+const TABLE_SIZE: usize = 1024;
 /// Slots probed for a group before giving up on tracking it.
 const PROBES: usize = 8;
 /// Samples the price is the minimum of. Under contention most samples

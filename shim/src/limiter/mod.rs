@@ -21,6 +21,7 @@ use crate::driver::cuda as real;
 use kernels::KernelTable;
 use samples::{Outcome, Sample, Sampler};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 use vgpu_common::config::UtilizationPolicy;
 use vgpu_common::region::{Region, MAX_DEVICES};
@@ -39,7 +40,9 @@ pub struct Admission {
 
 pub struct Limiter {
     policy: UtilizationPolicy,
-    kernels: KernelTable,
+    /// Built on the first limited launch: most processes of a container
+    /// never launch a kernel, and the table is a few hundred KiB.
+    kernel_table: OnceLock<KernelTable>,
     sampler: Sampler,
     /// Stream captures in progress in this process.
     captures: AtomicUsize,
@@ -51,11 +54,16 @@ impl Limiter {
     pub fn new(policy: UtilizationPolicy) -> Self {
         Self {
             policy,
-            kernels: KernelTable::new(),
+            kernel_table: OnceLock::new(),
             sampler: Sampler::new(),
             captures: AtomicUsize::new(0),
             single_device: AtomicBool::new(false),
         }
+    }
+
+    #[inline(always)]
+    fn kernels(&self) -> &KernelTable {
+        self.kernel_table.get_or_init(KernelTable::new)
     }
 
     /// Called after `cuInit` with the number of visible devices.
@@ -110,9 +118,9 @@ impl Limiter {
         if self.capturing_anywhere() && stream_is_capturing(stream, flavour) {
             return None;
         }
-        let Some((index, entry)) = self.kernels.entry(&key) else {
+        let Some((index, entry)) = self.kernels().entry(&key) else {
             // Table full around this key: charge a typical launch, untimed.
-            let charge = self.kernels.typical();
+            let charge = self.kernels().typical();
             bucket::spend(record, self.policy, charge);
             return Some(Admission {
                 device,
@@ -128,7 +136,7 @@ impl Limiter {
             price = self.wait_for_first_sample(region, index);
         }
         let charge = if price == 0 {
-            self.kernels.typical()
+            self.kernels().typical()
         } else {
             price
         };
@@ -175,14 +183,14 @@ impl Limiter {
         if let Some(sample) = admission.sample {
             let entry = sample.entry;
             if !self.sampler.finish(sample, stream, flavour, launched) {
-                if let Some(stats) = self.kernels.get(entry) {
+                if let Some(stats) = self.kernels().get(entry) {
                     stats.abandon_sample();
                 }
             }
         }
         if !launched {
             bucket::refund(&region.layout().devices[admission.device], admission.charge);
-            if let Some(stats) = admission.entry.and_then(|e| self.kernels.get(e)) {
+            if let Some(stats) = admission.entry.and_then(|e| self.kernels().get(e)) {
                 stats.uncharge(admission.charge);
             }
         }
@@ -199,9 +207,9 @@ impl Limiter {
         if bucket::share(record, self.policy).is_none() {
             return;
         }
-        let charge = match self.kernels.entry(&key) {
+        let charge = match self.kernels().entry(&key) {
             Some((_, entry)) if entry.price() > 0 => entry.price(),
-            _ => self.kernels.typical(),
+            _ => self.kernels().typical(),
         };
         bucket::spend(record, self.policy, charge);
     }
@@ -211,7 +219,7 @@ impl Limiter {
         let mut pause = Duration::from_micros(20);
         loop {
             self.poll(region);
-            let Some(entry) = self.kernels.get(index) else {
+            let Some(entry) = self.kernels().get(index) else {
                 return 0;
             };
             let price = entry.price();
@@ -227,13 +235,13 @@ impl Limiter {
     fn poll(&self, region: &Region) {
         self.sampler.poll(|entry, device, outcome| match outcome {
             Outcome::Measured(nanos) => {
-                let correction = self.kernels.record(entry, nanos);
+                let correction = self.kernels().record(entry, nanos);
                 if correction != 0 {
                     bucket::correct(&region.layout().devices[device], correction);
                 }
             }
             Outcome::Lost => {
-                if let Some(stats) = self.kernels.get(entry) {
+                if let Some(stats) = self.kernels().get(entry) {
                     stats.abandon_sample();
                 }
             }
@@ -243,7 +251,7 @@ impl Limiter {
     /// A context was destroyed: forget its events and samples.
     pub fn forget_context(&self, context: usize) {
         for entry in self.sampler.forget_context(context) {
-            if let Some(stats) = self.kernels.get(entry) {
+            if let Some(stats) = self.kernels().get(entry) {
                 stats.abandon_sample();
             }
         }
@@ -259,7 +267,9 @@ impl Limiter {
 
     pub fn after_fork_in_child(&self) {
         self.sampler.after_fork_in_child();
-        self.kernels.reset_after_fork();
+        if let Some(kernels) = self.kernel_table.get() {
+            kernels.reset_after_fork();
+        }
         self.captures.store(0, Ordering::Relaxed);
     }
 }
