@@ -154,6 +154,33 @@ pub fn measure_single(limit: u32, pattern: &str, kernel: &str, window: Duration)
     }
 }
 
+/// Runs the same workload without the shim (no cap at all) and measures its
+/// share over `window`.
+pub fn measure_without_shim(pattern: &str, kernel: &str, window: Duration) -> f64 {
+    let sandbox = Sandbox::new("alone", 1, "16Gi");
+    let mut meter = BusyMeter::new(&sandbox);
+    let mut child = sandbox
+        .command_without_shim(&programs_dir().join("workload"))
+        .args([
+            pattern,
+            kernel,
+            &(window.as_secs_f64() + 0.5).to_string(),
+            "1",
+        ])
+        .stdout(Stdio::piped())
+        .spawn()
+        .expect("spawn workload");
+    let mut line = String::new();
+    BufReader::new(child.stdout.as_mut().expect("workload stdout"))
+        .read_line(&mut line)
+        .expect("workload ready");
+    let start = meter.read(0, child.id());
+    wait_until(start.at_ns + window.as_nanos() as u64);
+    let end = meter.read(0, child.id());
+    let _ = child.wait();
+    process_share(start, end)
+}
+
 /// Sleeps until CLOCK_MONOTONIC reaches `deadline_ns`: the end of a
 /// measurement window, not a stand-in for synchronisation.
 pub fn wait_until(deadline_ns: u64) {

@@ -7,6 +7,8 @@
 use anyhow::{bail, Context, Result};
 use std::collections::HashMap;
 use std::process::Output;
+use std::time::Duration;
+use vgpu_tests::compute::{measure_single, measure_without_shim};
 use vgpu_tests::{key_values, programs_dir, Sandbox};
 
 fn values(output: Output) -> Result<HashMap<String, String>> {
@@ -30,7 +32,10 @@ fn mib(values: &HashMap<String, String>, key: &str) -> Result<u64> {
 
 fn main() -> Result<()> {
     if std::env::args().any(|a| a == "-h" || a == "--help") {
-        println!("vgpu-demo: runs a CUDA program on the simulated GPU without and with the shim (4 GiB cap).");
+        println!(
+            "vgpu-demo: runs CUDA programs on the simulated GPU without and with the shim:\n\
+             a 4 GiB memory cap, then a 30 % compute share."
+        );
         return Ok(());
     }
     let mut sandbox = Sandbox::new("demo", 1, "16Gi");
@@ -64,6 +69,15 @@ fn main() -> Result<()> {
         "NVML under the shim: total {} MiB, used {} MiB (no process holds memory now)",
         mib(&nvml, "nvml_total")?,
         mib(&nvml, "nvml_used")?
+    );
+
+    println!("\nCompute: a loop of 1 ms kernels, measured by the simulated GPU over 3 s.");
+    let alone = measure_without_shim("burst", "k1ms", Duration::from_secs(3));
+    println!("without libvgpu.so:                  {alone:.1} % of the device");
+    let capped = measure_single(30, "burst", "k1ms", Duration::from_secs(3));
+    println!(
+        "with CUDA_DEVICE_SM_LIMIT=30:        {:.1} % of the device ({:.1} % in its first second)",
+        capped.steady, capped.first_second
     );
     Ok(())
 }
