@@ -1,6 +1,96 @@
-//! `vgpu-monitor`: not implemented yet. The binary exists so the workspace and
-//! the deployment layout are in place; it refuses to run rather than pretend.
+//! `vgpu-monitor`: the node daemon (see `--help` and the crate docs).
+
+use anyhow::Context;
+use clap::Parser;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use vgpu_monitor::daemon::Monitor;
+use vgpu_monitor::names::{self, PodDirectory};
+use vgpu_monitor::options::Options;
 
 fn main() -> anyhow::Result<()> {
-    anyhow::bail!("vgpu-monitor is not implemented yet in this release of vgpu")
+    let options = Options::parse();
+    tracing_subscriber::fmt()
+        .with_max_level(options.log_level)
+        .with_writer(std::io::stderr)
+        .with_ansi(false)
+        .init();
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .context("starting the async runtime")?;
+    runtime.block_on(run(options))
+}
+
+async fn run(options: Options) -> anyhow::Result<()> {
+    let pods = match (options.api_source(), options.node_name.clone()) {
+        (None, _) => {
+            tracing::info!("Kubernetes API not used: pods are named by their directory");
+            PodDirectory::disabled()
+        }
+        (Some(_), None) => {
+            tracing::warn!(
+                "no node name (--node-name or NODE_NAME): Kubernetes API not used, pods are named by their directory"
+            );
+            PodDirectory::disabled()
+        }
+        (Some(source), Some(node)) => match names::make_client(&source).await {
+            Ok(client) => {
+                let directory = PodDirectory::new();
+                tokio::spawn(names::watch_pods(client, node, Arc::clone(&directory)));
+                directory
+            }
+            Err(error) => {
+                tracing::warn!("{error}; pods are named by their directory, no cleanup");
+                PodDirectory::disabled()
+            }
+        },
+    };
+
+    let config = options.monitor_config();
+    let listener = tokio::net::TcpListener::bind(options.listen)
+        .await
+        .with_context(|| format!("listening on {}", options.listen))?;
+    tracing::info!(
+        "serving /metrics on {}, reading {}/*/{}",
+        listener.local_addr().unwrap_or(options.listen),
+        config.discovery.root.display(),
+        config.discovery.region_file
+    );
+    let monitor = Monitor::new(config, pods);
+    let shared = monitor.shared();
+    let stop = Arc::new(AtomicBool::new(false));
+    let stop_loop = Arc::clone(&stop);
+    let loop_thread = std::thread::Builder::new()
+        .name("vgpu-monitor-loop".into())
+        .spawn(move || monitor.run(&stop_loop))
+        .context("starting the monitor loop")?;
+
+    let served = vgpu_monitor::server::serve(listener, shared, shutdown_signal()).await;
+    stop.store(true, Ordering::Release);
+    if loop_thread.join().is_err() {
+        tracing::error!("the monitor loop panicked");
+    }
+    served.context("serving HTTP")?;
+    tracing::info!("stopped");
+    Ok(())
+}
+
+/// Completes on SIGTERM or SIGINT.
+async fn shutdown_signal() {
+    use tokio::signal::unix::{signal, SignalKind};
+    let mut term = match signal(SignalKind::terminate()) {
+        Ok(term) => term,
+        Err(error) => {
+            tracing::warn!("cannot watch SIGTERM: {error}");
+            let _ = tokio::signal::ctrl_c().await;
+            return;
+        }
+    };
+    tokio::select! {
+        _ = term.recv() => {}
+        _ = tokio::signal::ctrl_c() => {}
+    }
+    tracing::info!("shutting down");
 }

@@ -1,0 +1,671 @@
+//! Finding container regions under the host directory, and reading them.
+//!
+//! The device plugin gives each container a host directory
+//! `<root>/<podUID>_<container>/` holding its region file. Every pass of the
+//! monitor rescans `<root>`: new directories are opened, removed (or
+//! replaced) files are dropped, so nothing needs a restart.
+//!
+//! Region files are written by containers and are untrusted: the last path
+//! component must be a regular file (never a symlink, which could point the
+//! monitor at another container's region), the size, magic and version are
+//! checked, every value read is clamped, and a file that cannot be used
+//! costs one log line (repeated only when the file changes, or every
+//! [`REJECT_RETRY`]).
+
+use crate::guard::{GuardError, Guarded};
+use std::collections::{BTreeMap, HashMap};
+use std::ffi::CString;
+use std::os::unix::ffi::OsStrExt;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+use thiserror::Error;
+use vgpu_common::region::{Region, RegionError, MAX_DEVICES, MAX_SLOTS, REGION_BYTES};
+
+/// How long a file that could not be used is left alone if it does not change.
+pub const REJECT_RETRY: Duration = Duration::from_secs(60);
+/// How soon a region that is not ready yet (empty, or being initialised) is
+/// looked at again.
+pub const TRANSIENT_RETRY: Duration = Duration::from_secs(1);
+/// Longest device UUID accepted as a label value.
+const MAX_UUID_LEN: usize = 48;
+
+/// Where to look.
+#[derive(Clone, Debug)]
+pub struct DiscoveryConfig {
+    /// The host directory holding one directory per container.
+    pub root: PathBuf,
+    /// Name of the region file inside each container directory.
+    pub region_file: String,
+    /// Most containers tracked; directories beyond it are ignored (logged).
+    pub max_containers: usize,
+}
+
+/// Why one region could not be used.
+#[derive(Debug, Error)]
+pub enum DiscoveryError {
+    #[error("{path}: {op}: {source}")]
+    Io {
+        path: PathBuf,
+        op: &'static str,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("{path} is not a regular file (symlinks and special files are refused)")]
+    NotRegular { path: PathBuf },
+    #[error("{path} is {actual} bytes, a region is {expected}")]
+    WrongSize {
+        path: PathBuf,
+        actual: u64,
+        expected: u64,
+    },
+    #[error("{path}: {source}")]
+    Region {
+        path: PathBuf,
+        #[source]
+        source: RegionError,
+    },
+    #[error("{path}: {source}")]
+    Guard {
+        path: PathBuf,
+        #[source]
+        source: GuardError,
+    },
+}
+
+/// Which file a path named when it was opened.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct FileIdentity {
+    pub device: u64,
+    pub inode: u64,
+    pub size: u64,
+    pub modified_ns: i128,
+}
+
+/// An open container region.
+pub struct ContainerRegion {
+    /// The directory name, `<podUID>_<container>`.
+    pub key: String,
+    /// Pod UID from the directory name, when it has the expected shape.
+    pub pod_uid: Option<String>,
+    /// Container name from the directory name.
+    pub container: String,
+    pub dir: PathBuf,
+    pub path: PathBuf,
+    pub identity: FileIdentity,
+    pub opened_at: Instant,
+    // Field order matters: the guard must be unregistered before the
+    // region is unmapped.
+    guard: Guarded,
+    region: Arc<Region>,
+}
+
+impl ContainerRegion {
+    pub fn region(&self) -> &Region {
+        &self.region
+    }
+
+    /// A shared handle (for the janitor thread).
+    pub fn region_arc(&self) -> Arc<Region> {
+        Arc::clone(&self.region)
+    }
+
+    /// The file shrank under the mapping: its contents now read as zeros.
+    pub fn faulted(&self) -> bool {
+        self.guard.faulted()
+    }
+
+    /// Reads everything the monitor needs from the region, clamped.
+    pub fn read(&self) -> RegionFigures {
+        read_figures(&self.region)
+    }
+}
+
+/// One device record of a region, as read.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct DeviceFigures {
+    /// The container's ordinal for the device (the record's index).
+    pub index: usize,
+    pub uuid: String,
+    pub memory_used: u64,
+    pub memory_limit: u64,
+    pub swap_used: u64,
+    pub swap_limit: u64,
+    pub peak_used: u64,
+    pub oom_events: u64,
+    /// Sums over the active process slots.
+    pub context: u64,
+    pub module: u64,
+    pub data: u64,
+    /// Raw percent values as stored.
+    pub sm_limit: u32,
+    pub sm_burst: u32,
+    /// Basis points or `SHARE_UNLIMITED`, as stored.
+    pub sm_effective: u32,
+    pub granted_ns: u64,
+    pub throttled_ns: u64,
+    pub launches: u64,
+    pub last_launch_at: u64,
+}
+
+/// A region's contents, as read.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct RegionFigures {
+    pub policy: u32,
+    pub priority: i32,
+    /// Devices with a recorded, well-formed UUID, by index.
+    pub devices: Vec<DeviceFigures>,
+    /// Slots marked active (their owners may have died since).
+    pub active_slots: usize,
+    /// Host PIDs of the active slots (the slot's PID when the host PID is
+    /// unknown), for matching NVML's per-process figures.
+    pub pids: Vec<u32>,
+}
+
+/// Reads a region's figures. Every value may be garbage (the file belongs
+/// to the container): counts are bounded by the fixed layout and sums
+/// saturate.
+pub fn read_figures(region: &Region) -> RegionFigures {
+    let layout = region.layout();
+    let mut context = [0u64; MAX_DEVICES];
+    let mut module = [0u64; MAX_DEVICES];
+    let mut data = [0u64; MAX_DEVICES];
+    let mut pids = Vec::new();
+    let mut active_slots = 0usize;
+    // `active_slots` walks a bitmap of MAX_SLOTS bits: bounded whatever it holds.
+    for index in region.active_slots().take(MAX_SLOTS) {
+        let slot = &layout.slots[index];
+        active_slots += 1;
+        let host_pid = slot.host_pid.load(Ordering::Relaxed);
+        let pid = if host_pid != 0 {
+            host_pid
+        } else {
+            slot.pid.load(Ordering::Relaxed)
+        };
+        if pid != 0 {
+            pids.push(pid);
+        }
+        for (device, held) in slot.devices.iter().enumerate() {
+            context[device] = context[device].saturating_add(held.context.load(Ordering::Relaxed));
+            module[device] = module[device].saturating_add(held.module.load(Ordering::Relaxed));
+            data[device] = data[device].saturating_add(held.data.load(Ordering::Relaxed));
+        }
+    }
+    pids.sort_unstable();
+    pids.dedup();
+    let devices = layout
+        .devices
+        .iter()
+        .enumerate()
+        .filter_map(|(index, record)| {
+            let uuid = region.device_uuid(index).filter(|u| valid_uuid(u))?;
+            let bucket = &record.compute;
+            Some(DeviceFigures {
+                index,
+                uuid,
+                memory_used: record.used.load(Ordering::Relaxed),
+                memory_limit: record.memory_limit.load(Ordering::Relaxed),
+                swap_used: record.swap_used.load(Ordering::Relaxed),
+                swap_limit: record.swap_limit.load(Ordering::Relaxed),
+                peak_used: record.peak_used.load(Ordering::Relaxed),
+                oom_events: record.oom_events.load(Ordering::Relaxed),
+                context: context[index],
+                module: module[index],
+                data: data[index],
+                sm_limit: record.sm_limit.load(Ordering::Relaxed),
+                sm_burst: record.sm_burst.load(Ordering::Relaxed),
+                sm_effective: record.sm_effective.load(Ordering::Relaxed),
+                granted_ns: bucket.granted_ns(),
+                throttled_ns: bucket.throttled_ns.load(Ordering::Relaxed),
+                launches: bucket.launches.load(Ordering::Relaxed),
+                last_launch_at: bucket.last_launch_at.load(Ordering::Relaxed),
+            })
+        })
+        .collect();
+    RegionFigures {
+        policy: layout.header.policy.load(Ordering::Relaxed),
+        priority: layout.header.priority.load(Ordering::Relaxed),
+        devices,
+        active_slots,
+        pids,
+    }
+}
+
+/// A device UUID fit to be a label value: what NVIDIA prints (`GPU-` or
+/// `MIG-` and hex with dashes), loosely: ASCII letters, digits, `-`, `_`,
+/// `:` and `.`, at most 48 bytes.
+pub fn valid_uuid(uuid: &str) -> bool {
+    !uuid.is_empty()
+        && uuid.len() <= MAX_UUID_LEN
+        && uuid
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b':' | b'.'))
+}
+
+/// Splits `<podUID>_<container>`. Pod UIDs contain no `_` and container
+/// names are DNS labels, so the first `_` separates them.
+pub fn split_key(key: &str) -> (Option<String>, String) {
+    match key.split_once('_') {
+        Some((uid, container)) if !uid.is_empty() => (Some(uid.to_string()), container.to_string()),
+        _ => (None, key.to_string()),
+    }
+}
+
+/// What a rescan changed.
+#[derive(Debug, Default)]
+pub struct ScanReport {
+    pub added: Vec<String>,
+    pub removed: Vec<String>,
+    /// Files refused in this pass (each also logged).
+    pub refused: usize,
+}
+
+struct Rejected {
+    identity: Option<FileIdentity>,
+    at: Instant,
+    retry: Duration,
+}
+
+/// The set of open regions, kept in step with the host directory.
+pub struct Discovery {
+    config: DiscoveryConfig,
+    regions: BTreeMap<String, ContainerRegion>,
+    rejected: HashMap<String, Rejected>,
+    root_error_logged: bool,
+    overflow_logged: bool,
+    /// Files refused since start (a counter for the metrics).
+    pub refused_total: u64,
+}
+
+impl Discovery {
+    pub fn new(config: DiscoveryConfig) -> Self {
+        Self {
+            config,
+            regions: BTreeMap::new(),
+            rejected: HashMap::new(),
+            root_error_logged: false,
+            overflow_logged: false,
+            refused_total: 0,
+        }
+    }
+
+    pub fn config(&self) -> &DiscoveryConfig {
+        &self.config
+    }
+
+    /// The open regions, by key.
+    pub fn regions(&self) -> impl Iterator<Item = &ContainerRegion> {
+        self.regions.values()
+    }
+
+    pub fn get(&self, key: &str) -> Option<&ContainerRegion> {
+        self.regions.get(key)
+    }
+
+    pub fn len(&self) -> usize {
+        self.regions.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.regions.is_empty()
+    }
+
+    /// Stops tracking `key` (its region is unmapped).
+    pub fn forget(&mut self, key: &str) -> Option<ContainerRegion> {
+        self.rejected.remove(key);
+        self.regions.remove(key)
+    }
+
+    /// Brings the open set in line with the directory.
+    pub fn rescan(&mut self, now: Instant) -> ScanReport {
+        let mut report = ScanReport::default();
+        let names = match self.list_dirs() {
+            Ok(names) => {
+                self.root_error_logged = false;
+                names
+            }
+            Err(error) => {
+                if !self.root_error_logged {
+                    tracing::warn!("cannot list {}: {error}", self.config.root.display());
+                    self.root_error_logged = true;
+                }
+                Vec::new()
+            }
+        };
+        // Drop what disappeared or was replaced, and regions whose file shrank.
+        let mut seen = std::collections::HashSet::with_capacity(names.len());
+        for name in &names {
+            seen.insert(name.as_str());
+        }
+        let stale: Vec<String> = self
+            .regions
+            .values()
+            .filter(|r| {
+                if !seen.contains(r.key.as_str()) {
+                    return true;
+                }
+                if r.faulted() {
+                    tracing::warn!(
+                        "{}: the file shrank while mapped; dropping it",
+                        r.path.display()
+                    );
+                    return true;
+                }
+                match identity_of(&r.path) {
+                    Ok(now_identity) => {
+                        now_identity.device != r.identity.device
+                            || now_identity.inode != r.identity.inode
+                            || now_identity.size != REGION_BYTES as u64
+                    }
+                    Err(_) => true,
+                }
+            })
+            .map(|r| r.key.clone())
+            .collect();
+        for key in stale {
+            self.regions.remove(&key);
+            tracing::info!("region {key} removed");
+            report.removed.push(key);
+        }
+        self.rejected.retain(|key, _| seen.contains(key.as_str()));
+
+        for name in names {
+            if self.regions.contains_key(&name) {
+                continue;
+            }
+            if self.regions.len() >= self.config.max_containers {
+                if !self.overflow_logged {
+                    tracing::warn!(
+                        "more than {} container directories under {}; ignoring the rest",
+                        self.config.max_containers,
+                        self.config.root.display()
+                    );
+                    self.overflow_logged = true;
+                }
+                break;
+            }
+            let dir = self.config.root.join(&name);
+            let path = dir.join(&self.config.region_file);
+            let identity = identity_of(&path).ok();
+            if let Some(rejected) = self.rejected.get(&name) {
+                if rejected.identity == identity && now.duration_since(rejected.at) < rejected.retry
+                {
+                    continue;
+                }
+            }
+            if identity.is_none() {
+                // No region file yet (the container has not started its
+                // first GPU process): not an error, look again next pass.
+                continue;
+            }
+            match open_region(&path) {
+                Ok((region, guard, identity)) => {
+                    let (pod_uid, container) = split_key(&name);
+                    tracing::info!("region {name} opened ({})", path.display());
+                    self.rejected.remove(&name);
+                    report.added.push(name.clone());
+                    self.regions.insert(
+                        name.clone(),
+                        ContainerRegion {
+                            key: name,
+                            pod_uid,
+                            container,
+                            dir,
+                            path,
+                            identity,
+                            opened_at: now,
+                            guard,
+                            region: Arc::new(region),
+                        },
+                    );
+                }
+                Err(error) => {
+                    // An empty file, or one its creator is still
+                    // initialising, is a normal moment in a region's life:
+                    // look again soon, without a warning.
+                    let transient = matches!(
+                        &error,
+                        DiscoveryError::WrongSize { actual: 0, .. }
+                            | DiscoveryError::Region {
+                                source: RegionError::Corrupt { .. },
+                                ..
+                            }
+                    );
+                    if transient {
+                        tracing::debug!("region {name} not ready: {error}");
+                    } else {
+                        tracing::warn!("skipping region {name}: {error}");
+                        report.refused += 1;
+                        self.refused_total = self.refused_total.saturating_add(1);
+                    }
+                    let retry = if transient {
+                        TRANSIENT_RETRY
+                    } else {
+                        REJECT_RETRY
+                    };
+                    self.rejected.insert(
+                        name,
+                        Rejected {
+                            identity,
+                            at: now,
+                            retry,
+                        },
+                    );
+                }
+            }
+        }
+        report
+    }
+
+    /// Container directory names under the root, sorted, at most a bounded
+    /// number (symlinks and non-UTF-8 names are skipped).
+    fn list_dirs(&self) -> std::io::Result<Vec<String>> {
+        let limit = self.config.max_containers.saturating_mul(4).max(64);
+        let mut names = Vec::new();
+        for entry in std::fs::read_dir(&self.config.root)? {
+            let entry = entry?;
+            if !entry.file_type().map(|t| t.is_dir()).unwrap_or(false) {
+                continue;
+            }
+            let Ok(name) = entry.file_name().into_string() else {
+                continue;
+            };
+            if name.starts_with('.') {
+                continue;
+            }
+            names.push(name);
+            if names.len() >= limit {
+                break;
+            }
+        }
+        names.sort();
+        Ok(names)
+    }
+}
+
+fn identity_of(path: &Path) -> std::io::Result<FileIdentity> {
+    use std::os::unix::fs::MetadataExt;
+    let meta = std::fs::symlink_metadata(path)?;
+    Ok(FileIdentity {
+        device: meta.dev(),
+        inode: meta.ino(),
+        size: meta.size(),
+        modified_ns: i128::from(meta.mtime()) * 1_000_000_000 + i128::from(meta.mtime_nsec()),
+    })
+}
+
+/// Opens a region without following a symlink in its last component: the
+/// file is first opened as a path (`O_PATH | O_NOFOLLOW`, which never
+/// blocks, even on a FIFO), checked to be a regular file of the right size,
+/// and then reopened through `/proc/self/fd`, which names exactly that
+/// inode, so nothing can be swapped in between.
+pub fn open_region(path: &Path) -> Result<(Region, Guarded, FileIdentity), DiscoveryError> {
+    let io = |op, source| DiscoveryError::Io {
+        path: path.to_path_buf(),
+        op,
+        source,
+    };
+    let c_path = CString::new(path.as_os_str().as_bytes()).map_err(|_| {
+        io(
+            "open",
+            std::io::Error::new(std::io::ErrorKind::InvalidInput, "NUL in path"),
+        )
+    })?;
+    // SAFETY: a valid C string; the returned fd is owned below.
+    let fd = unsafe {
+        libc::open(
+            c_path.as_ptr(),
+            libc::O_PATH | libc::O_NOFOLLOW | libc::O_CLOEXEC,
+        )
+    };
+    if fd < 0 {
+        return Err(io("open", std::io::Error::last_os_error()));
+    }
+    // SAFETY: `fd` was just opened and is owned by nobody else.
+    let fd = unsafe { <std::os::fd::OwnedFd as std::os::fd::FromRawFd>::from_raw_fd(fd) };
+    let file = std::fs::File::from(fd);
+    let meta = file.metadata().map_err(|e| io("stat", e))?;
+    if !meta.file_type().is_file() {
+        return Err(DiscoveryError::NotRegular {
+            path: path.to_path_buf(),
+        });
+    }
+    if meta.len() != REGION_BYTES as u64 {
+        return Err(DiscoveryError::WrongSize {
+            path: path.to_path_buf(),
+            actual: meta.len(),
+            expected: REGION_BYTES as u64,
+        });
+    }
+    use std::os::fd::AsRawFd;
+    use std::os::unix::fs::MetadataExt;
+    let identity = FileIdentity {
+        device: meta.dev(),
+        inode: meta.ino(),
+        size: meta.len(),
+        modified_ns: i128::from(meta.mtime()) * 1_000_000_000 + i128::from(meta.mtime_nsec()),
+    };
+    let through = PathBuf::from(format!("/proc/self/fd/{}", file.as_raw_fd()));
+    let region = Region::open_existing(&through).map_err(|source| DiscoveryError::Region {
+        path: path.to_path_buf(),
+        source,
+    })?;
+    drop(file);
+    let base = region.layout() as *const _ as *const u8;
+    let guard = Guarded::register(base, REGION_BYTES).map_err(|source| DiscoveryError::Guard {
+        path: path.to_path_buf(),
+        source,
+    })?;
+    Ok((region, guard, identity))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use vgpu_common::region::RegionLimits;
+
+    fn temp_root(name: &str) -> PathBuf {
+        let dir = std::env::temp_dir().join(format!("vgpu-disc-{}-{name}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).expect("root");
+        dir
+    }
+
+    fn config(root: &Path) -> DiscoveryConfig {
+        DiscoveryConfig {
+            root: root.to_path_buf(),
+            region_file: "region.cache".into(),
+            max_containers: 8,
+        }
+    }
+
+    fn make_region(root: &Path, key: &str) -> Region {
+        let dir = root.join(key);
+        std::fs::create_dir_all(&dir).expect("dir");
+        Region::open_or_create(&dir.join("region.cache"), &RegionLimits::default()).expect("region")
+    }
+
+    #[test]
+    fn picks_up_and_drops_regions_without_restart() {
+        let root = temp_root("scan");
+        let mut discovery = Discovery::new(config(&root));
+        assert!(discovery.rescan(Instant::now()).added.is_empty());
+        let _a = make_region(&root, "uid-a_main");
+        std::fs::create_dir_all(root.join("uid-b_side")).expect("dir without region");
+        let report = discovery.rescan(Instant::now());
+        assert_eq!(report.added, vec!["uid-a_main".to_string()]);
+        let region = discovery.get("uid-a_main").expect("tracked");
+        assert_eq!(region.pod_uid.as_deref(), Some("uid-a"));
+        assert_eq!(region.container, "main");
+        let _b = make_region(&root, "uid-b_side");
+        assert_eq!(
+            discovery.rescan(Instant::now()).added,
+            vec!["uid-b_side".to_string()]
+        );
+        std::fs::remove_dir_all(root.join("uid-a_main")).expect("remove");
+        assert_eq!(
+            discovery.rescan(Instant::now()).removed,
+            vec!["uid-a_main".to_string()]
+        );
+        assert_eq!(discovery.len(), 1);
+        let _ = std::fs::remove_dir_all(&root);
+    }
+
+    #[test]
+    fn refuses_symlinks_wrong_sizes_and_logs_once() {
+        let root = temp_root("refuse");
+        let real = make_region(&root, "uid-real_c");
+        std::fs::create_dir_all(root.join("uid-link_c")).expect("dir");
+        std::os::unix::fs::symlink(real.path(), root.join("uid-link_c/region.cache"))
+            .expect("symlink");
+        std::fs::create_dir_all(root.join("uid-short_c")).expect("dir");
+        std::fs::write(root.join("uid-short_c/region.cache"), b"short").expect("write");
+        let mut discovery = Discovery::new(config(&root));
+        let report = discovery.rescan(Instant::now());
+        assert_eq!(report.added, vec!["uid-real_c".to_string()]);
+        assert_eq!(report.refused, 2);
+        // Unchanged files are not retried (nor logged) on the next pass.
+        assert_eq!(discovery.rescan(Instant::now()).refused, 0);
+        let _ = std::fs::remove_dir_all(&root);
+    }
+
+    #[test]
+    fn a_replaced_file_is_reopened() {
+        let root = temp_root("replace");
+        let _first = make_region(&root, "uid_c");
+        let mut discovery = Discovery::new(config(&root));
+        discovery.rescan(Instant::now());
+        let first_inode = discovery.get("uid_c").expect("open").identity.inode;
+        std::fs::remove_file(root.join("uid_c/region.cache")).expect("rm");
+        let _second = make_region(&root, "uid_c");
+        let report = discovery.rescan(Instant::now());
+        assert_eq!(report.removed, vec!["uid_c".to_string()]);
+        // Reopened on the same pass or the next.
+        discovery.rescan(Instant::now());
+        let second_inode = discovery.get("uid_c").expect("reopened").identity.inode;
+        assert_ne!(first_inode, second_inode);
+        let _ = std::fs::remove_dir_all(&root);
+    }
+
+    #[test]
+    fn keys_split_into_pod_uid_and_container() {
+        assert_eq!(
+            split_key("1b4e28ba-2fa1-11d2-883f-0016d3cca427_train"),
+            (
+                Some("1b4e28ba-2fa1-11d2-883f-0016d3cca427".to_string()),
+                "train".to_string()
+            )
+        );
+        assert_eq!(split_key("plain"), (None, "plain".to_string()));
+        assert_eq!(split_key("_x"), (None, "_x".to_string()));
+    }
+
+    #[test]
+    fn uuids_must_be_label_safe() {
+        assert!(valid_uuid("GPU-0123abcd-0000-1111-2222-333344445555"));
+        assert!(!valid_uuid(""));
+        assert!(!valid_uuid("GPU\"}\n evil"));
+        assert!(!valid_uuid(&"A".repeat(49)));
+    }
+}

@@ -1,0 +1,25 @@
+//! `vgpu-monitor`, the node daemon of vgpu, as a library (the binary in
+//! `main.rs` only parses options and wires these together).
+//!
+//! - [`discovery`]: finds container regions under the host directory and
+//!   reads them (untrusted input: checked, bounded, clamped).
+//! - [`guard`]: survives region files truncated while mapped (`SIGBUS`).
+//! - [`names`]: pod names from the Kubernetes API (list + watch of the
+//!   node's pods), falling back to directory names.
+//! - [`gpu`]: host GPU figures from NVML.
+//! - [`arbitration`]: the effective-share rule, a pure function.
+//! - [`cleanup`]: dead process slots and regions of deleted pods.
+//! - [`metrics`]: the Prometheus exposition.
+//! - [`daemon`]: the pass that ties them together; [`server`]: HTTP.
+//! - [`options`]: command-line flags.
+
+pub mod arbitration;
+pub mod cleanup;
+pub mod daemon;
+pub mod discovery;
+pub mod gpu;
+pub mod guard;
+pub mod metrics;
+pub mod names;
+pub mod options;
+pub mod server;

@@ -1,0 +1,173 @@
+//! Command-line options of `vgpu-monitor`.
+
+use crate::daemon::MonitorConfig;
+use crate::discovery::DiscoveryConfig;
+use crate::names::ApiSource;
+use clap::Parser;
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::time::Duration;
+
+/// vgpu node monitor: reads every container's vGPU region on this node,
+/// serves Prometheus metrics (`GET /metrics`, `GET /healthz`) and
+/// arbitrates compute shares between containers by priority.
+#[derive(Clone, Debug, Parser)]
+#[command(name = "vgpu-monitor", version)]
+pub struct Options {
+    /// Address and port to serve `/metrics` and `/healthz` on.
+    #[arg(long, default_value = "0.0.0.0:31992", value_name = "ADDR:PORT")]
+    pub listen: SocketAddr,
+
+    /// Host directory holding one directory per container, named
+    /// `<podUID>_<container>` (the device plugin creates them).
+    #[arg(long, default_value = "/usr/local/vgpu/containers", value_name = "DIR")]
+    pub containers_dir: PathBuf,
+
+    /// Name of the region file inside each container directory (the file
+    /// the device plugin points CUDA_DEVICE_MEMORY_SHARED_CACHE at).
+    #[arg(long, default_value = "region.cache", value_name = "NAME")]
+    pub region_file: String,
+
+    /// Most container directories tracked at once; more are ignored (logged).
+    #[arg(long, default_value_t = 1024, value_name = "N")]
+    pub max_containers: usize,
+
+    /// NVML library to load for host GPU figures.
+    #[arg(long, default_value = "libnvidia-ml.so.1", value_name = "PATH")]
+    pub nvml_library: PathBuf,
+
+    /// Do not load NVML (no host GPU figures; containers are still read and
+    /// arbitrated, grouped by the GPU UUIDs in their regions).
+    #[arg(long)]
+    pub no_nvml: bool,
+
+    /// Time between passes (rescan, read, arbitrate), in milliseconds.
+    #[arg(long, default_value_t = 100, value_name = "MS")]
+    pub interval_ms: u64,
+
+    /// A container that launched work within this many milliseconds is
+    /// active (it takes precedence by priority, and may borrow idle capacity).
+    #[arg(long, default_value_t = 1000, value_name = "MS")]
+    pub active_window_ms: u64,
+
+    /// Achieved utilization is averaged over this many milliseconds.
+    #[arg(long, default_value_t = 1000, value_name = "MS")]
+    pub utilization_window_ms: u64,
+
+    /// Only observe: never write effective shares into regions.
+    #[arg(long)]
+    pub no_arbitration: bool,
+
+    /// Remove a container's region directory once its pod has been deleted
+    /// for this many seconds (and none of its processes lives). Needs the
+    /// Kubernetes API; nothing is removed while it is unavailable.
+    #[arg(long, default_value_t = 300, value_name = "SECONDS")]
+    pub cleanup_grace_seconds: u64,
+
+    /// Never remove region directories.
+    #[arg(long)]
+    pub no_cleanup: bool,
+
+    /// This node's name: only its pods are watched.
+    #[arg(long, env = "NODE_NAME", value_name = "NAME")]
+    pub node_name: Option<String>,
+
+    /// Reach the API server through this kubeconfig file (default: the
+    /// pod's service account when running in a cluster).
+    #[arg(long, value_name = "PATH", conflicts_with = "apiserver_url")]
+    pub kubeconfig: Option<PathBuf>,
+
+    /// Reach the API server at this URL, without authentication (for
+    /// `kubectl proxy` and tests).
+    #[arg(long, value_name = "URL")]
+    pub apiserver_url: Option<String>,
+
+    /// Do not use the Kubernetes API (pods are named by their directory:
+    /// pod label = pod UID; no cleanup of deleted pods).
+    #[arg(long)]
+    pub no_kubernetes: bool,
+
+    /// Also emit HAMi's metric names (hami_host_gpu_memory_used_bytes,
+    /// hami_vgpu_memory_used_bytes, ...) with HAMi's labels, for existing
+    /// dashboards.
+    #[arg(long)]
+    pub hami_metric_names: bool,
+
+    /// Log level: error, warn, info, debug or trace (logs go to stderr).
+    #[arg(long, default_value = "info", value_name = "LEVEL")]
+    pub log_level: tracing::Level,
+}
+
+impl Options {
+    /// The monitor's configuration.
+    pub fn monitor_config(&self) -> MonitorConfig {
+        MonitorConfig {
+            discovery: DiscoveryConfig {
+                root: self.containers_dir.clone(),
+                region_file: self.region_file.clone(),
+                max_containers: self.max_containers,
+            },
+            interval: Duration::from_millis(self.interval_ms.max(1)),
+            active_window: Duration::from_millis(self.active_window_ms),
+            utilization_window: Duration::from_millis(self.utilization_window_ms.max(1)),
+            arbitration: !self.no_arbitration,
+            cleanup_grace: (!self.no_cleanup)
+                .then(|| Duration::from_secs(self.cleanup_grace_seconds)),
+            hami_names: self.hami_metric_names,
+            nvml: (!self.no_nvml).then(|| Some(self.nvml_library.clone())),
+        }
+    }
+
+    /// Where the API is, if it is to be used at all.
+    pub fn api_source(&self) -> Option<ApiSource> {
+        if self.no_kubernetes {
+            return None;
+        }
+        if let Some(url) = &self.apiserver_url {
+            return Some(ApiSource::Url(url.clone()));
+        }
+        if let Some(path) = &self.kubeconfig {
+            return Some(ApiSource::Kubeconfig(path.clone()));
+        }
+        std::env::var_os("KUBERNETES_SERVICE_HOST").map(|_| ApiSource::InCluster)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn defaults_match_the_deployment() {
+        let options = Options::try_parse_from(["vgpu-monitor"]).expect("parse");
+        assert_eq!(options.listen.port(), 31992);
+        let config = options.monitor_config();
+        assert_eq!(
+            config.discovery.root,
+            PathBuf::from("/usr/local/vgpu/containers")
+        );
+        assert_eq!(config.discovery.region_file, "region.cache");
+        assert_eq!(config.interval, Duration::from_millis(100));
+        assert_eq!(config.cleanup_grace, Some(Duration::from_secs(300)));
+        assert!(config.arbitration);
+        assert!(!config.hami_names);
+    }
+
+    #[test]
+    fn flags_override() {
+        let options = Options::try_parse_from([
+            "vgpu-monitor",
+            "--listen",
+            "127.0.0.1:9000",
+            "--no-cleanup",
+            "--no-kubernetes",
+            "--hami-metric-names",
+            "--apiserver-url",
+            "http://127.0.0.1:1",
+        ])
+        .expect("parse");
+        assert_eq!(options.monitor_config().cleanup_grace, None);
+        assert!(options.monitor_config().hami_names);
+        assert_eq!(options.api_source(), None, "--no-kubernetes wins");
+    }
+}

@@ -1,0 +1,506 @@
+//! Helpers for the monitor's integration tests: the monitor binary as a
+//! child process, plain HTTP over loopback, Prometheus text parsing, region
+//! set-up, and a fake Kubernetes API server.
+
+#![allow(dead_code)]
+
+use std::collections::BTreeMap;
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+use vgpu_common::region::{MemoryKind, Region, RegionLimits};
+
+pub const MIB: u64 = 1 << 20;
+pub const GIB: u64 = 1 << 30;
+
+/// A loopback port nobody listens on right now.
+pub fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0")
+        .expect("bind")
+        .local_addr()
+        .expect("addr")
+        .port()
+}
+
+/// `GET path` over HTTP/1.1; returns the status and the body.
+pub fn http_get(addr: SocketAddr, path: &str) -> Result<(u16, String), String> {
+    let mut stream =
+        TcpStream::connect_timeout(&addr, Duration::from_secs(2)).map_err(|e| e.to_string())?;
+    stream
+        .set_read_timeout(Some(Duration::from_secs(10)))
+        .map_err(|e| e.to_string())?;
+    write!(
+        stream,
+        "GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n"
+    )
+    .map_err(|e| e.to_string())?;
+    let mut raw = Vec::new();
+    stream.read_to_end(&mut raw).map_err(|e| e.to_string())?;
+    let text = String::from_utf8_lossy(&raw).to_string();
+    let (head, body) = text
+        .split_once("\r\n\r\n")
+        .ok_or_else(|| format!("no header end in {text:?}"))?;
+    let status = head
+        .split_whitespace()
+        .nth(1)
+        .and_then(|s| s.parse().ok())
+        .ok_or_else(|| format!("bad status line in {head:?}"))?;
+    let chunked = head.lines().any(|l| {
+        l.to_ascii_lowercase()
+            .starts_with("transfer-encoding: chunked")
+    });
+    let body = if chunked {
+        dechunk(body)
+    } else {
+        body.to_string()
+    };
+    Ok((status, body))
+}
+
+fn dechunk(mut body: &str) -> String {
+    let mut out = String::new();
+    while let Some((size, rest)) = body.split_once("\r\n") {
+        let Ok(size) = usize::from_str_radix(size.trim(), 16) else {
+            break;
+        };
+        if size == 0 || rest.len() < size {
+            break;
+        }
+        out.push_str(&rest[..size]);
+        body = rest[size..].trim_start_matches("\r\n");
+    }
+    out
+}
+
+/// Polls `check` until it returns `Some` or `timeout` passes.
+pub fn wait_for<T>(timeout: Duration, mut check: impl FnMut() -> Option<T>) -> Option<T> {
+    let deadline = Instant::now() + timeout;
+    loop {
+        if let Some(value) = check() {
+            return Some(value);
+        }
+        if Instant::now() > deadline {
+            return None;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// One sample of a Prometheus text exposition.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Sample {
+    pub name: String,
+    pub labels: BTreeMap<String, String>,
+    pub value: f64,
+}
+
+/// Parses the text format (enough of it for the monitor's output).
+pub fn parse_metrics(text: &str) -> Vec<Sample> {
+    let mut out = Vec::new();
+    for line in text.lines() {
+        if line.starts_with('#') || line.trim().is_empty() {
+            continue;
+        }
+        let (series, value) = line.rsplit_once(' ').expect("sample line");
+        let value: f64 = value.parse().expect("sample value");
+        let (name, labels) = match series.split_once('{') {
+            Some((name, rest)) => (name, rest.trim_end_matches('}')),
+            None => (series, ""),
+        };
+        let mut map = BTreeMap::new();
+        let mut rest = labels;
+        while let Some((key, after)) = rest.split_once("=\"") {
+            let mut value = String::new();
+            let mut chars = after.char_indices();
+            let mut end = after.len();
+            while let Some((i, c)) = chars.next() {
+                match c {
+                    '\\' => {
+                        if let Some((_, escaped)) = chars.next() {
+                            value.push(match escaped {
+                                'n' => '\n',
+                                other => other,
+                            });
+                        }
+                    }
+                    '"' => {
+                        end = i + 1;
+                        break;
+                    }
+                    other => value.push(other),
+                }
+            }
+            map.insert(key.trim_start_matches(',').to_string(), value);
+            rest = &after[end..];
+        }
+        out.push(Sample {
+            name: name.to_string(),
+            labels: map,
+            value,
+        });
+    }
+    out
+}
+
+/// The value of the one sample of `name` whose labels include `labels`.
+pub fn value(samples: &[Sample], name: &str, labels: &[(&str, &str)]) -> Option<f64> {
+    let matching: Vec<&Sample> = samples
+        .iter()
+        .filter(|s| s.name == name)
+        .filter(|s| {
+            labels
+                .iter()
+                .all(|(k, v)| s.labels.get(*k).map(String::as_str) == Some(*v))
+        })
+        .collect();
+    assert!(
+        matching.len() <= 1,
+        "{name}{labels:?} matches several samples: {matching:?}"
+    );
+    matching.first().map(|s| s.value)
+}
+
+/// A temporary host directory laid out like `/usr/local/vgpu/containers`.
+pub struct HostDir {
+    pub root: PathBuf,
+}
+
+impl HostDir {
+    pub fn new(name: &str) -> Self {
+        let root =
+            std::env::temp_dir().join(format!("vgpu-monitor-test-{}-{name}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&root);
+        std::fs::create_dir_all(&root).expect("create host dir");
+        Self { root }
+    }
+
+    /// `<root>/<key>/region.cache`, its directory created.
+    pub fn region_path(&self, key: &str) -> PathBuf {
+        let dir = self.root.join(key);
+        std::fs::create_dir_all(&dir).expect("container dir");
+        dir.join("region.cache")
+    }
+
+    /// A region made through the region API, as the shim would.
+    pub fn create_region(&self, key: &str, limits: &RegionLimits) -> Region {
+        Region::open_or_create(&self.region_path(key), limits).expect("create region")
+    }
+}
+
+impl Drop for HostDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.root);
+    }
+}
+
+/// Charges memory of every kind to a fresh slot of `region`.
+pub fn charge(region: &Region, device: usize, context: u64, module: u64, data: u64) -> usize {
+    let slot = region.claim_slot(std::process::id()).expect("slot");
+    for (kind, bytes) in [
+        (MemoryKind::Context, context),
+        (MemoryKind::Module, module),
+        (MemoryKind::Data, data),
+    ] {
+        region
+            .reserve(slot, device, kind, bytes)
+            .expect("io")
+            .expect("fits");
+    }
+    slot
+}
+
+/// The built monitor binary.
+pub fn monitor_exe() -> PathBuf {
+    PathBuf::from(env!("CARGO_BIN_EXE_vgpu-monitor"))
+}
+
+/// The monitor running as a child process.
+pub struct MonitorProcess {
+    pub child: Child,
+    pub addr: SocketAddr,
+    log: PathBuf,
+}
+
+impl MonitorProcess {
+    /// Starts `vgpu-monitor` on a free loopback port with `args`, using
+    /// `command` (for its environment), and waits until it serves.
+    pub fn start(mut command: Command, args: &[&str]) -> Self {
+        let addr: SocketAddr = format!("127.0.0.1:{}", free_port()).parse().expect("addr");
+        let log = std::env::temp_dir().join(format!(
+            "vgpu-monitor-test-{}-{}.log",
+            std::process::id(),
+            addr.port()
+        ));
+        let log_file = std::fs::File::create(&log).expect("log file");
+        let child = command
+            .arg("--listen")
+            .arg(addr.to_string())
+            .args(args)
+            .stdout(Stdio::null())
+            .stderr(log_file)
+            .spawn()
+            .expect("spawn vgpu-monitor");
+        let mut process = Self { child, addr, log };
+        let ready = wait_for(Duration::from_secs(20), || {
+            if let Ok(Some(status)) = process.child.try_wait() {
+                panic!("vgpu-monitor exited with {status}:\n{}", process.log());
+            }
+            http_get(process.addr, "/healthz")
+                .ok()
+                .filter(|(status, _)| *status == 200)
+        });
+        assert!(
+            ready.is_some(),
+            "vgpu-monitor did not serve:\n{}",
+            process.log()
+        );
+        process
+    }
+
+    /// A plain command for the monitor binary (inherits this environment).
+    pub fn command() -> Command {
+        Command::new(monitor_exe())
+    }
+
+    /// `GET /metrics`, parsed.
+    pub fn scrape(&self) -> Vec<Sample> {
+        parse_metrics(&self.scrape_text())
+    }
+
+    pub fn scrape_text(&self) -> String {
+        let (status, body) = http_get(self.addr, "/metrics").expect("scrape");
+        assert_eq!(status, 200, "{body}");
+        body
+    }
+
+    /// Scrapes until `check` accepts the samples.
+    pub fn wait_for_metrics<T>(
+        &self,
+        timeout: Duration,
+        mut check: impl FnMut(&[Sample]) -> Option<T>,
+    ) -> T {
+        let mut last = Vec::new();
+        match wait_for(timeout, || {
+            last = self.scrape();
+            check(&last)
+        }) {
+            Some(value) => value,
+            None => panic!(
+                "metrics never matched; last scrape:\n{}\nmonitor log:\n{}",
+                last.iter()
+                    .map(|s| format!("{} {:?} {}", s.name, s.labels, s.value))
+                    .collect::<Vec<_>>()
+                    .join("\n"),
+                self.log()
+            ),
+        }
+    }
+
+    pub fn log(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    /// SIGTERM, and wait for a clean exit.
+    pub fn stop(mut self) -> std::process::ExitStatus {
+        // SAFETY: signalling our own child.
+        unsafe {
+            libc::kill(self.child.id() as i32, libc::SIGTERM);
+        }
+        wait_for(Duration::from_secs(10), || {
+            self.child.try_wait().ok().flatten()
+        })
+        .expect("monitor stops on SIGTERM")
+    }
+}
+
+impl Drop for MonitorProcess {
+    fn drop(&mut self) {
+        if let Ok(None) = self.child.try_wait() {
+            let _ = self.child.kill();
+            let _ = self.child.wait();
+        }
+        let _ = std::fs::remove_file(&self.log);
+    }
+}
+
+/// A fake Kubernetes API server over real HTTP: answers a pod list from a
+/// recorded payload, and streams watch events the test pushes.
+pub struct FakeApiServer {
+    pub addr: SocketAddr,
+    pod_list: Arc<Mutex<String>>,
+    events: Arc<Mutex<Vec<String>>>,
+    pub requests: Arc<Mutex<Vec<String>>>,
+    stop: Arc<AtomicBool>,
+}
+
+impl FakeApiServer {
+    pub fn start(pod_list: String) -> Self {
+        let listener = TcpListener::bind("127.0.0.1:0").expect("bind fake API");
+        listener.set_nonblocking(true).expect("nonblocking");
+        let addr = listener.local_addr().expect("addr");
+        let server = Self {
+            addr,
+            pod_list: Arc::new(Mutex::new(pod_list)),
+            events: Arc::new(Mutex::new(Vec::new())),
+            requests: Arc::new(Mutex::new(Vec::new())),
+            stop: Arc::new(AtomicBool::new(false)),
+        };
+        let (pod_list, events, requests, stop) = (
+            Arc::clone(&server.pod_list),
+            Arc::clone(&server.events),
+            Arc::clone(&server.requests),
+            Arc::clone(&server.stop),
+        );
+        std::thread::spawn(move || {
+            while !stop.load(Ordering::Acquire) {
+                match listener.accept() {
+                    Ok((stream, _)) => {
+                        let (pod_list, events, requests, stop) = (
+                            Arc::clone(&pod_list),
+                            Arc::clone(&events),
+                            Arc::clone(&requests),
+                            Arc::clone(&stop),
+                        );
+                        std::thread::spawn(move || {
+                            let _ = serve_api(stream, &pod_list, &events, &requests, &stop);
+                        });
+                    }
+                    Err(_) => std::thread::sleep(Duration::from_millis(20)),
+                }
+            }
+        });
+        server
+    }
+
+    pub fn url(&self) -> String {
+        format!("http://{}", self.addr)
+    }
+
+    /// Sends a watch event (`ADDED`, `MODIFIED`, `DELETED`) to every watcher.
+    pub fn push_event(&self, kind: &str, object: &str) {
+        self.events
+            .lock()
+            .expect("events")
+            .push(format!(r#"{{"type":"{kind}","object":{}}}"#, object.trim()));
+    }
+}
+
+impl Drop for FakeApiServer {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Release);
+    }
+}
+
+fn serve_api(
+    mut stream: TcpStream,
+    pod_list: &Mutex<String>,
+    events: &Mutex<Vec<String>>,
+    requests: &Mutex<Vec<String>>,
+    stop: &AtomicBool,
+) -> std::io::Result<()> {
+    stream.set_nonblocking(false)?;
+    let mut reader = BufReader::new(stream.try_clone()?);
+    loop {
+        // One request per iteration (keep-alive).
+        let mut request_line = String::new();
+        if reader.read_line(&mut request_line)? == 0 {
+            return Ok(());
+        }
+        loop {
+            let mut header = String::new();
+            if reader.read_line(&mut header)? == 0 || header == "\r\n" {
+                break;
+            }
+        }
+        let target = request_line
+            .split_whitespace()
+            .nth(1)
+            .unwrap_or("")
+            .to_string();
+        requests.lock().expect("requests").push(target.clone());
+        let (path, query) = target.split_once('?').unwrap_or((&target, ""));
+        if path != "/api/v1/pods" {
+            let body = r#"{"kind":"Status","apiVersion":"v1","status":"Failure","reason":"NotFound","code":404}"#;
+            write!(
+                stream,
+                "HTTP/1.1 404 Not Found\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+                body.len()
+            )?;
+            continue;
+        }
+        if query
+            .split('&')
+            .any(|p| p == "watch=true" || p == "watch=1")
+        {
+            write!(
+                stream,
+                "HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n"
+            )?;
+            stream.flush()?;
+            let mut sent = 0;
+            let started = Instant::now();
+            while !stop.load(Ordering::Acquire) && started.elapsed() < Duration::from_secs(120) {
+                let pending: Vec<String> = events.lock().expect("events")[sent..].to_vec();
+                for event in pending {
+                    let line = format!("{event}\n");
+                    write!(stream, "{:x}\r\n{line}\r\n", line.len())?;
+                    stream.flush()?;
+                    sent += 1;
+                }
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            write!(stream, "0\r\n\r\n")?;
+            return Ok(());
+        }
+        let body = pod_list.lock().expect("pod list").clone();
+        write!(
+            stream,
+            "HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+            body.len()
+        )?;
+        stream.flush()?;
+    }
+}
+
+/// The recorded pod list with `{{...}}` placeholders filled in.
+pub fn pod_list(node: &str, pods: &[(&str, &str, &str, &str)]) -> String {
+    let template = include_str!("../data/pod.json");
+    let items: Vec<String> = pods
+        .iter()
+        .map(|(uid, namespace, name, annotations)| {
+            pod_json(template, node, uid, namespace, name, annotations)
+        })
+        .collect();
+    include_str!("../data/podlist.json").replace("{{ITEMS}}", &items.join(","))
+}
+
+/// One pod object from the recorded template.
+pub fn pod_json(
+    template: &str,
+    node: &str,
+    uid: &str,
+    namespace: &str,
+    name: &str,
+    annotations: &str,
+) -> String {
+    template
+        .replace("{{NODE}}", node)
+        .replace("{{UID}}", uid)
+        .replace("{{NAMESPACE}}", namespace)
+        .replace("{{NAME}}", name)
+        .replace("{{ANNOTATIONS}}", annotations)
+}
+
+/// The pod template.
+pub fn pod_template() -> &'static str {
+    include_str!("../data/pod.json")
+}
+
+/// Whether `path` exists.
+pub fn exists(path: &Path) -> bool {
+    std::fs::symlink_metadata(path).is_ok()
+}

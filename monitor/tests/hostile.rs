@@ -1,0 +1,332 @@
+//! Region files are written by containers: random bytes, mutated valid
+//! regions, a file truncated under the monitor's mapping and a mutex held
+//! forever must cost a log line, never a crash, a hang of the monitor's
+//! loop, or another container's figures. (Debug builds check arithmetic
+//! overflow, so these also prove the reader saturates.)
+
+mod common;
+
+use common::*;
+use proptest::prelude::*;
+use std::os::unix::fs::FileExt;
+use std::time::{Duration, Instant};
+use vgpu_common::region::{Region, RegionLimits, MAX_DEVICES, MAX_SLOTS, REGION_BYTES};
+use vgpu_monitor::daemon::{Monitor, MonitorConfig};
+use vgpu_monitor::metrics::Snapshot;
+use vgpu_monitor::names::PodDirectory;
+
+const GOOD: &str = "u-good_c";
+
+fn monitor(host: &HostDir) -> Monitor {
+    let config = MonitorConfig {
+        cleanup_grace: None,
+        ..MonitorConfig::for_root(host.root.clone())
+    };
+    Monitor::new(config, PodDirectory::disabled())
+}
+
+/// A well-behaved neighbour whose figures must never change.
+fn good_region(host: &HostDir) -> Region {
+    let mut limits = RegionLimits::default();
+    limits.memory_limit[0] = 8 * GIB;
+    limits.sm_limit[0] = 40;
+    let region = host.create_region(GOOD, &limits);
+    region.set_device_uuid(0, "GPU-good");
+    charge(&region, 0, MIB, 2 * MIB, 3 * MIB);
+    region
+}
+
+fn assert_good_intact(snapshot: &Snapshot) {
+    let good: Vec<_> = snapshot
+        .devices
+        .iter()
+        .filter(|d| d.container == "c" && d.pod == "u-good")
+        .collect();
+    assert_eq!(good.len(), 1, "the good region is exported once");
+    let figures = &good[0].figures;
+    assert_eq!(figures.memory_used, 6 * MIB);
+    assert_eq!(figures.memory_limit, 8 * GIB);
+    assert_eq!(
+        (figures.context, figures.module, figures.data),
+        (MIB, 2 * MIB, 3 * MIB)
+    );
+    assert_eq!(figures.uuid, "GPU-good");
+}
+
+/// Checks a rendered exposition is bounded and parses.
+fn assert_bounded(monitor: &Monitor) {
+    let snapshot = monitor.shared().snapshot();
+    assert!(snapshot.devices.len() <= 2 * MAX_DEVICES);
+    for container in &snapshot.containers {
+        assert!(container.processes <= MAX_SLOTS);
+    }
+    let text = monitor.shared().render_uncached();
+    assert!(text.len() < 1 << 20, "exposition of {} bytes", text.len());
+    let text = String::from_utf8(text).expect("utf8");
+    let _ = parse_metrics(&text);
+}
+
+#[derive(Clone, Debug)]
+enum Mutation {
+    Byte(usize, u8),
+    Word(usize, u64),
+}
+
+fn mutation() -> impl Strategy<Value = Mutation> {
+    // Mostly the header, mutex, bitmap and device records (the first few
+    // KiB), sometimes anywhere in the slot table.
+    let hot = 0..8192usize;
+    let anywhere = 0..REGION_BYTES;
+    prop_oneof![
+        (hot.clone(), any::<u8>()).prop_map(|(o, b)| Mutation::Byte(o, b)),
+        (hot, any::<u64>()).prop_map(|(o, w)| Mutation::Word(o & !7, w)),
+        (anywhere.clone(), any::<u8>()).prop_map(|(o, b)| Mutation::Byte(o, b)),
+        (
+            anywhere,
+            prop_oneof![Just(u64::MAX), Just(0), Just(1 << 63), any::<u64>()]
+        )
+            .prop_map(|(o, w)| Mutation::Word(o & !7, w)),
+    ]
+}
+
+fn apply(path: &std::path::Path, mutations: &[Mutation]) {
+    let file = std::fs::OpenOptions::new()
+        .write(true)
+        .open(path)
+        .expect("open for mutation");
+    for m in mutations {
+        match m {
+            Mutation::Byte(offset, byte) => file.write_at(&[*byte], *offset as u64),
+            Mutation::Word(offset, word) => {
+                let end = (*offset + 8).min(REGION_BYTES);
+                file.write_at(&word.to_le_bytes()[..end - offset], *offset as u64)
+            }
+        }
+        .expect("mutate");
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 48, ..ProptestConfig::default() })]
+
+    #[test]
+    fn mutated_regions_never_crash_the_monitor(mutations in proptest::collection::vec(mutation(), 1..64)) {
+        let host = HostDir::new("mutated");
+        let _good = good_region(&host);
+        let mut limits = RegionLimits::default();
+        limits.sm_limit[0] = 30;
+        limits.sm_burst[0] = 80;
+        let victim = host.create_region("u-bad_c", &limits);
+        victim.set_device_uuid(0, "GPU-good");
+        charge(&victim, 0, 1, 2, 3);
+        drop(victim);
+        apply(&host.root.join("u-bad_c/region.cache"), &mutations);
+        let mut monitor = monitor(&host);
+        for _ in 0..3 {
+            monitor.tick();
+        }
+        assert_good_intact(&monitor.shared().snapshot());
+        assert_bounded(&monitor);
+    }
+
+    #[test]
+    fn random_files_never_crash_the_monitor(
+        size in prop_oneof![Just(0usize), 1..4096usize, Just(REGION_BYTES - 1), Just(REGION_BYTES), Just(REGION_BYTES + 1)],
+        seed in any::<u64>(),
+    ) {
+        let host = HostDir::new("random");
+        let _good = good_region(&host);
+        let mut state = seed | 1;
+        let bytes: Vec<u8> = (0..size)
+            .map(|_| {
+                state ^= state << 13;
+                state ^= state >> 7;
+                state ^= state << 17;
+                state as u8
+            })
+            .collect();
+        std::fs::write(host.region_path("u-random_c"), &bytes).expect("write");
+        let mut monitor = monitor(&host);
+        monitor.tick();
+        monitor.tick();
+        let snapshot = monitor.shared().snapshot();
+        assert_good_intact(&snapshot);
+        prop_assert_eq!(snapshot.regions, 1, "only the good region is open");
+        assert_bounded(&monitor);
+    }
+}
+
+#[test]
+fn every_field_at_its_extreme_is_clamped() {
+    let host = HostDir::new("extreme");
+    let _good = good_region(&host);
+    let region = host.create_region("u-max_c", &RegionLimits::default());
+    region.set_device_uuid(0, "GPU-good");
+    charge(&region, 0, 1, 1, 1);
+    let layout = region.layout();
+    for word in &layout.active.words {
+        word.store(u64::MAX, std::sync::atomic::Ordering::Relaxed);
+    }
+    for slot in layout.slots.iter() {
+        slot.state.store(1, std::sync::atomic::Ordering::Relaxed);
+        for device in &slot.devices {
+            device
+                .context
+                .store(u64::MAX, std::sync::atomic::Ordering::Relaxed);
+            device
+                .module
+                .store(u64::MAX, std::sync::atomic::Ordering::Relaxed);
+            device
+                .data
+                .store(u64::MAX, std::sync::atomic::Ordering::Relaxed);
+        }
+    }
+    for device in &layout.devices {
+        for word in [
+            &device.memory_limit,
+            &device.used,
+            &device.swap_used,
+            &device.peak_used,
+            &device.oom_events,
+            &device.compute.credited_ns,
+            &device.compute.throttled_ns,
+            &device.compute.launches,
+            &device.compute.last_launch_at,
+        ] {
+            word.store(u64::MAX, std::sync::atomic::Ordering::Relaxed);
+        }
+        device
+            .compute
+            .tokens
+            .store(i64::MIN, std::sync::atomic::Ordering::Relaxed);
+        device
+            .sm_limit
+            .store(u32::MAX, std::sync::atomic::Ordering::Relaxed);
+        device
+            .sm_burst
+            .store(u32::MAX, std::sync::atomic::Ordering::Relaxed);
+    }
+    layout
+        .header
+        .priority
+        .store(i32::MIN, std::sync::atomic::Ordering::Relaxed);
+    let mut monitor = monitor(&host);
+    for _ in 0..3 {
+        monitor.tick();
+    }
+    let snapshot = monitor.shared().snapshot();
+    assert_good_intact(&snapshot);
+    let extreme = snapshot
+        .devices
+        .iter()
+        .find(|d| d.pod == "u-max")
+        .expect("the extreme region is read");
+    assert_eq!(extreme.figures.context, u64::MAX, "sums saturate");
+    assert!(extreme.utilization.is_none_or(|u| (0.0..=1.0).contains(&u)));
+    assert_bounded(&monitor);
+}
+
+#[test]
+fn a_region_truncated_under_the_mapping_is_dropped_not_fatal() {
+    let host = HostDir::new("truncated");
+    let _good = good_region(&host);
+    let victim = host.create_region("u-trunc_c", &RegionLimits::default());
+    victim.set_device_uuid(0, "GPU-good");
+    // A live slot far into the file, so reading it touches a page the
+    // truncation removes.
+    let other = Region::open_existing(&host.region_path("u-trunc_c")).expect("handle");
+    for pid in 0..600 {
+        other.claim_slot(pid).expect("slot");
+    }
+    drop(victim);
+    let mut monitor = monitor(&host);
+    monitor.tick();
+    assert_eq!(monitor.shared().snapshot().regions, 2);
+    let truncate = || {
+        std::fs::OpenOptions::new()
+            .write(true)
+            .open(host.root.join("u-trunc_c/region.cache"))
+            .expect("open")
+            .set_len(4096)
+            .expect("truncate")
+    };
+
+    // Between the monitor's check of the file and its reads: the reads
+    // fault (SIGBUS), which the guard turns into zeros.
+    let mut discovery = vgpu_monitor::discovery::Discovery::new(monitor.config().discovery.clone());
+    discovery.rescan(Instant::now());
+    truncate();
+    let region = discovery.get("u-trunc_c").expect("open");
+    let figures = region.read();
+    assert!(region.faulted(), "the read faulted and was caught");
+    assert!(figures.devices.is_empty(), "the mapping now reads zeros");
+    discovery.rescan(Instant::now());
+    assert!(
+        discovery.get("u-trunc_c").is_none(),
+        "dropped on the next pass"
+    );
+
+    // Before the check: the monitor notices the new size and drops it.
+    for _ in 0..2 {
+        monitor.tick();
+    }
+    let snapshot = monitor.shared().snapshot();
+    assert_eq!(snapshot.regions, 1, "the truncated region is dropped");
+    assert!(snapshot.refused_total >= 1, "and refused when reopened");
+    assert_good_intact(&snapshot);
+    drop(other);
+}
+
+#[test]
+fn a_mutex_held_forever_stalls_neither_the_loop_nor_other_regions() {
+    let host = HostDir::new("stuck");
+    // Two regions, each with a dead process slot to reclaim; the first
+    // (in scan order) has its mutex held forever.
+    let make = |key: &str| {
+        let region = host.create_region(key, &RegionLimits::default());
+        region.set_device_uuid(0, "GPU-good");
+        let other = Region::open_existing(&host.region_path(key)).expect("second handle");
+        charge(&other, 0, 0, 0, 7 * MIB);
+        drop(other); // its owner "dies": the slot is dead, its memory charged
+        region
+    };
+    let stuck = make("a-stuck_c");
+    let fine = make("b-fine_c");
+    // The robust mutex sits right after the 56-byte header, cache-line
+    // aligned; a lock word naming some other owner is held as far as
+    // pthread_mutex_lock can tell, and nobody will ever release it.
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open(host.root.join("a-stuck_c/region.cache"))
+        .expect("open")
+        .write_at(&0x3039u32.to_le_bytes(), 64)
+        .expect("hold the mutex");
+    let mut monitor = monitor(&host);
+    let started = Instant::now();
+    let mut slowest = Duration::ZERO;
+    while started.elapsed() < Duration::from_secs(15) {
+        let tick = Instant::now();
+        monitor.tick();
+        slowest = slowest.max(tick.elapsed());
+        if fine.device_used(0) == 0 {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    assert_eq!(
+        fine.device_used(0),
+        0,
+        "the other region's dead slot is reclaimed despite the stuck one"
+    );
+    assert_eq!(
+        stuck.device_used(0),
+        7 * MIB,
+        "the stuck region is left alone"
+    );
+    assert!(
+        slowest < Duration::from_secs(1),
+        "the loop never waits on a region's mutex (slowest pass {slowest:?})"
+    );
+    let snapshot = monitor.shared().snapshot();
+    assert_eq!(snapshot.regions, 2, "the stuck region is still exported");
+}

@@ -1,0 +1,183 @@
+//! Names and cleanup through the Kubernetes API: the monitor binary talks
+//! to an in-repo fake API server over real HTTP (the real kube client code
+//! runs: list, then watch), serving a recorded pod list and pushing watch
+//! events.
+
+mod common;
+
+use common::*;
+use std::time::Duration;
+use vgpu_common::decision::{ContainerDecision, Decision, DeviceGrant, DECISION_ANNOTATION};
+use vgpu_common::region::RegionLimits;
+
+const NODE: &str = "gpu-node-3";
+const UID_NAMED: &str = "3f2a1b0c-9d8e-4f7a-b6c5-d4e3f2a1b0c9";
+const UID_GONE: &str = "aa11bb22-cc33-4d44-8e55-66ff77008899";
+const UID_BUSY: &str = "b0b0b0b0-1111-4222-8333-444455556666";
+
+fn decision_annotations(container: &str, priority: i32) -> String {
+    let decision = Decision {
+        version: 1,
+        node: NODE.into(),
+        decided_unix_ms: 1,
+        containers: vec![ContainerDecision {
+            name: container.into(),
+            init: false,
+            devices: vec![DeviceGrant {
+                uuid: "GPU-k8s".into(),
+                memory_bytes: 4 * GIB,
+                cores_percent: 30,
+            }],
+            priority: Some(priority),
+        }],
+    };
+    let mut annotations = serde_json::Map::new();
+    annotations.insert(
+        DECISION_ANNOTATION.into(),
+        serde_json::Value::String(decision.to_json()),
+    );
+    serde_json::Value::Object(annotations).to_string()
+}
+
+fn with_uuid(host: &HostDir, key: &str) -> vgpu_common::region::Region {
+    let region = host.create_region(key, &RegionLimits::default());
+    region.set_device_uuid(0, "GPU-k8s");
+    region
+}
+
+#[test]
+fn pods_are_named_from_the_api_and_deleted_pods_cleaned_up() {
+    let host = HostDir::new("k8s");
+    let annotations = decision_annotations("main", 0);
+    let api = FakeApiServer::start(pod_list(
+        NODE,
+        &[(UID_NAMED, "team-a", "trainer-0", &annotations)],
+    ));
+    let named = with_uuid(&host, &format!("{UID_NAMED}_main"));
+    drop(named); // no process of its own: may go once its pod does
+    let gone = with_uuid(&host, &format!("{UID_GONE}_main"));
+    drop(gone);
+    // A pod the API does not list, but with a live process: kept.
+    let busy = with_uuid(&host, &format!("{UID_BUSY}_main"));
+    let _slot = charge(&busy, 0, 0, 0, MIB);
+
+    let monitor = MonitorProcess::start(
+        MonitorProcess::command(),
+        &[
+            "--containers-dir",
+            host.root.to_str().expect("utf8"),
+            "--no-nvml",
+            "--apiserver-url",
+            &api.url(),
+            "--node-name",
+            NODE,
+            "--cleanup-grace-seconds",
+            "1",
+        ],
+    );
+    let labels = [
+        ("namespace", "team-a"),
+        ("pod", "trainer-0"),
+        ("container", "main"),
+    ];
+    monitor.wait_for_metrics(Duration::from_secs(10), |s| {
+        value(s, "vgpu_container_memory_used_bytes", &labels).map(|_| ())
+    });
+    let samples = monitor.scrape();
+    assert_eq!(
+        value(&samples, "vgpu_monitor_kubernetes_api_up", &[]),
+        Some(1.0)
+    );
+    assert_eq!(
+        value(&samples, "vgpu_container_priority", &labels),
+        Some(0.0),
+        "the scheduler's decision overrides the priority in the region header"
+    );
+    let requests = api.requests.lock().expect("requests").clone();
+    assert!(
+        requests
+            .iter()
+            .any(|r| r.contains("fieldSelector=spec.nodeName%3Dgpu-node-3")),
+        "only this node's pods are asked for: {requests:?}"
+    );
+    assert!(
+        requests.iter().any(|r| r.contains("watch=true")),
+        "{requests:?}"
+    );
+
+    // The pod the API does not know goes after the grace period; the one
+    // with a live process stays.
+    let gone_dir = host.root.join(format!("{UID_GONE}_main"));
+    assert!(
+        wait_for(Duration::from_secs(10), || (!exists(&gone_dir))
+            .then_some(()))
+        .is_some(),
+        "{} was not removed:\n{}",
+        gone_dir.display(),
+        monitor.log()
+    );
+    assert!(exists(&host.root.join(format!("{UID_BUSY}_main"))));
+    assert!(exists(&host.root.join(format!("{UID_NAMED}_main"))));
+
+    // The named pod is deleted: its directory goes too.
+    let object = pod_json(
+        pod_template(),
+        NODE,
+        UID_NAMED,
+        "team-a",
+        "trainer-0",
+        &annotations,
+    );
+    api.push_event("DELETED", &object);
+    let named_dir = host.root.join(format!("{UID_NAMED}_main"));
+    assert!(
+        wait_for(Duration::from_secs(10), || (!exists(&named_dir))
+            .then_some(()))
+        .is_some(),
+        "{} was not removed after its pod was deleted:\n{}",
+        named_dir.display(),
+        monitor.log()
+    );
+    monitor.wait_for_metrics(Duration::from_secs(5), |s| {
+        value(s, "vgpu_container_memory_used_bytes", &labels)
+            .is_none()
+            .then_some(())
+    });
+    assert!(exists(&host.root.join(format!("{UID_BUSY}_main"))));
+    drop(busy);
+}
+
+#[test]
+fn without_the_api_names_fall_back_and_nothing_is_removed() {
+    let host = HostDir::new("k8s-down");
+    let region = with_uuid(&host, &format!("{UID_GONE}_main"));
+    drop(region);
+    // Nothing listens on this port.
+    let url = format!("http://127.0.0.1:{}", free_port());
+    let monitor = MonitorProcess::start(
+        MonitorProcess::command(),
+        &[
+            "--containers-dir",
+            host.root.to_str().expect("utf8"),
+            "--no-nvml",
+            "--apiserver-url",
+            &url,
+            "--node-name",
+            NODE,
+            "--cleanup-grace-seconds",
+            "1",
+        ],
+    );
+    let labels = [("namespace", ""), ("pod", UID_GONE), ("container", "main")];
+    monitor.wait_for_metrics(Duration::from_secs(10), |s| {
+        (value(s, "vgpu_container_memory_used_bytes", &labels).is_some()
+            && value(s, "vgpu_monitor_kubernetes_api_up", &[]) == Some(0.0))
+        .then_some(())
+    });
+    std::thread::sleep(Duration::from_secs(3));
+    assert!(
+        exists(&host.root.join(format!("{UID_GONE}_main"))),
+        "never delete on uncertainty"
+    );
+    assert!(monitor.log().contains("Kubernetes API unavailable"));
+}
