@@ -1,6 +1,79 @@
-//! `vgpu-device-plugin`: not implemented yet. The binary exists so the workspace and
-//! the deployment layout are in place; it refuses to run rather than pretend.
+//! `vgpu-device-plugin`: see `--help`.
+
+use anyhow::Context;
+use clap::Parser;
+use std::sync::Arc;
+use std::time::Duration;
+use vgpu_device_plugin::health::{HealthTracker, NvmlHealth};
+use vgpu_device_plugin::options::Options;
+use vgpu_device_plugin::{cluster, gpu, PluginConfig};
 
 fn main() -> anyhow::Result<()> {
-    anyhow::bail!("vgpu-device-plugin is not implemented yet in this release of vgpu")
+    let options = Options::parse();
+    init_logging(options.log_level);
+
+    let nvml = Arc::new(gpu::open(&options.nvml_library)?);
+    let gpus = gpu::discover(&nvml, options.split_count)?;
+    let health = NvmlHealth::new(
+        Arc::clone(&nvml),
+        gpus.iter().map(|g| g.uuid.clone()).collect(),
+        HealthTracker::new(options.ignored_xids.iter().copied(), options.recovery()),
+        Duration::from_millis(options.health_probe_ms),
+    );
+    let config = PluginConfig {
+        node: options.node_name.clone(),
+        kubelet: options.kubelet_settings(),
+        settings: options.allocate_settings(),
+        heartbeat: Duration::from_secs(options.heartbeat_seconds),
+    };
+
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .context("starting the async runtime")?;
+    runtime.block_on(async {
+        let client = cluster::make_client(&options.api_source()).await?;
+        let (stop, shutdown) = tokio::sync::watch::channel(false);
+        tokio::spawn(async move {
+            wait_for_signal().await;
+            tracing::info!("stopping");
+            let _ = stop.send(true);
+        });
+        vgpu_device_plugin::run(config, gpus, Box::new(health), client, shutdown).await?;
+        Ok(())
+    })
+}
+
+/// Logs to stderr: the plugin's own messages at `level`, its libraries'
+/// (gRPC, HTTP, Kubernetes client) at warnings and errors only.
+fn init_logging(level: tracing::Level) {
+    use tracing_subscriber::filter::{LevelFilter, Targets};
+    use tracing_subscriber::prelude::*;
+    let own = LevelFilter::from_level(level);
+    let filter = Targets::new()
+        .with_default(own.min(LevelFilter::WARN))
+        .with_target("vgpu_device_plugin", own)
+        .with_target("vgpu_common", own);
+    tracing_subscriber::registry()
+        .with(tracing_subscriber::fmt::layer().with_writer(std::io::stderr))
+        .with(filter)
+        .init();
+}
+
+/// SIGTERM (kubelet stopping the pod) or SIGINT.
+async fn wait_for_signal() {
+    use tokio::signal::unix::{signal, SignalKind};
+    match signal(SignalKind::terminate()) {
+        Ok(mut term) => {
+            tokio::select! {
+                _ = term.recv() => {}
+                _ = tokio::signal::ctrl_c() => {}
+            }
+        }
+        Err(error) => {
+            tracing::warn!("cannot watch SIGTERM: {error}");
+            let _ = tokio::signal::ctrl_c().await;
+        }
+    }
 }

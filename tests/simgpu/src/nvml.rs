@@ -672,3 +672,215 @@ nvml_fn! {
         }
     }
 }
+
+// ---- Events ---------------------------------------------------------------
+//
+// Only XID critical errors exist in the simulation; tests inject them with
+// `simgpu_inject_xid`. Each device keeps the last injected event (a sequence
+// number and the XID) in the shared state file; an event set remembers the
+// sequence it last reported per registered device and polls.
+
+/// `nvmlEventTypeXidCriticalError`.
+const NVML_EVENT_TYPE_XID_CRITICAL_ERROR: c_ulonglong = 0x8;
+/// The event types the simulated devices can report.
+const SUPPORTED_EVENT_TYPES: c_ulonglong = NVML_EVENT_TYPE_XID_CRITICAL_ERROR;
+/// GPU / compute instance id of an event on a device without MIG.
+const NO_INSTANCE: c_uint = 0xFFFF_FFFF;
+/// How often a waiting event set looks at the state file.
+const EVENT_POLL: std::time::Duration = std::time::Duration::from_millis(2);
+
+/// `nvmlEventData_t` (the layout `nvmlEventSetWait_v2` fills).
+#[repr(C)]
+#[derive(Clone, Copy)]
+pub struct NvmlEventData {
+    device: nvmlDevice_t,
+    event_type: c_ulonglong,
+    event_data: c_ulonglong,
+    gpu_instance_id: c_uint,
+    compute_instance_id: c_uint,
+}
+
+/// The older event data layout `nvmlEventSetWait` fills.
+#[repr(C)]
+#[derive(Clone, Copy)]
+pub struct NvmlEventDataV1 {
+    device: nvmlDevice_t,
+    event_type: c_ulonglong,
+    event_data: c_ulonglong,
+}
+
+/// What an `nvmlEventSet_t` points at.
+pub struct NvmlEventSet {
+    /// (device index, last reported `xid_event` word) per registered device.
+    watched: std::sync::Mutex<Vec<(usize, u64)>>,
+}
+
+impl NvmlEventSet {
+    fn watched(&self) -> std::sync::MutexGuard<'_, Vec<(usize, u64)>> {
+        self.watched
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+}
+
+/// The event set behind a handle, if it is non-NULL.
+///
+/// # Safety
+/// `set` must be NULL or a handle from `nvmlEventSetCreate` not yet freed.
+unsafe fn event_set<'a>(set: *mut c_void) -> Result<&'a NvmlEventSet, nvmlReturn_t> {
+    if set.is_null() {
+        return Err(NVML_ERROR_INVALID_ARGUMENT);
+    }
+    // SAFETY: per the caller contract, a live Box<NvmlEventSet>.
+    Ok(unsafe { &*(set as *const NvmlEventSet) })
+}
+
+nvml_fn! {
+    fn nvmlDeviceGetSupportedEventTypes(dev: nvmlDevice_t, types: *mut c_ulonglong) {
+        device(dev)?;
+        // SAFETY: NVML out-pointer.
+        unsafe { out(types, SUPPORTED_EVENT_TYPES) }
+    }
+}
+
+nvml_fn! {
+    fn nvmlEventSetCreate(set: *mut *mut c_void) {
+        ready()?;
+        let created = Box::into_raw(Box::new(NvmlEventSet {
+            watched: std::sync::Mutex::new(Vec::new()),
+        }));
+        // SAFETY: NVML out-pointer.
+        let written = unsafe { out(set, created.cast::<c_void>()) };
+        if written.is_err() {
+            // SAFETY: just created by Box::into_raw and never shared.
+            drop(unsafe { Box::from_raw(created) });
+        }
+        written
+    }
+}
+
+nvml_fn! {
+    /// Registers `event_types` of `dev` with `set`. Types the simulation
+    /// cannot report give `NOT_SUPPORTED`, as on a real GPU.
+    fn nvmlDeviceRegisterEvents(dev: nvmlDevice_t, event_types: c_ulonglong, set: *mut c_void) {
+        let (_, shared, index) = device(dev)?;
+        // SAFETY: C API contract for event set handles.
+        let set = unsafe { event_set(set) }?;
+        if event_types & !SUPPORTED_EVENT_TYPES != 0 {
+            return Err(NVML_ERROR_NOT_SUPPORTED);
+        }
+        if event_types == 0 {
+            return Ok(());
+        }
+        let now = shared.device(index).xid_event.load(Ordering::Acquire);
+        let mut watched = set.watched();
+        if !watched.iter().any(|(i, _)| *i == index) {
+            watched.push((index, now));
+        }
+        Ok(())
+    }
+}
+
+/// Waits up to `timeout_ms` for an XID on a device registered with `set`.
+fn wait_event(set: &NvmlEventSet, timeout_ms: c_uint) -> Result<NvmlEventData, nvmlReturn_t> {
+    let (_, shared) = ready()?;
+    let deadline =
+        std::time::Instant::now() + std::time::Duration::from_millis(u64::from(timeout_ms));
+    loop {
+        {
+            let mut watched = set.watched();
+            for (index, seen) in watched.iter_mut() {
+                let word = shared.device(*index).xid_event.load(Ordering::Acquire);
+                if word >> 32 != *seen >> 32 {
+                    *seen = word;
+                    return Ok(NvmlEventData {
+                        device: handle(*index),
+                        event_type: NVML_EVENT_TYPE_XID_CRITICAL_ERROR,
+                        event_data: word & 0xFFFF_FFFF,
+                        gpu_instance_id: NO_INSTANCE,
+                        compute_instance_id: NO_INSTANCE,
+                    });
+                }
+            }
+        }
+        let now = std::time::Instant::now();
+        if now >= deadline {
+            return Err(NVML_ERROR_TIMEOUT);
+        }
+        std::thread::sleep(EVENT_POLL.min(deadline - now));
+    }
+}
+
+nvml_fn! {
+    fn nvmlEventSetWait_v2(set: *mut c_void, data: *mut NvmlEventData, timeout_ms: c_uint) {
+        // SAFETY: C API contract for event set handles.
+        let set = unsafe { event_set(set) }?;
+        if data.is_null() {
+            return Err(NVML_ERROR_INVALID_ARGUMENT);
+        }
+        let event = wait_event(set, timeout_ms)?;
+        // SAFETY: NVML out-pointer.
+        unsafe { out(data, event) }
+    }
+}
+
+nvml_fn! {
+    fn nvmlEventSetWait(set: *mut c_void, data: *mut NvmlEventDataV1, timeout_ms: c_uint) {
+        // SAFETY: C API contract for event set handles.
+        let set = unsafe { event_set(set) }?;
+        if data.is_null() {
+            return Err(NVML_ERROR_INVALID_ARGUMENT);
+        }
+        let event = wait_event(set, timeout_ms)?;
+        let old = NvmlEventDataV1 {
+            device: event.device,
+            event_type: event.event_type,
+            event_data: event.event_data,
+        };
+        // SAFETY: NVML out-pointer.
+        unsafe { out(data, old) }
+    }
+}
+
+nvml_fn! {
+    fn nvmlEventSetFree(set: *mut c_void) {
+        if set.is_null() {
+            return Err(NVML_ERROR_INVALID_ARGUMENT);
+        }
+        // SAFETY: C API contract: a handle from nvmlEventSetCreate, freed once.
+        drop(unsafe { Box::from_raw(set.cast::<NvmlEventSet>()) });
+        Ok(())
+    }
+}
+
+/// Test hook: injects XID `xid` on `device`, as the driver reports a GPU
+/// error. Every event set with the device registered reports it once (an
+/// XID injected before a set is registered is not reported to it; of two
+/// injected between waits, the later one is reported). Returns the event's
+/// sequence number (from 1), or `u64::MAX` for a bad device or an unusable
+/// state file.
+#[no_mangle]
+pub extern "C" fn simgpu_inject_xid(device: c_int, xid: u32) -> u64 {
+    std::panic::catch_unwind(|| {
+        let Ok(cfg) = config::get() else {
+            return u64::MAX;
+        };
+        if device < 0 || device as usize >= cfg.devices {
+            return u64::MAX;
+        }
+        let Ok(shared) = state::shared() else {
+            return u64::MAX;
+        };
+        let word = &shared.device(device as usize).xid_event;
+        let mut current = word.load(Ordering::Acquire);
+        loop {
+            let sequence = ((current >> 32) as u32).wrapping_add(1).max(1);
+            let next = (u64::from(sequence) << 32) | u64::from(xid);
+            match word.compare_exchange_weak(current, next, Ordering::AcqRel, Ordering::Acquire) {
+                Ok(_) => return u64::from(sequence),
+                Err(actual) => current = actual,
+            }
+        }
+    })
+    .unwrap_or(u64::MAX)
+}

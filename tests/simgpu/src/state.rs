@@ -5,7 +5,7 @@
 //! | offset | content |
 //! | --- | --- |
 //! | 0 | [`Header`]: magic, layout version, header size, file size, counts, offsets |
-//! | 4096 | 16 × [`DeviceRecord`]: total and used bytes, `busy_until_ns`, ring head, robust process-shared mutex, busy ns |
+//! | 4096 | 16 × [`DeviceRecord`]: total and used bytes, `busy_until_ns`, ring head, robust process-shared mutex, busy ns, last injected XID event |
 //! | `slots_offset` | 256 × [`SlotRecord`]: pid, per-device used bytes, busy ns, context count |
 //! | `rings_offset` | per device, 65536 × [`KernelRecord`] (start, end, pid) |
 //!
@@ -72,7 +72,11 @@ pub struct DeviceRecord {
     /// Kernel time ever scheduled on the device (ns, all processes; updated
     /// with the ring, under the mutex).
     pub busy_ns: AtomicU64,
-    _reserved: [u64; 3],
+    /// The last injected XID event: sequence number in the high 32 bits
+    /// (0: none yet), XID in the low 32 bits. Written by
+    /// `simgpu_inject_xid`, read by NVML event sets.
+    pub xid_event: AtomicU64,
+    _reserved: [u64; 2],
 }
 
 /// One process's accounting.

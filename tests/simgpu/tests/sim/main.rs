@@ -169,6 +169,13 @@ fn nvml_memory_and_process_list() {
 }
 
 #[test]
+fn nvml_xid_events_are_injected_and_reported_once() {
+    TestEnv::new("events")
+        .var("SIMGPU_DEVICES", 2)
+        .run("nvml_events", &[]);
+}
+
+#[test]
 fn pools_reserve_chunks_and_release_at_sync_and_trim() {
     TestEnv::new("pool")
         .var("SIMGPU_MEMORY", "1Gi")

@@ -33,6 +33,7 @@ pub fn run(name: &str) {
         "kernel_race" => kernel_race(),
         "timing" => timing(),
         "nvml_processes" => nvml_process_list(),
+        "nvml_events" => nvml_events(),
         "pool" => pool(),
         "vmm" => vmm(),
         "fork" => fork(),
@@ -1467,4 +1468,74 @@ fn kernel_once() {
     let f = function(&cu, m, "k");
     ok(launch(&cu, f, null_mut()), "launch");
     ok(cu.cuCtxSynchronize(), "sync");
+}
+
+/// XID events: injected with the test hook, reported once per registered
+/// set, only after registration; unsupported types are refused.
+fn nvml_events() {
+    #[repr(C)]
+    #[derive(Clone, Copy)]
+    struct EventData {
+        device: nvmlDevice_t,
+        event_type: u64,
+        event_data: u64,
+        gpu_instance_id: c_uint,
+        compute_instance_id: c_uint,
+    }
+    type Create = unsafe extern "C" fn(*mut *mut c_void) -> nvmlReturn_t;
+    type Register = unsafe extern "C" fn(nvmlDevice_t, u64, *mut c_void) -> nvmlReturn_t;
+    type Wait = unsafe extern "C" fn(*mut c_void, *mut EventData, c_uint) -> nvmlReturn_t;
+    type Free = unsafe extern "C" fn(*mut c_void) -> nvmlReturn_t;
+    type Supported = unsafe extern "C" fn(nvmlDevice_t, *mut u64) -> nvmlReturn_t;
+    type Inject = unsafe extern "C" fn(c_int, u32) -> u64;
+
+    let lib = Lib::open();
+    let nv = Nvml::load(&lib);
+    let create: Create = lib.sym("nvmlEventSetCreate");
+    let register: Register = lib.sym("nvmlDeviceRegisterEvents");
+    let wait: Wait = lib.sym("nvmlEventSetWait_v2");
+    let free: Free = lib.sym("nvmlEventSetFree");
+    let supported: Supported = lib.sym("nvmlDeviceGetSupportedEventTypes");
+    let inject: Inject = lib.sym("simgpu_inject_xid");
+    const XID: u64 = 0x8;
+
+    assert_eq!(nv.nvmlInit_v2(), NVML_SUCCESS);
+    let d0 = nvml_device(&nv, 0);
+    let d1 = nvml_device(&nv, 1);
+    // SAFETY: the signatures match the exported functions and
+    // every pointer passed is valid for the call.
+    unsafe {
+        let mut types = 0u64;
+        assert_eq!(supported(d0, &mut types), NVML_SUCCESS);
+        assert_eq!(types, XID);
+        // Injected before the set exists: never reported to it.
+        assert_eq!(inject(0, 79), 1);
+        let mut set = null_mut();
+        assert_eq!(create(&mut set), NVML_SUCCESS);
+        assert_eq!(register(d0, 0x2, set), NVML_ERROR_NOT_SUPPORTED);
+        assert_eq!(register(d0, XID, set), NVML_SUCCESS);
+        assert_eq!(register(d1, XID, set), NVML_SUCCESS);
+        let mut data = std::mem::zeroed::<EventData>();
+        assert_eq!(wait(set, &mut data, 20), NVML_ERROR_TIMEOUT);
+        assert_eq!(inject(1, 48), 1);
+        assert_eq!(wait(set, &mut data, 1000), NVML_SUCCESS);
+        assert_eq!(data.device, d1);
+        assert_eq!((data.event_type, data.event_data), (XID, 48));
+        assert_eq!(data.gpu_instance_id, 0xFFFF_FFFF);
+        assert_eq!(
+            wait(set, &mut data, 20),
+            NVML_ERROR_TIMEOUT,
+            "reported once"
+        );
+        // Injected by another thread while waiting.
+        let injector = std::thread::spawn(move || {
+            std::thread::sleep(std::time::Duration::from_millis(30));
+            inject(0, 63)
+        });
+        assert_eq!(wait(set, &mut data, 2000), NVML_SUCCESS);
+        assert_eq!(injector.join().expect("injector"), 2);
+        assert_eq!((data.device, data.event_data), (d0, 63));
+        assert_eq!(inject(5, 48), u64::MAX, "no such device");
+        assert_eq!(free(set), NVML_SUCCESS);
+    }
 }

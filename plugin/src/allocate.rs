@@ -1,0 +1,547 @@
+//! What a container gets: its environment (the shim's configuration,
+//! HAMi-core's variable names), its mounts (the shim, an `ld.so.preload`
+//! naming it, the container's region directory), and, on the host, that
+//! directory with the region file already created with the container's
+//! limits, so the container's processes only attach to it.
+
+use crate::api::v1beta1 as api;
+use std::collections::BTreeMap;
+use std::os::unix::fs::PermissionsExt;
+use std::path::{Path, PathBuf};
+use thiserror::Error;
+use vgpu_common::config::{
+    ShimConfig, UtilizationPolicy, ENV_CONTEXT_RESERVE, ENV_MEMORY_LIMIT, ENV_OVERSUBSCRIBE,
+    ENV_REGION_PATH, ENV_SM_LIMIT, ENV_SWAP_LIMIT, ENV_TASK_PRIORITY, ENV_UTILIZATION_POLICY,
+};
+use vgpu_common::decision::{ContainerDecision, DeviceGrant, GpuInfo};
+use vgpu_common::region::{Region, RegionLimits, MAX_DEVICES};
+
+/// The GPUs a container may see (NVIDIA container runtime).
+pub const ENV_VISIBLE_DEVICES: &str = "NVIDIA_VISIBLE_DEVICES";
+/// CUDA's device numbering; set to PCI order so that device `i` in the
+/// container is the `i`-th GPU of `NVIDIA_VISIBLE_DEVICES`, which is what
+/// the per-device limit variables are numbered by.
+pub const ENV_DEVICE_ORDER: &str = "CUDA_DEVICE_ORDER";
+
+/// Where things are, on the host and in containers, and the node-wide
+/// settings written into every container's environment.
+#[derive(Clone, Debug)]
+pub struct Settings {
+    /// Host directory holding one directory per container,
+    /// `<podUID>_<container>`.
+    pub containers_dir: PathBuf,
+    /// Name of the region file inside a container directory.
+    pub region_file: String,
+    /// Where a container sees its own directory.
+    pub container_dir: PathBuf,
+    /// The shim on the host.
+    pub library_host: PathBuf,
+    /// Where containers see the shim.
+    pub library_container: PathBuf,
+    /// The `ld.so.preload` the plugin writes on the host; mounted as
+    /// `/etc/ld.so.preload`. `None`: no preload mount (the shim is then
+    /// loaded only where the image sets `LD_PRELOAD` itself).
+    pub preload_host: Option<PathBuf>,
+    pub policy: UtilizationPolicy,
+    /// Host memory each GPU may lend a container as swap; `Some` turns on
+    /// `CUDA_OVERSUBSCRIBE`.
+    pub swap_limit: Option<u64>,
+    /// `VGPU_CONTEXT_RESERVE` for every container, if set.
+    pub context_reserve: Option<u64>,
+}
+
+/// Path of `ld.so.preload` in a container.
+pub const CONTAINER_PRELOAD: &str = "/etc/ld.so.preload";
+
+/// Why a container could not be given its GPUs.
+#[derive(Debug, Error)]
+pub enum AllocateError {
+    #[error("the decision gives container {container} GPU {uuid}, which this node does not have")]
+    UnknownGpu { container: String, uuid: String },
+    #[error("the decision gives container {container} GPU {uuid}, which is unhealthy")]
+    UnhealthyGpu { container: String, uuid: String },
+    #[error("the decision gives container {container} GPU {uuid} twice")]
+    DuplicateGpu { container: String, uuid: String },
+    #[error("the decision gives container {container} {count} GPUs; at most {MAX_DEVICES} are supported")]
+    TooManyGpus { container: String, count: usize },
+    #[error("pod UID {uid:?} or container name {container:?} cannot name a directory")]
+    BadName { uid: String, container: String },
+    #[error("the environment built for container {container} does not parse: {what}")]
+    Environment { container: String, what: String },
+    #[error("{path}: {op}: {source}")]
+    Io {
+        path: PathBuf,
+        op: &'static str,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("{0}")]
+    Region(#[from] vgpu_common::region::RegionError),
+    #[error("region {path} already exists with other limits; refusing to change the limits of a running container")]
+    RegionMismatch { path: PathBuf },
+}
+
+fn io_error(path: &Path, op: &'static str) -> impl FnOnce(std::io::Error) -> AllocateError {
+    let path = path.to_path_buf();
+    move |source| AllocateError::Io { path, op, source }
+}
+
+/// Everything one container gets.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ContainerPlan {
+    pub container: String,
+    /// The container's directory on the host.
+    pub host_dir: PathBuf,
+    /// The region file on the host.
+    pub region_host: PathBuf,
+    /// The limits written into the region (what the shim derives from
+    /// [`Self::envs`]).
+    pub limits: RegionLimits,
+    pub envs: BTreeMap<String, String>,
+    pub mounts: Vec<api::Mount>,
+}
+
+impl ContainerPlan {
+    /// The kubelet answer for this container.
+    pub fn response(&self) -> api::ContainerAllocateResponse {
+        api::ContainerAllocateResponse {
+            envs: self.envs.clone().into_iter().collect(),
+            mounts: self.mounts.clone(),
+            ..Default::default()
+        }
+    }
+}
+
+/// `GPU_CORE_UTILIZATION_POLICY` value of a policy.
+pub fn policy_name(policy: UtilizationPolicy) -> &'static str {
+    match policy {
+        UtilizationPolicy::Default => "default",
+        UtilizationPolicy::Force => "force",
+        UtilizationPolicy::Disable => "disable",
+    }
+}
+
+/// A size as HAMi's device plugin writes it (`<N>m`) when it is a whole
+/// number of MiB, else plain bytes.
+pub fn size_text(bytes: u64) -> String {
+    if bytes.is_multiple_of(1 << 20) {
+        format!("{}m", bytes >> 20)
+    } else {
+        bytes.to_string()
+    }
+}
+
+/// The name of a container's directory: `<podUID>_<container>`.
+pub fn container_dir_name(pod_uid: &str, container: &str) -> Result<String, AllocateError> {
+    let safe = |text: &str| {
+        !text.is_empty()
+            && text.len() <= 253
+            && text
+                .bytes()
+                .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'.')
+            && text != "."
+            && text != ".."
+    };
+    if safe(pod_uid) && safe(container) {
+        Ok(format!("{pod_uid}_{container}"))
+    } else {
+        Err(AllocateError::BadName {
+            uid: pod_uid.to_string(),
+            container: container.to_string(),
+        })
+    }
+}
+
+/// Works out what `container` of the pod `pod_uid` gets on this node's
+/// `gpus`. Pure: nothing is written.
+pub fn plan(
+    settings: &Settings,
+    pod_uid: &str,
+    container: &ContainerDecision,
+    gpus: &[GpuInfo],
+) -> Result<ContainerPlan, AllocateError> {
+    let name = &container.name;
+    if container.devices.len() > MAX_DEVICES {
+        return Err(AllocateError::TooManyGpus {
+            container: name.clone(),
+            count: container.devices.len(),
+        });
+    }
+    // In the container, CUDA numbers the visible GPUs in PCI order, which
+    // is NVML's host order: list them that way so variable `_<i>` is
+    // device `i`.
+    let mut grants = Vec::with_capacity(container.devices.len());
+    for grant in &container.devices {
+        let gpu = gpus.iter().find(|g| g.uuid == grant.uuid).ok_or_else(|| {
+            AllocateError::UnknownGpu {
+                container: name.clone(),
+                uuid: grant.uuid.clone(),
+            }
+        })?;
+        if !gpu.healthy {
+            return Err(AllocateError::UnhealthyGpu {
+                container: name.clone(),
+                uuid: grant.uuid.clone(),
+            });
+        }
+        if grants
+            .iter()
+            .any(|(_, granted): &(u32, &DeviceGrant)| granted.uuid == grant.uuid)
+        {
+            return Err(AllocateError::DuplicateGpu {
+                container: name.clone(),
+                uuid: grant.uuid.clone(),
+            });
+        }
+        grants.push((gpu.index, grant));
+    }
+    grants.sort_by_key(|(index, _)| *index);
+
+    let dir_name = container_dir_name(pod_uid, name)?;
+    let host_dir = settings.containers_dir.join(&dir_name);
+    let region_host = host_dir.join(&settings.region_file);
+    let region_container = settings.container_dir.join(&settings.region_file);
+
+    let mut envs = BTreeMap::new();
+    let uuids: Vec<&str> = grants.iter().map(|(_, g)| g.uuid.as_str()).collect();
+    envs.insert(ENV_VISIBLE_DEVICES.to_string(), uuids.join(","));
+    envs.insert(ENV_DEVICE_ORDER.to_string(), "PCI_BUS_ID".to_string());
+    for (i, (_, grant)) in grants.iter().enumerate() {
+        envs.insert(
+            format!("{ENV_MEMORY_LIMIT}_{i}"),
+            size_text(grant.memory_bytes),
+        );
+        envs.insert(
+            format!("{ENV_SM_LIMIT}_{i}"),
+            grant.cores_percent.to_string(),
+        );
+    }
+    envs.insert(
+        ENV_REGION_PATH.to_string(),
+        region_container.display().to_string(),
+    );
+    envs.insert(
+        ENV_UTILIZATION_POLICY.to_string(),
+        policy_name(settings.policy).to_string(),
+    );
+    if let Some(priority) = container.priority {
+        envs.insert(ENV_TASK_PRIORITY.to_string(), priority.to_string());
+    }
+    if let Some(swap) = settings.swap_limit {
+        envs.insert(ENV_OVERSUBSCRIBE.to_string(), "true".to_string());
+        envs.insert(ENV_SWAP_LIMIT.to_string(), size_text(swap));
+    }
+    if let Some(reserve) = settings.context_reserve {
+        envs.insert(ENV_CONTEXT_RESERVE.to_string(), size_text(reserve));
+    }
+
+    let limits = limits_from_env(name, &envs)?;
+
+    let mut mounts = vec![
+        api::Mount {
+            container_path: settings.library_container.display().to_string(),
+            host_path: settings.library_host.display().to_string(),
+            read_only: true,
+        },
+        api::Mount {
+            container_path: settings.container_dir.display().to_string(),
+            host_path: host_dir.display().to_string(),
+            read_only: false,
+        },
+    ];
+    if let Some(preload) = &settings.preload_host {
+        mounts.push(api::Mount {
+            container_path: CONTAINER_PRELOAD.to_string(),
+            host_path: preload.display().to_string(),
+            read_only: true,
+        });
+    }
+
+    Ok(ContainerPlan {
+        container: name.clone(),
+        host_dir,
+        region_host,
+        limits,
+        envs,
+        mounts,
+    })
+}
+
+/// The region limits the shim derives from `envs`, computed by the shim's
+/// own configuration reader, so the region the plugin creates and the
+/// environment can never disagree.
+fn limits_from_env(
+    container: &str,
+    envs: &BTreeMap<String, String>,
+) -> Result<RegionLimits, AllocateError> {
+    let config = ShimConfig::from_lookup(|name| envs.get(name).cloned()).map_err(|error| {
+        AllocateError::Environment {
+            container: container.to_string(),
+            what: error.to_string(),
+        }
+    })?;
+    let mut limits = RegionLimits {
+        policy: config.policy as u32,
+        priority: config.priority,
+        ..RegionLimits::default()
+    };
+    for device in 0..MAX_DEVICES {
+        limits.memory_limit[device] = config.memory_limit[device].unwrap_or(0);
+        limits.swap_limit[device] = config.swap_limit[device];
+        limits.sm_limit[device] = config.sm_limit[device].unwrap_or(0);
+        limits.sm_burst[device] = config.sm_burst[device].unwrap_or(0);
+    }
+    Ok(limits)
+}
+
+/// Whether a stored region enforces `wanted` (the region keeps a burst
+/// share of at least the share, so bursts are not compared).
+fn same_limits(stored: &RegionLimits, wanted: &RegionLimits) -> bool {
+    stored.memory_limit == wanted.memory_limit
+        && stored.swap_limit == wanted.swap_limit
+        && stored.sm_limit == wanted.sm_limit
+        && stored.policy == wanted.policy
+        && stored.priority == wanted.priority
+}
+
+/// Creates the container's directory and its region on the host.
+/// Idempotent: a region already there with the same limits (an earlier
+/// attempt at the same container) is kept.
+pub fn prepare(plan: &ContainerPlan) -> Result<(), AllocateError> {
+    std::fs::create_dir_all(&plan.host_dir)
+        .map_err(io_error(&plan.host_dir, "create directory"))?;
+    std::fs::set_permissions(&plan.host_dir, std::fs::Permissions::from_mode(0o755))
+        .map_err(io_error(&plan.host_dir, "chmod"))?;
+    let region = Region::open_or_create(&plan.region_host, &plan.limits)?;
+    if !same_limits(&region.limits(), &plan.limits) {
+        return Err(AllocateError::RegionMismatch {
+            path: plan.region_host.clone(),
+        });
+    }
+    drop(region);
+    // Container processes may run as any user; they need to map the file
+    // read-write and take their liveness locks on it.
+    std::fs::set_permissions(&plan.region_host, std::fs::Permissions::from_mode(0o666))
+        .map_err(io_error(&plan.region_host, "chmod"))?;
+    Ok(())
+}
+
+/// Writes the host's `ld.so.preload` (one line: the shim's path in
+/// containers), replacing it atomically if its content differs.
+pub fn write_preload(settings: &Settings) -> Result<(), AllocateError> {
+    let Some(path) = &settings.preload_host else {
+        return Ok(());
+    };
+    let content = format!("{}\n", settings.library_container.display());
+    if std::fs::read_to_string(path).is_ok_and(|current| current == content) {
+        return Ok(());
+    }
+    if let Some(parent) = path.parent() {
+        std::fs::create_dir_all(parent).map_err(io_error(parent, "create directory"))?;
+    }
+    let mut temporary = path.as_os_str().to_owned();
+    temporary.push(format!(".tmp.{}", std::process::id()));
+    let temporary = PathBuf::from(temporary);
+    std::fs::write(&temporary, content).map_err(io_error(&temporary, "write"))?;
+    std::fs::set_permissions(&temporary, std::fs::Permissions::from_mode(0o644))
+        .map_err(io_error(&temporary, "chmod"))?;
+    std::fs::rename(&temporary, path).map_err(io_error(path, "rename"))?;
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn settings(base: &Path) -> Settings {
+        Settings {
+            containers_dir: base.join("containers"),
+            region_file: "region.cache".into(),
+            container_dir: "/usr/local/vgpu/container".into(),
+            library_host: "/opt/vgpu/libvgpu.so".into(),
+            library_container: "/usr/local/vgpu/libvgpu.so".into(),
+            preload_host: Some(base.join("ld.so.preload")),
+            policy: UtilizationPolicy::Default,
+            swap_limit: None,
+            context_reserve: None,
+        }
+    }
+
+    fn gpus() -> Vec<GpuInfo> {
+        (0..3)
+            .map(|index| GpuInfo {
+                uuid: format!("GPU-{index}"),
+                index,
+                model: "m".into(),
+                memory_bytes: 16 << 30,
+                sm_count: 132,
+                split_count: 10,
+                numa: None,
+                healthy: index != 2,
+            })
+            .collect()
+    }
+
+    fn grant(uuid: &str, memory_bytes: u64, cores_percent: u32) -> DeviceGrant {
+        DeviceGrant {
+            uuid: uuid.into(),
+            memory_bytes,
+            cores_percent,
+        }
+    }
+
+    fn container(devices: Vec<DeviceGrant>, priority: Option<i32>) -> ContainerDecision {
+        ContainerDecision {
+            name: "main".into(),
+            init: false,
+            devices,
+            priority,
+        }
+    }
+
+    fn temp_dir(tag: &str) -> PathBuf {
+        let dir =
+            std::env::temp_dir().join(format!("vgpu-plugin-unit-{}-{tag}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).expect("temp dir");
+        dir
+    }
+
+    #[test]
+    fn environment_lists_gpus_in_host_order_with_their_limits() {
+        let base = PathBuf::from("/base");
+        let decision = container(
+            vec![
+                grant("GPU-1", 3000 << 20, 30),
+                grant("GPU-0", (1 << 30) + 1, 0),
+            ],
+            Some(0),
+        );
+        let plan = plan(&settings(&base), "uid-1", &decision, &gpus()).expect("plan");
+        let env = |k: &str| plan.envs.get(k).map(String::as_str);
+        assert_eq!(env("NVIDIA_VISIBLE_DEVICES"), Some("GPU-0,GPU-1"));
+        assert_eq!(env("CUDA_DEVICE_MEMORY_LIMIT_0"), Some("1073741825"));
+        assert_eq!(env("CUDA_DEVICE_SM_LIMIT_0"), Some("0"));
+        assert_eq!(env("CUDA_DEVICE_MEMORY_LIMIT_1"), Some("3000m"));
+        assert_eq!(env("CUDA_DEVICE_SM_LIMIT_1"), Some("30"));
+        assert_eq!(
+            env("CUDA_DEVICE_MEMORY_SHARED_CACHE"),
+            Some("/usr/local/vgpu/container/region.cache")
+        );
+        assert_eq!(env("GPU_CORE_UTILIZATION_POLICY"), Some("default"));
+        assert_eq!(env("CUDA_TASK_PRIORITY"), Some("0"));
+        assert_eq!(env("CUDA_OVERSUBSCRIBE"), None);
+        assert_eq!(plan.limits.memory_limit[0], (1 << 30) + 1);
+        assert_eq!(plan.limits.memory_limit[1], 3000 << 20);
+        assert_eq!(plan.limits.memory_limit[2], 0);
+        assert_eq!(plan.limits.sm_limit[..3], [0, 30, 0]);
+        assert_eq!(plan.limits.priority, 0);
+        assert_eq!(plan.host_dir, base.join("containers/uid-1_main"));
+        let mounts: Vec<(&str, &str, bool)> = plan
+            .mounts
+            .iter()
+            .map(|m| (m.container_path.as_str(), m.host_path.as_str(), m.read_only))
+            .collect();
+        assert_eq!(
+            mounts,
+            vec![
+                ("/usr/local/vgpu/libvgpu.so", "/opt/vgpu/libvgpu.so", true),
+                (
+                    "/usr/local/vgpu/container",
+                    "/base/containers/uid-1_main",
+                    false
+                ),
+                ("/etc/ld.so.preload", "/base/ld.so.preload", true),
+            ]
+        );
+    }
+
+    #[test]
+    fn node_settings_reach_every_container() {
+        let mut node = settings(Path::new("/b"));
+        node.policy = UtilizationPolicy::Force;
+        node.swap_limit = Some(8 << 30);
+        node.context_reserve = Some(128 << 20);
+        node.preload_host = None;
+        let plan = plan(
+            &node,
+            "u",
+            &container(vec![grant("GPU-0", 1 << 30, 50)], None),
+            &gpus(),
+        )
+        .expect("plan");
+        let env = |k: &str| plan.envs.get(k).map(String::as_str);
+        assert_eq!(env("GPU_CORE_UTILIZATION_POLICY"), Some("force"));
+        assert_eq!(env("CUDA_OVERSUBSCRIBE"), Some("true"));
+        assert_eq!(env("VGPU_SWAP_LIMIT"), Some("8192m"));
+        assert_eq!(env("VGPU_CONTEXT_RESERVE"), Some("128m"));
+        assert_eq!(env("CUDA_TASK_PRIORITY"), None);
+        assert_eq!(plan.limits.swap_limit[0], 8 << 30);
+        assert_eq!(plan.limits.policy, UtilizationPolicy::Force as u32);
+        assert_eq!(plan.mounts.len(), 2);
+    }
+
+    #[test]
+    fn decisions_this_node_cannot_honour_are_refused() {
+        let node = settings(Path::new("/b"));
+        let cases = [
+            (vec![grant("GPU-9", 1, 1)], "does not have"),
+            (vec![grant("GPU-2", 1, 1)], "unhealthy"),
+            (vec![grant("GPU-0", 1, 1), grant("GPU-0", 1, 1)], "twice"),
+        ];
+        for (devices, expected) in cases {
+            let error = plan(&node, "u", &container(devices, None), &gpus()).expect_err(expected);
+            assert!(error.to_string().contains(expected), "{error}");
+        }
+        let error = plan(
+            &node,
+            "../x",
+            &container(vec![grant("GPU-0", 1, 1)], None),
+            &gpus(),
+        )
+        .expect_err("bad uid");
+        assert!(matches!(error, AllocateError::BadName { .. }));
+    }
+
+    #[test]
+    fn the_region_is_created_with_the_limits_and_kept_on_retry() {
+        let base = temp_dir("region");
+        let node = settings(&base);
+        let decision = container(vec![grant("GPU-1", 1 << 30, 25)], Some(2));
+        let plan = plan(&node, "uid-2", &decision, &gpus()).expect("plan");
+        prepare(&plan).expect("prepare");
+        prepare(&plan).expect("prepare again");
+        let region = Region::open_existing(&plan.region_host).expect("region");
+        assert!(same_limits(&region.limits(), &plan.limits));
+        assert_eq!(region.limits().sm_limit[0], 25);
+        assert_eq!(region.limits().priority, 2);
+        assert_eq!(region.device_limit(0), 1 << 30);
+        let mode = std::fs::metadata(&plan.region_host)
+            .expect("metadata")
+            .permissions()
+            .mode();
+        assert_eq!(mode & 0o777, 0o666);
+
+        let mut other = plan.clone();
+        other.limits.memory_limit[0] = 2 << 30;
+        assert!(matches!(
+            prepare(&other),
+            Err(AllocateError::RegionMismatch { .. })
+        ));
+
+        write_preload(&node).expect("preload");
+        write_preload(&node).expect("preload again");
+        assert_eq!(
+            std::fs::read_to_string(base.join("ld.so.preload")).expect("read"),
+            "/usr/local/vgpu/libvgpu.so\n"
+        );
+        let _ = std::fs::remove_dir_all(&base);
+    }
+
+    #[test]
+    fn sizes_are_written_as_hami_does() {
+        assert_eq!(size_text(3000 << 20), "3000m");
+        assert_eq!(size_text(0), "0m");
+        assert_eq!(size_text(1000), "1000");
+    }
+}

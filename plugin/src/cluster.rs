@@ -1,0 +1,156 @@
+//! The Kubernetes API: the pods bound to this node (read fresh at every
+//! `Allocate`, never from a cache, since the answer must match what the
+//! extender wrote), the allocation record on a pod (written with the pod's
+//! resource version as a precondition), and the node's GPU inventory.
+
+use crate::protocol::PendingPod;
+use k8s_openapi::api::core::v1::{Node, Pod};
+use kube::api::{ListParams, Patch, PatchParams};
+use kube::{Api, Client, Config};
+use std::path::PathBuf;
+use thiserror::Error;
+use vgpu_common::decision::{NodeInventory, ALLOCATED_ANNOTATION, NODE_INVENTORY_ANNOTATION};
+
+/// How the API server is reached.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum ApiSource {
+    /// A URL, without authentication (tests, `kubectl proxy`).
+    Url(String),
+    /// A kubeconfig file.
+    Kubeconfig(PathBuf),
+    /// The pod's service account.
+    InCluster,
+}
+
+#[derive(Debug, Error)]
+pub enum ClusterError {
+    #[error("API server URL {url:?}: {reason}")]
+    Url { url: String, reason: String },
+    #[error("kubeconfig {path}: {reason}")]
+    Kubeconfig { path: PathBuf, reason: String },
+    #[error("in-cluster configuration: {0}")]
+    InCluster(String),
+    #[error("Kubernetes client: {0}")]
+    Client(String),
+    /// The object changed since it was read (HTTP 409).
+    #[error("{what}: changed since it was read")]
+    Conflict { what: String },
+    #[error("{what}: {source}")]
+    Api {
+        what: String,
+        #[source]
+        source: kube::Error,
+    },
+}
+
+/// Builds a client for `source`.
+pub async fn make_client(source: &ApiSource) -> Result<Client, ClusterError> {
+    let config = match source {
+        ApiSource::Url(url) => {
+            // The URI type is whatever kube's HTTP stack uses.
+            let uri = parse_text(url).map_err(|reason| ClusterError::Url {
+                url: url.clone(),
+                reason,
+            })?;
+            Config::new(uri)
+        }
+        ApiSource::Kubeconfig(path) => {
+            let kubeconfig = kube::config::Kubeconfig::read_from(path).map_err(|e| {
+                ClusterError::Kubeconfig {
+                    path: path.clone(),
+                    reason: e.to_string(),
+                }
+            })?;
+            Config::from_custom_kubeconfig(kubeconfig, &kube::config::KubeConfigOptions::default())
+                .await
+                .map_err(|e| ClusterError::Kubeconfig {
+                    path: path.clone(),
+                    reason: e.to_string(),
+                })?
+        }
+        ApiSource::InCluster => {
+            Config::incluster().map_err(|e| ClusterError::InCluster(e.to_string()))?
+        }
+    };
+    Client::try_from(config).map_err(|e| ClusterError::Client(e.to_string()))
+}
+
+/// Parses `text` into the type the caller needs, with the error as text.
+fn parse_text<T>(text: &str) -> Result<T, String>
+where
+    T: std::str::FromStr,
+    T::Err: std::fmt::Display,
+{
+    text.parse().map_err(|e: T::Err| e.to_string())
+}
+
+/// This node's view of the API.
+#[derive(Clone)]
+pub struct Cluster {
+    client: Client,
+    node: String,
+}
+
+fn api_error(what: String) -> impl FnOnce(kube::Error) -> ClusterError {
+    move |source| match &source {
+        kube::Error::Api(status) if status.code == 409 => ClusterError::Conflict { what },
+        _ => ClusterError::Api { what, source },
+    }
+}
+
+impl Cluster {
+    pub fn new(client: Client, node: String) -> Self {
+        Self { client, node }
+    }
+
+    pub fn node(&self) -> &str {
+        &self.node
+    }
+
+    /// The pods bound to this node, as the API server has them now.
+    pub async fn pods_on_node(&self) -> Result<Vec<Pod>, ClusterError> {
+        let pods: Api<Pod> = Api::all(self.client.clone());
+        let params = ListParams::default().fields(&format!("spec.nodeName={}", self.node));
+        let list = pods
+            .list(&params)
+            .await
+            .map_err(api_error(format!("list pods on node {}", self.node)))?;
+        Ok(list.items)
+    }
+
+    /// Records `allocated` as the pod's allocated containers, provided the
+    /// pod has not changed since `pod` was read.
+    pub async fn record_allocated(
+        &self,
+        pod: &PendingPod,
+        allocated: &[String],
+    ) -> Result<(), ClusterError> {
+        let pods: Api<Pod> = Api::namespaced(self.client.clone(), &pod.namespace);
+        let record = serde_json::to_string(allocated).unwrap_or_else(|_| "[]".to_string());
+        let patch = serde_json::json!({
+            "metadata": {
+                "resourceVersion": pod.resource_version,
+                "annotations": { ALLOCATED_ANNOTATION: record },
+            }
+        });
+        pods.patch(&pod.name, &PatchParams::default(), &Patch::Merge(&patch))
+            .await
+            .map_err(api_error(format!("pod {}/{}", pod.namespace, pod.name)))?;
+        Ok(())
+    }
+
+    /// Writes the node's inventory annotation.
+    pub async fn publish_inventory(&self, inventory: &NodeInventory) -> Result<(), ClusterError> {
+        let nodes: Api<Node> = Api::all(self.client.clone());
+        let patch = serde_json::json!({
+            "metadata": {
+                "annotations": { NODE_INVENTORY_ANNOTATION: inventory.to_json() },
+            }
+        });
+        nodes
+            .patch(&self.node, &PatchParams::default(), &Patch::Merge(&patch))
+            .await
+            .map_err(api_error(format!("node {}", self.node)))?;
+        Ok(())
+    }
+}

@@ -1,0 +1,153 @@
+//! `vgpu-device-plugin`: the kubelet device plugin of vgpu.
+//!
+//! - [`gpu`]: this node's GPUs, from NVML.
+//! - [`health`]: GPU health (NVML XID/ECC events and probes, or injected
+//!   signals) and the recovery policy.
+//! - [`devices`]: the `<uuid>::<k>` devices kubelet sees and the preferred
+//!   allocation.
+//! - [`protocol`]: finding the node's one pending pod and matching
+//!   kubelet's requests to its containers (the protocol of
+//!   [`vgpu_common::decision`]).
+//! - [`allocate`]: a container's environment, mounts and region.
+//! - [`cluster`]: the Kubernetes API (pods, allocation record, node
+//!   inventory).
+//! - [`service`]: the `DevicePlugin` gRPC service.
+//! - [`kubelet`]: the plugin socket, registration, kubelet restarts.
+//! - [`inventory`]: the node annotation and its heartbeat.
+//! - [`options`]: the command line.
+
+pub mod allocate;
+pub mod cluster;
+pub mod devices;
+pub mod gpu;
+pub mod health;
+pub mod inventory;
+pub mod kubelet;
+pub mod options;
+pub mod protocol;
+pub mod service;
+
+/// Kubelet's device plugin API, v1beta1, generated from `proto/api.proto`.
+pub mod api {
+    pub mod v1beta1 {
+        #![allow(clippy::all, missing_docs)]
+        tonic::include_proto!("v1beta1");
+    }
+}
+
+use cluster::Cluster;
+use health::{HealthEvent, HealthSource};
+use service::PluginState;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::Duration;
+use thiserror::Error;
+use tokio::sync::watch;
+use vgpu_common::decision::GpuInfo;
+
+/// Everything a running plugin needs besides its GPUs and the API client.
+#[derive(Clone, Debug)]
+pub struct PluginConfig {
+    pub node: String,
+    pub kubelet: kubelet::KubeletSettings,
+    pub settings: allocate::Settings,
+    /// Time between inventory heartbeats.
+    pub heartbeat: Duration,
+}
+
+#[derive(Debug, Error)]
+pub enum PluginError {
+    #[error(transparent)]
+    Kubelet(#[from] kubelet::KubeletError),
+    #[error("writing ld.so.preload: {0}")]
+    Preload(#[source] allocate::AllocateError),
+    #[error("starting the health thread: {0}")]
+    Health(#[source] std::io::Error),
+}
+
+/// Applies a health change to the GPU list (which `ListAndWatch` streams
+/// and the inventory follow).
+pub fn apply_health(state: &PluginState, event: &HealthEvent) {
+    let (uuid, healthy) = match event {
+        HealthEvent::Unhealthy { uuid, reason } => {
+            tracing::warn!("GPU {uuid} is unhealthy: {reason}");
+            (uuid, false)
+        }
+        HealthEvent::Healthy { uuid } => {
+            tracing::info!("GPU {uuid} is healthy again");
+            (uuid, true)
+        }
+    };
+    state
+        .gpus
+        .send_if_modified(|gpus| match gpus.iter_mut().find(|g| &g.uuid == uuid) {
+            Some(gpu) if gpu.healthy != healthy => {
+                gpu.healthy = healthy;
+                true
+            }
+            Some(_) => false,
+            None => {
+                tracing::warn!("health event for unknown GPU {uuid}");
+                false
+            }
+        });
+}
+
+/// Runs the plugin on `gpus` until `shutdown` becomes true: serves and
+/// registers with kubelet, follows `health`, publishes the inventory.
+pub async fn run(
+    config: PluginConfig,
+    gpus: Vec<GpuInfo>,
+    health: Box<dyn HealthSource>,
+    client: kube::Client,
+    shutdown: watch::Receiver<bool>,
+) -> Result<(), PluginError> {
+    allocate::write_preload(&config.settings).map_err(PluginError::Preload)?;
+    let cluster = Cluster::new(client, config.node.clone());
+    tracing::info!(
+        "node {}: {} GPU(s), {} device(s) of {}",
+        config.node,
+        gpus.len(),
+        gpus.iter().map(|g| g.split_count as usize).sum::<usize>(),
+        config.kubelet.resource_name
+    );
+    for gpu in &gpus {
+        tracing::info!(
+            "GPU {} {} ({}, {} MiB, {} SMs, NUMA {:?})",
+            gpu.index,
+            gpu.uuid,
+            gpu.model,
+            gpu.memory_bytes >> 20,
+            gpu.sm_count,
+            gpu.numa
+        );
+    }
+    let state = PluginState::new(cluster.clone(), config.settings, gpus);
+
+    let (events, mut received) = tokio::sync::mpsc::unbounded_channel();
+    let stop_health = health::spawn(health, move |event| {
+        let _ = events.send(event);
+    })
+    .map_err(PluginError::Health)?;
+    let health_task = tokio::spawn({
+        let state = Arc::clone(&state);
+        async move {
+            while let Some(event) = received.recv().await {
+                apply_health(&state, &event);
+            }
+        }
+    });
+    let inventory_task = tokio::spawn(inventory::publish(
+        cluster,
+        state.gpus.subscribe(),
+        config.heartbeat,
+        shutdown.clone(),
+    ));
+
+    let result = kubelet::serve(Arc::clone(&state), config.kubelet, shutdown).await;
+
+    stop_health.store(true, Ordering::Release);
+    let _ = inventory_task.await;
+    health_task.abort();
+    result.map_err(PluginError::from)
+}

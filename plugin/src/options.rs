@@ -1,0 +1,282 @@
+//! Command-line options of `vgpu-device-plugin`.
+
+use crate::allocate::Settings;
+use crate::cluster::ApiSource;
+use crate::health::DEFAULT_IGNORED_XIDS;
+use crate::kubelet::KubeletSettings;
+use clap::{Parser, ValueEnum};
+use std::path::PathBuf;
+use std::time::Duration;
+use vgpu_common::config::UtilizationPolicy;
+use vgpu_common::quantity::parse_size;
+
+/// `GPU_CORE_UTILIZATION_POLICY` written into containers.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum Policy {
+    /// The share the node monitor grants (the configured share without one).
+    Default,
+    /// The configured share is a hard cap, whatever the monitor says.
+    Force,
+    /// No compute cap.
+    Disable,
+}
+
+impl From<Policy> for UtilizationPolicy {
+    fn from(policy: Policy) -> Self {
+        match policy {
+            Policy::Default => UtilizationPolicy::Default,
+            Policy::Force => UtilizationPolicy::Force,
+            Policy::Disable => UtilizationPolicy::Disable,
+        }
+    }
+}
+
+fn size(text: &str) -> Result<u64, String> {
+    parse_size(text).map_err(|e| e.to_string())
+}
+
+/// vgpu kubelet device plugin: shares this node's GPUs between containers.
+///
+/// Advertises each GPU of this node as `--split-count` devices of `--resource-name`, publishes the node's GPU
+/// inventory for the vgpu scheduler extender (node annotation
+/// `vgpu.io/node-gpus`), and at `Allocate` gives each container the GPUs,
+/// memory caps and compute shares the extender decided for it (pod
+/// annotation `vgpu.io/decision`): environment for the vgpu shim, mounts of
+/// the shim, an `ld.so.preload` and the container's region directory.
+#[derive(Clone, Debug, Parser)]
+#[command(name = "vgpu-device-plugin", version)]
+pub struct Options {
+    /// This node's name (the pods bound to it are the ones served).
+    #[arg(long, env = "NODE_NAME", value_name = "NAME")]
+    pub node_name: String,
+
+    /// Extended resource the GPUs are advertised as.
+    #[arg(long, default_value = "nvidia.com/gpu", value_name = "NAME")]
+    pub resource_name: String,
+
+    /// Devices advertised per GPU: the most containers that may share one.
+    #[arg(long, default_value_t = 10, value_name = "N",
+          value_parser = clap::value_parser!(u32).range(1..=1000))]
+    pub split_count: u32,
+
+    /// Kubelet's device plugin directory (holds kubelet.sock and the
+    /// plugin's own socket).
+    #[arg(
+        long,
+        default_value = "/var/lib/kubelet/device-plugins",
+        value_name = "DIR"
+    )]
+    pub device_plugin_dir: PathBuf,
+
+    /// Name of the plugin's socket in the device plugin directory.
+    #[arg(long, default_value = "vgpu.sock", value_name = "NAME")]
+    pub socket_name: String,
+
+    /// How often to check whether kubelet restarted (kubelet.sock
+    /// recreated, the plugin's socket removed), in milliseconds.
+    #[arg(long, default_value_t = 1000, value_name = "MS")]
+    pub kubelet_poll_ms: u64,
+
+    /// NVML library to load.
+    #[arg(long, default_value = "libnvidia-ml.so.1", value_name = "PATH")]
+    pub nvml_library: PathBuf,
+
+    /// The shim (libvgpu.so) on the host; mounted read-only into containers.
+    #[arg(
+        long,
+        default_value = "/usr/local/vgpu/libvgpu.so",
+        value_name = "PATH"
+    )]
+    pub library: PathBuf,
+
+    /// Where containers see the shim (the path written into ld.so.preload).
+    #[arg(
+        long,
+        default_value = "/usr/local/vgpu/libvgpu.so",
+        value_name = "PATH"
+    )]
+    pub container_library: PathBuf,
+
+    /// The ld.so.preload file the plugin writes on the host (one line: the
+    /// shim's path in containers); mounted read-only as /etc/ld.so.preload.
+    #[arg(
+        long,
+        default_value = "/usr/local/vgpu/ld.so.preload",
+        value_name = "PATH"
+    )]
+    pub preload_file: PathBuf,
+
+    /// Do not mount an ld.so.preload (the shim is then loaded only by
+    /// images that set LD_PRELOAD themselves).
+    #[arg(long)]
+    pub no_preload: bool,
+
+    /// Host directory holding one directory per container,
+    /// `<podUID>_<container>`, with its region file (read by vgpu-monitor).
+    #[arg(long, default_value = "/usr/local/vgpu/containers", value_name = "DIR")]
+    pub containers_dir: PathBuf,
+
+    /// Where a container sees its own directory.
+    #[arg(long, default_value = "/usr/local/vgpu/container", value_name = "DIR")]
+    pub container_dir: PathBuf,
+
+    /// Name of the region file in a container directory
+    /// (CUDA_DEVICE_MEMORY_SHARED_CACHE points at it).
+    #[arg(long, default_value = "region.cache", value_name = "NAME")]
+    pub region_file: String,
+
+    /// GPU_CORE_UTILIZATION_POLICY for every container.
+    #[arg(long, value_enum, default_value_t = Policy::Default)]
+    pub core_policy: Policy,
+
+    /// Host memory each GPU may lend a container as swap beyond its cap
+    /// (sets CUDA_OVERSUBSCRIBE=true and VGPU_SWAP_LIMIT). Sizes take
+    /// k/m/g/t suffixes (binary).
+    #[arg(long, value_name = "SIZE", value_parser = size)]
+    pub swap_limit: Option<u64>,
+
+    /// VGPU_CONTEXT_RESERVE for every container: device memory charged per
+    /// CUDA context (the shim's default applies when unset).
+    #[arg(long, value_name = "SIZE", value_parser = size)]
+    pub context_reserve: Option<u64>,
+
+    /// Seconds between inventory heartbeats (the node annotation is also
+    /// written at start and on every health change).
+    #[arg(long, default_value_t = 30, value_name = "SECONDS",
+          value_parser = clap::value_parser!(u64).range(1..))]
+    pub heartbeat_seconds: u64,
+
+    /// XIDs that do not make a GPU unhealthy (application errors), comma
+    /// separated.
+    #[arg(long, value_delimiter = ',', value_name = "LIST",
+          default_values_t = DEFAULT_IGNORED_XIDS)]
+    pub ignored_xids: Vec<u64>,
+
+    /// An unhealthy GPU that answered every probe for this many seconds
+    /// with no new fault is healthy again; 0: never (until the plugin
+    /// restarts).
+    #[arg(long, default_value_t = 300, value_name = "SECONDS")]
+    pub health_recovery_seconds: u64,
+
+    /// Milliseconds between health probes of every GPU.
+    #[arg(long, default_value_t = 5000, value_name = "MS")]
+    pub health_probe_ms: u64,
+
+    /// Reach the API server through this kubeconfig file (default: the
+    /// pod's service account).
+    #[arg(long, value_name = "PATH", conflicts_with = "apiserver_url")]
+    pub kubeconfig: Option<PathBuf>,
+
+    /// Reach the API server at this URL, without authentication (for
+    /// `kubectl proxy` and tests).
+    #[arg(long, value_name = "URL")]
+    pub apiserver_url: Option<String>,
+
+    /// Log level of the plugin's own messages: error, warn, info, debug or
+    /// trace (to stderr; the libraries it uses log warnings and errors only).
+    #[arg(long, default_value = "info", value_name = "LEVEL")]
+    pub log_level: tracing::Level,
+}
+
+impl Options {
+    pub fn api_source(&self) -> ApiSource {
+        match (&self.apiserver_url, &self.kubeconfig) {
+            (Some(url), _) => ApiSource::Url(url.clone()),
+            (None, Some(path)) => ApiSource::Kubeconfig(path.clone()),
+            (None, None) => ApiSource::InCluster,
+        }
+    }
+
+    pub fn allocate_settings(&self) -> Settings {
+        Settings {
+            containers_dir: self.containers_dir.clone(),
+            region_file: self.region_file.clone(),
+            container_dir: self.container_dir.clone(),
+            library_host: self.library.clone(),
+            library_container: self.container_library.clone(),
+            preload_host: (!self.no_preload).then(|| self.preload_file.clone()),
+            policy: self.core_policy.into(),
+            swap_limit: self.swap_limit.filter(|bytes| *bytes > 0),
+            context_reserve: self.context_reserve,
+        }
+    }
+
+    pub fn kubelet_settings(&self) -> KubeletSettings {
+        KubeletSettings {
+            dir: self.device_plugin_dir.clone(),
+            endpoint: self.socket_name.clone(),
+            resource_name: self.resource_name.clone(),
+            poll: Duration::from_millis(self.kubelet_poll_ms.max(10)),
+        }
+    }
+
+    pub fn recovery(&self) -> Option<Duration> {
+        (self.health_recovery_seconds > 0)
+            .then(|| Duration::from_secs(self.health_recovery_seconds))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::CommandFactory;
+
+    #[test]
+    fn defaults_and_help() {
+        Options::command().debug_assert();
+        let options = Options::try_parse_from(["p", "--node-name", "n1"]).expect("parse");
+        assert_eq!(options.resource_name, "nvidia.com/gpu");
+        assert_eq!(options.split_count, 10);
+        assert_eq!(options.ignored_xids, DEFAULT_IGNORED_XIDS);
+        assert_eq!(options.api_source(), ApiSource::InCluster);
+        let settings = options.allocate_settings();
+        assert_eq!(
+            settings.containers_dir,
+            PathBuf::from("/usr/local/vgpu/containers")
+        );
+        assert!(settings.preload_host.is_some());
+        assert_eq!(settings.swap_limit, None);
+        assert_eq!(
+            options.kubelet_settings().dir,
+            PathBuf::from("/var/lib/kubelet/device-plugins")
+        );
+        let help = Options::command().render_long_help().to_string();
+        for flag in [
+            "--split-count",
+            "--swap-limit",
+            "--ignored-xids",
+            "--containers-dir",
+        ] {
+            assert!(help.contains(flag), "{flag}");
+        }
+    }
+
+    #[test]
+    fn sizes_and_lists_parse() {
+        let options = Options::try_parse_from([
+            "p",
+            "--node-name",
+            "n",
+            "--swap-limit",
+            "8Gi",
+            "--context-reserve",
+            "128m",
+            "--ignored-xids",
+            "13,43",
+            "--core-policy",
+            "force",
+            "--apiserver-url",
+            "http://127.0.0.1:1",
+        ])
+        .expect("parse");
+        assert_eq!(options.swap_limit, Some(8 << 30));
+        assert_eq!(options.context_reserve, Some(128 << 20));
+        assert_eq!(options.ignored_xids, vec![13, 43]);
+        assert_eq!(options.allocate_settings().policy, UtilizationPolicy::Force);
+        assert!(matches!(options.api_source(), ApiSource::Url(_)));
+        assert!(
+            Options::try_parse_from(["p", "--node-name", "n", "--swap-limit", "1.5g"]).is_err()
+        );
+        assert!(Options::try_parse_from(["p", "--node-name", "n", "--split-count", "0"]).is_err());
+    }
+}

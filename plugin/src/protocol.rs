@@ -1,0 +1,337 @@
+//! The plugin's side of the protocol in [`vgpu_common::decision`]: finding
+//! the one pod pending on this node and matching kubelet's requests to its
+//! next unallocated containers. Pure functions over pods as the API server
+//! returned them; nothing is guessed: anything that does not fit exactly is
+//! an error whose text kubelet shows in the pod's events.
+
+use k8s_openapi::api::core::v1::Pod;
+use thiserror::Error;
+use vgpu_common::decision::{
+    parse_allocated, ContainerDecision, Decision, ALLOCATED_ANNOTATION, DECISION_ANNOTATION,
+};
+
+/// The pod whose containers kubelet is admitting.
+#[derive(Clone, Debug, PartialEq)]
+pub struct PendingPod {
+    pub namespace: String,
+    pub name: String,
+    pub uid: String,
+    pub resource_version: String,
+    pub decision: Decision,
+    /// Containers already allocated, in order.
+    pub allocated: Vec<String>,
+}
+
+impl PendingPod {
+    pub fn display(&self) -> String {
+        format!("{}/{}", self.namespace, self.name)
+    }
+}
+
+#[derive(Debug, Error, PartialEq, Eq)]
+pub enum ProtocolError {
+    #[error("no pod bound to node {node} is waiting for vGPUs (no pod with a {DECISION_ANNOTATION} annotation for this node has containers left to allocate): was the pod scheduled by the vgpu scheduler extender?")]
+    NoPendingPod { node: String },
+    #[error("{count} pods are waiting for vGPUs on node {node} ({pods}); the scheduler extender allows one at a time, so the request cannot be matched to a pod")]
+    SeveralPendingPods {
+        node: String,
+        count: usize,
+        pods: String,
+    },
+    #[error("pod {pod}: {what}")]
+    Unusable { pod: String, what: String },
+    #[error("kubelet asks for {requested} device(s), but the next container of pod {pod} to allocate, {container}, was given {decided} GPU(s) by the scheduler extender")]
+    CountMismatch {
+        pod: String,
+        container: String,
+        requested: usize,
+        decided: usize,
+    },
+    #[error("kubelet asks for {requests} container(s), but pod {pod} has only {left} container(s) left to allocate")]
+    TooManyRequests {
+        pod: String,
+        requests: usize,
+        left: usize,
+    },
+}
+
+fn annotation<'a>(pod: &'a Pod, key: &str) -> Option<&'a str> {
+    pod.metadata
+        .annotations
+        .as_ref()
+        .and_then(|a| a.get(key))
+        .map(String::as_str)
+}
+
+fn pod_name(pod: &Pod) -> String {
+    format!(
+        "{}/{}",
+        pod.metadata.namespace.as_deref().unwrap_or_default(),
+        pod.metadata.name.as_deref().unwrap_or_default()
+    )
+}
+
+/// Whether kubelet can still be admitting `pod` on `node`: bound there, not
+/// being deleted, not yet running or finished (kubelet calls `Allocate` for
+/// every container while admitting a pod, before its phase leaves
+/// `Pending`), and carrying a decision.
+fn may_be_admitting(pod: &Pod, node: &str) -> bool {
+    let bound_here = pod.spec.as_ref().and_then(|s| s.node_name.as_deref()) == Some(node);
+    let phase = pod.status.as_ref().and_then(|s| s.phase.as_deref());
+    bound_here
+        && pod.metadata.deletion_timestamp.is_none()
+        && matches!(phase, None | Some("Pending") | Some(""))
+        && annotation(pod, DECISION_ANNOTATION).is_some()
+}
+
+/// Reads one candidate; `Ok(None)` when all its containers are allocated.
+fn read_pending(pod: &Pod, node: &str) -> Result<Option<PendingPod>, ProtocolError> {
+    let name = pod_name(pod);
+    let unusable = |what: String| ProtocolError::Unusable {
+        pod: name.clone(),
+        what,
+    };
+    let text = annotation(pod, DECISION_ANNOTATION).unwrap_or_default();
+    let decision = Decision::parse(text).map_err(|e| unusable(e.to_string()))?;
+    if decision.node != node {
+        return Err(unusable(format!(
+            "the scheduler extender decided for node {}, but the pod is bound to {node}",
+            decision.node
+        )));
+    }
+    let allocated = match annotation(pod, ALLOCATED_ANNOTATION) {
+        None => Vec::new(),
+        Some(text) => parse_allocated(text).map_err(|e| unusable(e.to_string()))?,
+    };
+    if decision.is_complete(&allocated) {
+        return Ok(None);
+    }
+    let uid = pod
+        .metadata
+        .uid
+        .clone()
+        .ok_or_else(|| unusable("no UID".to_string()))?;
+    let resource_version = pod
+        .metadata
+        .resource_version
+        .clone()
+        .ok_or_else(|| unusable("no resource version".to_string()))?;
+    Ok(Some(PendingPod {
+        namespace: pod.metadata.namespace.clone().unwrap_or_default(),
+        name: pod.metadata.name.clone().unwrap_or_default(),
+        uid,
+        resource_version,
+        decision,
+        allocated,
+    }))
+}
+
+/// The one pod pending on `node` among `pods`.
+pub fn pending_pod(node: &str, pods: &[Pod]) -> Result<PendingPod, ProtocolError> {
+    let mut pending = Vec::new();
+    let mut unusable = Vec::new();
+    for pod in pods.iter().filter(|p| may_be_admitting(p, node)) {
+        match read_pending(pod, node) {
+            Ok(Some(found)) => pending.push(found),
+            Ok(None) => {}
+            Err(error) => unusable.push(error),
+        }
+    }
+    match (pending.len(), unusable.len()) {
+        (1, 0) => Ok(pending.remove(0)),
+        (0, 0) => Err(ProtocolError::NoPendingPod {
+            node: node.to_string(),
+        }),
+        (0, 1) => Err(unusable.remove(0)),
+        (count, _) => {
+            let mut names: Vec<String> = pending.iter().map(PendingPod::display).collect();
+            names.extend(unusable.iter().map(|e| match e {
+                ProtocolError::Unusable { pod, what } => format!("{pod}: {what}"),
+                other => other.to_string(),
+            }));
+            Err(ProtocolError::SeveralPendingPods {
+                node: node.to_string(),
+                count: count + unusable.len(),
+                pods: names.join("; "),
+            })
+        }
+    }
+}
+
+/// Matches kubelet's container requests (their device counts, in order) to
+/// the pod's next unallocated containers.
+pub fn match_requests<'a>(
+    pod: &'a PendingPod,
+    request_sizes: &[usize],
+) -> Result<Vec<&'a ContainerDecision>, ProtocolError> {
+    let left: Vec<&ContainerDecision> = pod
+        .decision
+        .containers
+        .iter()
+        .filter(|c| !pod.allocated.contains(&c.name))
+        .collect();
+    if request_sizes.len() > left.len() {
+        return Err(ProtocolError::TooManyRequests {
+            pod: pod.display(),
+            requests: request_sizes.len(),
+            left: left.len(),
+        });
+    }
+    let mut matched = Vec::with_capacity(request_sizes.len());
+    for (requested, container) in request_sizes.iter().zip(left) {
+        if *requested != container.devices.len() {
+            return Err(ProtocolError::CountMismatch {
+                pod: pod.display(),
+                container: container.name.clone(),
+                requested: *requested,
+                decided: container.devices.len(),
+            });
+        }
+        matched.push(container);
+    }
+    Ok(matched)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use k8s_openapi::api::core::v1::{PodSpec, PodStatus};
+    use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, Time};
+    use vgpu_common::decision::{DeviceGrant, FORMAT_VERSION};
+
+    fn decision(node: &str, containers: &[(&str, usize)]) -> Decision {
+        Decision {
+            version: FORMAT_VERSION,
+            node: node.into(),
+            decided_unix_ms: 1,
+            containers: containers
+                .iter()
+                .map(|(name, count)| ContainerDecision {
+                    name: name.to_string(),
+                    init: false,
+                    devices: (0..*count)
+                        .map(|i| DeviceGrant {
+                            uuid: format!("GPU-{i}"),
+                            memory_bytes: 1 << 30,
+                            cores_percent: 10,
+                        })
+                        .collect(),
+                    priority: None,
+                })
+                .collect(),
+        }
+    }
+
+    fn pod(name: &str, node: &str, decision: Option<&Decision>, allocated: Option<&str>) -> Pod {
+        let mut annotations = std::collections::BTreeMap::new();
+        if let Some(d) = decision {
+            annotations.insert(DECISION_ANNOTATION.to_string(), d.to_json());
+        }
+        if let Some(a) = allocated {
+            annotations.insert(ALLOCATED_ANNOTATION.to_string(), a.to_string());
+        }
+        Pod {
+            metadata: ObjectMeta {
+                name: Some(name.into()),
+                namespace: Some("ns".into()),
+                uid: Some(format!("uid-{name}")),
+                resource_version: Some("7".into()),
+                annotations: Some(annotations),
+                ..ObjectMeta::default()
+            },
+            spec: Some(PodSpec {
+                node_name: Some(node.into()),
+                ..PodSpec::default()
+            }),
+            status: Some(PodStatus {
+                phase: Some("Pending".into()),
+                ..PodStatus::default()
+            }),
+        }
+    }
+
+    #[test]
+    fn the_one_pending_pod_is_found_among_others() {
+        let d = decision("n1", &[("a", 1), ("b", 2)]);
+        let mut running = pod("running", "n1", Some(&decision("n1", &[("x", 1)])), None);
+        running.status = Some(PodStatus {
+            phase: Some("Running".into()),
+            ..PodStatus::default()
+        });
+        let mut deleting = pod("deleting", "n1", Some(&d), None);
+        deleting.metadata.deletion_timestamp = Some(Time(Default::default()));
+        let pods = vec![
+            running,
+            deleting,
+            pod("elsewhere", "n2", Some(&d), None),
+            pod("plain", "n1", None, None),
+            pod("done", "n1", Some(&d), Some(r#"["a","b"]"#)),
+            pod("target", "n1", Some(&d), Some(r#"["a"]"#)),
+        ];
+        let found = pending_pod("n1", &pods).expect("pending");
+        assert_eq!(found.name, "target");
+        assert_eq!(found.uid, "uid-target");
+        assert_eq!(found.allocated, vec!["a"]);
+        let matched = match_requests(&found, &[2]).expect("match");
+        assert_eq!(matched[0].name, "b");
+    }
+
+    #[test]
+    fn nothing_is_guessed() {
+        let d = decision("n1", &[("a", 1)]);
+        assert!(matches!(
+            pending_pod("n1", &[]),
+            Err(ProtocolError::NoPendingPod { .. })
+        ));
+        let two = [
+            pod("p", "n1", Some(&d), None),
+            pod("q", "n1", Some(&d), None),
+        ];
+        let error = pending_pod("n1", &two).expect_err("two");
+        assert!(error.to_string().contains("ns/p"), "{error}");
+        assert!(error.to_string().contains("ns/q"), "{error}");
+
+        let wrong_node = [pod("p", "n1", Some(&decision("n9", &[("a", 1)])), None)];
+        let error = pending_pod("n1", &wrong_node).expect_err("wrong node");
+        assert!(error.to_string().contains("n9"), "{error}");
+
+        let mut broken = pod("p", "n1", None, Some("junk"));
+        broken
+            .metadata
+            .annotations
+            .get_or_insert_with(Default::default)
+            .insert(DECISION_ANNOTATION.into(), d.to_json());
+        let error = pending_pod("n1", &[broken.clone()]).expect_err("broken record");
+        assert!(error.to_string().contains(ALLOCATED_ANNOTATION), "{error}");
+        // A broken pod next to a good one: both named, neither picked.
+        let error =
+            pending_pod("n1", &[broken, pod("q", "n1", Some(&d), None)]).expect_err("ambiguous");
+        assert!(matches!(
+            error,
+            ProtocolError::SeveralPendingPods { count: 2, .. }
+        ));
+    }
+
+    #[test]
+    fn requests_must_match_the_next_containers_by_count() {
+        let d = decision("n1", &[("a", 1), ("b", 2)]);
+        let found = pending_pod("n1", &[pod("p", "n1", Some(&d), None)]).expect("pending");
+        assert!(matches!(
+            match_requests(&found, &[2]),
+            Err(ProtocolError::CountMismatch {
+                requested: 2,
+                decided: 1,
+                ..
+            })
+        ));
+        let both = match_requests(&found, &[1, 2]).expect("both");
+        assert_eq!(
+            both.iter().map(|c| c.name.as_str()).collect::<Vec<_>>(),
+            ["a", "b"]
+        );
+        assert!(matches!(
+            match_requests(&found, &[1, 2, 1]),
+            Err(ProtocolError::TooManyRequests { .. })
+        ));
+    }
+}

@@ -1,0 +1,282 @@
+//! The `DevicePlugin` gRPC service kubelet calls.
+
+use crate::allocate::{self, Settings};
+use crate::api::v1beta1 as api;
+use crate::api::v1beta1::device_plugin_server::DevicePlugin;
+use crate::cluster::{Cluster, ClusterError};
+use crate::devices;
+use crate::protocol::{self, PendingPod};
+use futures_util::Stream;
+use std::pin::Pin;
+use std::sync::Arc;
+use tokio::sync::{watch, Mutex};
+use tonic::{Request, Response, Status};
+use vgpu_common::decision::GpuInfo;
+
+/// How often an `Allocate` re-reads the pod when its record was changed
+/// by someone else in between.
+const MAX_ATTEMPTS: usize = 5;
+
+/// What the service works with; shared by every server generation.
+pub struct PluginState {
+    pub cluster: Cluster,
+    pub settings: Settings,
+    /// The node's GPUs with their current health.
+    pub gpus: watch::Sender<Vec<GpuInfo>>,
+    /// One `Allocate` at a time (kubelet admits one pod at a time anyway).
+    allocate_lock: Mutex<()>,
+}
+
+impl PluginState {
+    pub fn new(cluster: Cluster, settings: Settings, gpus: Vec<GpuInfo>) -> Arc<Self> {
+        Arc::new(Self {
+            cluster,
+            settings,
+            gpus: watch::Sender::new(gpus),
+            allocate_lock: Mutex::new(()),
+        })
+    }
+
+    async fn pending_pod(&self) -> Result<PendingPod, Status> {
+        let pods = self
+            .cluster
+            .pods_on_node()
+            .await
+            .map_err(|e| Status::unavailable(e.to_string()))?;
+        protocol::pending_pod(self.cluster.node(), &pods)
+            .map_err(|e| Status::failed_precondition(e.to_string()))
+    }
+
+    /// Serves one `Allocate` call (see [`vgpu_common::decision`], step 4).
+    pub async fn allocate(
+        &self,
+        request: &api::AllocateRequest,
+    ) -> Result<api::AllocateResponse, Status> {
+        let _one_at_a_time = self.allocate_lock.lock().await;
+        let sizes: Vec<usize> = request
+            .container_requests
+            .iter()
+            .map(|c| c.devices_ids.len())
+            .collect();
+        for attempt in 1..=MAX_ATTEMPTS {
+            let pod = self.pending_pod().await?;
+            let containers = protocol::match_requests(&pod, &sizes)
+                .map_err(|e| Status::failed_precondition(e.to_string()))?;
+            let gpus = self.gpus.borrow().clone();
+            let mut plans = Vec::with_capacity(containers.len());
+            for container in &containers {
+                let plan =
+                    allocate::plan(&self.settings, &pod.uid, container, &gpus).map_err(|e| {
+                        Status::failed_precondition(format!("pod {}: {e}", pod.display()))
+                    })?;
+                plans.push(plan);
+            }
+            for (plan, request) in plans.iter().zip(&request.container_requests) {
+                note_kubelet_choice(&pod, plan, &request.devices_ids);
+            }
+            let prepared = plans.clone();
+            tokio::task::spawn_blocking(move || prepared.iter().try_for_each(allocate::prepare))
+                .await
+                .map_err(|e| Status::internal(format!("preparing the container directory: {e}")))?
+                .map_err(|e| Status::internal(format!("pod {}: {e}", pod.display())))?;
+
+            let mut allocated = pod.allocated.clone();
+            allocated.extend(plans.iter().map(|p| p.container.clone()));
+            match self.cluster.record_allocated(&pod, &allocated).await {
+                Ok(()) => {
+                    for plan in &plans {
+                        tracing::info!(
+                            pod = %pod.display(),
+                            container = %plan.container,
+                            gpus = %plan.envs.get(allocate::ENV_VISIBLE_DEVICES).map(String::as_str).unwrap_or_default(),
+                            dir = %plan.host_dir.display(),
+                            "allocated"
+                        );
+                    }
+                    return Ok(api::AllocateResponse {
+                        container_responses: plans.iter().map(|p| p.response()).collect(),
+                    });
+                }
+                Err(ClusterError::Conflict { .. }) => {
+                    tracing::debug!(pod = %pod.display(), attempt, "pod changed while allocating; reading it again");
+                }
+                Err(error) => return Err(Status::unavailable(error.to_string())),
+            }
+        }
+        Err(Status::aborted(format!(
+            "the pod kept changing during {MAX_ATTEMPTS} attempts to record its allocation"
+        )))
+    }
+
+    /// Answers `GetPreferredAllocation`: replicas of the GPUs the pending
+    /// pod's next containers were given. Never fails: without a decision
+    /// the answer just spreads over GPUs.
+    pub async fn preferred(
+        &self,
+        request: &api::PreferredAllocationRequest,
+    ) -> api::PreferredAllocationResponse {
+        let pod = match self.pending_pod().await {
+            Ok(pod) => Some(pod),
+            Err(status) => {
+                tracing::debug!(
+                    "preferred allocation without a decision: {}",
+                    status.message()
+                );
+                None
+            }
+        };
+        let next: Vec<Vec<String>> = pod
+            .as_ref()
+            .map(|pod| {
+                pod.decision
+                    .containers
+                    .iter()
+                    .filter(|c| !pod.allocated.contains(&c.name))
+                    .map(|c| c.devices.iter().map(|d| d.uuid.clone()).collect())
+                    .collect()
+            })
+            .unwrap_or_default();
+        let container_responses = request
+            .container_requests
+            .iter()
+            .enumerate()
+            .map(|(i, c)| api::ContainerPreferredAllocationResponse {
+                device_i_ds: devices::preferred(
+                    &c.available_device_i_ds,
+                    &c.must_include_device_i_ds,
+                    usize::try_from(c.allocation_size).unwrap_or(0),
+                    next.get(i).map(Vec::as_slice).unwrap_or_default(),
+                ),
+            })
+            .collect();
+        api::PreferredAllocationResponse {
+            container_responses,
+        }
+    }
+}
+
+/// Kubelet counts replicas; the GPUs come from the decision. Say so when
+/// kubelet picked replicas of other GPUs (its accounting of replicas is
+/// then off from the real use, which only the scheduler tracks).
+fn note_kubelet_choice(pod: &PendingPod, plan: &allocate::ContainerPlan, ids: &[String]) {
+    let decided = plan
+        .envs
+        .get(allocate::ENV_VISIBLE_DEVICES)
+        .map(String::as_str)
+        .unwrap_or_default();
+    let elsewhere: Vec<&str> = ids
+        .iter()
+        .filter(|id| {
+            devices::parse_device_id(id)
+                .is_none_or(|(uuid, _)| !decided.split(',').any(|d| d == uuid))
+        })
+        .map(String::as_str)
+        .collect();
+    if !elsewhere.is_empty() {
+        tracing::info!(
+            pod = %pod.display(),
+            container = %plan.container,
+            "kubelet picked replicas {elsewhere:?} outside the decided GPUs {decided}; the decision applies"
+        );
+    }
+}
+
+/// One server generation's view of the plugin state. When the generation
+/// stops (kubelet restarted), its `ListAndWatch` streams end so the server
+/// can shut down.
+pub struct DevicePluginService {
+    state: Arc<PluginState>,
+    stopping: watch::Receiver<bool>,
+}
+
+impl DevicePluginService {
+    pub fn new(state: Arc<PluginState>, stopping: watch::Receiver<bool>) -> Self {
+        Self { state, stopping }
+    }
+}
+
+/// Resolves once `flag` is true (or its sender is gone).
+pub async fn stopped(flag: &mut watch::Receiver<bool>) {
+    loop {
+        if *flag.borrow_and_update() {
+            return;
+        }
+        if flag.changed().await.is_err() {
+            return;
+        }
+    }
+}
+
+type DeviceStream = Pin<Box<dyn Stream<Item = Result<api::ListAndWatchResponse, Status>> + Send>>;
+
+#[tonic::async_trait]
+impl DevicePlugin for DevicePluginService {
+    async fn get_device_plugin_options(
+        &self,
+        _request: Request<api::Empty>,
+    ) -> Result<Response<api::DevicePluginOptions>, Status> {
+        Ok(Response::new(options()))
+    }
+
+    type ListAndWatchStream = DeviceStream;
+
+    async fn list_and_watch(
+        &self,
+        _request: Request<api::Empty>,
+    ) -> Result<Response<Self::ListAndWatchStream>, Status> {
+        let gpus = self.state.gpus.subscribe();
+        let stopping = self.stopping.clone();
+        let stream = futures_util::stream::unfold(
+            (gpus, stopping, true),
+            |(mut gpus, mut stopping, first)| async move {
+                if !first {
+                    tokio::select! {
+                        changed = gpus.changed() => changed.ok()?,
+                        () = stopped(&mut stopping) => return None,
+                    }
+                }
+                let devices = devices::kubelet_devices(&gpus.borrow_and_update());
+                Some((
+                    Ok(api::ListAndWatchResponse { devices }),
+                    (gpus, stopping, false),
+                ))
+            },
+        );
+        Ok(Response::new(Box::pin(stream)))
+    }
+
+    async fn get_preferred_allocation(
+        &self,
+        request: Request<api::PreferredAllocationRequest>,
+    ) -> Result<Response<api::PreferredAllocationResponse>, Status> {
+        Ok(Response::new(self.state.preferred(request.get_ref()).await))
+    }
+
+    async fn allocate(
+        &self,
+        request: Request<api::AllocateRequest>,
+    ) -> Result<Response<api::AllocateResponse>, Status> {
+        match self.state.allocate(request.get_ref()).await {
+            Ok(response) => Ok(Response::new(response)),
+            Err(status) => {
+                tracing::warn!("Allocate refused: {}", status.message());
+                Err(status)
+            }
+        }
+    }
+
+    async fn pre_start_container(
+        &self,
+        _request: Request<api::PreStartContainerRequest>,
+    ) -> Result<Response<api::PreStartContainerResponse>, Status> {
+        Ok(Response::new(api::PreStartContainerResponse {}))
+    }
+}
+
+/// The options the plugin registers with.
+pub fn options() -> api::DevicePluginOptions {
+    api::DevicePluginOptions {
+        pre_start_required: false,
+        get_preferred_allocation_available: true,
+    }
+}

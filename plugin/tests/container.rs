@@ -1,0 +1,162 @@
+//! What `Allocate` returns is enough: containers started with exactly the
+//! returned environment and mounts (applied here the way the container
+//! runtime would, by mapping each in-container path to its host path) run
+//! under the shim on the simulated GPU, and each is held to its own memory
+//! cap and compute share, accounted in the region the plugin created.
+//!
+//! Needs the workspace built first (`cargo build --workspace`).
+
+mod support;
+
+use std::path::PathBuf;
+use std::time::Duration;
+use support::kubelet::FakeKubelet;
+use support::node::PluginNode;
+use support::*;
+use vgpu_common::decision::DeviceGrant;
+use vgpu_common::region::Region;
+use vgpu_device_plugin::api::v1beta1 as api;
+use vgpu_tests::compute::{process_share, wait_until, BusyMeter, Workload};
+use vgpu_tests::{key_values, number, run_ok, shim_library, Sandbox};
+
+const WAIT: Duration = Duration::from_secs(15);
+
+/// The host path behind `path` in a container with `mounts`.
+fn on_host(mounts: &[api::Mount], path: &str) -> PathBuf {
+    let mount = mounts
+        .iter()
+        .filter(|m| path == m.container_path || path.starts_with(&format!("{}/", m.container_path)))
+        .max_by_key(|m| m.container_path.len())
+        .unwrap_or_else(|| panic!("{path} is not in any mount: {mounts:?}"));
+    let rest = path[mount.container_path.len()..].trim_start_matches('/');
+    let host = PathBuf::from(&mount.host_path);
+    if rest.is_empty() {
+        host
+    } else {
+        host.join(rest)
+    }
+}
+
+/// A container on `node`'s simulated GPU with the plugin's answer applied.
+fn container_sandbox(node: &PluginNode, answer: &api::ContainerAllocateResponse) -> Sandbox {
+    let mut sandbox = Sandbox::new("container", 1, "8Gi");
+    // The node's simulated GPU, not a private one.
+    sandbox
+        .set(
+            "SIMGPU_STATE",
+            &node.sandbox.sim_state.display().to_string(),
+        )
+        .set(
+            "LD_LIBRARY_PATH",
+            &node.sandbox.lib_dir.display().to_string(),
+        )
+        .set("SIMGPU_UUID_SEED", &node.name)
+        .unset("CUDA_DEVICE_MEMORY_SHARED_CACHE");
+    for (key, value) in &answer.envs {
+        let value = if key == "CUDA_DEVICE_MEMORY_SHARED_CACHE" {
+            on_host(&answer.mounts, value).display().to_string()
+        } else {
+            value.clone()
+        };
+        sandbox.set(key, &value);
+    }
+    // The runtime mounts ld.so.preload, which names the shim's path in the
+    // container: the shim the sandbox preloads must be that one.
+    let preload = on_host(&answer.mounts, "/etc/ld.so.preload");
+    let listed = std::fs::read_to_string(preload).expect("ld.so.preload");
+    let library = on_host(&answer.mounts, listed.trim());
+    assert_eq!(library, shim_library());
+    sandbox
+}
+
+fn grant(uuid: &str, memory_bytes: u64, cores_percent: u32) -> DeviceGrant {
+    DeviceGrant {
+        uuid: uuid.into(),
+        memory_bytes,
+        cores_percent,
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn containers_started_with_the_answer_are_held_to_their_own_limits() {
+    let api = FakeApi::start().await;
+    api.add_node("gpu-node");
+    let mut node = PluginNode::new("gpu-node", 1, "8Gi", &api.url, &[]);
+    node.start();
+    let mut kubelet = FakeKubelet::start(&node.plugin_dir);
+    let registration = kubelet.next_registration(WAIT).await;
+    let mut conn = kubelet.connect(&registration).await;
+    conn.wait_devices(WAIT, |list| list.len() == 10).await;
+    let gpu = eventually(WAIT, "the inventory", || async {
+        inventory(&api, "gpu-node")
+    })
+    .await
+    .gpus[0]
+        .uuid
+        .clone();
+
+    let p = api.add_pod(pod(
+        "app",
+        vec![],
+        vec![container("main", 1), container("side", 1)],
+    ));
+    let decision = decide(&p, "gpu-node", |i, _| match i {
+        0 => (vec![grant(&gpu, GIB, 30)], Some(0)),
+        _ => (vec![grant(&gpu, 3000 * MIB, 50)], None),
+    });
+    let p = bind(&api, "app", &decision);
+    let answers = conn.admit(&p, RESOURCE).await.expect("admitted");
+    let main = container_sandbox(&node, &answers[0].2);
+    let side = container_sandbox(&node, &answers[1].2);
+    assert_eq!(answers[0].2.envs["NVIDIA_VISIBLE_DEVICES"], gpu);
+
+    // Memory: each container stops at its own cap.
+    let values = key_values(&run_ok(&mut main.probe("dlsym", &["fill", "67108864"])));
+    assert_eq!(
+        number(&values, "chunks"),
+        16,
+        "1 GiB in 64 MiB chunks: {values:?}"
+    );
+    assert_eq!(number(&values, "refusal"), 2, "CUDA_ERROR_OUT_OF_MEMORY");
+    assert_eq!(number(&values, "mem_total"), 1024 * vgpu_tests::MIB);
+    let values = key_values(&run_ok(&mut side.probe("procaddr", &["fill", "67108864"])));
+    assert_eq!(number(&values, "chunks"), 46, "3000 MiB: {values:?}");
+    assert_eq!(number(&values, "mem_total"), 3000 * vgpu_tests::MIB);
+
+    // The regions the plugin created are the ones the shim used.
+    let uid = p.metadata.uid.clone().expect("uid");
+    let main_region = node.containers_dir.join(format!("{uid}_main/region.cache"));
+    let region = Region::open_existing(&main_region).expect("main region");
+    assert_eq!(region.device_limit(0), GIB);
+    assert_eq!(region.limits().sm_limit[0], 30);
+    assert_eq!(region.limits().priority, 0);
+    assert_eq!(region.device_uuid(0).as_deref(), Some(gpu.as_str()));
+
+    // Compute: both saturate the GPU at once; each gets its own share.
+    let mut meter = BusyMeter::new(&main);
+    let window = Duration::from_secs(2);
+    let seconds = 1.0 + window.as_secs_f64() + 0.5;
+    let first = Workload::start(&main, "burst", "k1ms", seconds, 1);
+    let second = Workload::start(&side, "burst", "k1ms", seconds, 1);
+    let start = [meter.read(0, first.pid()), meter.read(0, second.pid())];
+    wait_until(start[0].at_ns + 1_000_000_000);
+    let settled = [meter.read(0, first.pid()), meter.read(0, second.pid())];
+    wait_until(settled[0].at_ns + window.as_nanos() as u64);
+    let end = [meter.read(0, first.pid()), meter.read(0, second.pid())];
+    first.finish();
+    second.finish();
+    let shares = [
+        process_share(settled[0], end[0]),
+        process_share(settled[1], end[1]),
+    ];
+    assert!(
+        (shares[0] - 30.0).abs() <= 5.0,
+        "main at {:.1} %",
+        shares[0]
+    );
+    assert!(
+        (shares[1] - 50.0).abs() <= 5.0,
+        "side at {:.1} %",
+        shares[1]
+    );
+}

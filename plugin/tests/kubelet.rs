@@ -1,0 +1,371 @@
+//! The plugin run in-process on a fixed GPU list, with health injected
+//! through the health-source trait, against a fake kubelet (real gRPC over
+//! unix sockets) and a fake API server (real HTTP): registration,
+//! re-registration when kubelet restarts, health updates in
+//! `ListAndWatch` and in the node inventory, and `Allocate`'s refusals.
+//! Needs no simulated GPU.
+
+mod support;
+
+use std::path::PathBuf;
+use std::time::Duration;
+use support::kubelet::{FakeKubelet, PluginConn};
+use support::*;
+use tokio::sync::watch;
+use vgpu_common::config::UtilizationPolicy;
+use vgpu_common::decision::{DeviceGrant, GpuInfo};
+use vgpu_device_plugin::allocate::Settings;
+use vgpu_device_plugin::cluster::{make_client, ApiSource};
+use vgpu_device_plugin::health::{HealthTracker, ManualHealth, ManualHealthHandle, Signal};
+use vgpu_device_plugin::kubelet::KubeletSettings;
+use vgpu_device_plugin::PluginConfig;
+
+const WAIT: Duration = Duration::from_secs(10);
+
+struct Harness {
+    dir: PathBuf,
+    plugin_dir: PathBuf,
+    health: ManualHealthHandle,
+    stop: watch::Sender<bool>,
+    task: tokio::task::JoinHandle<Result<(), vgpu_device_plugin::PluginError>>,
+}
+
+impl Drop for Harness {
+    fn drop(&mut self) {
+        let _ = self.stop.send(true);
+        self.task.abort();
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+fn gpus() -> Vec<GpuInfo> {
+    (0..2)
+        .map(|index| GpuInfo {
+            uuid: format!("GPU-0000000{index}-aaaa-bbbb-cccc-dddddddddddd"),
+            index,
+            model: "Test GPU".into(),
+            memory_bytes: 16 * GIB,
+            sm_count: 132,
+            split_count: 10,
+            numa: Some(index),
+            healthy: true,
+        })
+        .collect()
+}
+
+async fn start_plugin(api: &FakeApi, node: &str, tag: &str) -> Harness {
+    let dir = std::env::temp_dir().join(format!("vgpu-plugin-test-{}-{tag}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let plugin_dir = dir.join("device-plugins");
+    std::fs::create_dir_all(&plugin_dir).expect("dirs");
+    let config = PluginConfig {
+        node: node.into(),
+        kubelet: KubeletSettings {
+            dir: plugin_dir.clone(),
+            endpoint: "vgpu.sock".into(),
+            resource_name: RESOURCE.into(),
+            poll: Duration::from_millis(50),
+        },
+        settings: Settings {
+            containers_dir: dir.join("containers"),
+            region_file: "region.cache".into(),
+            container_dir: "/usr/local/vgpu/container".into(),
+            library_host: dir.join("libvgpu.so"),
+            library_container: "/usr/local/vgpu/libvgpu.so".into(),
+            preload_host: Some(dir.join("ld.so.preload")),
+            policy: UtilizationPolicy::Default,
+            swap_limit: None,
+            context_reserve: None,
+        },
+        heartbeat: Duration::from_secs(1),
+    };
+    let (source, health) = ManualHealth::new(HealthTracker::new([13], Some(Duration::ZERO)));
+    let client = make_client(&ApiSource::Url(api.url.clone()))
+        .await
+        .expect("client");
+    let (stop, shutdown) = watch::channel(false);
+    let task = tokio::spawn(vgpu_device_plugin::run(
+        config,
+        gpus(),
+        Box::new(source),
+        client,
+        shutdown,
+    ));
+    Harness {
+        dir,
+        plugin_dir,
+        health,
+        stop,
+        task,
+    }
+}
+
+fn health_of(conn: &PluginConn, uuid: &str) -> Vec<String> {
+    conn.devices
+        .borrow()
+        .iter()
+        .flatten()
+        .filter(|d| d.id.starts_with(uuid))
+        .map(|d| d.health.clone())
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn registers_reports_health_and_registers_again_after_kubelet_restarts() {
+    let api = FakeApi::start().await;
+    api.add_node("node-a");
+    let harness = start_plugin(&api, "node-a", "register").await;
+    let mut kubelet = FakeKubelet::start(&harness.plugin_dir);
+
+    let registration = kubelet.next_registration(WAIT).await;
+    assert_eq!(registration.version, "v1beta1");
+    assert_eq!(registration.resource_name, RESOURCE);
+    assert_eq!(registration.endpoint, "vgpu.sock");
+    let options = registration.options.expect("options");
+    assert!(options.get_preferred_allocation_available);
+    assert!(!options.pre_start_required);
+
+    let mut conn = kubelet.connect(&registration).await;
+    let devices = conn.wait_devices(WAIT, |list| list.len() == 20).await;
+    let [gpu0, gpu1] = [gpus()[0].uuid.clone(), gpus()[1].uuid.clone()];
+    assert!(devices.iter().all(|d| d.health == "Healthy"));
+    assert_eq!(devices[0].id, format!("{gpu0}::0"));
+    assert_eq!(devices[19].id, format!("{gpu1}::9"));
+    assert_eq!(
+        devices[19].topology.as_ref().map(|t| t.nodes[0].id),
+        Some(1),
+        "NUMA node"
+    );
+
+    // The inventory is published at once and refreshed by the heartbeat.
+    let first = eventually(WAIT, "the node inventory", || async {
+        inventory(&api, "node-a")
+    })
+    .await;
+    assert_eq!(first.gpus, gpus());
+    let beat = eventually(WAIT, "a heartbeat", || async {
+        inventory(&api, "node-a").filter(|i| i.heartbeat_unix_ms > first.heartbeat_unix_ms)
+    })
+    .await;
+    assert!(beat.is_fresh(beat.heartbeat_unix_ms));
+
+    // A critical XID makes a GPU unhealthy; an application XID does not.
+    assert!(harness.health.inject_xid(&gpu1, 79));
+    conn.wait_devices(WAIT, |list| {
+        list.iter()
+            .filter(|d| d.id.starts_with(&gpu1))
+            .all(|d| d.health == "Unhealthy")
+    })
+    .await;
+    assert!(health_of(&conn, &gpu0).iter().all(|h| h == "Healthy"));
+    eventually(WAIT, "the inventory to show the fault", || async {
+        inventory(&api, "node-a").filter(|i| !i.gpus[1].healthy && i.gpus[0].healthy)
+    })
+    .await;
+    assert!(harness.health.inject_xid(&gpu0, 13));
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(health_of(&conn, &gpu0).iter().all(|h| h == "Healthy"));
+
+    // Recovery (here: one good probe, the window being zero).
+    assert!(harness.health.send(Signal::Probe {
+        uuid: gpu1.clone(),
+        result: Ok(()),
+    }));
+    conn.wait_devices(WAIT, |list| list.iter().all(|d| d.health == "Healthy"))
+        .await;
+    eventually(WAIT, "the inventory to show the recovery", || async {
+        inventory(&api, "node-a").filter(|i| i.gpus.iter().all(|g| g.healthy))
+    })
+    .await;
+
+    // Kubelet restarts: its socket is recreated and every other socket in
+    // the directory removed. The plugin serves again and re-registers.
+    kubelet.restart().await;
+    let again = kubelet.next_registration(WAIT).await;
+    assert_eq!(again.endpoint, "vgpu.sock");
+    let mut conn = kubelet.connect(&again).await;
+    conn.wait_devices(WAIT, |list| list.len() == 20).await;
+
+    // A fault while kubelet is away reaches the next kubelet.
+    kubelet.stop().await;
+    assert!(harness.health.inject_xid(&gpu0, 48));
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    kubelet.restart().await;
+    let third = kubelet.next_registration(WAIT).await;
+    let mut conn = kubelet.connect(&third).await;
+    conn.wait_devices(WAIT, |list| {
+        list.iter()
+            .filter(|d| d.id.starts_with(&gpu0))
+            .all(|d| d.health == "Unhealthy")
+            && list.len() == 20
+    })
+    .await;
+    assert!(
+        kubelet.try_registration().is_none(),
+        "registered once per kubelet"
+    );
+
+    // A new kubelet.sock alone (the plugin's socket left in place) is
+    // enough to register again, on the same server.
+    kubelet.stop().await;
+    kubelet.start_again();
+    let fourth = kubelet.next_registration(WAIT).await;
+    let mut conn = kubelet.connect(&fourth).await;
+    conn.wait_devices(WAIT, |list| list.len() == 20).await;
+
+    // A clean stop removes the plugin's socket.
+    harness.stop.send(true).expect("stop");
+    let socket = harness.plugin_dir.join("vgpu.sock");
+    eventually(WAIT, "the plugin to remove its socket", || async {
+        (!socket.exists()).then_some(())
+    })
+    .await;
+}
+
+fn grant(uuid: &str, memory: u64, cores: u32) -> DeviceGrant {
+    DeviceGrant {
+        uuid: uuid.into(),
+        memory_bytes: memory,
+        cores_percent: cores,
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn allocate_serves_the_pending_pod_and_refuses_what_it_cannot_match() {
+    let api = FakeApi::start().await;
+    api.add_node("node-b");
+    let harness = start_plugin(&api, "node-b", "allocate").await;
+    let mut kubelet = FakeKubelet::start(&harness.plugin_dir);
+    let registration = kubelet.next_registration(WAIT).await;
+    let mut conn = kubelet.connect(&registration).await;
+    conn.wait_devices(WAIT, |list| list.len() == 20).await;
+    let [gpu0, gpu1] = [gpus()[0].uuid.clone(), gpus()[1].uuid.clone()];
+
+    // Nothing pending: refused, with a message kubelet shows in events.
+    let error = conn.allocate_one(1).await.expect_err("no pod");
+    assert_eq!(error.code(), tonic::Code::FailedPrecondition);
+    assert!(
+        error.message().contains("no pod bound to node node-b"),
+        "{}",
+        error.message()
+    );
+
+    // A pod with an init container (1 GPU) and a main container (2 GPUs).
+    let p = api.add_pod(pod(
+        "train",
+        vec![container("setup", 1)],
+        vec![container("main", 2), container("sidecar", 0)],
+    ));
+    let decision = decide(&p, "node-b", |i, _| match i {
+        0 => (vec![grant(&gpu1, GIB, 10)], None),
+        _ => (
+            vec![grant(&gpu1, 3000 * MIB, 30), grant(&gpu0, 4 * GIB, 100)],
+            Some(0),
+        ),
+    });
+    let p = bind(&api, "train", &decision);
+    // Two injected conflicts: the plugin reads the pod again and succeeds.
+    api.inject_conflicts(2);
+    let answers = conn.admit(&p, RESOURCE).await.expect("admitted");
+    assert_eq!(allocated(&api, "train"), vec!["setup", "main"]);
+    let (name, ids, setup) = &answers[0];
+    assert_eq!(name, "setup");
+    assert!(
+        ids[0].starts_with(&gpu1),
+        "preferred the decided GPU: {ids:?}"
+    );
+    assert_eq!(setup.envs["NVIDIA_VISIBLE_DEVICES"], gpu1);
+    assert_eq!(setup.envs["CUDA_DEVICE_MEMORY_LIMIT_0"], "1024m");
+    assert_eq!(setup.envs["CUDA_DEVICE_SM_LIMIT_0"], "10");
+    assert!(!setup.envs.contains_key("CUDA_TASK_PRIORITY"));
+    let (_, ids, main) = &answers[1];
+    let mut on: Vec<&str> = ids.iter().map(|id| &id[..gpu0.len()]).collect();
+    on.sort();
+    assert_eq!(on, vec![gpu0.as_str(), gpu1.as_str()]);
+    // Host order: GPU 0 is device 0 in the container.
+    assert_eq!(
+        main.envs["NVIDIA_VISIBLE_DEVICES"],
+        format!("{gpu0},{gpu1}")
+    );
+    assert_eq!(main.envs["CUDA_DEVICE_MEMORY_LIMIT_0"], "4096m");
+    assert_eq!(main.envs["CUDA_DEVICE_SM_LIMIT_0"], "100");
+    assert_eq!(main.envs["CUDA_DEVICE_MEMORY_LIMIT_1"], "3000m");
+    assert_eq!(main.envs["CUDA_DEVICE_SM_LIMIT_1"], "30");
+    assert_eq!(main.envs["CUDA_TASK_PRIORITY"], "0");
+    assert_eq!(main.envs["CUDA_DEVICE_ORDER"], "PCI_BUS_ID");
+    assert_eq!(
+        main.envs["CUDA_DEVICE_MEMORY_SHARED_CACHE"],
+        "/usr/local/vgpu/container/region.cache"
+    );
+    let uid = p.metadata.uid.clone().expect("uid");
+    let region = harness
+        .dir
+        .join("containers")
+        .join(format!("{uid}_main"))
+        .join("region.cache");
+    let region = vgpu_common::region::Region::open_existing(&region).expect("region created");
+    assert_eq!(region.device_limit(0), 4 * GIB);
+    assert_eq!(region.device_limit(1), 3000 * MIB);
+    assert_eq!(region.limits().sm_limit[1], 30);
+    assert_eq!(
+        std::fs::read_to_string(harness.dir.join("ld.so.preload")).expect("preload"),
+        "/usr/local/vgpu/libvgpu.so\n"
+    );
+
+    // The pod is complete: another request matches nothing.
+    let error = conn.allocate_one(1).await.expect_err("complete");
+    assert!(
+        error.message().contains("no pod bound"),
+        "{}",
+        error.message()
+    );
+    mark_running(&api, "train");
+
+    // Kubelet asks for a different count than decided: refused by name.
+    let q = api.add_pod(pod("infer", vec![], vec![container("server", 1)]));
+    let d = decide(&q, "node-b", |_, _| (vec![grant(&gpu0, GIB, 20)], None));
+    bind(&api, "infer", &d);
+    let error = conn.allocate_one(2).await.expect_err("count");
+    assert!(
+        error.message().contains("asks for 2 device(s)") && error.message().contains("server"),
+        "{}",
+        error.message()
+    );
+    assert!(allocated(&api, "infer").is_empty(), "nothing recorded");
+
+    // Two pending pods: nothing is guessed.
+    let r = api.add_pod(pod("rogue", vec![], vec![container("x", 1)]));
+    let d = decide(&r, "node-b", |_, _| (vec![grant(&gpu0, GIB, 20)], None));
+    bind(&api, "rogue", &d);
+    let error = conn.allocate_one(1).await.expect_err("two pending");
+    assert!(
+        error.message().contains("default/infer") && error.message().contains("default/rogue"),
+        "{}",
+        error.message()
+    );
+    api.update_pod(NAMESPACE, "rogue", |pod| {
+        pod.status.get_or_insert_with(Default::default).phase = Some("Failed".into());
+    });
+
+    // A decided GPU that became unhealthy is refused.
+    assert!(harness.health.inject_xid(&gpu0, 79));
+    conn.wait_devices(WAIT, |list| list.iter().any(|d| d.health == "Unhealthy"))
+        .await;
+    let error = conn.allocate_one(1).await.expect_err("unhealthy");
+    assert!(error.message().contains("unhealthy"), "{}", error.message());
+    assert!(harness.health.send(Signal::Probe {
+        uuid: gpu0.clone(),
+        result: Ok(()),
+    }));
+    conn.wait_devices(WAIT, |list| list.iter().all(|d| d.health == "Healthy"))
+        .await;
+
+    // A pod whose record keeps changing under the plugin: aborted.
+    api.inject_conflicts(100);
+    let error = conn.allocate_one(1).await.expect_err("conflicts");
+    assert_eq!(error.code(), tonic::Code::Aborted);
+    api.inject_conflicts(0);
+    let (_, answer) = conn.allocate_one(1).await.expect("served after all");
+    assert_eq!(answer.envs["NVIDIA_VISIBLE_DEVICES"], gpu0);
+    assert_eq!(allocated(&api, "infer"), vec!["server"]);
+}
