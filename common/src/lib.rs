@@ -12,3 +12,4 @@ pub mod config;
 pub mod decision;
 pub mod quantity;
 pub mod region;
+pub mod resources;

@@ -1,0 +1,252 @@
+//! The Kubernetes API: the client, the watches that feed the state, and
+//! the three writes the extender makes (decision, binding, and removing a
+//! decision whose binding failed).
+
+use crate::state::SharedState;
+use futures_util::StreamExt;
+use k8s_openapi::api::core::v1::{Node, Pod};
+use kube::api::{Patch, PatchParams, PostParams};
+use kube::runtime::watcher::{self, Event, ListSemantic};
+use kube::runtime::WatchStreamExt;
+use kube::{Api, Client, Config};
+use serde_json::json;
+use std::path::PathBuf;
+use std::sync::Arc;
+use thiserror::Error;
+use vgpu_common::decision::{ALLOCATED_ANNOTATION, DECISION_ANNOTATION};
+
+/// How the API server is reached.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum ApiSource {
+    /// A URL, without authentication (`kubectl proxy`, tests).
+    Url(String),
+    /// A kubeconfig file.
+    Kubeconfig(PathBuf),
+    /// The pod's service account, else `$KUBECONFIG` / `~/.kube/config`.
+    Infer,
+}
+
+/// A failed API call or client set-up.
+#[derive(Debug, Error)]
+pub enum ApiError {
+    #[error("API server URL {url:?}: {reason}")]
+    Url { url: String, reason: String },
+    #[error("kubeconfig {path}: {reason}")]
+    Kubeconfig { path: PathBuf, reason: String },
+    #[error("Kubernetes client configuration: {0}")]
+    Config(String),
+    /// The object changed since it was read (resourceVersion precondition).
+    #[error("conflict: {0}")]
+    Conflict(String),
+    #[error("not found: {0}")]
+    NotFound(String),
+    #[error("{0}")]
+    Other(String),
+}
+
+impl From<kube::Error> for ApiError {
+    fn from(error: kube::Error) -> Self {
+        match &error {
+            kube::Error::Api(status) if status.code == 409 => {
+                Self::Conflict(status.message.clone())
+            }
+            kube::Error::Api(status) if status.code == 404 => {
+                Self::NotFound(status.message.clone())
+            }
+            kube::Error::Api(status) => Self::Other(format!(
+                "API server answered {} {}: {}",
+                status.code, status.reason, status.message
+            )),
+            _ => Self::Other(error.to_string()),
+        }
+    }
+}
+
+/// Builds a client for `source`.
+pub async fn make_client(source: &ApiSource) -> Result<Client, ApiError> {
+    let config = match source {
+        ApiSource::Url(url) => {
+            let uri = url
+                .parse()
+                .map_err(|e: http::uri::InvalidUri| ApiError::Url {
+                    url: url.clone(),
+                    reason: e.to_string(),
+                })?;
+            Config::new(uri)
+        }
+        ApiSource::Kubeconfig(path) => {
+            let kubeconfig =
+                kube::config::Kubeconfig::read_from(path).map_err(|e| ApiError::Kubeconfig {
+                    path: path.clone(),
+                    reason: e.to_string(),
+                })?;
+            Config::from_custom_kubeconfig(kubeconfig, &kube::config::KubeConfigOptions::default())
+                .await
+                .map_err(|e| ApiError::Kubeconfig {
+                    path: path.clone(),
+                    reason: e.to_string(),
+                })?
+        }
+        ApiSource::Infer => Config::infer()
+            .await
+            .map_err(|e| ApiError::Config(e.to_string()))?,
+    };
+    Client::try_from(config).map_err(|e| ApiError::Config(e.to_string()))
+}
+
+/// The extender's API calls.
+#[derive(Clone)]
+pub struct KubeApi {
+    client: Client,
+}
+
+impl KubeApi {
+    pub fn new(client: Client) -> Self {
+        Self { client }
+    }
+
+    pub fn client(&self) -> &Client {
+        &self.client
+    }
+
+    fn pods(&self, namespace: &str) -> Api<Pod> {
+        Api::namespaced(self.client.clone(), namespace)
+    }
+
+    pub async fn get_pod(&self, namespace: &str, name: &str) -> Result<Pod, ApiError> {
+        Ok(self.pods(namespace).get(name).await?)
+    }
+
+    /// Writes `decision` (JSON) as the pod's decision annotation, clearing
+    /// any allocation record, if the pod is still at `resource_version`.
+    pub async fn write_decision(
+        &self,
+        namespace: &str,
+        name: &str,
+        resource_version: &str,
+        decision: &str,
+    ) -> Result<Pod, ApiError> {
+        let patch = json!({
+            "metadata": {
+                "resourceVersion": resource_version,
+                "annotations": {
+                    DECISION_ANNOTATION: decision,
+                    ALLOCATED_ANNOTATION: null,
+                }
+            }
+        });
+        Ok(self
+            .pods(namespace)
+            .patch(name, &PatchParams::default(), &Patch::Merge(&patch))
+            .await?)
+    }
+
+    /// Removes the decision annotation, if the pod is still at
+    /// `resource_version` (a pod that changed since, e.g. got bound after
+    /// all, keeps it).
+    pub async fn clear_decision(
+        &self,
+        namespace: &str,
+        name: &str,
+        resource_version: &str,
+    ) -> Result<Pod, ApiError> {
+        let patch = json!({
+            "metadata": {
+                "resourceVersion": resource_version,
+                "annotations": { DECISION_ANNOTATION: null }
+            }
+        });
+        Ok(self
+            .pods(namespace)
+            .patch(name, &PatchParams::default(), &Patch::Merge(&patch))
+            .await?)
+    }
+
+    /// Binds the pod (`POST .../pods/{name}/binding`; the UID makes the API
+    /// server refuse a different pod of the same name).
+    pub async fn bind(
+        &self,
+        namespace: &str,
+        name: &str,
+        uid: &str,
+        node: &str,
+    ) -> Result<(), ApiError> {
+        let binding = json!({
+            "apiVersion": "v1",
+            "kind": "Binding",
+            "metadata": { "name": name, "namespace": namespace, "uid": uid },
+            "target": { "apiVersion": "v1", "kind": "Node", "name": node }
+        });
+        let _status: serde_json::Value = self
+            .pods(namespace)
+            .create_subresource("binding", name, &PostParams::default(), &binding)
+            .await?;
+        Ok(())
+    }
+}
+
+/// Lists and watches every pod forever, feeding `state`. A complete,
+/// current list is taken on start and after any watch failure.
+pub async fn watch_pods(client: Client, state: Arc<SharedState>) {
+    let api: Api<Pod> = Api::all(client);
+    let config = watcher::Config::default().list_semantic(ListSemantic::MostRecent);
+    let mut stream = watcher::watcher(api, config).default_backoff().boxed();
+    let mut failing = false;
+    while let Some(item) = stream.next().await {
+        match item {
+            Ok(event) => {
+                // A relist starts with Init before anything is read.
+                if failing && !matches!(event, Event::Init) {
+                    tracing::info!("Kubernetes API: pod watch recovered");
+                    failing = false;
+                }
+                match event {
+                    Event::Init => state.update(|s| s.begin_pod_relist()),
+                    Event::InitApply(pod) => state.update(|s| s.relist_pod(&pod)),
+                    Event::InitDone => state.update(|s| s.finish_pod_relist()),
+                    Event::Apply(pod) => state.update(|s| s.apply_pod(&pod, false)),
+                    Event::Delete(pod) => state.update(|s| s.delete_pod(&pod)),
+                }
+            }
+            Err(error) => {
+                if !failing {
+                    tracing::warn!("Kubernetes API: pod watch failed (retrying): {error}");
+                }
+                failing = true;
+            }
+        }
+    }
+}
+
+/// Lists and watches every node forever, feeding `state`.
+pub async fn watch_nodes(client: Client, state: Arc<SharedState>) {
+    let api: Api<Node> = Api::all(client);
+    let config = watcher::Config::default().list_semantic(ListSemantic::MostRecent);
+    let mut stream = watcher::watcher(api, config).default_backoff().boxed();
+    let mut failing = false;
+    while let Some(item) = stream.next().await {
+        match item {
+            Ok(event) => {
+                // A relist starts with Init before anything is read.
+                if failing && !matches!(event, Event::Init) {
+                    tracing::info!("Kubernetes API: node watch recovered");
+                    failing = false;
+                }
+                match event {
+                    Event::Init => state.update(|s| s.begin_node_relist()),
+                    Event::InitApply(node) | Event::Apply(node) => {
+                        state.update(|s| s.apply_node(&node))
+                    }
+                    Event::InitDone => state.update(|s| s.finish_node_relist()),
+                    Event::Delete(node) => state.update(|s| s.delete_node(&node)),
+                }
+            }
+            Err(error) => {
+                if !failing {
+                    tracing::warn!("Kubernetes API: node watch failed (retrying): {error}");
+                }
+                failing = true;
+            }
+        }
+    }
+}

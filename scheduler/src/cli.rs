@@ -1,0 +1,200 @@
+//! Command-line flags.
+
+use crate::api::ApiSource;
+use crate::policy::{GpuPolicy, NodePolicy};
+use crate::requests::{RequestDefaults, ResourceNames};
+use crate::scheduler::Config;
+use clap::Parser;
+use std::net::IpAddr;
+use std::path::PathBuf;
+use std::time::Duration;
+use vgpu_common::resources;
+
+/// kube-scheduler HTTP extender of vgpu: places pods that ask for vGPUs on
+/// nodes and GPUs, and binds them.
+///
+/// Configure kube-scheduler with an extender whose urlPrefix points here
+/// (http(s)://<service>:39999), filterVerb "filter", prioritizeVerb
+/// "prioritize", bindVerb "bind", nodeCacheCapable true (false works too),
+/// and the vGPU resources as managedResources with ignoredByScheduler true.
+/// Run one replica: per-node locks are kept in memory.
+///
+/// Pod annotations: nvidia.com/use-gputype, nvidia.com/nouse-gputype
+/// (comma lists, matched as case-insensitive substrings of the GPU model),
+/// nvidia.com/use-gpuuuid, nvidia.com/nouse-gpuuuid, and the policies
+/// vgpu.io/gpu-scheduler-policy, vgpu.io/node-scheduler-policy (or HAMi's
+/// hami.io/gpu-scheduler-policy, hami.io/node-scheduler-policy).
+#[derive(Debug, Parser)]
+#[command(name = "vgpu-scheduler", version, about, long_about)]
+pub struct Cli {
+    /// Address to listen on.
+    #[arg(long, default_value = "0.0.0.0", value_name = "IP")]
+    pub address: IpAddr,
+
+    /// Port to listen on.
+    #[arg(long, default_value_t = 39999)]
+    pub port: u16,
+
+    /// PEM certificate (chain) for HTTPS; needs --tls-key. Without both, plain HTTP.
+    #[arg(long, value_name = "PATH", requires = "tls_key")]
+    pub tls_cert: Option<PathBuf>,
+
+    /// PEM private key (PKCS#8, PKCS#1 or SEC1) for HTTPS; needs --tls-cert.
+    #[arg(long, value_name = "PATH", requires = "tls_cert")]
+    pub tls_key: Option<PathBuf>,
+
+    /// Kubeconfig file to reach the API server. Default: the pod's service
+    /// account, else $KUBECONFIG or ~/.kube/config.
+    #[arg(long, value_name = "PATH", conflicts_with = "api_server")]
+    pub kubeconfig: Option<PathBuf>,
+
+    /// API server URL to use without authentication (e.g. `kubectl proxy` at
+    /// http://127.0.0.1:8001).
+    #[arg(long, value_name = "URL")]
+    pub api_server: Option<String>,
+
+    /// How a container's GPUs are chosen on a node: fewest-tasks (the GPUs
+    /// running the fewest containers), binpack (the fullest GPUs that fit) or
+    /// spread (the emptiest). Per pod: annotation vgpu.io/gpu-scheduler-policy.
+    #[arg(long, default_value = "fewest-tasks", value_name = "POLICY")]
+    pub gpu_policy: GpuPolicy,
+
+    /// How nodes are scored: binpack (fullest first), spread (emptiest first)
+    /// or random. Per pod: annotation vgpu.io/node-scheduler-policy.
+    #[arg(long, default_value = "binpack", value_name = "POLICY")]
+    pub node_policy: NodePolicy,
+
+    /// Memory per vGPU, in MiB, for containers that ask for neither
+    /// nvidia.com/gpumem nor nvidia.com/gpumem-percentage; 0 = the whole GPU.
+    #[arg(long, default_value_t = 0, value_name = "MIB")]
+    pub default_memory_mib: u64,
+
+    /// Compute share per vGPU, in percent, for containers that do not ask
+    /// for nvidia.com/gpucores.
+    #[arg(long, default_value_t = 0, value_name = "PERCENT",
+          value_parser = clap::value_parser!(u32).range(0..=100))]
+    pub default_cores: u32,
+
+    /// How long a bind waits for the node's previous vGPU pod to be admitted
+    /// by its device plugin before giving up (kube-scheduler then retries).
+    /// Keep it below kube-scheduler's extender httpTimeout (default 5 s).
+    #[arg(long, default_value_t = 3000, value_name = "MS")]
+    pub bind_wait_ms: u64,
+
+    /// How long a decision whose pod is not bound yet (a bind in flight or
+    /// interrupted) keeps its node from taking another vGPU pod.
+    #[arg(long, default_value_t = 30, value_name = "SECONDS")]
+    pub unbound_grace_seconds: u64,
+
+    /// Resource name: number of vGPUs per container.
+    #[arg(long, default_value = resources::GPU_COUNT, value_name = "NAME")]
+    pub resource_gpu: String,
+
+    /// Resource name: device memory per vGPU in MiB.
+    #[arg(long, default_value = resources::GPU_MEMORY, value_name = "NAME")]
+    pub resource_memory: String,
+
+    /// Resource name: device memory per vGPU in percent of the GPU.
+    #[arg(long, default_value = resources::GPU_MEMORY_PERCENTAGE, value_name = "NAME")]
+    pub resource_memory_percentage: String,
+
+    /// Resource name: compute share per vGPU in percent.
+    #[arg(long, default_value = resources::GPU_CORES, value_name = "NAME")]
+    pub resource_cores: String,
+
+    /// Resource name: task priority of the container (lower is more important).
+    #[arg(long, default_value = resources::GPU_PRIORITY, value_name = "NAME")]
+    pub resource_priority: String,
+
+    /// Resource name: Elastic GPU device memory in MB (read as MiB).
+    #[arg(long, default_value = resources::ELASTIC_GPU_MEMORY, value_name = "NAME")]
+    pub resource_elastic_memory: String,
+
+    /// Resource name: Elastic GPU compute in percent (200 = two whole GPUs).
+    #[arg(long, default_value = resources::ELASTIC_GPU_CORE, value_name = "NAME")]
+    pub resource_elastic_cores: String,
+
+    /// Log level: error, warn, info, debug or trace (logs go to stderr).
+    #[arg(long, default_value = "info", value_name = "LEVEL")]
+    pub log_level: tracing::Level,
+}
+
+impl Cli {
+    /// The extender configuration the flags describe.
+    pub fn config(&self) -> Config {
+        Config {
+            resources: ResourceNames {
+                gpu: self.resource_gpu.clone(),
+                memory: self.resource_memory.clone(),
+                memory_percentage: self.resource_memory_percentage.clone(),
+                cores: self.resource_cores.clone(),
+                priority: self.resource_priority.clone(),
+                elastic_memory: self.resource_elastic_memory.clone(),
+                elastic_cores: self.resource_elastic_cores.clone(),
+            },
+            defaults: RequestDefaults {
+                memory_mib: self.default_memory_mib,
+                cores: self.default_cores,
+            },
+            gpu_policy: self.gpu_policy,
+            node_policy: self.node_policy,
+            bind_wait: Duration::from_millis(self.bind_wait_ms),
+            unbound_grace: Duration::from_secs(self.unbound_grace_seconds),
+        }
+    }
+
+    /// Where the API server is.
+    pub fn api_source(&self) -> ApiSource {
+        match (&self.api_server, &self.kubeconfig) {
+            (Some(url), _) => ApiSource::Url(url.clone()),
+            (None, Some(path)) => ApiSource::Kubeconfig(path.clone()),
+            (None, None) => ApiSource::Infer,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::CommandFactory;
+
+    #[test]
+    fn flags_parse_and_help_explains_every_flag() {
+        Cli::command().debug_assert();
+        let cli = Cli::try_parse_from([
+            "vgpu-scheduler",
+            "--port",
+            "8443",
+            "--gpu-policy",
+            "binpack",
+            "--node-policy",
+            "spread",
+            "--api-server",
+            "http://127.0.0.1:8001",
+            "--resource-gpu",
+            "example.com/vgpu",
+        ])
+        .expect("parse");
+        let config = cli.config();
+        assert_eq!(cli.port, 8443);
+        assert_eq!(config.gpu_policy, GpuPolicy::Binpack);
+        assert_eq!(config.node_policy, NodePolicy::Spread);
+        assert_eq!(config.resources.gpu, "example.com/vgpu");
+        assert_eq!(
+            cli.api_source(),
+            ApiSource::Url("http://127.0.0.1:8001".into())
+        );
+        assert!(Cli::try_parse_from(["vgpu-scheduler", "--tls-cert", "c.pem"]).is_err());
+        assert!(Cli::try_parse_from(["vgpu-scheduler", "--gpu-policy", "random"]).is_err());
+        assert!(Cli::try_parse_from(["vgpu-scheduler", "--default-cores", "101"]).is_err());
+        let help = Cli::command().render_long_help().to_string();
+        for argument in Cli::command().get_arguments() {
+            let long = argument.get_long().expect("every flag is long");
+            assert!(help.contains(&format!("--{long}")), "{long}");
+            assert!(
+                argument.get_help().is_some() || long == "help" || long == "version",
+                "{long} has no help"
+            );
+        }
+    }
+}

@@ -1,0 +1,776 @@
+//! Whether, and where, a pod's containers fit on one node's GPUs.
+//!
+//! A GPU takes a vGPU when it is healthy, of a wanted model and UUID, has a
+//! free slot (fewer containers than its split count), enough free memory and
+//! compute, and exclusivity holds both ways: a container asking for 100 %
+//! compute takes the GPU alone (it must be empty, and nothing joins it
+//! later). A container's vGPUs go to different GPUs; containers of one pod
+//! may share a GPU.
+//!
+//! Init containers follow Kubernetes' lifetime rules: a regular init
+//! container runs alone before the others, so it is placed against the
+//! node's other pods (and the pod's sidecars) only, and its grant is counted
+//! only while the pod has not started; sidecars (`restartPolicy: Always`)
+//! run alongside and are placed with the regular containers.
+
+use crate::policy::GpuPolicy;
+use crate::requests::{
+    ContainerKind, ContainerRequest, PodRequest, Selectors, TypeMismatch, UuidMismatch,
+};
+use serde::Serialize;
+use std::fmt::Write as _;
+use std::sync::Arc;
+use vgpu_common::decision::GpuInfo;
+use vgpu_common::resources::{
+    NOUSE_GPU_TYPE_ANNOTATION, NOUSE_GPU_UUID_ANNOTATION, USE_GPU_TYPE_ANNOTATION,
+    USE_GPU_UUID_ANNOTATION,
+};
+
+/// What is taken on one GPU.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct Usage {
+    pub memory_bytes: u64,
+    pub cores: u32,
+    /// Containers using it.
+    pub tasks: u32,
+    /// Held by a container with 100 % compute.
+    pub exclusive: bool,
+}
+
+impl Usage {
+    /// Adds one container's grant.
+    pub fn add_grant(&mut self, memory_bytes: u64, cores: u32) {
+        self.memory_bytes = self.memory_bytes.saturating_add(memory_bytes);
+        self.cores = self.cores.saturating_add(cores);
+        self.tasks = self.tasks.saturating_add(1);
+        self.exclusive |= cores >= 100;
+    }
+
+    /// Adds another usage.
+    pub fn add(&mut self, other: &Usage) {
+        self.memory_bytes = self.memory_bytes.saturating_add(other.memory_bytes);
+        self.cores = self.cores.saturating_add(other.cores);
+        self.tasks = self.tasks.saturating_add(other.tasks);
+        self.exclusive |= other.exclusive;
+    }
+
+    /// Takes the larger of each field (things that never run at once).
+    pub fn max_with(&mut self, other: &Usage) {
+        self.memory_bytes = self.memory_bytes.max(other.memory_bytes);
+        self.cores = self.cores.max(other.cores);
+        self.tasks = self.tasks.max(other.tasks);
+        self.exclusive |= other.exclusive;
+    }
+}
+
+/// What filtering reads of one GPU, packed together (thousands of nodes are
+/// checked per request; the full [`GpuInfo`] is read only to explain a
+/// rejection or write a decision).
+#[derive(Clone, Debug)]
+pub struct HotGpu {
+    pub memory_bytes: u64,
+    pub split_count: u32,
+    pub healthy: bool,
+    /// The model in lower case, shared between all GPUs of that model, so a
+    /// request's verdict on it is computed once.
+    pub model: Arc<str>,
+}
+
+/// A node's GPUs.
+#[derive(Clone, Debug, Default)]
+pub struct NodeGpus {
+    pub gpus: Vec<GpuInfo>,
+    pub hot: Vec<HotGpu>,
+}
+
+impl NodeGpus {
+    pub fn new(gpus: Vec<GpuInfo>) -> Self {
+        Self::with_models(gpus, |model| Arc::from(model))
+    }
+
+    /// Builds the GPU list, getting each lower-case model from `intern`.
+    pub fn with_models(gpus: Vec<GpuInfo>, mut intern: impl FnMut(&str) -> Arc<str>) -> Self {
+        let hot = gpus
+            .iter()
+            .map(|g| HotGpu {
+                memory_bytes: g.memory_bytes,
+                split_count: g.split_count,
+                healthy: g.healthy,
+                model: intern(&g.model.to_ascii_lowercase()),
+            })
+            .collect();
+        Self { gpus, hot }
+    }
+
+    pub fn len(&self) -> usize {
+        self.gpus.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.gpus.is_empty()
+    }
+
+    /// Index of the GPU with `uuid`.
+    pub fn index_of(&self, uuid: &str) -> Option<usize> {
+        self.gpus.iter().position(|g| g.uuid == uuid)
+    }
+
+    /// Healthy GPUs whose model the selectors want.
+    pub fn matching_models(&self, selectors: &Selectors, verdicts: &mut ModelVerdicts) -> usize {
+        self.hot
+            .iter()
+            .filter(|g| g.healthy && verdicts.get(&g.model, selectors).is_ok())
+            .count()
+    }
+}
+
+/// A request's type rules applied to each GPU model, once per model.
+#[derive(Debug, Default)]
+pub struct ModelVerdicts {
+    entries: Vec<(Arc<str>, Result<(), TypeMismatch>)>,
+}
+
+impl ModelVerdicts {
+    pub fn get(&mut self, model: &Arc<str>, selectors: &Selectors) -> Result<(), TypeMismatch> {
+        if selectors.use_types.is_empty() && selectors.nouse_types.is_empty() {
+            return Ok(());
+        }
+        // Most nodes have one model: the last one asked about comes first.
+        if let Some((_, verdict)) = self
+            .entries
+            .iter()
+            .rev()
+            .find(|(m, _)| Arc::ptr_eq(m, model))
+        {
+            return *verdict;
+        }
+        let verdict = selectors.model_allowed(model);
+        if self.entries.len() >= 256 {
+            self.entries.clear();
+        }
+        self.entries.push((model.clone(), verdict));
+        verdict
+    }
+}
+
+/// Why one GPU cannot take one vGPU.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum GpuProblem {
+    Unhealthy,
+    TypeNotWanted,
+    /// Matches `nouse_types[i]`.
+    TypeExcluded(usize),
+    UuidNotWanted,
+    UuidExcluded,
+    /// The GPU's whole memory is less than the request.
+    TooSmall {
+        need: u64,
+    },
+    /// Another container holds it with 100 % compute.
+    HeldExclusively,
+    /// The request wants it alone, but it already has containers.
+    NeedsWholeGpu {
+        tasks: u32,
+    },
+    /// Every slot (split count) is taken.
+    TasksFull {
+        tasks: u32,
+    },
+    Memory {
+        free: u64,
+        need: u64,
+    },
+    Cores {
+        free: u32,
+        need: u32,
+    },
+}
+
+impl GpuProblem {
+    /// Whether evicting other pods could never help.
+    pub fn is_permanent(self) -> bool {
+        matches!(
+            self,
+            Self::Unhealthy
+                | Self::TypeNotWanted
+                | Self::TypeExcluded(_)
+                | Self::UuidNotWanted
+                | Self::UuidExcluded
+                | Self::TooSmall { .. }
+        )
+    }
+}
+
+/// Checks GPU `index` of `node` for one vGPU of `request`; on success
+/// returns the memory the vGPU gets there.
+pub fn check_gpu(
+    node: &NodeGpus,
+    index: usize,
+    model_verdict: Result<(), TypeMismatch>,
+    usage: &Usage,
+    request: &ContainerRequest,
+    selectors: &Selectors,
+) -> Result<u64, GpuProblem> {
+    let gpu = &node.hot[index];
+    if !gpu.healthy {
+        return Err(GpuProblem::Unhealthy);
+    }
+    match model_verdict {
+        Ok(()) => {}
+        Err(TypeMismatch::NotWanted) => return Err(GpuProblem::TypeNotWanted),
+        Err(TypeMismatch::Excluded(i)) => return Err(GpuProblem::TypeExcluded(i)),
+    }
+    if !selectors.use_uuids.is_empty() || !selectors.nouse_uuids.is_empty() {
+        let uuid = node.gpus.get(index).map(|g| g.uuid.as_str()).unwrap_or("");
+        match selectors.uuid_allowed(uuid) {
+            Ok(()) => {}
+            Err(UuidMismatch::NotWanted) => return Err(GpuProblem::UuidNotWanted),
+            Err(UuidMismatch::Excluded) => return Err(GpuProblem::UuidExcluded),
+        }
+    }
+    let need = request.memory.bytes_on(gpu.memory_bytes);
+    if need > gpu.memory_bytes {
+        return Err(GpuProblem::TooSmall { need });
+    }
+    if usage.exclusive {
+        return Err(GpuProblem::HeldExclusively);
+    }
+    if request.exclusive() && usage.tasks > 0 {
+        return Err(GpuProblem::NeedsWholeGpu { tasks: usage.tasks });
+    }
+    if usage.tasks >= gpu.split_count {
+        return Err(GpuProblem::TasksFull { tasks: usage.tasks });
+    }
+    let free = gpu.memory_bytes.saturating_sub(usage.memory_bytes);
+    if need > free {
+        return Err(GpuProblem::Memory { free, need });
+    }
+    let free_cores = 100u32.saturating_sub(usage.cores);
+    if request.cores > free_cores {
+        return Err(GpuProblem::Cores {
+            free: free_cores,
+            need: request.cores,
+        });
+    }
+    Ok(need)
+}
+
+/// One vGPU granted: container `container` (index into the request) gets
+/// GPU `gpu` (index into the node's GPUs).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Grant {
+    pub container: usize,
+    pub gpu: usize,
+    pub memory_bytes: u64,
+    pub cores: u32,
+}
+
+/// A container that did not fit.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Miss {
+    /// Index into the request's containers.
+    pub container: usize,
+    /// GPUs that could take one of its vGPUs.
+    pub fitting: usize,
+    /// Why the others could not.
+    pub problems: Vec<(usize, GpuProblem)>,
+    /// No eviction of other pods could make it fit.
+    pub permanent: bool,
+}
+
+/// Reusable buffers, so that checking thousands of nodes allocates nothing
+/// for the nodes that fit.
+#[derive(Debug, Default)]
+pub struct Scratch {
+    /// The grants of the last successful placement.
+    pub grants: Vec<Grant>,
+    /// The node's usage with the pod's running containers added.
+    pub after: Vec<Usage>,
+    init_base: Vec<Usage>,
+    init_work: Vec<Usage>,
+    candidates: Vec<(u64, u64, usize, u64)>,
+    /// The request's verdicts on GPU models.
+    pub models: ModelVerdicts,
+    /// Healthy GPUs of a wanted model on the node of the last placement.
+    pub matching: u32,
+}
+
+/// Places every container of `request` on `node`, whose GPUs already carry
+/// `base`. On success the grants are in `scratch.grants`.
+pub fn place_pod(
+    node: &NodeGpus,
+    base: &[Usage],
+    request: &PodRequest,
+    policy: GpuPolicy,
+    scratch: &mut Scratch,
+) -> Result<(), Miss> {
+    let Scratch {
+        grants,
+        after,
+        init_base,
+        init_work,
+        candidates,
+        models,
+        matching,
+    } = scratch;
+    grants.clear();
+    *matching = 0;
+    after.clear();
+    after.extend_from_slice(base);
+    // Sidecars and regular containers run together.
+    for (index, container) in request.containers.iter().enumerate() {
+        if container.kind != ContainerKind::Init {
+            *matching = place_container(
+                node, after, index, container, request, policy, candidates, grants, models,
+            )?;
+        }
+    }
+    // Each regular init container runs alone, next to the sidecars only.
+    if request
+        .containers
+        .iter()
+        .any(|c| c.kind == ContainerKind::Init)
+    {
+        init_base.clear();
+        init_base.extend_from_slice(base);
+        for grant in grants.iter() {
+            if request.containers[grant.container].kind == ContainerKind::Sidecar {
+                init_base[grant.gpu].add_grant(grant.memory_bytes, grant.cores);
+            }
+        }
+        for (index, container) in request.containers.iter().enumerate() {
+            if container.kind == ContainerKind::Init {
+                init_work.clear();
+                init_work.extend_from_slice(init_base);
+                place_container(
+                    node, init_work, index, container, request, policy, candidates, grants, models,
+                )?;
+            }
+        }
+    }
+    Ok(())
+}
+
+#[allow(clippy::too_many_arguments)]
+fn place_container(
+    node: &NodeGpus,
+    usage: &mut [Usage],
+    index: usize,
+    container: &ContainerRequest,
+    request: &PodRequest,
+    policy: GpuPolicy,
+    candidates: &mut Vec<(u64, u64, usize, u64)>,
+    grants: &mut Vec<Grant>,
+    models: &mut ModelVerdicts,
+) -> Result<u32, Miss> {
+    candidates.clear();
+    let mut matching = 0;
+    for (i, gpu) in node.hot.iter().enumerate() {
+        let verdict = models.get(&gpu.model, &request.selectors);
+        matching += u32::from(gpu.healthy && verdict.is_ok());
+        if let Ok(need) = check_gpu(node, i, verdict, &usage[i], container, &request.selectors) {
+            let (primary, secondary) = preference(policy, gpu, &usage[i]);
+            candidates.push((primary, secondary, i, need));
+        }
+    }
+    let count = container.count as usize;
+    if candidates.len() < count {
+        let mut problems = Vec::new();
+        let mut possible = candidates.len();
+        for (i, gpu) in node.hot.iter().enumerate() {
+            let verdict = models.get(&gpu.model, &request.selectors);
+            if let Err(problem) =
+                check_gpu(node, i, verdict, &usage[i], container, &request.selectors)
+            {
+                if !problem.is_permanent() {
+                    possible += 1;
+                }
+                problems.push((i, problem));
+            }
+        }
+        return Err(Miss {
+            container: index,
+            fitting: candidates.len(),
+            problems,
+            permanent: possible < count,
+        });
+    }
+    if count == 1 {
+        // The common case: only the best one is needed.
+        if let Some(best) = candidates.iter().min().copied() {
+            candidates[0] = best;
+        }
+    } else {
+        candidates.sort_unstable();
+    }
+    for &(_, _, gpu, need) in candidates.iter().take(count) {
+        usage[gpu].add_grant(need, container.cores);
+        grants.push(Grant {
+            container: index,
+            gpu,
+            memory_bytes: need,
+            cores: container.cores,
+        });
+    }
+    Ok(matching)
+}
+
+/// Sort key of a GPU under `policy` (smaller is preferred; ties go to the
+/// lower index).
+fn preference(policy: GpuPolicy, gpu: &HotGpu, usage: &Usage) -> (u64, u64) {
+    // In MiB, so that the product stays far below 2^64.
+    let total = (gpu.memory_bytes >> 20).max(1);
+    let used = (usage.memory_bytes.min(gpu.memory_bytes)) >> 20;
+    let memory_permille = used * 1000 / total;
+    let load = memory_permille + u64::from(usage.cores.min(100)) * 10;
+    match policy {
+        GpuPolicy::FewestTasks => (u64::from(usage.tasks), load),
+        GpuPolicy::Binpack => (2000 - load, u64::MAX - u64::from(usage.tasks)),
+        GpuPolicy::Spread => (load, u64::from(usage.tasks)),
+    }
+}
+
+/// How full a node is, 0.0 to 1.0: the mean of its memory and compute in
+/// use over its healthy GPUs.
+pub fn node_load(node: &NodeGpus, usage: &[Usage]) -> f64 {
+    let mut total_memory = 0f64;
+    let mut used_memory = 0f64;
+    let mut used_cores = 0u64;
+    let mut healthy = 0u64;
+    for (gpu, usage) in node.hot.iter().zip(usage) {
+        if gpu.healthy {
+            healthy += 1;
+            total_memory += gpu.memory_bytes as f64;
+            used_memory += usage.memory_bytes.min(gpu.memory_bytes) as f64;
+            used_cores += u64::from(usage.cores.min(100));
+        }
+    }
+    if healthy == 0 || total_memory == 0.0 {
+        return 1.0;
+    }
+    let memory = used_memory / total_memory;
+    let cores = used_cores as f64 / (100 * healthy) as f64;
+    (memory + cores) / 2.0
+}
+
+fn mib(bytes: u64) -> u64 {
+    bytes >> 20
+}
+
+/// Describes one GPU problem in words.
+pub fn describe_problem(
+    gpu: &GpuInfo,
+    problem: GpuProblem,
+    selectors: &Selectors,
+    out: &mut String,
+) {
+    let uuid = &gpu.uuid;
+    let _ = match problem {
+        GpuProblem::Unhealthy => write!(out, "{uuid} is unhealthy"),
+        GpuProblem::TypeNotWanted => write!(
+            out,
+            "{uuid} is a {}, not one of {USE_GPU_TYPE_ANNOTATION} ({})",
+            gpu.model,
+            selectors.use_types.join(", ")
+        ),
+        GpuProblem::TypeExcluded(i) => write!(
+            out,
+            "{uuid} is a {}, excluded by {NOUSE_GPU_TYPE_ANNOTATION} ({})",
+            gpu.model,
+            selectors
+                .nouse_types
+                .get(i)
+                .map(String::as_str)
+                .unwrap_or("?")
+        ),
+        GpuProblem::UuidNotWanted => {
+            write!(out, "{uuid} is not in {USE_GPU_UUID_ANNOTATION}")
+        }
+        GpuProblem::UuidExcluded => {
+            write!(out, "{uuid} is excluded by {NOUSE_GPU_UUID_ANNOTATION}")
+        }
+        GpuProblem::TooSmall { need } => write!(
+            out,
+            "{uuid} has only {} MiB in all, container needs {} MiB",
+            mib(gpu.memory_bytes),
+            mib(need)
+        ),
+        GpuProblem::HeldExclusively => write!(
+            out,
+            "{uuid} is taken whole by another container (100% compute)"
+        ),
+        GpuProblem::NeedsWholeGpu { tasks } => write!(
+            out,
+            "{uuid} already runs {tasks} container(s), container needs it whole (100% compute)"
+        ),
+        GpuProblem::TasksFull { tasks } => write!(
+            out,
+            "{uuid} already runs {tasks} container(s), its limit (split count {})",
+            gpu.split_count
+        ),
+        GpuProblem::Memory { free, need } => write!(
+            out,
+            "{uuid} has {} MiB free, container needs {} MiB",
+            mib(free),
+            mib(need)
+        ),
+        GpuProblem::Cores { free, need } => write!(
+            out,
+            "{uuid} has {free}% compute free, container needs {need}%"
+        ),
+    };
+}
+
+/// Explains a [`Miss`] in a sentence a user can act on.
+pub fn explain(node: &NodeGpus, request: &PodRequest, miss: &Miss) -> String {
+    let container = &request.containers[miss.container];
+    let mut out = String::new();
+    let plural = |n: usize| if n == 1 { "" } else { "s" };
+    let _ = write!(
+        out,
+        "container {:?} needs {} GPU{} with {} and {}% compute each",
+        container.name,
+        container.count,
+        plural(container.count as usize),
+        container.memory.describe(),
+        container.cores
+    );
+    if node.is_empty() {
+        out.push_str("; the node has no GPUs");
+        return out;
+    }
+    let _ = write!(
+        out,
+        "; {} of the node's {} GPU{} can take it",
+        if miss.fitting == 0 {
+            "none".to_string()
+        } else {
+            format!("only {}", miss.fitting)
+        },
+        node.len(),
+        plural(node.len())
+    );
+    const SHOWN: usize = 4;
+    for (n, (gpu, problem)) in miss.problems.iter().enumerate() {
+        if n == SHOWN {
+            let _ = write!(out, "; and {} more", miss.problems.len() - SHOWN);
+            break;
+        }
+        out.push_str(if n == 0 { ": " } else { "; " });
+        if let Some(info) = node.gpus.get(*gpu) {
+            describe_problem(info, *problem, &request.selectors, &mut out);
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::requests::MemoryRequest;
+    use vgpu_common::decision::GpuInfo;
+
+    const GIB: u64 = 1 << 30;
+
+    fn gpu(index: u32, model: &str, memory_gib: u64) -> GpuInfo {
+        GpuInfo {
+            uuid: format!("GPU-{index}"),
+            index,
+            model: model.into(),
+            memory_bytes: memory_gib * GIB,
+            sm_count: 100,
+            split_count: 10,
+            numa: None,
+            healthy: true,
+        }
+    }
+
+    fn container(
+        name: &str,
+        kind: ContainerKind,
+        count: u32,
+        memory_gib: u64,
+        cores: u32,
+    ) -> ContainerRequest {
+        ContainerRequest {
+            name: name.into(),
+            kind,
+            count,
+            memory: MemoryRequest::Bytes(memory_gib * GIB),
+            cores,
+            priority: None,
+        }
+    }
+
+    fn request(containers: Vec<ContainerRequest>) -> PodRequest {
+        PodRequest {
+            containers,
+            ..PodRequest::default()
+        }
+    }
+
+    fn used(memory_gib: u64, cores: u32, tasks: u32) -> Usage {
+        Usage {
+            memory_bytes: memory_gib * GIB,
+            cores,
+            tasks,
+            exclusive: cores >= 100,
+        }
+    }
+
+    fn chosen(scratch: &Scratch) -> Vec<usize> {
+        scratch.grants.iter().map(|g| g.gpu).collect()
+    }
+
+    #[test]
+    fn policies_choose_different_gpus() {
+        let node = NodeGpus::new(vec![
+            gpu(0, "A10", 24),
+            gpu(1, "A10", 24),
+            gpu(2, "A10", 24),
+        ]);
+        // GPU 0: one big task; GPU 1: two small tasks; GPU 2: empty.
+        let base = vec![used(16, 50, 1), used(2, 10, 2), Usage::default()];
+        let req = request(vec![container("c", ContainerKind::App, 1, 4, 10)]);
+        let mut scratch = Scratch::default();
+        place_pod(&node, &base, &req, GpuPolicy::FewestTasks, &mut scratch).expect("fits");
+        assert_eq!(chosen(&scratch), vec![2]);
+        place_pod(&node, &base, &req, GpuPolicy::Binpack, &mut scratch).expect("fits");
+        assert_eq!(chosen(&scratch), vec![0]);
+        place_pod(&node, &base, &req, GpuPolicy::Spread, &mut scratch).expect("fits");
+        assert_eq!(chosen(&scratch), vec![2]);
+        let base = vec![used(16, 50, 1), used(2, 10, 2), used(1, 0, 3)];
+        place_pod(&node, &base, &req, GpuPolicy::FewestTasks, &mut scratch).expect("fits");
+        assert_eq!(
+            chosen(&scratch),
+            vec![0],
+            "fewest containers, not least memory"
+        );
+        place_pod(&node, &base, &req, GpuPolicy::Spread, &mut scratch).expect("fits");
+        assert_eq!(chosen(&scratch), vec![2], "least memory and compute");
+    }
+
+    #[test]
+    fn multi_gpu_containers_use_distinct_gpus() {
+        let node = NodeGpus::new(vec![gpu(0, "A10", 24), gpu(1, "A10", 24)]);
+        let base = vec![Usage::default(); 2];
+        let req = request(vec![container("c", ContainerKind::App, 2, 1, 0)]);
+        let mut scratch = Scratch::default();
+        place_pod(&node, &base, &req, GpuPolicy::Binpack, &mut scratch).expect("fits");
+        assert_eq!(chosen(&scratch), vec![0, 1]);
+        let req = request(vec![container("c", ContainerKind::App, 3, 1, 0)]);
+        let miss =
+            place_pod(&node, &base, &req, GpuPolicy::Binpack, &mut scratch).expect_err("3 > 2");
+        assert_eq!(miss.fitting, 2);
+        assert!(miss.permanent);
+    }
+
+    #[test]
+    fn exclusivity_holds_both_ways() {
+        let node = NodeGpus::new(vec![gpu(0, "A10", 24)]);
+        let mut scratch = Scratch::default();
+        let whole = request(vec![container("w", ContainerKind::App, 1, 1, 100)]);
+        let miss = place_pod(
+            &node,
+            &[used(1, 0, 1)],
+            &whole,
+            GpuPolicy::FewestTasks,
+            &mut scratch,
+        )
+        .expect_err("busy");
+        assert_eq!(
+            miss.problems,
+            vec![(0, GpuProblem::NeedsWholeGpu { tasks: 1 })]
+        );
+        assert!(!miss.permanent);
+        let small = request(vec![container("s", ContainerKind::App, 1, 0, 0)]);
+        let held = Usage {
+            exclusive: true,
+            ..used(1, 100, 1)
+        };
+        let miss = place_pod(&node, &[held], &small, GpuPolicy::FewestTasks, &mut scratch)
+            .expect_err("held");
+        assert_eq!(miss.problems, vec![(0, GpuProblem::HeldExclusively)]);
+        place_pod(
+            &node,
+            &[Usage::default()],
+            &whole,
+            GpuPolicy::FewestTasks,
+            &mut scratch,
+        )
+        .expect("empty GPU");
+    }
+
+    #[test]
+    fn init_containers_do_not_add_up_with_the_others() {
+        let node = NodeGpus::new(vec![gpu(0, "A10", 24)]);
+        let mut scratch = Scratch::default();
+        let req = request(vec![
+            container("setup", ContainerKind::Init, 1, 20, 100),
+            container("main", ContainerKind::App, 1, 20, 50),
+        ]);
+        place_pod(
+            &node,
+            &[Usage::default()],
+            &req,
+            GpuPolicy::FewestTasks,
+            &mut scratch,
+        )
+        .expect("init runs before main");
+        assert_eq!(scratch.grants.len(), 2);
+        assert_eq!(
+            scratch.after[0],
+            used(20, 50, 1),
+            "only main counts once running"
+        );
+        // A sidecar runs alongside both.
+        let req = request(vec![
+            container("proxy", ContainerKind::Sidecar, 1, 8, 10),
+            container("setup", ContainerKind::Init, 1, 20, 10),
+        ]);
+        let miss = place_pod(
+            &node,
+            &[Usage::default()],
+            &req,
+            GpuPolicy::FewestTasks,
+            &mut scratch,
+        )
+        .expect_err("8 + 20 > 24");
+        assert_eq!(miss.container, 1);
+    }
+
+    #[test]
+    fn problems_read_like_sentences() {
+        let mut small = gpu(1, "Tesla T4", 16);
+        small.uuid = "GPU-5e1f".into();
+        let mut sick = gpu(2, "Tesla T4", 16);
+        sick.healthy = false;
+        let node = NodeGpus::new(vec![small, sick]);
+        let req = request(vec![container("train", ContainerKind::App, 1, 4, 30)]);
+        let mut scratch = Scratch::default();
+        let miss = place_pod(
+            &node,
+            &[used(14, 0, 1), Usage::default()],
+            &req,
+            GpuPolicy::FewestTasks,
+            &mut scratch,
+        )
+        .expect_err("full");
+        let text = explain(&node, &req, &miss);
+        assert_eq!(
+            text,
+            "container \"train\" needs 1 GPU with 4096 MiB and 30% compute each; none of the node's 2 GPUs can take it: \
+             GPU-5e1f has 2048 MiB free, container needs 4096 MiB; GPU-2 is unhealthy"
+        );
+        assert!(!miss.permanent, "memory can be freed by eviction");
+    }
+
+    #[test]
+    fn node_load_averages_memory_and_compute() {
+        let node = NodeGpus::new(vec![gpu(0, "A10", 10), gpu(1, "A10", 10)]);
+        assert_eq!(node_load(&node, &[Usage::default(); 2]), 0.0);
+        let load = node_load(&node, &[used(10, 100, 1), Usage::default()]);
+        assert!((load - 0.5).abs() < 1e-9, "{load}");
+    }
+}

@@ -1,0 +1,131 @@
+//! `vgpu-scheduler`: the kube-scheduler HTTP extender of vgpu.
+//!
+//! It picks, for every pod that asks for vGPUs, a node and the GPUs on it,
+//! writes that choice into the pod (`vgpu.io/decision`) and binds the pod;
+//! the device plugin on the node then hands each container exactly those
+//! GPUs. The protocol between the two is described in
+//! [`vgpu_common::decision`].
+//!
+//! - [`extender`]: kube-scheduler's extender v1 JSON types.
+//! - [`requests`]: what a pod asks for (resources and annotations).
+//! - [`fit`]: whether and where a pod fits on one node's GPUs.
+//! - [`policy`]: GPU and node policies.
+//! - [`state`]: nodes and decided pods, rebuilt from the API watch.
+//! - [`api`]: the Kubernetes client, watches and writes.
+//! - [`scheduler`]: filter, prioritize and bind.
+//! - [`server`]: the HTTP(S) server.
+//! - [`cli`]: command-line flags.
+//! - [`client`]: a minimal HTTP client for the extender (tests, benchmark).
+
+pub mod api;
+pub mod cli;
+pub mod client;
+pub mod extender;
+pub mod fit;
+pub mod policy;
+pub mod requests;
+pub mod scheduler;
+pub mod server;
+pub mod state;
+
+use crate::api::{ApiError, ApiSource, KubeApi};
+use crate::scheduler::{Config, Scheduler};
+use crate::state::SharedState;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+use tokio::net::TcpListener;
+use tokio::task::JoinHandle;
+
+/// A running extender: API watches and the server.
+pub struct Running {
+    pub local_addr: SocketAddr,
+    pub scheduler: Arc<Scheduler>,
+    server: JoinHandle<()>,
+    watches: Vec<JoinHandle<()>>,
+    shutdown: Option<tokio::sync::oneshot::Sender<()>>,
+}
+
+/// Starts the extender on `listener`, with its state fed by the API at
+/// `source`. It answers at once; filter and bind refuse until the first
+/// complete lists of pods and nodes are in (`GET /readyz`).
+pub async fn start(
+    config: Config,
+    source: &ApiSource,
+    listener: TcpListener,
+    tls: Option<Arc<rustls::ServerConfig>>,
+) -> Result<Running, ApiError> {
+    let client = api::make_client(source).await?;
+    let state = Arc::new(SharedState::new());
+    let watches = vec![
+        tokio::spawn(api::watch_pods(client.clone(), state.clone())),
+        tokio::spawn(api::watch_nodes(client.clone(), state.clone())),
+    ];
+    let scheduler = Arc::new(Scheduler::new(config, state, Some(KubeApi::new(client))));
+    let local_addr = listener
+        .local_addr()
+        .map_err(|e| ApiError::Config(format!("listener address: {e}")))?;
+    let (shutdown, stop) = tokio::sync::oneshot::channel::<()>();
+    let server = tokio::spawn(server::serve(
+        listener,
+        server::router(scheduler.clone()),
+        tls,
+        async move {
+            let _ = stop.await;
+        },
+    ));
+    Ok(Running {
+        local_addr,
+        scheduler,
+        server,
+        watches,
+        shutdown: Some(shutdown),
+    })
+}
+
+impl Running {
+    /// Waits until the state is synced, up to `timeout`.
+    pub async fn wait_ready(&self, timeout: Duration) -> bool {
+        let deadline = tokio::time::Instant::now() + timeout;
+        while !self.scheduler.ready() {
+            if tokio::time::Instant::now() >= deadline {
+                return false;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        true
+    }
+
+    /// Runs until `signal` completes, then stops accepting, gives binds in
+    /// flight up to `drain` to finish, and returns.
+    pub async fn serve_until(
+        mut self,
+        signal: impl std::future::Future<Output = ()>,
+        drain: Duration,
+    ) {
+        tokio::select! {
+            _ = signal => {}
+            _ = &mut self.server => {}
+        }
+        if let Some(shutdown) = self.shutdown.take() {
+            let _ = shutdown.send(());
+        }
+        let deadline = tokio::time::Instant::now() + drain;
+        while self.scheduler.binds_in_flight() > 0 && tokio::time::Instant::now() < deadline {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        self.stop();
+    }
+
+    /// Stops everything at once, as a crash would: open connections and
+    /// binds in flight are dropped wherever they are.
+    pub fn stop(mut self) {
+        if let Some(shutdown) = self.shutdown.take() {
+            let _ = shutdown.send(());
+        }
+        self.server.abort();
+        for watch in &self.watches {
+            watch.abort();
+        }
+    }
+}

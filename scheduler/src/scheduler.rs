@@ -1,0 +1,861 @@
+//! The extender's three verbs.
+//!
+//! *Filter* and *prioritize* read the state only. *Bind* is where the
+//! choice becomes real, and where conflicting choices are ruled out by
+//! construction:
+//!
+//! 1. One in-process lock per node is held across check, record and bind,
+//!    so two binds to one node never interleave.
+//! 2. Under it, the bind waits (up to `--bind-wait-ms`) until the node has
+//!    no *pending* pod (decided, not yet fully allocated by the device
+//!    plugin), then places the pod on the node's GPUs as they are now.
+//! 3. The decision is written to the pod with its `resourceVersion` as a
+//!    precondition, and applied to the state at once, before the lock is
+//!    released: the next bind on the node sees this pod pending.
+//! 4. Only then is the pod bound. If binding fails, the decision is removed
+//!    again (with the new `resourceVersion` as precondition, so a pod that
+//!    was bound after all keeps it).
+//!
+//! Run one extender replica: the node locks are in memory.
+
+use crate::api::{ApiError, KubeApi};
+use crate::extender::{
+    ExtenderArgs, ExtenderBindingArgs, ExtenderBindingResult, ExtenderFilterResult, FailedNodesMap,
+    NodeList, MAX_EXTENDER_PRIORITY,
+};
+use crate::fit::{explain, node_load, place_pod, Scratch};
+use crate::policy::{node_score, GpuPolicy, NodePolicy};
+use crate::requests::{parse_pod, PodRequest, RequestDefaults, ResourceNames};
+use crate::state::{now_unix_ms, ClusterState, FastMap, Inventory, SharedState};
+use k8s_openapi::api::core::v1::Pod;
+use serde::Serialize;
+use std::collections::HashMap;
+use std::hash::BuildHasher;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+use std::time::Instant;
+use vgpu_common::decision::{
+    ContainerDecision, Decision, DeviceGrant, FORMAT_VERSION, HEARTBEAT_STALE_MS,
+    NODE_INVENTORY_ANNOTATION,
+};
+
+/// How the extender decides.
+#[derive(Clone, Debug)]
+pub struct Config {
+    pub resources: ResourceNames,
+    pub defaults: RequestDefaults,
+    pub gpu_policy: GpuPolicy,
+    pub node_policy: NodePolicy,
+    /// How long a bind waits for the node's pending pod (kube-scheduler
+    /// gives an extender call 5 s by default).
+    pub bind_wait: Duration,
+    /// How long a decision whose pod is not bound yet keeps its node busy.
+    pub unbound_grace: Duration,
+}
+
+impl Default for Config {
+    fn default() -> Self {
+        Self {
+            resources: ResourceNames::default(),
+            defaults: RequestDefaults::default(),
+            gpu_policy: GpuPolicy::default(),
+            node_policy: NodePolicy::default(),
+            bind_wait: Duration::from_millis(3000),
+            unbound_grace: Duration::from_secs(30),
+        }
+    }
+}
+
+/// An HTTP answer: status and JSON body.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Reply {
+    pub status: u16,
+    pub body: Vec<u8>,
+}
+
+impl Reply {
+    fn json<T: Serialize>(status: u16, value: &T) -> Self {
+        Self::json_sized(status, value, 256)
+    }
+
+    /// Like [`Reply::json`], with room for about `capacity` bytes up front
+    /// (answers listing thousands of nodes are not grown step by step).
+    fn json_sized<T: Serialize>(status: u16, value: &T, capacity: usize) -> Self {
+        let mut body = Vec::with_capacity(capacity);
+        if serde_json::to_writer(&mut body, value).is_err() {
+            body = b"{}".to_vec();
+        }
+        Self { status, body }
+    }
+}
+
+/// How long, and for how many pods, the loads a filter call computed are
+/// kept for the prioritize call that follows it.
+const SCORE_CACHE_TTL: Duration = Duration::from_secs(5);
+const SCORE_CACHE_ENTRIES: usize = 16;
+
+/// The loads of the nodes a pod fits, by node name hash.
+struct ScoreEntry {
+    uid: String,
+    version: String,
+    at: Instant,
+    loads: FastMap<u64, (f64, u32)>,
+}
+
+/// What a filter call found.
+struct FilterOutcome<'a> {
+    passed: Vec<&'a str>,
+    failed: FailedNodesMap,
+    unresolvable: FailedNodesMap,
+}
+
+/// `ExtenderFilterResult`, written from borrowed parts.
+#[derive(Serialize)]
+struct FilterReply<'a> {
+    #[serde(rename = "Nodes")]
+    nodes: Option<NodeList>,
+    #[serde(rename = "NodeNames")]
+    node_names: Option<&'a [&'a str]>,
+    #[serde(rename = "FailedNodes")]
+    failed_nodes: &'a FailedNodesMap,
+    #[serde(rename = "FailedAndUnresolvableNodes")]
+    failed_and_unresolvable_nodes: &'a FailedNodesMap,
+    #[serde(rename = "Error")]
+    error: &'a str,
+}
+
+/// `HostPriority`, written from a borrowed name.
+#[derive(Serialize)]
+struct Score<'a> {
+    #[serde(rename = "Host")]
+    host: &'a str,
+    #[serde(rename = "Score")]
+    score: i64,
+}
+
+#[derive(Serialize)]
+struct ErrorBody {
+    #[serde(rename = "Error")]
+    error: String,
+}
+
+/// Why a node cannot take a pod.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Rejection {
+    pub message: String,
+    /// Evicting pods would not help.
+    pub permanent: bool,
+}
+
+impl Rejection {
+    fn permanent(message: impl Into<String>) -> Self {
+        Self {
+            message: message.into(),
+            permanent: true,
+        }
+    }
+}
+
+/// The extender.
+pub struct Scheduler {
+    config: Config,
+    state: Arc<SharedState>,
+    api: Option<KubeApi>,
+    node_locks: Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
+    hasher: foldhash::fast::RandomState,
+    score_cache: Mutex<Vec<ScoreEntry>>,
+    binds_in_flight: AtomicUsize,
+}
+
+/// Counts a bind while it runs.
+struct InFlight<'a>(&'a AtomicUsize);
+
+impl<'a> InFlight<'a> {
+    fn enter(counter: &'a AtomicUsize) -> Self {
+        counter.fetch_add(1, Ordering::SeqCst);
+        Self(counter)
+    }
+}
+
+impl Drop for InFlight<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::SeqCst);
+    }
+}
+
+fn pod_key(pod: &Pod) -> String {
+    format!(
+        "{}/{}",
+        pod.metadata.namespace.as_deref().unwrap_or(""),
+        pod.metadata.name.as_deref().unwrap_or("")
+    )
+}
+
+/// Candidate node names, in the order kube-scheduler sent them.
+fn candidates<'a>(args: &'a ExtenderArgs<'a>) -> Result<Vec<&'a str>, String> {
+    if let Some(names) = &args.node_names {
+        return Ok(names.iter().map(|n| n.as_ref()).collect());
+    }
+    if let Some(nodes) = &args.nodes {
+        return Ok(nodes
+            .items
+            .iter()
+            .flatten()
+            .filter_map(NodeList::node_name)
+            .collect());
+    }
+    Err("ExtenderArgs has neither NodeNames nor Nodes".to_string())
+}
+
+impl Scheduler {
+    pub fn new(config: Config, state: Arc<SharedState>, api: Option<KubeApi>) -> Self {
+        Self {
+            config,
+            state,
+            api,
+            node_locks: Mutex::new(HashMap::new()),
+            hasher: foldhash::fast::RandomState::default(),
+            score_cache: Mutex::new(Vec::new()),
+            binds_in_flight: AtomicUsize::new(0),
+        }
+    }
+
+    pub fn config(&self) -> &Config {
+        &self.config
+    }
+
+    pub fn state(&self) -> &Arc<SharedState> {
+        &self.state
+    }
+
+    /// Binds running now (a stopping extender lets them finish).
+    pub fn binds_in_flight(&self) -> usize {
+        self.binds_in_flight.load(Ordering::SeqCst)
+    }
+
+    /// Whether the first lists of pods and nodes are in.
+    pub fn ready(&self) -> bool {
+        self.state.read().synced()
+    }
+
+    /// `GET /debug/state`.
+    pub fn debug_state(&self) -> Reply {
+        let snapshot = self
+            .state
+            .read()
+            .snapshot(now_unix_ms(), self.config.unbound_grace);
+        Reply::json(200, &snapshot)
+    }
+
+    fn parse(&self, pod: &Pod) -> Result<PodRequest, String> {
+        parse_pod(pod, &self.config.resources, &self.config.defaults)
+            .map_err(|e| format!("pod {}: {e}", pod_key(pod)))
+    }
+
+    /// Whether `request` fits on node `name`; on success returns the node's
+    /// load after placing it (0.0 to 1.0). `own` is the pod's UID and the
+    /// node where an earlier decision of it is counted, if any.
+    #[allow(clippy::too_many_arguments)]
+    fn evaluate(
+        &self,
+        state: &ClusterState,
+        name: &str,
+        own: (&str, Option<&str>),
+        request: &PodRequest,
+        policy: GpuPolicy,
+        now_unix_ms: u64,
+        scratch: &mut Scratch,
+    ) -> Result<f64, Rejection> {
+        let node = match state.node(name) {
+            Some(node) if node.in_api => node,
+            _ => {
+                return Err(Rejection::permanent(
+                    "vgpu-scheduler does not know this node (it is not in its watch of the Kubernetes API)",
+                ))
+            }
+        };
+        match &node.inventory {
+            Inventory::Missing => {
+                return Err(Rejection::permanent(format!(
+                    "node has no vGPU inventory (annotation {NODE_INVENTORY_ANNOTATION}); is the vgpu device plugin running on it?"
+                )))
+            }
+            Inventory::Invalid(error) => {
+                return Err(Rejection::permanent(format!(
+                    "node's vGPU inventory is unreadable: {error}"
+                )))
+            }
+            Inventory::Valid { heartbeat_unix_ms } => {
+                let age = now_unix_ms.saturating_sub(*heartbeat_unix_ms);
+                if age > HEARTBEAT_STALE_MS {
+                    return Err(Rejection::permanent(format!(
+                        "the vgpu device plugin on this node last reported {} s ago (more than {} s): no new vGPU pods until it reports again",
+                        age / 1000,
+                        HEARTBEAT_STALE_MS / 1000
+                    )));
+                }
+            }
+        }
+        let (uid, own_node) = own;
+        let base = if own_node == Some(name) {
+            state.usage_excluding(node, uid)
+        } else {
+            std::borrow::Cow::Borrowed(&node.usage[..])
+        };
+        match place_pod(&node.gpus, &base, request, policy, scratch) {
+            Ok(()) => Ok(node_load(&node.gpus, &scratch.after)),
+            Err(miss) => Err(Rejection {
+                message: explain(&node.gpus, request, &miss),
+                permanent: miss.permanent,
+            }),
+        }
+    }
+
+    // ---- filter ----
+
+    /// `POST /filter`.
+    pub fn filter(&self, body: &[u8]) -> Reply {
+        let args = match serde_json::from_slice::<ExtenderArgs>(body) {
+            Ok(args) => args,
+            Err(error) => {
+                return Reply::json(
+                    400,
+                    &ExtenderFilterResult::error(format!(
+                        "request body is not ExtenderArgs JSON: {error}"
+                    )),
+                )
+            }
+        };
+        let outcome = match self.filter_outcome(&args) {
+            Ok(outcome) => outcome,
+            Err(error) => return Reply::json(200, &ExtenderFilterResult::error(error)),
+        };
+        let mut reply = FilterReply {
+            nodes: None,
+            node_names: None,
+            failed_nodes: &outcome.failed,
+            failed_and_unresolvable_nodes: &outcome.unresolvable,
+            error: "",
+        };
+        if args.node_names.is_some() {
+            reply.node_names = Some(&outcome.passed);
+        } else if let Some(nodes) = &args.nodes {
+            let keep: std::collections::HashSet<&str> = outcome.passed.iter().copied().collect();
+            reply.nodes = Some(NodeList {
+                metadata: nodes.metadata.clone(),
+                items: Some(
+                    nodes
+                        .items
+                        .iter()
+                        .flatten()
+                        .filter(|n| NodeList::node_name(n).is_some_and(|name| keep.contains(name)))
+                        .cloned()
+                        .collect(),
+                ),
+            });
+        }
+        let capacity = 64
+            + 24 * outcome.passed.len()
+            + 256 * (outcome.failed.len() + outcome.unresolvable.len());
+        Reply::json_sized(200, &reply, capacity)
+    }
+
+    /// Which candidates fit; remembers their loads for the prioritize call
+    /// that follows.
+    fn filter_outcome<'a>(&self, args: &'a ExtenderArgs<'a>) -> Result<FilterOutcome<'a>, String> {
+        let pod = args.pod.as_ref().ok_or("ExtenderArgs has no Pod")?;
+        let names = candidates(args)?;
+        let request = self
+            .parse(pod)
+            .inspect_err(|error| tracing::info!("filter: {error}"))?;
+        let mut outcome = FilterOutcome {
+            passed: Vec::with_capacity(names.len()),
+            failed: FailedNodesMap::new(),
+            unresolvable: FailedNodesMap::new(),
+        };
+        if request.is_empty() {
+            outcome.passed = names;
+            return Ok(outcome);
+        }
+        let state = self.state.read();
+        if !state.synced() {
+            return Err(
+                "vgpu-scheduler is still listing pods and nodes from the Kubernetes API; retry shortly"
+                    .to_string(),
+            );
+        }
+        let uid = pod.metadata.uid.as_deref().unwrap_or("");
+        let own = (uid, state.counted_node_of(uid));
+        let policy = request.gpu_policy.unwrap_or(self.config.gpu_policy);
+        let now = now_unix_ms();
+        let mut scratch = Scratch::default();
+        let mut loads = FastMap::with_capacity_and_hasher(names.len(), self.hasher.clone());
+        for name in names {
+            match self.evaluate(&state, name, own, &request, policy, now, &mut scratch) {
+                Ok(load) => {
+                    loads.insert(self.hasher.hash_one(name), (load, scratch.matching));
+                    outcome.passed.push(name);
+                }
+                Err(rejection) if rejection.permanent => {
+                    outcome
+                        .unresolvable
+                        .insert(name.to_string(), rejection.message);
+                }
+                Err(rejection) => {
+                    outcome.failed.insert(name.to_string(), rejection.message);
+                }
+            }
+        }
+        drop(state);
+        let key = pod_key(pod);
+        if outcome.passed.is_empty() {
+            let example = outcome
+                .failed
+                .iter()
+                .chain(&outcome.unresolvable)
+                .next()
+                .map(|(node, why)| format!(" (e.g. {node}: {why})"))
+                .unwrap_or_default();
+            tracing::info!("filter {key}: no node fits{example}");
+        } else {
+            tracing::debug!("filter {key}: {} node(s) fit", outcome.passed.len());
+            if !uid.is_empty() {
+                self.remember(ScoreEntry {
+                    uid: uid.to_string(),
+                    version: pod.metadata.resource_version.clone().unwrap_or_default(),
+                    at: Instant::now(),
+                    loads,
+                });
+            }
+        }
+        Ok(outcome)
+    }
+
+    fn remember(&self, entry: ScoreEntry) {
+        let mut cache = self
+            .score_cache
+            .lock()
+            .unwrap_or_else(|poison| poison.into_inner());
+        cache.retain(|e| e.uid != entry.uid && e.at.elapsed() < SCORE_CACHE_TTL);
+        if cache.len() >= SCORE_CACHE_ENTRIES {
+            cache.remove(0);
+        }
+        cache.push(entry);
+    }
+
+    /// The loads the filter call for this pod version computed, if recent.
+    fn recall(&self, uid: &str, version: &str) -> Option<ScoreEntry> {
+        let mut cache = self
+            .score_cache
+            .lock()
+            .unwrap_or_else(|poison| poison.into_inner());
+        let index = cache.iter().position(|e| e.uid == uid)?;
+        let entry = cache.remove(index);
+        (entry.version == version && entry.at.elapsed() < SCORE_CACHE_TTL).then_some(entry)
+    }
+
+    // ---- prioritize ----
+
+    /// `POST /prioritize`.
+    pub fn prioritize(&self, body: &[u8]) -> Reply {
+        match serde_json::from_slice::<ExtenderArgs>(body) {
+            Ok(args) => match self.prioritize_scores(&args) {
+                Ok(list) => Reply::json_sized(200, &list, 16 + 40 * list.len()),
+                Err(error) => Reply::json(400, &ErrorBody { error }),
+            },
+            Err(error) => Reply::json(
+                400,
+                &ErrorBody {
+                    error: format!("request body is not ExtenderArgs JSON: {error}"),
+                },
+            ),
+        }
+    }
+
+    /// Scores 0 to 10; nodes the pod does not fit get 0. The loads come
+    /// from the filter call just before, when there was one for this pod
+    /// version in the last seconds (the binding re-checks everything, so a
+    /// score a few milliseconds old is only ever advice).
+    fn prioritize_scores<'a>(&self, args: &'a ExtenderArgs<'a>) -> Result<Vec<Score<'a>>, String> {
+        let pod = args.pod.as_ref().ok_or("ExtenderArgs has no Pod")?;
+        let names = candidates(args)?;
+        let zero = |names: Vec<&'a str>| {
+            names
+                .into_iter()
+                .map(|host| Score { host, score: 0 })
+                .collect()
+        };
+        let request = match self.parse(pod) {
+            Ok(request) if !request.is_empty() => request,
+            Ok(_) => return Ok(zero(names)),
+            Err(error) => {
+                tracing::info!("prioritize: {error}");
+                return Ok(zero(names));
+            }
+        };
+        let uid = pod.metadata.uid.as_deref().unwrap_or("");
+        let version = pod.metadata.resource_version.as_deref().unwrap_or("");
+        let cached = self.recall(uid, version);
+        let state = self.state.read();
+        if !state.synced() {
+            return Ok(zero(names));
+        }
+        let own = (uid, state.counted_node_of(uid));
+        let gpu_policy = request.gpu_policy.unwrap_or(self.config.gpu_policy);
+        let node_policy = request.node_policy.unwrap_or(self.config.node_policy);
+        let wants_model = !request.selectors.use_types.is_empty();
+        let now = now_unix_ms();
+        let mut scratch = Scratch::default();
+        let mut evaluated: Vec<Option<(f64, u32)>> = Vec::with_capacity(names.len());
+        for name in &names {
+            let known = cached
+                .as_ref()
+                .and_then(|c| c.loads.get(&self.hasher.hash_one(name)).copied());
+            let result = match known {
+                Some(known) => Some(known),
+                None => self
+                    .evaluate(&state, name, own, &request, gpu_policy, now, &mut scratch)
+                    .ok()
+                    .map(|load| (load, scratch.matching)),
+            };
+            evaluated.push(result);
+        }
+        drop(state);
+        let most_matching = evaluated
+            .iter()
+            .flatten()
+            .map(|(_, m)| *m)
+            .max()
+            .unwrap_or(0);
+        Ok(names
+            .into_iter()
+            .zip(evaluated)
+            .map(|(host, result)| {
+                let score = match result {
+                    None => 0,
+                    Some((load, matching)) => {
+                        let seed = if node_policy == NodePolicy::Random {
+                            self.random(uid, host)
+                        } else {
+                            0
+                        };
+                        let score = node_score(node_policy, load, seed);
+                        // Prefer nodes with more GPUs of a requested model.
+                        let combined = if wants_model && most_matching > 0 {
+                            (score + f64::from(matching) / f64::from(most_matching)) / 2.0
+                        } else {
+                            score
+                        };
+                        (combined * MAX_EXTENDER_PRIORITY as f64).round() as i64
+                    }
+                };
+                Score {
+                    host,
+                    score: score.clamp(0, MAX_EXTENDER_PRIORITY),
+                }
+            })
+            .collect())
+    }
+
+    /// A number that is random across pods and nodes, but the same for one
+    /// pod and node within this process.
+    fn random(&self, uid: &str, node: &str) -> u64 {
+        self.hasher.hash_one((uid, node))
+    }
+
+    // ---- bind ----
+
+    /// `POST /bind`.
+    pub async fn bind(&self, body: &[u8]) -> Reply {
+        match serde_json::from_slice::<ExtenderBindingArgs>(body) {
+            Ok(args) => Reply::json(200, &self.bind_args(&args).await),
+            Err(error) => Reply::json(
+                400,
+                &ExtenderBindingResult {
+                    error: format!("request body is not ExtenderBindingArgs JSON: {error}"),
+                },
+            ),
+        }
+    }
+
+    pub async fn bind_args(&self, args: &ExtenderBindingArgs) -> ExtenderBindingResult {
+        let _in_flight = InFlight::enter(&self.binds_in_flight);
+        let key = format!("{}/{}", args.pod_namespace, args.pod_name);
+        match self.bind_inner(args).await {
+            Ok(summary) => {
+                tracing::info!("bound {key} to {}{summary}", args.node);
+                ExtenderBindingResult::default()
+            }
+            Err(error) => {
+                tracing::info!("bind {key} to {}: {error}", args.node);
+                ExtenderBindingResult { error }
+            }
+        }
+    }
+
+    fn node_lock(&self, node: &str) -> Arc<tokio::sync::Mutex<()>> {
+        let mut locks = self
+            .node_locks
+            .lock()
+            .unwrap_or_else(|poison| poison.into_inner());
+        locks.entry(node.to_string()).or_default().clone()
+    }
+
+    async fn bind_inner(&self, args: &ExtenderBindingArgs) -> Result<String, String> {
+        let (namespace, name, node) = (&args.pod_namespace, &args.pod_name, &args.node);
+        if name.is_empty() || namespace.is_empty() || node.is_empty() {
+            return Err("ExtenderBindingArgs needs PodName, PodNamespace and Node".to_string());
+        }
+        let api = self
+            .api
+            .as_ref()
+            .ok_or("vgpu-scheduler runs without a Kubernetes API and cannot bind")?;
+        let key = format!("{namespace}/{name}");
+        let deadline = tokio::time::Instant::now() + self.config.bind_wait;
+
+        let mut pod = self.fetch(api, args).await?;
+        let request = self.parse(&pod)?;
+        if let Some(bound) = pod.spec.as_ref().and_then(|s| s.node_name.as_deref()) {
+            return if bound == node.as_str() {
+                Ok(" (it already was)".to_string())
+            } else {
+                Err(format!("pod {key} is already bound to node {bound}"))
+            };
+        }
+        if request.is_empty() {
+            api.bind(namespace, name, &args.pod_uid, node)
+                .await
+                .map_err(|e| format!("binding pod {key} to node {node} failed: {e}"))?;
+            return Ok(" (no GPUs)".to_string());
+        }
+
+        // Check, record and bind under the node's lock.
+        if !self.state.read().node(node).is_some_and(|n| n.in_api) {
+            return Err(format!(
+                "vgpu-scheduler does not know node {node} (it is not in its watch of the Kubernetes API)"
+            ));
+        }
+        let lock = self.node_lock(node);
+        let _guard = tokio::time::timeout_at(deadline, lock.lock())
+            .await
+            .map_err(|_| {
+                format!(
+                    "node {node} is busy with other binds for more than {} ms; kube-scheduler will retry",
+                    self.config.bind_wait.as_millis()
+                )
+            })?;
+        let mut request = request;
+        let mut attempt = 0;
+        let written = loop {
+            attempt += 1;
+            let uid = pod.metadata.uid.clone().unwrap_or_default();
+            let decision = self
+                .wait_and_place(&key, &uid, node, &request, deadline)
+                .await?;
+            let version = pod.metadata.resource_version.clone().unwrap_or_default();
+            match api
+                .write_decision(namespace, name, &version, &decision.to_json())
+                .await
+            {
+                Ok(written) => break written,
+                Err(ApiError::Conflict(_)) if attempt < 3 => {
+                    // The pod changed since it was read: read it again (its
+                    // annotations may choose other GPUs) and decide again.
+                    pod = self.fetch(api, args).await?;
+                    if pod
+                        .spec
+                        .as_ref()
+                        .and_then(|s| s.node_name.as_deref())
+                        .is_some()
+                    {
+                        return Err(format!("pod {key} was bound by someone else meanwhile"));
+                    }
+                    request = self.parse(&pod)?;
+                }
+                Err(error) => {
+                    return Err(format!(
+                        "recording the decision on pod {key} failed: {error}"
+                    ))
+                }
+            }
+        };
+        self.state.update(|s| s.apply_pod(&written, true));
+        let uid = written.metadata.uid.clone().unwrap_or_default();
+        match api.bind(namespace, name, &uid, node).await {
+            Ok(()) => {
+                self.state.update(|s| s.mark_bound(&uid, node));
+                Ok(summarize(&written))
+            }
+            Err(error) => {
+                let version = written
+                    .metadata
+                    .resource_version
+                    .clone()
+                    .unwrap_or_default();
+                match api.clear_decision(namespace, name, &version).await {
+                    Ok(cleared) => self.state.update(|s| s.apply_pod(&cleared, true)),
+                    Err(clear_error) => tracing::warn!(
+                        "pod {key}: binding failed and the decision could not be removed ({clear_error}); it expires after {} s",
+                        self.config.unbound_grace.as_secs()
+                    ),
+                }
+                Err(format!("binding pod {key} to node {node} failed: {error}"))
+            }
+        }
+    }
+
+    async fn fetch(&self, api: &KubeApi, args: &ExtenderBindingArgs) -> Result<Pod, String> {
+        let key = format!("{}/{}", args.pod_namespace, args.pod_name);
+        let pod = api
+            .get_pod(&args.pod_namespace, &args.pod_name)
+            .await
+            .map_err(|e| format!("reading pod {key} failed: {e}"))?;
+        let uid = pod.metadata.uid.as_deref().unwrap_or("");
+        if !args.pod_uid.is_empty() && uid != args.pod_uid {
+            return Err(format!(
+                "pod {key} now has UID {uid}, not {} (it was recreated)",
+                args.pod_uid
+            ));
+        }
+        Ok(pod)
+    }
+
+    /// Waits until `node` has no pending pod, then places the pod on it.
+    async fn wait_and_place(
+        &self,
+        key: &str,
+        uid: &str,
+        node: &str,
+        request: &PodRequest,
+        deadline: tokio::time::Instant,
+    ) -> Result<Decision, String> {
+        let mut changes = self.state.subscribe();
+        let policy = request.gpu_policy.unwrap_or(self.config.gpu_policy);
+        let mut scratch = Scratch::default();
+        loop {
+            changes.borrow_and_update();
+            let outcome = {
+                let state = self.state.read();
+                if !state.synced() {
+                    Err(
+                        "vgpu-scheduler is still listing pods and nodes from the Kubernetes API; retry shortly"
+                            .to_string(),
+                    )
+                } else {
+                    let now = now_unix_ms();
+                    let pending: Vec<String> = state
+                        .pending_on(node, now, self.config.unbound_grace, uid)
+                        .into_iter()
+                        .map(|p| p.key())
+                        .collect();
+                    if !pending.is_empty() {
+                        Ok(Err(pending.join(", ")))
+                    } else {
+                        let own = (uid, state.counted_node_of(uid));
+                        match self.evaluate(&state, node, own, request, policy, now, &mut scratch) {
+                            Ok(_) => Ok(Ok(self.decision(&state, node, request, &scratch, now))),
+                            Err(rejection) => Err(format!(
+                                "pod {key} does not fit on node {node} any more: {}",
+                                rejection.message
+                            )),
+                        }
+                    }
+                }
+            };
+            match outcome? {
+                Ok(Some(decision)) => return Ok(decision),
+                Ok(None) => return Err(format!("node {node} disappeared")),
+                Err(pending) => {
+                    if tokio::time::timeout_at(deadline, changes.changed())
+                        .await
+                        .is_err()
+                    {
+                        return Err(format!(
+                            "node {node} is still admitting {pending} (its device plugin has not allocated all its GPUs yet; \
+                             vGPU pods are admitted one per node at a time); kube-scheduler will retry"
+                        ));
+                    }
+                }
+            }
+        }
+    }
+
+    fn decision(
+        &self,
+        state: &ClusterState,
+        node: &str,
+        request: &PodRequest,
+        scratch: &Scratch,
+        now_unix_ms: u64,
+    ) -> Option<Decision> {
+        let gpus = &state.node(node)?.gpus;
+        let containers = request
+            .containers
+            .iter()
+            .enumerate()
+            .map(|(index, container)| {
+                let mut grants: Vec<_> = scratch
+                    .grants
+                    .iter()
+                    .filter(|g| g.container == index)
+                    .collect();
+                grants.sort_by_key(|g| gpus.gpus.get(g.gpu).map(|info| info.index));
+                ContainerDecision {
+                    name: container.name.clone(),
+                    init: container.kind.is_init(),
+                    devices: grants
+                        .into_iter()
+                        .filter_map(|g| {
+                            gpus.gpus.get(g.gpu).map(|info| DeviceGrant {
+                                uuid: info.uuid.clone(),
+                                memory_bytes: g.memory_bytes,
+                                cores_percent: g.cores.min(100),
+                            })
+                        })
+                        .collect(),
+                    priority: container.priority,
+                }
+            })
+            .collect();
+        Some(Decision {
+            version: FORMAT_VERSION,
+            node: node.to_string(),
+            decided_unix_ms: now_unix_ms,
+            containers,
+        })
+    }
+}
+
+/// `: main → GPU-x (4096 MiB, 30%)` for the log.
+fn summarize(pod: &Pod) -> String {
+    let decision = pod
+        .metadata
+        .annotations
+        .as_ref()
+        .and_then(|a| a.get(vgpu_common::decision::DECISION_ANNOTATION))
+        .and_then(|text| Decision::parse(text).ok());
+    let Some(decision) = decision else {
+        return String::new();
+    };
+    let parts: Vec<String> = decision
+        .containers
+        .iter()
+        .map(|c| {
+            let devices: Vec<String> = c
+                .devices
+                .iter()
+                .map(|d| {
+                    format!(
+                        "{} ({} MiB, {}%)",
+                        d.uuid,
+                        d.memory_bytes >> 20,
+                        d.cores_percent
+                    )
+                })
+                .collect();
+            format!("{} -> {}", c.name, devices.join(" + "))
+        })
+        .collect();
+    format!(": {}", parts.join("; "))
+}

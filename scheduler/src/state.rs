@@ -1,0 +1,1157 @@
+//! What the extender knows about the cluster, rebuilt from the API alone.
+//!
+//! Nodes bring their GPU inventory (the plugin's `vgpu.io/node-gpus`
+//! annotation and its heartbeat). Pods bring the decisions the extender
+//! wrote (`vgpu.io/decision`) and the containers the plugin has allocated
+//! (`vgpu.io/allocated`). From those two the state derives, per node, what
+//! every GPU carries and which vGPU pod, if any, is *pending* (decided, not
+//! yet fully allocated). Nothing is stored anywhere else, so a restarted
+//! extender that has listed pods and nodes again knows exactly what the one
+//! before it knew.
+//!
+//! Versions: the extender applies the pods its own API writes return at
+//! once (so a second bind on the same node sees the first pod pending
+//! without waiting for the watch), and the watch later confirms them. Every
+//! update carries the pod's `resourceVersion`; an update older than what is
+//! already known, or older than the deletion of the pod, is ignored, so a
+//! late watch event can never undo a newer write.
+
+use crate::fit::{NodeGpus, Usage};
+use k8s_openapi::api::core::v1::{Node, Pod};
+use serde::Serialize;
+use std::borrow::Cow;
+use std::collections::{BTreeMap, HashMap};
+use std::sync::{Arc, RwLock, RwLockReadGuard};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use vgpu_common::decision::{
+    parse_allocated, Decision, NodeInventory, ALLOCATED_ANNOTATION, DECISION_ANNOTATION,
+    HEARTBEAT_STALE_MS, NODE_INVENTORY_ANNOTATION,
+};
+
+/// A record written by the extender itself and never confirmed by the
+/// watch is trusted this long.
+const LOCAL_RECORD_TRUST: Duration = Duration::from_secs(300);
+/// Versions of removed pods are remembered this long (to ignore late events).
+const FLOOR_MEMORY: Duration = Duration::from_secs(600);
+
+/// Milliseconds since the Unix epoch.
+pub fn now_unix_ms() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_millis() as u64)
+        .unwrap_or(0)
+}
+
+/// A pod's `resourceVersion` as a number, when it is one (etcd's are).
+fn version_of(pod: &Pod) -> Option<u64> {
+    pod.metadata
+        .resource_version
+        .as_deref()
+        .and_then(|v| v.parse().ok())
+}
+
+/// `a` is known to be older than or the same as `b`.
+fn not_newer(a: Option<u64>, b: Option<u64>) -> bool {
+    matches!((a, b), (Some(a), Some(b)) if a <= b)
+}
+
+/// A pod with a decision.
+#[derive(Clone, Debug)]
+pub struct PodRecord {
+    pub uid: String,
+    pub namespace: String,
+    pub name: String,
+    pub resource_version: Option<u64>,
+    /// `spec.nodeName`: where the pod is bound, if it is.
+    pub node_name: Option<String>,
+    pub decision: Decision,
+    pub allocated: Vec<String>,
+    /// Succeeded or failed: its GPUs are free.
+    pub terminal: bool,
+    /// Being deleted: it will not be admitted any more.
+    pub deleting: bool,
+    /// What it takes per GPU UUID.
+    pub contribution: Vec<(String, Usage)>,
+    /// Set while the record comes from the extender's own write and the
+    /// watch has not shown this version yet.
+    pub local_since: Option<Instant>,
+}
+
+impl PodRecord {
+    /// The record of a pod, `None` when it has no decision.
+    pub fn from_pod(pod: &Pod) -> Result<Option<Self>, String> {
+        let meta = &pod.metadata;
+        let annotations = match &meta.annotations {
+            Some(annotations) => annotations,
+            None => return Ok(None),
+        };
+        let text = match annotations.get(DECISION_ANNOTATION) {
+            Some(text) => text,
+            None => return Ok(None),
+        };
+        let decision = Decision::parse(text).map_err(|e| e.to_string())?;
+        let allocated = match annotations.get(ALLOCATED_ANNOTATION) {
+            Some(text) => parse_allocated(text).map_err(|e| e.to_string())?,
+            None => Vec::new(),
+        };
+        let phase = pod.status.as_ref().and_then(|s| s.phase.as_deref());
+        let terminal = matches!(phase, Some("Succeeded") | Some("Failed"));
+        let running = phase == Some("Running");
+        let sidecars: Vec<&str> = pod
+            .spec
+            .iter()
+            .flat_map(|s| s.init_containers.iter().flatten())
+            .filter(|c| c.restart_policy.as_deref() == Some("Always"))
+            .map(|c| c.name.as_str())
+            .collect();
+        let contribution = contribution(&decision, &sidecars, running);
+        Ok(Some(Self {
+            uid: meta.uid.clone().unwrap_or_default(),
+            namespace: meta.namespace.clone().unwrap_or_default(),
+            name: meta.name.clone().unwrap_or_default(),
+            resource_version: version_of(pod),
+            node_name: pod.spec.as_ref().and_then(|s| s.node_name.clone()),
+            decision,
+            allocated,
+            terminal,
+            deleting: meta.deletion_timestamp.is_some(),
+            contribution,
+            local_since: None,
+        }))
+    }
+
+    /// The node whose GPUs this pod takes, if any: its decision's node,
+    /// unless it is finished or was bound somewhere else.
+    pub fn counted_node(&self) -> Option<&str> {
+        if self.terminal {
+            return None;
+        }
+        match &self.node_name {
+            Some(bound) if *bound != self.decision.node => None,
+            _ => Some(&self.decision.node),
+        }
+    }
+
+    /// Whether the pod is pending on its node: decided, still to be
+    /// admitted, not all its GPU containers allocated. A pod not yet bound
+    /// is pending only for `unbound_grace` after its decision (its bind is
+    /// in flight or failed; a failed one is retried with a new decision).
+    pub fn is_pending(&self, now_unix_ms: u64, unbound_grace: Duration) -> bool {
+        if self.counted_node().is_none() || self.deleting {
+            return false;
+        }
+        if self.decision.is_complete(&self.allocated) {
+            return false;
+        }
+        self.node_name.is_some()
+            || now_unix_ms.saturating_sub(self.decision.decided_unix_ms)
+                < unbound_grace.as_millis() as u64
+    }
+
+    /// `namespace/name`.
+    pub fn key(&self) -> String {
+        format!("{}/{}", self.namespace, self.name)
+    }
+}
+
+/// Per GPU, what a decided pod takes. Regular init containers run one at a
+/// time before the others and are done once the pod runs; sidecars run
+/// alongside everything.
+fn contribution(decision: &Decision, sidecars: &[&str], running: bool) -> Vec<(String, Usage)> {
+    #[derive(Default)]
+    struct PerGpu {
+        sidecars: Usage,
+        apps: Usage,
+        init_max: Usage,
+    }
+    let mut per_gpu: Vec<(String, PerGpu)> = Vec::new();
+    for container in &decision.containers {
+        let sidecar = container.init && sidecars.contains(&container.name.as_str());
+        for device in &container.devices {
+            let index = match per_gpu.iter().position(|(uuid, _)| *uuid == device.uuid) {
+                Some(index) => index,
+                None => {
+                    per_gpu.push((device.uuid.clone(), PerGpu::default()));
+                    per_gpu.len() - 1
+                }
+            };
+            let entry = &mut per_gpu[index].1;
+            if sidecar {
+                entry
+                    .sidecars
+                    .add_grant(device.memory_bytes, device.cores_percent);
+            } else if container.init {
+                let mut alone = Usage::default();
+                alone.add_grant(device.memory_bytes, device.cores_percent);
+                entry.init_max.max_with(&alone);
+            } else {
+                entry
+                    .apps
+                    .add_grant(device.memory_bytes, device.cores_percent);
+            }
+        }
+    }
+    per_gpu
+        .into_iter()
+        .map(|(uuid, entry)| {
+            let mut total = entry.sidecars;
+            let mut rest = entry.apps;
+            if !running {
+                rest.max_with(&entry.init_max);
+            }
+            total.add(&rest);
+            (uuid, total)
+        })
+        .filter(|(_, usage)| usage.tasks > 0)
+        .collect()
+}
+
+/// What is known of a node's inventory.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Inventory {
+    /// The node has no `vgpu.io/node-gpus` annotation (or is not known).
+    Missing,
+    /// The annotation could not be read.
+    Invalid(String),
+    Valid {
+        heartbeat_unix_ms: u64,
+    },
+}
+
+/// One node.
+#[derive(Debug)]
+pub struct NodeEntry {
+    pub in_api: bool,
+    pub inventory: Inventory,
+    pub gpus: NodeGpus,
+    /// What each GPU carries (same order as `gpus`).
+    pub usage: Vec<Usage>,
+    /// Decided GPUs that the inventory does not list (gone, or not yet
+    /// published).
+    pub unlisted: Vec<(String, Usage)>,
+    /// UIDs of the pods whose GPUs are counted here.
+    pub pods: Vec<String>,
+}
+
+impl NodeEntry {
+    fn new() -> Self {
+        Self {
+            in_api: false,
+            inventory: Inventory::Missing,
+            gpus: NodeGpus::default(),
+            usage: Vec::new(),
+            unlisted: Vec::new(),
+            pods: Vec::new(),
+        }
+    }
+}
+
+/// A hash map with a fast (seeded) hasher: node names and pod UIDs are
+/// looked up thousands of times per request.
+pub type FastMap<K, V> = HashMap<K, V, foldhash::fast::RandomState>;
+
+/// A relist of pods in progress.
+#[derive(Debug, Default)]
+struct PodRelist {
+    records: FastMap<String, PodRecord>,
+    /// Every listed pod's version, decided or not.
+    seen: FastMap<String, Option<u64>>,
+}
+
+/// The cluster as the extender sees it.
+#[derive(Debug, Default)]
+pub struct ClusterState {
+    nodes: FastMap<String, NodeEntry>,
+    pods: FastMap<String, PodRecord>,
+    /// Versions of pods whose records were removed.
+    floors: FastMap<String, (Option<u64>, Instant)>,
+    /// GPU models in lower case, shared by all nodes that have them.
+    models: FastMap<String, Arc<str>>,
+    pod_relist: Option<PodRelist>,
+    node_relist: Option<Vec<String>>,
+    pods_synced: bool,
+    nodes_synced: bool,
+    updates: u64,
+    /// Newest resource version seen on the pod and node streams.
+    seen_pod_version: u64,
+    seen_node_version: u64,
+}
+
+impl ClusterState {
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Whether both pods and nodes have been listed completely once.
+    pub fn synced(&self) -> bool {
+        self.pods_synced && self.nodes_synced
+    }
+
+    pub fn node(&self, name: &str) -> Option<&NodeEntry> {
+        self.nodes.get(name)
+    }
+
+    pub fn nodes(&self) -> impl Iterator<Item = (&String, &NodeEntry)> {
+        self.nodes.iter()
+    }
+
+    pub fn pod(&self, uid: &str) -> Option<&PodRecord> {
+        self.pods.get(uid)
+    }
+
+    pub fn pod_count(&self) -> usize {
+        self.pods.len()
+    }
+
+    /// The newest resource versions seen from the API, pods and nodes (how
+    /// far the watches have got).
+    pub fn seen_versions(&self) -> (u64, u64) {
+        (self.seen_pod_version, self.seen_node_version)
+    }
+
+    fn saw_pod(&mut self, pod: &Pod) {
+        if let Some(version) = version_of(pod) {
+            self.seen_pod_version = self.seen_pod_version.max(version);
+        }
+    }
+
+    /// The node whose GPUs pod `uid` takes, if it has a decision that counts.
+    pub fn counted_node_of(&self, uid: &str) -> Option<&str> {
+        self.pods.get(uid)?.counted_node()
+    }
+
+    /// The usage of a node's GPUs without the pod `uid` (a pod being
+    /// scheduled again must not compete with its own earlier decision).
+    pub fn usage_excluding<'a>(&'a self, node: &'a NodeEntry, uid: &str) -> Cow<'a, [Usage]> {
+        if uid.is_empty() || !node.pods.iter().any(|p| p == uid) {
+            return Cow::Borrowed(&node.usage);
+        }
+        let mut usage = vec![Usage::default(); node.gpus.len()];
+        for record in node
+            .pods
+            .iter()
+            .filter(|p| *p != uid)
+            .filter_map(|p| self.pods.get(p))
+        {
+            for (gpu, taken) in &record.contribution {
+                if let Some(index) = node.gpus.index_of(gpu) {
+                    usage[index].add(taken);
+                }
+            }
+        }
+        Cow::Owned(usage)
+    }
+
+    /// The pods pending on `node`, other than `exclude`.
+    pub fn pending_on(
+        &self,
+        node: &str,
+        now_unix_ms: u64,
+        unbound_grace: Duration,
+        exclude: &str,
+    ) -> Vec<&PodRecord> {
+        let entry = match self.nodes.get(node) {
+            Some(entry) => entry,
+            None => return Vec::new(),
+        };
+        entry
+            .pods
+            .iter()
+            .filter(|uid| *uid != exclude)
+            .filter_map(|uid| self.pods.get(uid))
+            .filter(|record| record.is_pending(now_unix_ms, unbound_grace))
+            .collect()
+    }
+
+    // ---- nodes ----
+
+    /// Starts a complete list of nodes.
+    pub fn begin_node_relist(&mut self) {
+        self.node_relist = Some(Vec::new());
+    }
+
+    /// Applies a node (from a list or the watch).
+    pub fn apply_node(&mut self, node: &Node) {
+        let name = match &node.metadata.name {
+            Some(name) => name.clone(),
+            None => return,
+        };
+        if let Some(version) = node
+            .metadata
+            .resource_version
+            .as_deref()
+            .and_then(|v| v.parse::<u64>().ok())
+        {
+            self.seen_node_version = self.seen_node_version.max(version);
+        }
+        if let Some(seen) = &mut self.node_relist {
+            seen.push(name.clone());
+        }
+        let parsed = node
+            .metadata
+            .annotations
+            .as_ref()
+            .and_then(|a| a.get(NODE_INVENTORY_ANNOTATION))
+            .map(|text| NodeInventory::parse(text));
+        let entry = self
+            .nodes
+            .entry(name.clone())
+            .or_insert_with(NodeEntry::new);
+        entry.in_api = true;
+        let (inventory, gpus) = match parsed {
+            None => (Inventory::Missing, Vec::new()),
+            Some(Err(error)) => {
+                if !matches!(entry.inventory, Inventory::Invalid(_)) {
+                    tracing::warn!("node {name}: {error}");
+                }
+                (Inventory::Invalid(error.to_string()), Vec::new())
+            }
+            Some(Ok(inventory)) => (
+                Inventory::Valid {
+                    heartbeat_unix_ms: inventory.heartbeat_unix_ms,
+                },
+                inventory.gpus,
+            ),
+        };
+        entry.inventory = inventory;
+        if entry.gpus.gpus != gpus {
+            let models = &mut self.models;
+            entry.gpus = NodeGpus::with_models(gpus, |model| {
+                models
+                    .entry(model.to_string())
+                    .or_insert_with(|| Arc::from(model))
+                    .clone()
+            });
+            recompute_node(&mut self.nodes, &self.pods, &name);
+        }
+        self.updates += 1;
+    }
+
+    /// Ends a complete list of nodes: nodes it did not contain are gone.
+    pub fn finish_node_relist(&mut self) {
+        if let Some(seen) = self.node_relist.take() {
+            let seen: std::collections::HashSet<String> = seen.into_iter().collect();
+            let gone: Vec<String> = self
+                .nodes
+                .keys()
+                .filter(|name| !seen.contains(*name))
+                .cloned()
+                .collect();
+            for name in gone {
+                self.remove_node(&name);
+            }
+        }
+        if !self.nodes_synced {
+            tracing::info!("Kubernetes API: {} node(s) listed", self.nodes.len());
+        }
+        self.nodes_synced = true;
+    }
+
+    /// A node was deleted.
+    pub fn delete_node(&mut self, node: &Node) {
+        if let Some(version) = node
+            .metadata
+            .resource_version
+            .as_deref()
+            .and_then(|v| v.parse::<u64>().ok())
+        {
+            self.seen_node_version = self.seen_node_version.max(version);
+        }
+        if let Some(name) = &node.metadata.name {
+            self.remove_node(name);
+        }
+    }
+
+    fn remove_node(&mut self, name: &str) {
+        let keep = match self.nodes.get_mut(name) {
+            Some(entry) => {
+                entry.in_api = false;
+                entry.inventory = Inventory::Missing;
+                entry.gpus = NodeGpus::default();
+                !entry.pods.is_empty()
+            }
+            None => return,
+        };
+        if keep {
+            recompute_node(&mut self.nodes, &self.pods, name);
+        } else {
+            self.nodes.remove(name);
+        }
+        self.updates += 1;
+    }
+
+    // ---- pods ----
+
+    /// Starts a complete list of pods.
+    pub fn begin_pod_relist(&mut self) {
+        self.pod_relist = Some(PodRelist::default());
+    }
+
+    /// One pod of a complete list.
+    pub fn relist_pod(&mut self, pod: &Pod) {
+        self.saw_pod(pod);
+        let relist = self.pod_relist.get_or_insert_with(PodRelist::default);
+        let uid = match &pod.metadata.uid {
+            Some(uid) => uid.clone(),
+            None => return,
+        };
+        relist.seen.insert(uid.clone(), version_of(pod));
+        match PodRecord::from_pod(pod) {
+            Ok(Some(record)) => {
+                relist.records.insert(uid, record);
+            }
+            Ok(None) => {}
+            Err(error) => warn_unreadable(pod, &error),
+        }
+    }
+
+    /// Ends a complete list of pods: the list replaces what was known,
+    /// except the extender's own recent writes that the list predates.
+    pub fn finish_pod_relist(&mut self) {
+        let relist = self.pod_relist.take().unwrap_or_default();
+        let mut pods = relist.records;
+        for (uid, old) in self.pods.drain() {
+            let trusted = old
+                .local_since
+                .is_some_and(|since| since.elapsed() < LOCAL_RECORD_TRUST);
+            if !trusted {
+                continue;
+            }
+            let keep = match relist.seen.get(&uid) {
+                None => true,
+                Some(listed) => !not_newer(old.resource_version, *listed),
+            };
+            if keep {
+                pods.insert(uid, old);
+            }
+        }
+        self.pods = pods;
+        self.rebuild_all();
+        if !self.pods_synced {
+            tracing::info!(
+                "Kubernetes API: {} pod(s) with vGPU decisions listed",
+                self.pods.len()
+            );
+        }
+        self.pods_synced = true;
+        self.prune();
+    }
+
+    /// Applies a pod from the watch (`local: false`) or from the answer to
+    /// the extender's own write (`local: true`).
+    pub fn apply_pod(&mut self, pod: &Pod, local: bool) {
+        if !local {
+            self.saw_pod(pod);
+        }
+        let uid = match &pod.metadata.uid {
+            Some(uid) => uid.clone(),
+            None => return,
+        };
+        let version = version_of(pod);
+        if let Some((floor, _)) = self.floors.get(&uid) {
+            if not_newer(version, *floor) {
+                return;
+            }
+        }
+        if let Some(existing) = self.pods.get_mut(&uid) {
+            match (version, existing.resource_version) {
+                (Some(new), Some(old)) if new < old => return,
+                (Some(new), Some(old)) if new == old => {
+                    if !local {
+                        existing.local_since = None;
+                    }
+                    return;
+                }
+                _ => {}
+            }
+        }
+        let record = match PodRecord::from_pod(pod) {
+            Ok(record) => record,
+            Err(error) => {
+                warn_unreadable(pod, &error);
+                None
+            }
+        };
+        let old_node = self
+            .pods
+            .get(&uid)
+            .and_then(|r| r.counted_node().map(str::to_string));
+        let new_node = record
+            .as_ref()
+            .and_then(|r| r.counted_node().map(str::to_string));
+        match record {
+            Some(mut record) => {
+                if local {
+                    record.local_since = Some(Instant::now());
+                }
+                self.pods.insert(uid.clone(), record);
+                self.floors.remove(&uid);
+            }
+            None => {
+                if self.pods.remove(&uid).is_some() {
+                    self.floors.insert(uid.clone(), (version, Instant::now()));
+                }
+            }
+        }
+        self.move_pod(&uid, old_node, new_node);
+        self.updates += 1;
+        if self.updates.is_multiple_of(1024) {
+            self.prune();
+        }
+    }
+
+    /// A pod was deleted.
+    pub fn delete_pod(&mut self, pod: &Pod) {
+        self.saw_pod(pod);
+        let uid = match &pod.metadata.uid {
+            Some(uid) => uid.clone(),
+            None => return,
+        };
+        self.floors
+            .insert(uid.clone(), (version_of(pod), Instant::now()));
+        if let Some(record) = self.pods.remove(&uid) {
+            let old_node = record.counted_node().map(str::to_string);
+            self.move_pod(&uid, old_node, None);
+        }
+        self.updates += 1;
+    }
+
+    /// Records that the extender bound pod `uid` to `node` (the binding
+    /// answer carries no pod; the watch brings the new version later).
+    pub fn mark_bound(&mut self, uid: &str, node: &str) {
+        let old_node = match self.pods.get_mut(uid) {
+            Some(record) if record.node_name.is_none() => {
+                let old = record.counted_node().map(str::to_string);
+                record.node_name = Some(node.to_string());
+                old
+            }
+            _ => return,
+        };
+        let new_node = self
+            .pods
+            .get(uid)
+            .and_then(|r| r.counted_node().map(str::to_string));
+        self.move_pod(uid, old_node, new_node);
+        self.updates += 1;
+    }
+
+    fn move_pod(&mut self, uid: &str, old: Option<String>, new: Option<String>) {
+        if let Some(old) = &old {
+            if let Some(entry) = self.nodes.get_mut(old) {
+                entry.pods.retain(|p| p != uid);
+            }
+        }
+        if let Some(new) = &new {
+            let entry = self.nodes.entry(new.clone()).or_insert_with(NodeEntry::new);
+            if !entry.pods.iter().any(|p| p == uid) {
+                entry.pods.push(uid.to_string());
+            }
+        }
+        for name in [old.as_deref(), new.as_deref()].into_iter().flatten() {
+            recompute_node(&mut self.nodes, &self.pods, name);
+        }
+        if let Some(old) = &old {
+            let unused = self
+                .nodes
+                .get(old)
+                .is_some_and(|e| !e.in_api && e.pods.is_empty());
+            if unused {
+                self.nodes.remove(old);
+            }
+        }
+    }
+
+    fn rebuild_all(&mut self) {
+        for entry in self.nodes.values_mut() {
+            entry.pods.clear();
+        }
+        let mut placed: Vec<(String, String)> = Vec::new();
+        for (uid, record) in &self.pods {
+            if let Some(node) = record.counted_node() {
+                placed.push((node.to_string(), uid.clone()));
+            }
+        }
+        for (node, uid) in placed {
+            self.nodes
+                .entry(node)
+                .or_insert_with(NodeEntry::new)
+                .pods
+                .push(uid);
+        }
+        self.nodes.retain(|_, e| e.in_api || !e.pods.is_empty());
+        let names: Vec<String> = self.nodes.keys().cloned().collect();
+        for name in names {
+            recompute_node(&mut self.nodes, &self.pods, &name);
+        }
+        self.updates += 1;
+    }
+
+    /// Forgets old floors and own writes the watch never confirmed.
+    fn prune(&mut self) {
+        self.floors
+            .retain(|_, (_, since)| since.elapsed() < FLOOR_MEMORY);
+        let stale: Vec<String> = self
+            .pods
+            .iter()
+            .filter(|(_, r)| {
+                r.local_since
+                    .is_some_and(|s| s.elapsed() >= LOCAL_RECORD_TRUST)
+            })
+            .map(|(uid, _)| uid.clone())
+            .collect();
+        for uid in stale {
+            if let Some(record) = self.pods.remove(&uid) {
+                tracing::warn!(
+                    "pod {}: the API never confirmed the decision written {} s ago; forgetting it",
+                    record.key(),
+                    LOCAL_RECORD_TRUST.as_secs()
+                );
+                let old = record.counted_node().map(str::to_string);
+                self.move_pod(&uid, old, None);
+            }
+        }
+    }
+
+    /// A view for the debug endpoint and tests.
+    pub fn snapshot(&self, now_unix_ms: u64, unbound_grace: Duration) -> Snapshot {
+        let mut nodes = BTreeMap::new();
+        for (name, entry) in &self.nodes {
+            let gpus = entry
+                .gpus
+                .gpus
+                .iter()
+                .zip(&entry.usage)
+                .map(|(gpu, usage)| GpuSnapshot {
+                    uuid: gpu.uuid.clone(),
+                    model: gpu.model.clone(),
+                    memory_bytes: gpu.memory_bytes,
+                    split_count: gpu.split_count,
+                    healthy: gpu.healthy,
+                    usage: *usage,
+                })
+                .collect();
+            let mut pods: Vec<String> = entry
+                .pods
+                .iter()
+                .filter_map(|uid| self.pods.get(uid))
+                .map(PodRecord::key)
+                .collect();
+            pods.sort();
+            let mut pending: Vec<String> = self
+                .pending_on(name, now_unix_ms, unbound_grace, "")
+                .into_iter()
+                .map(PodRecord::key)
+                .collect();
+            pending.sort();
+            nodes.insert(
+                name.clone(),
+                NodeSnapshot {
+                    in_api: entry.in_api,
+                    inventory: match &entry.inventory {
+                        Inventory::Missing => "missing".to_string(),
+                        Inventory::Invalid(error) => format!("invalid: {error}"),
+                        Inventory::Valid { heartbeat_unix_ms } => {
+                            let age = now_unix_ms.saturating_sub(*heartbeat_unix_ms);
+                            if age > HEARTBEAT_STALE_MS {
+                                format!("stale ({} s old)", age / 1000)
+                            } else {
+                                "fresh".to_string()
+                            }
+                        }
+                    },
+                    gpus,
+                    unlisted_gpus: entry.unlisted.clone().into_iter().collect(),
+                    pods,
+                    pending,
+                },
+            );
+        }
+        Snapshot {
+            synced: self.synced(),
+            pods: self.pods.len(),
+            nodes,
+        }
+    }
+}
+
+fn warn_unreadable(pod: &Pod, error: &str) {
+    tracing::warn!(
+        "pod {}/{}: {error}; its GPUs are not counted",
+        pod.metadata.namespace.as_deref().unwrap_or(""),
+        pod.metadata.name.as_deref().unwrap_or("")
+    );
+}
+
+/// Recomputes what a node's GPUs carry from its pods.
+fn recompute_node(
+    nodes: &mut FastMap<String, NodeEntry>,
+    pods: &FastMap<String, PodRecord>,
+    name: &str,
+) {
+    let entry = match nodes.get_mut(name) {
+        Some(entry) => entry,
+        None => return,
+    };
+    let mut usage = vec![Usage::default(); entry.gpus.len()];
+    let mut unlisted: Vec<(String, Usage)> = Vec::new();
+    for record in entry.pods.iter().filter_map(|uid| pods.get(uid)) {
+        for (uuid, taken) in &record.contribution {
+            match entry.gpus.index_of(uuid) {
+                Some(index) => usage[index].add(taken),
+                None => match unlisted.iter_mut().find(|(u, _)| u == uuid) {
+                    Some((_, total)) => total.add(taken),
+                    None => unlisted.push((uuid.clone(), *taken)),
+                },
+            }
+        }
+    }
+    entry.usage = usage;
+    entry.unlisted = unlisted;
+}
+
+/// The shared state, with a change counter that binds waiting for a
+/// node's pending pod listen to.
+#[derive(Debug)]
+pub struct SharedState {
+    inner: RwLock<ClusterState>,
+    changes: tokio::sync::watch::Sender<u64>,
+}
+
+impl Default for SharedState {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl SharedState {
+    pub fn new() -> Self {
+        Self {
+            inner: RwLock::new(ClusterState::new()),
+            changes: tokio::sync::watch::Sender::new(0),
+        }
+    }
+
+    /// Reads the state (a poisoned lock still holds consistent data: every
+    /// update is applied under it in one step).
+    pub fn read(&self) -> RwLockReadGuard<'_, ClusterState> {
+        self.inner
+            .read()
+            .unwrap_or_else(|poison| poison.into_inner())
+    }
+
+    /// Changes the state and wakes the waiters.
+    pub fn update<R>(&self, change: impl FnOnce(&mut ClusterState) -> R) -> R {
+        let result = {
+            let mut state = self
+                .inner
+                .write()
+                .unwrap_or_else(|poison| poison.into_inner());
+            change(&mut state)
+        };
+        self.changes
+            .send_modify(|generation| *generation = generation.wrapping_add(1));
+        result
+    }
+
+    /// A receiver that sees every later change.
+    pub fn subscribe(&self) -> tokio::sync::watch::Receiver<u64> {
+        self.changes.subscribe()
+    }
+}
+
+/// The state as JSON (`GET /debug/state`).
+#[derive(Clone, Debug, Serialize, PartialEq)]
+#[serde(rename_all = "camelCase")]
+pub struct Snapshot {
+    pub synced: bool,
+    pub pods: usize,
+    pub nodes: BTreeMap<String, NodeSnapshot>,
+}
+
+#[derive(Clone, Debug, Serialize, PartialEq)]
+#[serde(rename_all = "camelCase")]
+pub struct NodeSnapshot {
+    pub in_api: bool,
+    pub inventory: String,
+    pub gpus: Vec<GpuSnapshot>,
+    pub unlisted_gpus: Vec<(String, Usage)>,
+    pub pods: Vec<String>,
+    pub pending: Vec<String>,
+}
+
+#[derive(Clone, Debug, Serialize, PartialEq)]
+#[serde(rename_all = "camelCase")]
+pub struct GpuSnapshot {
+    pub uuid: String,
+    pub model: String,
+    pub memory_bytes: u64,
+    pub split_count: u32,
+    pub healthy: bool,
+    pub usage: Usage,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use k8s_openapi::api::core::v1::{PodSpec, PodStatus};
+    use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
+    use vgpu_common::decision::{ContainerDecision, DeviceGrant, GpuInfo, FORMAT_VERSION};
+
+    const GIB: u64 = 1 << 30;
+
+    fn node(name: &str, gpus: u32) -> Node {
+        let inventory = NodeInventory {
+            version: FORMAT_VERSION,
+            heartbeat_unix_ms: now_unix_ms(),
+            gpus: (0..gpus)
+                .map(|i| GpuInfo {
+                    uuid: format!("GPU-{name}-{i}"),
+                    index: i,
+                    model: "A10".into(),
+                    memory_bytes: 24 * GIB,
+                    sm_count: 72,
+                    split_count: 10,
+                    numa: None,
+                    healthy: true,
+                })
+                .collect(),
+        };
+        Node {
+            metadata: ObjectMeta {
+                name: Some(name.into()),
+                annotations: Some(
+                    [(NODE_INVENTORY_ANNOTATION.to_string(), inventory.to_json())].into(),
+                ),
+                ..ObjectMeta::default()
+            },
+            ..Node::default()
+        }
+    }
+
+    fn decided(
+        uid: &str,
+        version: u64,
+        node: &str,
+        gpu: &str,
+        bound: bool,
+        allocated: bool,
+    ) -> Pod {
+        let decision = Decision {
+            version: FORMAT_VERSION,
+            node: node.into(),
+            decided_unix_ms: now_unix_ms(),
+            containers: vec![ContainerDecision {
+                name: "main".into(),
+                init: false,
+                devices: vec![DeviceGrant {
+                    uuid: gpu.into(),
+                    memory_bytes: 4 * GIB,
+                    cores_percent: 30,
+                }],
+                priority: None,
+            }],
+        };
+        let mut annotations =
+            BTreeMap::from([(DECISION_ANNOTATION.to_string(), decision.to_json())]);
+        if allocated {
+            annotations.insert(ALLOCATED_ANNOTATION.to_string(), r#"["main"]"#.to_string());
+        }
+        Pod {
+            metadata: ObjectMeta {
+                uid: Some(uid.into()),
+                name: Some(uid.into()),
+                namespace: Some("ns".into()),
+                resource_version: Some(version.to_string()),
+                annotations: Some(annotations),
+                ..ObjectMeta::default()
+            },
+            spec: Some(PodSpec {
+                node_name: bound.then(|| node.to_string()),
+                ..PodSpec::default()
+            }),
+            status: Some(PodStatus {
+                phase: Some("Pending".into()),
+                ..PodStatus::default()
+            }),
+        }
+    }
+
+    fn undecided(uid: &str, version: u64) -> Pod {
+        Pod {
+            metadata: ObjectMeta {
+                uid: Some(uid.into()),
+                resource_version: Some(version.to_string()),
+                ..ObjectMeta::default()
+            },
+            ..Pod::default()
+        }
+    }
+
+    fn synced_state() -> ClusterState {
+        let mut state = ClusterState::new();
+        state.begin_node_relist();
+        state.apply_node(&node("n1", 2));
+        state.finish_node_relist();
+        state.begin_pod_relist();
+        state.finish_pod_relist();
+        state
+    }
+
+    const GRACE: Duration = Duration::from_secs(30);
+
+    #[test]
+    fn usage_and_pending_follow_the_pods() {
+        let mut state = synced_state();
+        assert!(state.synced());
+        state.apply_pod(&decided("a", 10, "n1", "GPU-n1-0", true, false), false);
+        let entry = state.node("n1").expect("node");
+        assert_eq!(entry.usage[0].memory_bytes, 4 * GIB);
+        assert_eq!(entry.usage[0].tasks, 1);
+        let now = now_unix_ms();
+        assert_eq!(state.pending_on("n1", now, GRACE, "").len(), 1);
+        assert!(state.pending_on("n1", now, GRACE, "a").is_empty());
+        // Allocated: no longer pending, still counted.
+        state.apply_pod(&decided("a", 11, "n1", "GPU-n1-0", true, true), false);
+        assert!(state.pending_on("n1", now, GRACE, "").is_empty());
+        assert_eq!(state.node("n1").expect("node").usage[0].tasks, 1);
+        // A late, older event changes nothing.
+        state.apply_pod(&decided("a", 10, "n1", "GPU-n1-0", true, false), false);
+        assert!(state.pending_on("n1", now, GRACE, "").is_empty());
+        // Deleted: gone, and an older event cannot bring it back.
+        state.delete_pod(&decided("a", 12, "n1", "GPU-n1-0", true, true));
+        assert_eq!(state.node("n1").expect("node").usage[0], Usage::default());
+        state.apply_pod(&decided("a", 11, "n1", "GPU-n1-0", true, true), true);
+        assert_eq!(state.pod_count(), 0);
+    }
+
+    #[test]
+    fn own_writes_count_at_once_and_survive_an_older_relist() {
+        let mut state = synced_state();
+        state.apply_pod(&decided("b", 20, "n1", "GPU-n1-1", false, false), true);
+        let now = now_unix_ms();
+        assert_eq!(
+            state.pending_on("n1", now, GRACE, "").len(),
+            1,
+            "unbound, decided now"
+        );
+        assert!(
+            state.pending_on("n1", now + 31_000, GRACE, "").is_empty(),
+            "an unbound decision stops blocking after the grace"
+        );
+        state.mark_bound("b", "n1");
+        assert_eq!(state.pending_on("n1", now + 31_000, GRACE, "").len(), 1);
+        // A relist that predates the write keeps it.
+        state.begin_pod_relist();
+        state.relist_pod(&undecided("b", 19));
+        state.finish_pod_relist();
+        assert_eq!(state.pending_on("n1", now, GRACE, "").len(), 1);
+        // A relist that has a newer version replaces it.
+        state.begin_pod_relist();
+        state.relist_pod(&decided("b", 21, "n1", "GPU-n1-1", true, true));
+        state.finish_pod_relist();
+        assert!(state.pending_on("n1", now, GRACE, "").is_empty());
+        assert_eq!(state.node("n1").expect("node").usage[1].tasks, 1);
+    }
+
+    #[test]
+    fn a_pod_bound_elsewhere_or_finished_takes_nothing() {
+        let mut state = synced_state();
+        let mut pod = decided("c", 5, "n1", "GPU-n1-0", true, false);
+        if let Some(spec) = pod.spec.as_mut() {
+            spec.node_name = Some("n2".into());
+        }
+        state.apply_pod(&pod, false);
+        assert_eq!(state.node("n1").expect("node").usage[0], Usage::default());
+        let mut pod = decided("c", 6, "n1", "GPU-n1-0", true, true);
+        if let Some(status) = pod.status.as_mut() {
+            status.phase = Some("Succeeded".into());
+        }
+        state.apply_pod(&pod, false);
+        assert_eq!(state.node("n1").expect("node").usage[0], Usage::default());
+    }
+
+    #[test]
+    fn decisions_for_unknown_nodes_wait_for_their_inventory() {
+        let mut state = synced_state();
+        state.apply_pod(&decided("d", 5, "n9", "GPU-n9-0", true, false), false);
+        let entry = state.node("n9").expect("placeholder");
+        assert!(!entry.in_api);
+        assert_eq!(entry.unlisted.len(), 1);
+        state.apply_node(&node("n9", 1));
+        let entry = state.node("n9").expect("node");
+        assert_eq!(entry.usage[0].tasks, 1);
+        assert!(entry.unlisted.is_empty());
+        state.delete_pod(&decided("d", 6, "n9", "GPU-n9-0", true, false));
+        state.begin_node_relist();
+        state.apply_node(&node("n1", 2));
+        state.finish_node_relist();
+        assert!(state.node("n9").is_none());
+    }
+
+    #[test]
+    fn init_containers_count_until_the_pod_runs() {
+        let decision = Decision {
+            version: FORMAT_VERSION,
+            node: "n1".into(),
+            decided_unix_ms: 0,
+            containers: vec![
+                ContainerDecision {
+                    name: "setup".into(),
+                    init: true,
+                    devices: vec![DeviceGrant {
+                        uuid: "G".into(),
+                        memory_bytes: 10,
+                        cores_percent: 100,
+                    }],
+                    priority: None,
+                },
+                ContainerDecision {
+                    name: "proxy".into(),
+                    init: true,
+                    devices: vec![DeviceGrant {
+                        uuid: "G".into(),
+                        memory_bytes: 1,
+                        cores_percent: 5,
+                    }],
+                    priority: None,
+                },
+                ContainerDecision {
+                    name: "main".into(),
+                    init: false,
+                    devices: vec![DeviceGrant {
+                        uuid: "G".into(),
+                        memory_bytes: 4,
+                        cores_percent: 20,
+                    }],
+                    priority: None,
+                },
+            ],
+        };
+        let pending = contribution(&decision, &["proxy"], false);
+        assert_eq!(
+            pending,
+            vec![(
+                "G".to_string(),
+                Usage {
+                    memory_bytes: 11,
+                    cores: 105,
+                    tasks: 2,
+                    exclusive: true
+                }
+            )]
+        );
+        let running = contribution(&decision, &["proxy"], true);
+        assert_eq!(
+            running,
+            vec![(
+                "G".to_string(),
+                Usage {
+                    memory_bytes: 5,
+                    cores: 25,
+                    tasks: 2,
+                    exclusive: false
+                }
+            )]
+        );
+    }
+}

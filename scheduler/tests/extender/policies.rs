@@ -1,0 +1,478 @@
+//! Each policy picks what it should, on hand-made clusters, through the
+//! whole protocol (filter, prioritize, bind) over HTTP.
+
+use crate::harness::*;
+use serde_json::json;
+use vgpu_scheduler::policy::{GpuPolicy, NodePolicy};
+use vgpu_scheduler::scheduler::Config;
+
+/// One node, three A10s: GPU 0 has 1 container (12 GiB, 40 %), GPU 1 has
+/// 3 small ones (3 GiB, 9 %), GPU 2 has 2 big ones (18 GiB, 60 %).
+async fn three_gpu_node(config: Config) -> Harness {
+    let h = Harness::start(config).await;
+    h.put_node(node(
+        "n1",
+        &[
+            gpu("NVIDIA A10", 24),
+            gpu("NVIDIA A10", 24),
+            gpu("NVIDIA A10", 24),
+        ],
+    ))
+    .await;
+    h.occupy("big", "n1", &[(0, 12, 40)]).await;
+    h.occupy("small", "n1", &[(1, 1, 3), (1, 1, 3), (1, 1, 3)])
+        .await;
+    h.occupy("heavy", "n1", &[(2, 9, 30), (2, 9, 30)]).await;
+    h
+}
+
+async fn gpu_chosen(h: &Harness, name: &str, annotations: &[(&str, &str)]) -> String {
+    let p = h
+        .create_pod(pod(name, &[vgpu("main", 1, 4096, 10)], annotations))
+        .await;
+    let decision = h.schedule_and_allocate(&p).await;
+    h.delete_pod(&p).await;
+    decision.containers[0].devices[0].uuid.clone()
+}
+
+#[tokio::test]
+async fn gpu_policies_choose_fewest_tasks_fullest_or_emptiest_gpu() {
+    let h = three_gpu_node(test_config()).await;
+    assert_eq!(
+        gpu_chosen(&h, "default", &[]).await,
+        uuid("n1", 0),
+        "fewest tasks"
+    );
+    assert_eq!(
+        gpu_chosen(&h, "packed", &[("vgpu.io/gpu-scheduler-policy", "binpack")]).await,
+        uuid("n1", 2),
+        "binpack: the fullest GPU that fits"
+    );
+    assert_eq!(
+        gpu_chosen(&h, "spread", &[("hami.io/gpu-scheduler-policy", "spread")]).await,
+        uuid("n1", 1),
+        "spread (HAMi's annotation): the least used GPU"
+    );
+    assert_eq!(
+        gpu_chosen(
+            &h,
+            "both",
+            &[
+                ("vgpu.io/gpu-scheduler-policy", "fewest-tasks"),
+                ("hami.io/gpu-scheduler-policy", "binpack")
+            ]
+        )
+        .await,
+        uuid("n1", 0),
+        "vgpu.io wins over hami.io"
+    );
+
+    let h = three_gpu_node(Config {
+        gpu_policy: GpuPolicy::Binpack,
+        ..test_config()
+    })
+    .await;
+    assert_eq!(
+        gpu_chosen(&h, "flag", &[]).await,
+        uuid("n1", 2),
+        "--gpu-policy binpack"
+    );
+}
+
+/// Three nodes of two A10s: empty, half used, mostly used.
+async fn three_nodes(config: Config) -> Harness {
+    let h = Harness::start(config).await;
+    h.add_nodes(vec![
+        node("empty", &[gpu("NVIDIA A10", 24), gpu("NVIDIA A10", 24)]),
+        node("half", &[gpu("NVIDIA A10", 24), gpu("NVIDIA A10", 24)]),
+        node("full", &[gpu("NVIDIA A10", 24), gpu("NVIDIA A10", 24)]),
+    ])
+    .await;
+    h.occupy("h", "half", &[(0, 12, 50), (1, 12, 50)]).await;
+    h.occupy("f", "full", &[(0, 20, 80), (1, 20, 80)]).await;
+    h
+}
+
+fn score(list: &vgpu_scheduler::extender::HostPriorityList, host: &str) -> i64 {
+    list.iter()
+        .find(|h| h.host == host)
+        .map(|h| h.score)
+        .expect("scored")
+}
+
+#[tokio::test]
+async fn node_policies_binpack_spread_and_random() {
+    let h = three_nodes(test_config()).await;
+    let nodes = ["empty", "half", "full"];
+    let p = h
+        .create_pod(pod("p", &[vgpu("main", 1, 2048, 10)], &[]))
+        .await;
+    let scores = h.prioritize(&p, &nodes).await;
+    assert!(
+        score(&scores, "full") > score(&scores, "half")
+            && score(&scores, "half") > score(&scores, "empty"),
+        "binpack (default): {scores:?}"
+    );
+    assert!(scores.iter().all(|s| (0..=10).contains(&s.score)));
+    assert_eq!(h.schedule(&p).await.expect("bound"), "full");
+    h.allocate(&p).await;
+
+    for annotation in [
+        "vgpu.io/node-scheduler-policy",
+        "hami.io/node-scheduler-policy",
+    ] {
+        let name = format!("spread-{}", &annotation[..4]);
+        let p = h
+            .create_pod(pod(
+                &name,
+                &[vgpu("main", 1, 2048, 10)],
+                &[(annotation, "spread")],
+            ))
+            .await;
+        let scores = h.prioritize(&p, &nodes).await;
+        assert!(
+            score(&scores, "empty") > score(&scores, "half")
+                && score(&scores, "half") > score(&scores, "full"),
+            "spread via {annotation}: {scores:?}"
+        );
+        assert_eq!(h.schedule(&p).await.expect("bound"), "empty");
+        h.allocate(&p).await;
+        h.delete_pod(&p).await;
+    }
+
+    // Random: different pods get different favourites.
+    let h = three_nodes(Config {
+        node_policy: NodePolicy::Random,
+        ..test_config()
+    })
+    .await;
+    let mut favourites = std::collections::HashSet::new();
+    let mut distinct_scores = std::collections::HashSet::new();
+    for i in 0..40 {
+        let mut p = pod(&format!("r{i}"), &[vgpu("main", 1, 2048, 10)], &[]);
+        p["metadata"]["uid"] = json!(format!("random-{i}"));
+        let scores = h.prioritize(&p, &nodes).await;
+        let again = h.prioritize(&p, &nodes).await;
+        assert_eq!(scores, again, "stable for one pod");
+        distinct_scores.extend(scores.iter().map(|s| s.score));
+        let best = scores.iter().max_by_key(|s| s.score).expect("scores");
+        favourites.insert(best.host.clone());
+    }
+    assert_eq!(
+        favourites.len(),
+        3,
+        "every node is someone's favourite: {favourites:?}"
+    );
+    assert!(distinct_scores.len() > 3, "{distinct_scores:?}");
+}
+
+#[tokio::test]
+async fn nodes_with_more_gpus_of_the_wanted_model_score_higher() {
+    let h = Harness::start(Config {
+        node_policy: NodePolicy::Spread,
+        ..test_config()
+    })
+    .await;
+    h.add_nodes(vec![
+        node(
+            "mixed",
+            &[
+                gpu("NVIDIA A100-SXM4-80GB", 80),
+                gpu("Tesla T4", 16),
+                gpu("Tesla T4", 16),
+                gpu("Tesla T4", 16),
+            ],
+        ),
+        node("a100s", &[gpu("NVIDIA A100-SXM4-80GB", 80); 4]),
+        node("t4s", &[gpu("Tesla T4", 16); 4]),
+    ])
+    .await;
+    let p = h
+        .create_pod(pod(
+            "m",
+            &[vgpu("main", 1, 8192, 20)],
+            &[("nvidia.com/use-gputype", "a100")],
+        ))
+        .await;
+    let filtered = h.filter(&p, &["mixed", "a100s", "t4s"]).await;
+    assert_eq!(
+        filtered.node_names,
+        Some(vec!["mixed".to_string(), "a100s".to_string()])
+    );
+    assert!(filtered.failed_and_unresolvable_nodes["t4s"]
+        .contains("not one of nvidia.com/use-gputype (a100)"));
+    let scores = h.prioritize(&p, &["mixed", "a100s"]).await;
+    assert!(
+        score(&scores, "a100s") > score(&scores, "mixed"),
+        "{scores:?}"
+    );
+    assert_eq!(h.schedule(&p).await.expect("bound"), "a100s");
+    let decision = h.decision(&p).expect("decision");
+    assert!(decision.containers[0].devices[0]
+        .uuid
+        .starts_with("GPU-a100s-"));
+}
+
+#[tokio::test]
+async fn uuid_and_type_annotations_pick_and_avoid_gpus() {
+    let h = Harness::start(test_config()).await;
+    h.put_node(node(
+        "n1",
+        &[
+            gpu("NVIDIA A10", 24),
+            gpu("Tesla T4", 16),
+            gpu("NVIDIA A10", 24),
+        ],
+    ))
+    .await;
+    let wanted = uuid("n1", 2);
+    let p = h
+        .create_pod(pod(
+            "u",
+            &[vgpu("main", 1, 1024, 10)],
+            &[("nvidia.com/use-gpuuuid", &wanted)],
+        ))
+        .await;
+    assert_eq!(
+        h.schedule_and_allocate(&p).await.containers[0].devices[0].uuid,
+        wanted
+    );
+    let avoid = format!("{},{}", uuid("n1", 0), uuid("n1", 2));
+    let p = h
+        .create_pod(pod(
+            "v",
+            &[vgpu("main", 1, 1024, 10)],
+            &[("nvidia.com/nouse-gpuuuid", &avoid)],
+        ))
+        .await;
+    assert_eq!(
+        h.schedule_and_allocate(&p).await.containers[0].devices[0].uuid,
+        uuid("n1", 1)
+    );
+    let p = h
+        .create_pod(pod(
+            "w",
+            &[vgpu("main", 2, 1024, 10)],
+            &[("nvidia.com/nouse-gputype", "t4")],
+        ))
+        .await;
+    let devices: Vec<String> = h.schedule_and_allocate(&p).await.containers[0]
+        .devices
+        .iter()
+        .map(|d| d.uuid.clone())
+        .collect();
+    assert_eq!(devices, vec![uuid("n1", 0), uuid("n1", 2)]);
+}
+
+#[tokio::test]
+async fn init_sidecar_and_regular_containers_get_one_decision_in_admission_order() {
+    let h = Harness::start(test_config()).await;
+    h.put_node(node("n1", &[gpu("NVIDIA A10", 16), gpu("NVIDIA A10", 16)]))
+        .await;
+    let mut setup = ctr(
+        "setup",
+        &[
+            ("nvidia.com/gpu", "1"),
+            ("nvidia.com/gpumem-percentage", "75"),
+        ],
+    );
+    setup.init = true;
+    let mut proxy = ctr(
+        "proxy",
+        &[
+            ("nvidia.com/gpu", "1"),
+            ("nvidia.com/gpumem", "512"),
+            ("nvidia.com/gpucores", "5"),
+            ("nvidia.com/priority", "1"),
+        ],
+    );
+    proxy.init = true;
+    proxy.sidecar = true;
+    let mut main = vgpu("main", 2, 4096, 30);
+    main.limits.push(("nvidia.com/priority", "0".into()));
+    let p = h
+        .create_pod(pod(
+            "multi",
+            &[setup, proxy, main, ctr("logger", &[("cpu", "100m")])],
+            &[],
+        ))
+        .await;
+    let node = h.schedule(&p).await.expect("bound");
+    assert_eq!(node, "n1");
+    let decision = h.decision(&p).expect("decision");
+    let names: Vec<(&str, bool)> = decision
+        .containers
+        .iter()
+        .map(|c| (c.name.as_str(), c.init))
+        .collect();
+    assert_eq!(
+        names,
+        vec![("setup", true), ("proxy", true), ("main", false)]
+    );
+    let setup = &decision.containers[0];
+    assert_eq!(setup.devices[0].memory_bytes, 12 * GIB, "75 % of 16 GiB");
+    let proxy = &decision.containers[1];
+    assert_eq!(
+        (
+            proxy.devices[0].memory_bytes,
+            proxy.devices[0].cores_percent,
+            proxy.priority
+        ),
+        (512 * MIB, 5, Some(1))
+    );
+    let main = &decision.containers[2];
+    assert_eq!(main.devices.len(), 2);
+    assert_ne!(main.devices[0].uuid, main.devices[1].uuid);
+    assert_eq!(main.priority, Some(0));
+    assert!(main
+        .devices
+        .iter()
+        .all(|d| d.memory_bytes == 4096 * MIB && d.cores_percent == 30));
+    // The node is busy until the plugin has allocated the pod.
+    let pods = &h
+        .running()
+        .scheduler
+        .state()
+        .read()
+        .snapshot(vgpu_scheduler::state::now_unix_ms(), h.config.unbound_grace);
+    assert_eq!(pods.nodes["n1"].pending, vec!["ml-team/multi".to_string()]);
+}
+
+#[tokio::test]
+async fn elastic_gpu_whole_cards_are_exclusive() {
+    let h = Harness::start(test_config()).await;
+    h.put_node(node("n1", &[gpu("NVIDIA A10", 24); 3])).await;
+    let p = h
+        .create_pod(pod(
+            "two-cards",
+            &[ctr("main", &[("elasticgpu.io/gpu-core", "200")])],
+            &[],
+        ))
+        .await;
+    let decision = h.schedule_and_allocate(&p).await;
+    let devices = &decision.containers[0].devices;
+    assert_eq!(devices.len(), 2);
+    assert!(devices
+        .iter()
+        .all(|d| d.cores_percent == 100 && d.memory_bytes == 24 * GIB));
+    let taken: Vec<&str> = devices.iter().map(|d| d.uuid.as_str()).collect();
+    let p = h
+        .create_pod(pod(
+            "small",
+            &[ctr("main", &[("elasticgpu.io/gpu-memory", "256")])],
+            &[],
+        ))
+        .await;
+    let decision = h.schedule_and_allocate(&p).await;
+    let device = &decision.containers[0].devices[0];
+    assert!(
+        !taken.contains(&device.uuid.as_str()),
+        "whole cards take nobody else"
+    );
+    assert_eq!(device.memory_bytes, 256 * MIB);
+    let p = h
+        .create_pod(pod(
+            "third",
+            &[ctr("main", &[("elasticgpu.io/gpu-core", "100")])],
+            &[],
+        ))
+        .await;
+    let filtered = h.filter(&p, &["n1"]).await;
+    assert!(
+        filtered.failed_nodes["n1"].contains("container needs it whole"),
+        "{filtered:?}"
+    );
+}
+
+#[tokio::test]
+async fn recorded_kube_scheduler_bodies_work_in_both_node_modes() {
+    let h = Harness::start(test_config()).await;
+    h.add_nodes(vec![
+        node(
+            "gpu-node-1",
+            &[gpu("NVIDIA A10", 24), gpu("NVIDIA A10", 24)],
+        ),
+        node("gpu-node-2", &[gpu("NVIDIA A10", 24)]),
+    ])
+    .await;
+    // nodeCacheCapable: true, the body exactly as recorded.
+    let (status, body) = h.post("/filter", fixture_bytes("filter_args.json")).await;
+    assert_eq!(status, 200);
+    let result: serde_json::Value = serde_json::from_slice(&body).expect("JSON");
+    assert_eq!(result["NodeNames"], json!(["gpu-node-1", "gpu-node-2"]));
+    assert_eq!(result["Nodes"], json!(null));
+    assert_eq!(result["Error"], "");
+    // nodeCacheCapable: false: the passing Node objects come back unchanged.
+    let sent = fixture("filter_args_nodes.json");
+    let (status, body) = h
+        .post("/filter", fixture_bytes("filter_args_nodes.json"))
+        .await;
+    assert_eq!(status, 200);
+    let result: serde_json::Value = serde_json::from_slice(&body).expect("JSON");
+    assert_eq!(result["Nodes"]["items"], sent["Nodes"]["items"]);
+    assert_eq!(result["NodeNames"], json!(null));
+    let (status, body) = h
+        .post("/prioritize", fixture_bytes("filter_args_nodes.json"))
+        .await;
+    assert_eq!(status, 200);
+    let scores: serde_json::Value = serde_json::from_slice(&body).expect("JSON");
+    assert_eq!(scores.as_array().map(Vec::len), Some(2));
+    assert!(scores[0]["Host"].is_string() && scores[0]["Score"].is_i64());
+
+    // Elastic GPU Scheduler's URLs answer the same.
+    let (status, body) = h
+        .post("/scheduler/priorities", fixture_bytes("filter_args.json"))
+        .await;
+    assert_eq!(status, 200);
+    assert!(String::from_utf8_lossy(&body).contains(r#"{"Host":"gpu-node-1","Score":"#));
+    let (status, _) = h
+        .post("/scheduler/filter", fixture_bytes("filter_args.json"))
+        .await;
+    assert_eq!(status, 200);
+
+    // The recorded pod, created in the API, bound with the recorded bind body.
+    let recorded = fixture("pod.json");
+    h.create_pod(recorded.clone()).await;
+    let (status, body) = h.post("/bind", fixture_bytes("bind_args.json")).await;
+    assert_eq!(status, 200);
+    assert_eq!(String::from_utf8_lossy(&body), r#"{"Error":""}"#);
+    let bound = h.api.pod("ml-team", &name_of(&recorded)).expect("pod");
+    assert_eq!(bound["spec"]["nodeName"], "gpu-node-1");
+    let decision = crate::fake_api::decision_of(&bound).expect("decision");
+    assert_eq!(decision.node, "gpu-node-1");
+    assert_eq!(decision.containers[0].name, "train");
+    assert_eq!(
+        decision.containers[0].devices[0].memory_bytes,
+        3000 * MIB,
+        "\"3k\" MiB"
+    );
+    assert_eq!(decision.containers[0].devices[0].cores_percent, 30);
+}
+
+#[tokio::test]
+async fn pods_without_gpus_pass_everywhere_and_bind_without_a_decision() {
+    let h = Harness::start(test_config()).await;
+    h.add_nodes(vec![
+        node_with_annotation("plain", None),
+        node("n1", &[gpu("NVIDIA A10", 24)]),
+    ])
+    .await;
+    let p = h
+        .create_pod(pod("web", &[ctr("nginx", &[("cpu", "1")])], &[]))
+        .await;
+    let filtered = h.filter(&p, &["plain", "n1"]).await;
+    assert_eq!(
+        filtered.node_names,
+        Some(vec!["plain".to_string(), "n1".to_string()])
+    );
+    assert!(filtered.failed_nodes.is_empty() && filtered.failed_and_unresolvable_nodes.is_empty());
+    assert!(h
+        .prioritize(&p, &["plain", "n1"])
+        .await
+        .iter()
+        .all(|s| s.score == 0));
+    assert!(h.bind(&p, "plain").await.error.is_empty());
+    let bound = h.api.pod("ml-team", "web").expect("pod");
+    assert_eq!(bound["spec"]["nodeName"], "plain");
+    assert!(h.decision(&p).is_none());
+}

@@ -1,0 +1,167 @@
+//! A restarted extender rebuilds everything from the API and loses nothing.
+
+use crate::harness::*;
+use std::time::Duration;
+use vgpu_scheduler::scheduler::Config;
+
+async fn snapshot(h: &Harness) -> serde_json::Value {
+    let (status, body) = h.client.get("/debug/state").await.expect("debug state");
+    assert_eq!(status, 200);
+    serde_json::from_slice(&body).expect("snapshot JSON")
+}
+
+#[tokio::test]
+async fn a_restarted_extender_knows_what_the_old_one_knew() {
+    let mut h = Harness::start(Config {
+        bind_wait: Duration::from_millis(300),
+        ..test_config()
+    })
+    .await;
+    h.add_nodes(vec![
+        node("n1", &[gpu("NVIDIA A10", 24), gpu("NVIDIA A10", 24)]),
+        node("n2", &[gpu("NVIDIA A10", 24), gpu("NVIDIA A10", 24)]),
+        node("n3", &[gpu("NVIDIA A100", 80)]),
+    ])
+    .await;
+    let mut setup = vgpu("setup", 1, 20480, 100);
+    setup.init = true;
+    let pods = vec![
+        pod("a", &[vgpu("main", 1, 4096, 20)], &[]),
+        pod("b", &[vgpu("main", 2, 2048, 10)], &[]),
+        pod("c", &[setup, vgpu("main", 1, 1024, 10)], &[]),
+        pod(
+            "d",
+            &[vgpu("main", 1, 8192, 50)],
+            &[("nvidia.com/use-gputype", "A100")],
+        ),
+    ];
+    for p in pods {
+        let p = h.create_pod(p).await;
+        h.schedule_and_allocate(&p).await;
+    }
+    // One more, decided and bound but not yet admitted by its plugin.
+    let pending = h
+        .create_pod(pod("pending", &[vgpu("main", 1, 1024, 10)], &[]))
+        .await;
+    let pending_node = h.schedule(&pending).await.expect("bound");
+    let before = snapshot(&h).await;
+    assert_eq!(before["pods"], 5);
+    assert_eq!(
+        before["nodes"][&pending_node]["pending"],
+        serde_json::json!(["ml-team/pending"])
+    );
+
+    h.restart().await;
+    let after = snapshot(&h).await;
+    assert_eq!(before, after, "the rebuilt state is the same");
+
+    // The pending pod still holds its node.
+    let other = h
+        .create_pod(pod("other", &[vgpu("main", 1, 1024, 10)], &[]))
+        .await;
+    let refused = h.bind(&other, &pending_node).await;
+    assert!(
+        refused.error.contains("is still admitting ml-team/pending"),
+        "{refused:?}"
+    );
+    h.allocate(&pending).await;
+    assert!(h.bind(&other, &pending_node).await.error.is_empty());
+}
+
+#[tokio::test]
+async fn a_bind_cut_off_by_a_restart_still_holds_its_node_until_retried() {
+    let mut h = Harness::start(Config {
+        bind_wait: Duration::from_millis(300),
+        ..test_config()
+    })
+    .await;
+    h.put_node(node("n1", &[gpu("NVIDIA A10", 24)])).await;
+    let cut = h
+        .create_pod(pod("cut", &[vgpu("main", 1, 4096, 10)], &[]))
+        .await;
+    h.api.set_binding_delay(Duration::from_millis(400));
+    let client = h.client.clone();
+    let body = serde_json::json!({
+        "PodName": "cut", "PodNamespace": "ml-team", "PodUID": uid_of(&cut), "Node": "n1"
+    });
+    let interrupted =
+        tokio::spawn(async move { client.post("/bind", body.to_string().into_bytes()).await });
+    // Wait for the decision to be written, then crash mid-binding.
+    for _ in 0..200 {
+        if h.decision(&cut).is_some() {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    assert!(
+        h.decision(&cut).is_some(),
+        "decision written before binding"
+    );
+    h.restart().await;
+    h.api.set_binding_delay(Duration::ZERO);
+    assert!(
+        interrupted.await.expect("task").is_err(),
+        "the old extender is gone"
+    );
+
+    let bound = h.api.pod("ml-team", "cut").expect("pod")["spec"]["nodeName"]
+        .as_str()
+        .map(str::to_string);
+    let other = h
+        .create_pod(pod("other", &[vgpu("main", 1, 1024, 10)], &[]))
+        .await;
+    if bound.is_none() {
+        // Decided, never bound: the node is held for the grace period...
+        let refused = h.bind(&other, "n1").await;
+        assert!(
+            refused.error.contains("is still admitting ml-team/cut"),
+            "{refused:?}"
+        );
+        // ...and kube-scheduler's retry of the cut pod goes through.
+        assert!(h.bind(&cut, "n1").await.error.is_empty());
+    }
+    h.allocate(&cut).await;
+    assert!(h.bind(&other, "n1").await.error.is_empty());
+    assert!(h.api.violations().is_empty(), "{:?}", h.api.violations());
+}
+
+#[tokio::test]
+async fn a_stopping_extender_lets_binds_in_flight_finish() {
+    let mut h = Harness::start(test_config()).await;
+    h.put_node(node("n1", &[gpu("NVIDIA A10", 24)])).await;
+    let p = h
+        .create_pod(pod("late-bind", &[vgpu("main", 1, 1024, 10)], &[]))
+        .await;
+    h.api.set_binding_delay(Duration::from_millis(300));
+    let client = h.client.clone();
+    let body = serde_json::json!({
+        "PodName": "late-bind", "PodNamespace": "ml-team", "PodUID": uid_of(&p), "Node": "n1"
+    });
+    let bind =
+        tokio::spawn(async move { client.post("/bind", body.to_string().into_bytes()).await });
+    for _ in 0..200 {
+        if h.decision(&p).is_some() {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    // SIGTERM arrives while the binding is in flight.
+    let running = h.running.take().expect("running");
+    let addr = running.local_addr;
+    running
+        .serve_until(std::future::ready(()), Duration::from_secs(5))
+        .await;
+    let (status, reply) = bind.await.expect("task").expect("answered");
+    assert_eq!(
+        (status, reply.as_slice()),
+        (200, br#"{"Error":""}"#.as_slice())
+    );
+    assert_eq!(
+        h.api.pod("ml-team", "late-bind").expect("pod")["spec"]["nodeName"],
+        "n1"
+    );
+    assert!(vgpu_scheduler::client::ExtenderClient::new(addr)
+        .get("/healthz")
+        .await
+        .is_err());
+}

@@ -1,0 +1,120 @@
+//! HTTPS with the certificate and key given by flags.
+
+use crate::harness::*;
+use http_body_util::{BodyExt, Full};
+use hyper::body::Bytes;
+use hyper_util::rt::TokioIo;
+use std::sync::Arc;
+use std::time::Duration;
+use vgpu_scheduler::api::ApiSource;
+use vgpu_scheduler::client::ExtenderClient;
+use vgpu_scheduler::server::{tls_config, ServerError};
+
+/// One request over HTTPS, trusting only the test CA; returns status and body.
+async fn https(
+    addr: std::net::SocketAddr,
+    method: &str,
+    path: &str,
+    body: Vec<u8>,
+) -> (u16, String) {
+    let mut roots = rustls::RootCertStore::empty();
+    let ca = std::fs::read(fixture_path("tls/ca.pem")).expect("CA");
+    use rustls::pki_types::pem::PemObject;
+    for cert in rustls::pki_types::CertificateDer::pem_slice_iter(&ca) {
+        roots.add(cert.expect("CA PEM")).expect("CA certificate");
+    }
+    let config = rustls::ClientConfig::builder_with_provider(Arc::new(
+        rustls::crypto::ring::default_provider(),
+    ))
+    .with_safe_default_protocol_versions()
+    .expect("versions")
+    .with_root_certificates(roots)
+    .with_no_client_auth();
+    let connector = tokio_rustls::TlsConnector::from(Arc::new(config));
+    let stream = tokio::net::TcpStream::connect(addr).await.expect("connect");
+    let name = rustls::pki_types::ServerName::try_from("localhost").expect("name");
+    let tls = connector
+        .connect(name, stream)
+        .await
+        .expect("TLS handshake");
+    let (mut sender, connection) = hyper::client::conn::http1::handshake(TokioIo::new(tls))
+        .await
+        .expect("HTTP over TLS");
+    tokio::spawn(connection);
+    let request = hyper::Request::builder()
+        .method(method)
+        .uri(path)
+        .header("host", "localhost")
+        .header("content-type", "application/json")
+        .body(Full::new(Bytes::from(body)))
+        .expect("request");
+    let response = sender.send_request(request).await.expect("response");
+    let status = response.status().as_u16();
+    let body = response
+        .into_body()
+        .collect()
+        .await
+        .expect("body")
+        .to_bytes();
+    (status, String::from_utf8_lossy(&body).into_owned())
+}
+
+#[tokio::test]
+async fn serves_https_with_the_given_certificate() {
+    let api = crate::fake_api::FakeApi::new();
+    let api_addr = api.serve().await;
+    api.put_node(node("gpu-node-1", &[gpu("NVIDIA A10", 24)]));
+    api.put_node(node("gpu-node-2", &[gpu("NVIDIA A10", 24)]));
+    let tls = tls_config(
+        &fixture_path("tls/server.pem"),
+        &fixture_path("tls/server.key"),
+    )
+    .expect("TLS config");
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind");
+    let running = vgpu_scheduler::start(
+        test_config(),
+        &ApiSource::Url(format!("http://{api_addr}")),
+        listener,
+        Some(tls),
+    )
+    .await
+    .expect("start");
+    assert!(running.wait_ready(Duration::from_secs(10)).await);
+    let addr = running.local_addr;
+
+    let (status, health) = https(addr, "GET", "/healthz", Vec::new()).await;
+    assert_eq!((status, health.as_str()), (200, "ok"));
+    let (status, filter) = https(addr, "POST", "/filter", fixture_bytes("filter_args.json")).await;
+    assert_eq!(status, 200);
+    assert!(
+        filter.contains(r#""NodeNames":["gpu-node-1","gpu-node-2"]"#),
+        "{filter}"
+    );
+
+    // Plain HTTP to the HTTPS port gets nowhere.
+    let plain = ExtenderClient::new(addr);
+    assert!(plain.get("/healthz").await.is_err());
+    running.stop();
+}
+
+#[test]
+fn bad_certificate_files_are_named() {
+    let missing = fixture_path("tls/missing.pem");
+    let error = tls_config(&missing, &fixture_path("tls/server.key")).expect_err("missing");
+    assert!(matches!(error, ServerError::Certificate { .. }));
+    assert!(error.to_string().contains("missing.pem"), "{error}");
+    let error = tls_config(
+        &fixture_path("tls/server.pem"),
+        &fixture_path("tls/server.pem"),
+    )
+    .expect_err("no key");
+    assert!(matches!(error, ServerError::Key { .. }), "{error}");
+    let error = tls_config(
+        &fixture_path("tls/server.key"),
+        &fixture_path("tls/server.key"),
+    )
+    .expect_err("no cert");
+    assert!(error.to_string().contains("no PEM certificate"), "{error}");
+}
