@@ -17,8 +17,14 @@
 //!    pod annotation [`DECISION_ANNOTATION`] ([`Decision`]), then binds.
 //! 3. **One pending pod per node.** A pod is *pending* on a node from its
 //!    decision until the plugin has allocated all its GPU containers
-//!    ([`ALLOCATED_ANNOTATION`]). The extender never binds a second vGPU pod
-//!    to a node that has a pending one. This state is derived, not stored:
+//!    ([`ALLOCATED_ANNOTATION`]) or kubelet has finished admitting it
+//!    ([`kubelet_has_admitted`]), whichever comes first: kubelet calls
+//!    `Allocate` for every container while it admits a pod, so an admitted
+//!    pod will see no more calls (a container whose resources no vgpu plugin
+//!    serves runs without its vGPU instead of blocking the node, and its
+//!    decision still counts against the GPUs). The extender never binds a
+//!    second vGPU pod to a node that has a pending one. This state is
+//!    derived, not stored:
 //!    the extender computes it from the pods it watches, so a deleted,
 //!    failed or finished pod stops being pending at once, and a restart of
 //!    the extender loses nothing (it rebuilds from the API). Kubelet admits
@@ -213,6 +219,16 @@ impl Decision {
     }
 }
 
+/// Whether kubelet is done admitting a pod, from the pod's status: its
+/// phase has left `Pending` (running, or rejected as `Failed`), or kubelet
+/// has reported container statuses, which it writes only after admission
+/// (so a pod pulling a large image no longer holds its node). Kubelet has
+/// made every `Allocate` call for an admitted pod.
+pub fn kubelet_has_admitted(phase: Option<&str>, reports_container_statuses: bool) -> bool {
+    let still_pending = matches!(phase, None | Some("") | Some("Pending"));
+    !still_pending || reports_container_statuses
+}
+
 /// Parses [`ALLOCATED_ANNOTATION`].
 pub fn parse_allocated(text: &str) -> Result<Vec<String>, FormatError> {
     parse(ALLOCATED_ANNOTATION, text)
@@ -221,6 +237,18 @@ pub fn parse_allocated(text: &str) -> Result<Vec<String>, FormatError> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn admission_ends_when_the_phase_moves_or_statuses_appear() {
+        assert!(!kubelet_has_admitted(None, false));
+        assert!(!kubelet_has_admitted(Some(""), false));
+        assert!(!kubelet_has_admitted(Some("Pending"), false));
+        assert!(kubelet_has_admitted(Some("Pending"), true));
+        assert!(kubelet_has_admitted(Some("Running"), false));
+        assert!(kubelet_has_admitted(Some("Failed"), false));
+        assert!(kubelet_has_admitted(Some("Succeeded"), false));
+        assert!(kubelet_has_admitted(Some("Unknown"), false));
+    }
 
     fn decision() -> Decision {
         Decision {

@@ -7,7 +7,8 @@
 use k8s_openapi::api::core::v1::Pod;
 use thiserror::Error;
 use vgpu_common::decision::{
-    parse_allocated, ContainerDecision, Decision, ALLOCATED_ANNOTATION, DECISION_ANNOTATION,
+    kubelet_has_admitted, parse_allocated, ContainerDecision, Decision, ALLOCATED_ANNOTATION,
+    DECISION_ANNOTATION,
 };
 
 /// The pod whose containers kubelet is admitting.
@@ -72,15 +73,22 @@ fn pod_name(pod: &Pod) -> String {
 }
 
 /// Whether kubelet can still be admitting `pod` on `node`: bound there, not
-/// being deleted, not yet running or finished (kubelet calls `Allocate` for
-/// every container while admitting a pod, before its phase leaves
-/// `Pending`), and carrying a decision.
+/// being deleted, not yet admitted (see [`kubelet_has_admitted`]: kubelet
+/// calls `Allocate` for every container while admitting a pod, before it
+/// reports any status), and carrying a decision.
 fn may_be_admitting(pod: &Pod, node: &str) -> bool {
     let bound_here = pod.spec.as_ref().and_then(|s| s.node_name.as_deref()) == Some(node);
-    let phase = pod.status.as_ref().and_then(|s| s.phase.as_deref());
+    let status = pod.status.as_ref();
+    let phase = status.and_then(|s| s.phase.as_deref());
+    let reports_statuses = status.is_some_and(|s| {
+        (s.container_statuses
+            .iter()
+            .chain(&s.init_container_statuses))
+        .any(|v| !v.is_empty())
+    });
     bound_here
         && pod.metadata.deletion_timestamp.is_none()
-        && matches!(phase, None | Some("Pending") | Some(""))
+        && !kubelet_has_admitted(phase, reports_statuses)
         && annotation(pod, DECISION_ANNOTATION).is_some()
 }
 

@@ -24,8 +24,8 @@ use std::collections::{BTreeMap, HashMap};
 use std::sync::{Arc, RwLock, RwLockReadGuard};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 use vgpu_common::decision::{
-    parse_allocated, Decision, NodeInventory, ALLOCATED_ANNOTATION, DECISION_ANNOTATION,
-    HEARTBEAT_STALE_MS, NODE_INVENTORY_ANNOTATION,
+    kubelet_has_admitted, parse_allocated, Decision, NodeInventory, ALLOCATED_ANNOTATION,
+    DECISION_ANNOTATION, HEARTBEAT_STALE_MS, NODE_INVENTORY_ANNOTATION,
 };
 
 /// A record written by the extender itself and never confirmed by the
@@ -70,6 +70,8 @@ pub struct PodRecord {
     pub terminal: bool,
     /// Being deleted: it will not be admitted any more.
     pub deleting: bool,
+    /// Kubelet is done admitting it: no more `Allocate` calls will come.
+    pub admitted: bool,
     /// What it takes per GPU UUID.
     pub contribution: Vec<(String, Usage)>,
     /// Set while the record comes from the extender's own write and the
@@ -97,6 +99,13 @@ impl PodRecord {
         let phase = pod.status.as_ref().and_then(|s| s.phase.as_deref());
         let terminal = matches!(phase, Some("Succeeded") | Some("Failed"));
         let running = phase == Some("Running");
+        let reports_statuses = pod.status.as_ref().is_some_and(|s| {
+            (s.container_statuses
+                .iter()
+                .chain(&s.init_container_statuses))
+            .any(|v| !v.is_empty())
+        });
+        let admitted = kubelet_has_admitted(phase, reports_statuses);
         let sidecars: Vec<&str> = pod
             .spec
             .iter()
@@ -115,6 +124,7 @@ impl PodRecord {
             allocated,
             terminal,
             deleting: meta.deletion_timestamp.is_some(),
+            admitted,
             contribution,
             local_since: None,
         }))
@@ -137,7 +147,7 @@ impl PodRecord {
     /// is pending only for `unbound_grace` after its decision (its bind is
     /// in flight or failed; a failed one is retried with a new decision).
     pub fn is_pending(&self, now_unix_ms: u64, unbound_grace: Duration) -> bool {
-        if self.counted_node().is_none() || self.deleting {
+        if self.counted_node().is_none() || self.deleting || self.admitted {
             return false;
         }
         if self.decision.is_complete(&self.allocated) {
@@ -1022,6 +1032,38 @@ mod tests {
         assert_eq!(state.node("n1").expect("node").usage[0], Usage::default());
         state.apply_pod(&decided("a", 11, "n1", "GPU-n1-0", true, true), true);
         assert_eq!(state.pod_count(), 0);
+    }
+
+    #[test]
+    fn an_admitted_pod_stops_blocking_its_node_but_keeps_its_gpus() {
+        use k8s_openapi::api::core::v1::{ContainerStatus, PodStatus};
+        let mut state = synced_state();
+        let now = now_unix_ms();
+        state.apply_pod(&decided("e", 30, "n1", "GPU-n1-0", true, false), false);
+        assert_eq!(state.pending_on("n1", now, GRACE, "").len(), 1);
+        // Kubelet admitted it (image still pulling) but no Allocate came,
+        // as for a resource no vgpu plugin serves.
+        let mut pod = decided("e", 31, "n1", "GPU-n1-0", true, false);
+        pod.status = Some(PodStatus {
+            phase: Some("Pending".into()),
+            container_statuses: Some(vec![ContainerStatus {
+                name: "main".into(),
+                ..ContainerStatus::default()
+            }]),
+            ..PodStatus::default()
+        });
+        state.apply_pod(&pod, false);
+        assert!(state.pending_on("n1", now, GRACE, "").is_empty());
+        assert_eq!(state.node("n1").expect("node").usage[0].tasks, 1);
+        // Running without statuses (as a fake API may report): admitted too.
+        let mut pod = decided("e", 32, "n1", "GPU-n1-0", true, false);
+        pod.status = Some(PodStatus {
+            phase: Some("Running".into()),
+            ..PodStatus::default()
+        });
+        state.apply_pod(&pod, false);
+        assert!(state.pending_on("n1", now, GRACE, "").is_empty());
+        assert_eq!(state.node("n1").expect("node").usage[0].tasks, 1);
     }
 
     #[test]

@@ -379,7 +379,7 @@ pub(crate) fn replay_fill(
 /// Checks a fill's alignment and range.
 fn check_fill<T>(inner: &Inner, dst: CUdeviceptr, count: usize) -> Result<(), CUresult> {
     let size = std::mem::size_of::<T>();
-    if dst % size as u64 != 0 {
+    if !dst.is_multiple_of(size as u64) {
         return Err(CUDA_ERROR_INVALID_VALUE);
     }
     let bytes = count.checked_mul(size).ok_or(CUDA_ERROR_INVALID_VALUE)?;

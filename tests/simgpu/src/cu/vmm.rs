@@ -45,7 +45,7 @@ cuda_fn! {
         // SAFETY: caller's prop struct (NULL rejected).
         let p = unsafe { inp(prop) }?;
         let size = size as u64;
-        if handle.is_null() || flags != 0 || size == 0 || size % GRANULARITY != 0 {
+        if handle.is_null() || flags != 0 || size == 0 || !size.is_multiple_of(GRANULARITY) {
             return Err(CUDA_ERROR_INVALID_VALUE);
         }
         if p.type_ != CU_MEM_ALLOCATION_TYPE_PINNED {
@@ -175,7 +175,7 @@ fn reserve(size: u64, align: u64, hint: u64) -> Option<u64> {
             )
         };
         if p != libc::MAP_FAILED {
-            if p as u64 == hint && hint % align == 0 {
+            if p as u64 == hint && hint.is_multiple_of(align) {
                 return Some(hint);
             }
             // SAFETY: unmapping the mapping just made.
@@ -223,7 +223,7 @@ cuda_fn! {
         check_init()?;
         let size = size as u64;
         let align = if alignment == 0 { GRANULARITY } else { alignment as u64 };
-        if ptr.is_null() || flags != 0 || size == 0 || size % GRANULARITY != 0 || !align.is_power_of_two() {
+        if ptr.is_null() || flags != 0 || size == 0 || !size.is_multiple_of(GRANULARITY) || !align.is_power_of_two() {
             return Err(CUDA_ERROR_INVALID_VALUE);
         }
         let start = reserve(size, align.max(GRANULARITY), addr).ok_or(CUDA_ERROR_OUT_OF_MEMORY)?;
@@ -304,7 +304,7 @@ cuda_fn! {
     ) {
         check_init()?;
         let (size, offset) = (size as u64, offset as u64);
-        if flags != 0 || size == 0 || size % GRANULARITY != 0 || offset % GRANULARITY != 0 || ptr % GRANULARITY != 0 {
+        if flags != 0 || size == 0 || size % GRANULARITY != 0 || offset % GRANULARITY != 0 || !ptr.is_multiple_of(GRANULARITY) {
             return Err(CUDA_ERROR_INVALID_VALUE);
         }
         let mut inner = lock();
