@@ -1,0 +1,345 @@
+"""The Helm chart in deploy/helm/vgpu: it lints, renders objects that
+Kubernetes' schemas accept, and wires the parts together consistently (the
+flags each binary receives are flags it accepts, the resource names and
+ports agree across the plugin, the extender and kube-scheduler, and every
+account can do what its binary needs)."""
+
+import copy
+import os
+import pathlib
+import subprocess
+
+import helm_python as helm
+import kubernetes_validate
+import pytest
+import yaml
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+CHART = ROOT / "deploy" / "helm" / "vgpu"
+TARGET = pathlib.Path(os.environ.get("VGPU_TARGET_DIR", ROOT / "target" / "debug")).resolve()
+KUBE_VERSION = "1.32.0"
+
+
+def render(values=None, name="vgpu", namespace="kube-system"):
+    with helm.Chart.load(str(CHART)) as chart:
+        chart.validate_schema(values or {})
+        manifests = chart.render(values or {}, name=name, namespace=namespace)
+    objects = []
+    for path, text in sorted(manifests.items()):
+        if not path.endswith(".yaml"):
+            continue
+        for document in yaml.safe_load_all(text):
+            if document:
+                objects.append(document)
+    return objects
+
+
+def find(objects, kind, suffix):
+    matches = [o for o in objects if o["kind"] == kind and o["metadata"]["name"].endswith(suffix)]
+    assert len(matches) == 1, f"{kind} *{suffix}: {[o['metadata']['name'] for o in matches]}"
+    return matches[0]
+
+
+def container(workload, name):
+    spec = workload["spec"]["template"]["spec"]
+    for c in spec.get("containers", []) + spec.get("initContainers", []):
+        if c["name"] == name:
+            return c
+    raise AssertionError(f"no container {name}")
+
+
+def flags(c):
+    """The container's `--name=value` arguments as a dict (value None for a
+    bare flag)."""
+    result = {}
+    for arg in c.get("args", []) + c.get("command", [])[1:]:
+        if arg.startswith("--"):
+            key, _, value = arg[2:].partition("=")
+            result[key] = value if "=" in arg else None
+    return result
+
+
+def scheduler_config(objects):
+    config_map = find(objects, "ConfigMap", "-scheduler")
+    return yaml.safe_load(config_map["data"]["config.yaml"])
+
+
+def rules_allow(objects, account, group, resource, verb):
+    """Whether some ClusterRole bound to `account` grants `verb` on
+    `resource` (chart-defined roles only)."""
+    roles = {o["metadata"]["name"]: o for o in objects if o["kind"] == "ClusterRole"}
+    for binding in (o for o in objects if o["kind"] == "ClusterRoleBinding"):
+        if not any(s["name"] == account for s in binding["subjects"]):
+            continue
+        role = roles.get(binding["roleRef"]["name"])
+        for rule in (role or {}).get("rules", []):
+            if group in rule["apiGroups"] and resource in rule["resources"] and verb in rule["verbs"]:
+                return True
+    return False
+
+
+def test_chart_lints_without_findings():
+    report = helm.lint(str(CHART), strict=True, kube_version=f"v{KUBE_VERSION}")
+    assert report["errors"] == [], report
+    serious = [m for m in report["messages"] if m["severity"] >= 2]
+    assert serious == [], serious
+
+
+@pytest.mark.parametrize(
+    "values",
+    [
+        {},
+        {
+            "scheduler": {"extender": {"tls": {"secretName": "vgpu-tls"}, "gpuPolicy": "binpack"}},
+            "node": {"devicePlugin": {"swapLimit": "8g", "preload": False, "corePolicy": "force"}},
+        },
+    ],
+    ids=["defaults", "tls-swap-force"],
+)
+def test_every_object_matches_the_kubernetes_schema(values):
+    objects = render(values)
+    kinds = sorted(o["kind"] for o in objects)
+    assert kinds.count("DaemonSet") == 1 and kinds.count("Deployment") == 1, kinds
+    for obj in objects:
+        # Strict: an unknown or misplaced field is an error too.
+        kubernetes_validate.validate(obj, KUBE_VERSION, strict=True)
+
+
+def _binary(name):
+    path = TARGET / name
+    if not path.exists():
+        pytest.fail(f"{path} is missing: build the workspace first (cargo build --workspace --release)")
+    return path
+
+
+def _accepts(binary, arguments):
+    """Runs the binary's own argument parser over `arguments`: with --help
+    last, it exits 0 only if every argument before it was valid."""
+    result = subprocess.run(
+        [str(_binary(binary))] + arguments + ["--help"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        env={"PATH": os.environ.get("PATH", "/usr/bin:/bin")},
+    )
+    return result
+
+
+@pytest.mark.parametrize(
+    "values",
+    [
+        {},
+        {
+            "scheduler": {"extender": {"tls": {"secretName": "vgpu-tls"}, "nodePolicy": "spread"}},
+            "node": {
+                "devicePlugin": {"swapLimit": "8g", "contextReserve": "128m", "preload": False},
+                "monitor": {"arbitration": False, "hamiMetricNames": True},
+            },
+        },
+    ],
+    ids=["defaults", "every-optional-flag"],
+)
+def test_every_binary_accepts_the_arguments_it_is_given(values):
+    objects = render(values)
+    node = find(objects, "DaemonSet", "-node")
+    scheduler = find(objects, "Deployment", "-scheduler")
+    for workload, name, binary in [
+        (node, "device-plugin", "vgpu-device-plugin"),
+        (node, "monitor", "vgpu-monitor"),
+        (scheduler, "extender", "vgpu-scheduler"),
+    ]:
+        c = container(workload, name)
+        assert c["command"] == [f"/usr/local/bin/{binary}"]
+        result = _accepts(binary, c["args"])
+        assert result.returncode == 0, f"{binary} {c['args']}:\n{result.stderr}"
+
+
+def test_a_broken_argument_is_caught_by_that_check():
+    result = _accepts("vgpu-scheduler", ["--gpu-policy=fastest"])
+    assert result.returncode != 0
+    assert "fastest" in result.stderr
+
+
+def test_kube_scheduler_reaches_the_extender_with_the_same_names_and_port():
+    values = {
+        "resources": {"gpu": "example.com/vgpu", "cores": "example.com/vgpu-cores"},
+        "scheduler": {"extender": {"port": 40000}},
+    }
+    objects = render(values)
+    config = scheduler_config(objects)
+    assert config["kind"] == "KubeSchedulerConfiguration"
+    assert config["apiVersion"] == "kubescheduler.config.k8s.io/v1"
+    assert config["profiles"] == [{"schedulerName": "vgpu-scheduler"}]
+    (extender,) = config["extenders"]
+    assert extender["urlPrefix"] == "http://127.0.0.1:40000"
+    assert (extender["filterVerb"], extender["prioritizeVerb"], extender["bindVerb"]) == (
+        "filter",
+        "prioritize",
+        "bind",
+    )
+    assert extender["enableHTTPS"] is False
+    managed = {m["name"]: m["ignoredByScheduler"] for m in extender["managedResources"]}
+    # kube-scheduler counts the device resource itself; the rest only the extender reads.
+    assert managed["example.com/vgpu"] is False
+    assert managed["example.com/vgpu-cores"] is True
+    assert all(ignored for name, ignored in managed.items() if name != "example.com/vgpu")
+
+    deployment = find(objects, "Deployment", "-scheduler")
+    extender_flags = flags(container(deployment, "extender"))
+    assert extender_flags["port"] == "40000"
+    assert extender_flags["resource-gpu"] == "example.com/vgpu"
+    assert extender_flags["resource-cores"] == "example.com/vgpu-cores"
+    for flag in [
+        "resource-memory",
+        "resource-memory-percentage",
+        "resource-priority",
+        "resource-elastic-memory",
+        "resource-elastic-cores",
+    ]:
+        assert extender_flags[flag] in managed, flag
+    assert [p["containerPort"] for p in container(deployment, "extender")["ports"]] == [40000]
+    plugin_flags = flags(container(find(objects, "DaemonSet", "-node"), "device-plugin"))
+    assert plugin_flags["resource-name"] == "example.com/vgpu"
+    # The mounted configuration is the one kube-scheduler is told to read.
+    ks = container(deployment, "kube-scheduler")
+    mount = next(m for m in ks["volumeMounts"] if m["name"] == "config")
+    assert f"--config={mount['mountPath']}/config.yaml" in ks["command"]
+
+
+def test_https_extender():
+    objects = render({"scheduler": {"extender": {"tls": {"secretName": "vgpu-tls"}}}})
+    (extender,) = scheduler_config(objects)["extenders"]
+    assert extender["urlPrefix"].startswith("https://")
+    assert extender["enableHTTPS"] is True
+    deployment = find(objects, "Deployment", "-scheduler")
+    c = container(deployment, "extender")
+    f = flags(c)
+    mount = next(m for m in c["volumeMounts"] if m["name"] == "tls")
+    assert f["tls-cert"] == f"{mount['mountPath']}/tls.crt"
+    assert f["tls-key"] == f"{mount['mountPath']}/tls.key"
+    volume = next(v for v in deployment["spec"]["template"]["spec"]["volumes"] if v["name"] == "tls")
+    assert volume["secret"]["secretName"] == "vgpu-tls"
+    assert c["readinessProbe"]["httpGet"]["scheme"] == "HTTPS"
+
+
+def test_node_agent_paths_agree():
+    objects = render({"hostDir": "/opt/vgpu"})
+    node = find(objects, "DaemonSet", "-node")
+    volumes = {v["name"]: v for v in node["spec"]["template"]["spec"]["volumes"]}
+    plugin = container(node, "device-plugin")
+    monitor = container(node, "monitor")
+    install = container(node, "install-shim")
+
+    def host_path(c, path):
+        """The host path a container path maps to through its mounts."""
+        for m in sorted(c["volumeMounts"], key=lambda m: -len(m["mountPath"])):
+            if path == m["mountPath"] or path.startswith(m["mountPath"] + "/"):
+                return volumes[m["name"]]["hostPath"]["path"] + path[len(m["mountPath"]) :]
+        raise AssertionError(f"{path} is not on a host mount of {c['name']}")
+
+    pf, mf = flags(plugin), flags(monitor)
+    # The plugin answers kubelet with host paths, so it sees them unmapped.
+    assert host_path(plugin, pf["containers-dir"]) == pf["containers-dir"] == "/opt/vgpu/containers"
+    assert host_path(plugin, pf["library"]) == pf["library"] == "/opt/vgpu/libvgpu.so"
+    assert host_path(plugin, pf["preload-file"]) == "/opt/vgpu/ld.so.preload"
+    # The monitor reads the regions the plugin creates.
+    assert host_path(monitor, mf["containers-dir"]) == "/opt/vgpu/containers"
+    # The installer writes the library the plugin hands out.
+    script = install["args"][0]
+    target = script.split("mv -f ")[1].split()[1]
+    assert host_path(install, target) == "/opt/vgpu/libvgpu.so"
+    assert host_path(plugin, pf["device-plugin-dir"]) == "/var/lib/kubelet/device-plugins"
+    # Both read their node from the downward API.
+    for c in (plugin, monitor):
+        env = {e["name"]: e for e in c["env"]}
+        assert env["NODE_NAME"]["valueFrom"]["fieldRef"]["fieldPath"] == "spec.nodeName"
+    # Metrics are served where the service and probes look.
+    port = int(mf["listen"].rsplit(":", 1)[1])
+    assert port == 31992
+    assert [p["containerPort"] for p in monitor["ports"]] == [port]
+    service = find(objects, "Service", "-monitor")
+    assert service["spec"]["ports"][0]["port"] == port
+    assert service["spec"]["selector"].items() <= node["spec"]["template"]["metadata"]["labels"].items()
+
+
+def test_accounts_can_do_what_their_binaries_need():
+    objects = render()
+    node_sa = find(objects, "ServiceAccount", "-node")["metadata"]["name"]
+    scheduler_sa = find(objects, "ServiceAccount", "-scheduler")["metadata"]["name"]
+    node = find(objects, "DaemonSet", "-node")
+    deployment = find(objects, "Deployment", "-scheduler")
+    assert node["spec"]["template"]["spec"]["serviceAccountName"] == node_sa
+    assert deployment["spec"]["template"]["spec"]["serviceAccountName"] == scheduler_sa
+    # Plugin: list its node's pods, record allocations, publish the inventory.
+    # Monitor: watch its node's pods.
+    for resource, verb in [("pods", "list"), ("pods", "watch"), ("pods", "patch"), ("nodes", "patch")]:
+        assert rules_allow(objects, node_sa, "", resource, verb), (resource, verb)
+    # Extender: watch pods and nodes, record decisions, bind.
+    for resource, verb in [
+        ("pods", "list"),
+        ("pods", "watch"),
+        ("pods", "patch"),
+        ("pods/binding", "create"),
+        ("nodes", "list"),
+        ("nodes", "watch"),
+    ]:
+        assert rules_allow(objects, scheduler_sa, "", resource, verb), (resource, verb)
+    # Neither may delete anything or touch secrets.
+    for account in (node_sa, scheduler_sa):
+        assert not rules_allow(objects, account, "", "pods", "delete")
+        assert not rules_allow(objects, account, "", "secrets", "get")
+    bound = {
+        b["roleRef"]["name"]
+        for b in objects
+        if b["kind"] == "ClusterRoleBinding" and any(s["name"] == scheduler_sa for s in b["subjects"])
+    }
+    assert {"system:kube-scheduler", "system:volume-scheduler"} <= bound
+
+
+def test_one_scheduler_replica():
+    deployment = find(render(), "Deployment", "-scheduler")
+    assert deployment["spec"]["replicas"] == 1
+    assert deployment["spec"]["strategy"]["type"] == "Recreate"
+
+
+def test_kube_scheduler_follows_the_cluster_version_unless_pinned():
+    deployment = find(render(), "Deployment", "-scheduler")
+    image = container(deployment, "kube-scheduler")["image"]
+    assert image.startswith("registry.k8s.io/kube-scheduler:v1."), image
+    pinned = {"scheduler": {"kubeScheduler": {"image": {"tag": "v1.31.2"}}}}
+    deployment = find(render(pinned), "Deployment", "-scheduler")
+    assert container(deployment, "kube-scheduler")["image"] == "registry.k8s.io/kube-scheduler:v1.31.2"
+
+
+@pytest.mark.parametrize(
+    "values, words",
+    [
+        ({"node": {"devicePlugin": {"splitCount": 0}}}, "splitCount"),
+        ({"node": {"devicePlugin": {"corePolicy": "always"}}}, "corePolicy"),
+        ({"node": {"devicePlugin": {"swapLimit": "lots"}}}, "swapLimit"),
+        ({"scheduler": {"extender": {"gpuPolicy": "fastest"}}}, "gpuPolicy"),
+        ({"scheduler": {"extender": {"nodePolicy": "nearest"}}}, "nodePolicy"),
+        ({"scheduler": {"extender": {"port": 70000}}}, "port"),
+        ({"scheduler": {"extender": {"defaultCores": 101}}}, "defaultCores"),
+        ({"resources": {"gpu": "not a name"}}, "gpu"),
+        ({"hostDir": "relative/path"}, "hostDir"),
+        ({"node": {"monitor": {"intervalMs": "fast"}}}, "intervalMs"),
+        ({"node": {"devicePluginTypo": {}}}, "devicePluginTypo"),
+    ],
+)
+def test_bad_values_are_refused_with_their_name(values, words):
+    with pytest.raises(Exception) as error:
+        render(values)
+    assert words in str(error.value), str(error.value)
+
+
+def test_bind_wait_must_fit_in_kube_schedulers_timeout():
+    values = {"scheduler": {"extender": {"bindWaitMs": 6000, "httpTimeoutSeconds": 5}}}
+    with pytest.raises(Exception) as error:
+        render(values)
+    assert "bindWaitMs" in str(error.value)
+    # Raising the timeout makes the same wait valid.
+    values = copy.deepcopy(values)
+    values["scheduler"]["extender"]["httpTimeoutSeconds"] = 10
+    (extender,) = scheduler_config(render(values))["extenders"]
+    assert extender["httpTimeout"] == "10s"
