@@ -188,39 +188,33 @@ impl KubeApi {
 /// Lists and watches every pod forever, feeding `state`. A complete,
 /// current list is taken on start and after any watch failure.
 pub async fn watch_pods(client: Client, state: Arc<SharedState>) {
-    let api: Api<Pod> = Api::all(client);
-    let config = watcher::Config::default().list_semantic(ListSemantic::MostRecent);
-    let mut stream = watcher::watcher(api, config).default_backoff().boxed();
-    let mut failing = false;
-    while let Some(item) = stream.next().await {
-        match item {
-            Ok(event) => {
-                // A relist starts with Init before anything is read.
-                if failing && !matches!(event, Event::Init) {
-                    tracing::info!("Kubernetes API: pod watch recovered");
-                    failing = false;
-                }
-                match event {
-                    Event::Init => state.update(|s| s.begin_pod_relist()),
-                    Event::InitApply(pod) => state.update(|s| s.relist_pod(&pod)),
-                    Event::InitDone => state.update(|s| s.finish_pod_relist()),
-                    Event::Apply(pod) => state.update(|s| s.apply_pod(&pod, false)),
-                    Event::Delete(pod) => state.update(|s| s.delete_pod(&pod)),
-                }
-            }
-            Err(error) => {
-                if !failing {
-                    tracing::warn!("Kubernetes API: pod watch failed (retrying): {error}");
-                }
-                failing = true;
-            }
-        }
-    }
+    watch_forever(Api::<Pod>::all(client), "pod", |event| match event {
+        Event::Init => state.update(|s| s.begin_pod_relist()),
+        Event::InitApply(pod) => state.update(|s| s.relist_pod(&pod)),
+        Event::InitDone => state.update(|s| s.finish_pod_relist()),
+        Event::Apply(pod) => state.update(|s| s.apply_pod(&pod, false)),
+        Event::Delete(pod) => state.update(|s| s.delete_pod(&pod)),
+    })
+    .await
 }
 
 /// Lists and watches every node forever, feeding `state`.
 pub async fn watch_nodes(client: Client, state: Arc<SharedState>) {
-    let api: Api<Node> = Api::all(client);
+    watch_forever(Api::<Node>::all(client), "node", |event| match event {
+        Event::Init => state.update(|s| s.begin_node_relist()),
+        Event::InitApply(node) | Event::Apply(node) => state.update(|s| s.apply_node(&node)),
+        Event::InitDone => state.update(|s| s.finish_node_relist()),
+        Event::Delete(node) => state.update(|s| s.delete_node(&node)),
+    })
+    .await
+}
+
+/// Runs a watch of `api` forever, handing every event to `on_event`; a
+/// failure is logged once until the watch recovers (kube's backoff retries).
+async fn watch_forever<K>(api: Api<K>, what: &str, mut on_event: impl FnMut(Event<K>))
+where
+    K: kube::Resource + Clone + std::fmt::Debug + serde::de::DeserializeOwned + Send + 'static,
+{
     let config = watcher::Config::default().list_semantic(ListSemantic::MostRecent);
     let mut stream = watcher::watcher(api, config).default_backoff().boxed();
     let mut failing = false;
@@ -229,21 +223,14 @@ pub async fn watch_nodes(client: Client, state: Arc<SharedState>) {
             Ok(event) => {
                 // A relist starts with Init before anything is read.
                 if failing && !matches!(event, Event::Init) {
-                    tracing::info!("Kubernetes API: node watch recovered");
+                    tracing::info!("Kubernetes API: {what} watch recovered");
                     failing = false;
                 }
-                match event {
-                    Event::Init => state.update(|s| s.begin_node_relist()),
-                    Event::InitApply(node) | Event::Apply(node) => {
-                        state.update(|s| s.apply_node(&node))
-                    }
-                    Event::InitDone => state.update(|s| s.finish_node_relist()),
-                    Event::Delete(node) => state.update(|s| s.delete_node(&node)),
-                }
+                on_event(event);
             }
             Err(error) => {
                 if !failing {
-                    tracing::warn!("Kubernetes API: node watch failed (retrying): {error}");
+                    tracing::warn!("Kubernetes API: {what} watch failed (retrying): {error}");
                 }
                 failing = true;
             }

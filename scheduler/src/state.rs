@@ -386,14 +386,7 @@ impl ClusterState {
             Some(name) => name.clone(),
             None => return,
         };
-        if let Some(version) = node
-            .metadata
-            .resource_version
-            .as_deref()
-            .and_then(|v| v.parse::<u64>().ok())
-        {
-            self.seen_node_version = self.seen_node_version.max(version);
-        }
+        self.note_node_version(node);
         if let Some(seen) = &mut self.node_relist {
             seen.push(name.clone());
         }
@@ -457,8 +450,9 @@ impl ClusterState {
         self.nodes_synced = true;
     }
 
-    /// A node was deleted.
-    pub fn delete_node(&mut self, node: &Node) {
+    /// Remembers the newest node version seen (a relist must not go back
+    /// before it).
+    fn note_node_version(&mut self, node: &Node) {
         if let Some(version) = node
             .metadata
             .resource_version
@@ -467,6 +461,11 @@ impl ClusterState {
         {
             self.seen_node_version = self.seen_node_version.max(version);
         }
+    }
+
+    /// A node was deleted.
+    pub fn delete_node(&mut self, node: &Node) {
+        self.note_node_version(node);
         if let Some(name) = &node.metadata.name {
             self.remove_node(name);
         }
