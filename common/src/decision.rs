@@ -95,6 +95,11 @@ pub struct DeviceGrant {
     pub memory_bytes: u64,
     /// Compute share in percent (100: the whole GPU, exclusively).
     pub cores_percent: u32,
+    /// How far above its share the container may run while the GPU has
+    /// idle capacity (the node monitor lends it and takes it back), in
+    /// percent; absent: never above the share.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub burst_percent: Option<u32>,
 }
 
 /// What one container gets.
@@ -186,15 +191,16 @@ impl Decision {
                 found: decision.version,
             });
         }
-        if let Some(container) = decision
-            .containers
-            .iter()
-            .find(|c| c.devices.is_empty() || c.devices.iter().any(|d| d.cores_percent > 100))
-        {
+        if let Some(container) = decision.containers.iter().find(|c| {
+            c.devices.is_empty()
+                || c.devices
+                    .iter()
+                    .any(|d| d.cores_percent > 100 || d.burst_percent.is_some_and(|b| b > 100))
+        }) {
             return Err(FormatError::Invalid {
                 annotation: DECISION_ANNOTATION,
                 what: format!(
-                    "container {} has no devices or a share over 100 %",
+                    "container {} has no devices, or a share or burst over 100 %",
                     container.name
                 ),
             });
@@ -263,6 +269,7 @@ mod tests {
                         uuid: "GPU-a".into(),
                         memory_bytes: 1 << 30,
                         cores_percent: 10,
+                        burst_percent: None,
                     }],
                     priority: None,
                 },
@@ -273,6 +280,7 @@ mod tests {
                         uuid: "GPU-b".into(),
                         memory_bytes: 4 << 30,
                         cores_percent: 50,
+                        burst_percent: None,
                     }],
                     priority: Some(0),
                 },
@@ -315,6 +323,22 @@ mod tests {
             Decision::parse(&greedy.to_json()),
             Err(FormatError::Invalid { .. })
         ));
+        let mut bursting = decision();
+        bursting.containers[1].devices[0].burst_percent = Some(101);
+        assert!(matches!(
+            Decision::parse(&bursting.to_json()),
+            Err(FormatError::Invalid { .. })
+        ));
+    }
+
+    #[test]
+    fn burst_is_optional_in_the_format() {
+        let mut original = decision();
+        assert!(!original.to_json().contains("burstPercent"));
+        original.containers[1].devices[0].burst_percent = Some(80);
+        let text = original.to_json();
+        assert!(text.contains(r#""burstPercent":80"#), "{text}");
+        assert_eq!(Decision::parse(&text).expect("parse"), original);
     }
 
     #[test]

@@ -36,6 +36,12 @@ pub const USE_GPU_UUID_ANNOTATION: &str = "nvidia.com/use-gpuuuid";
 /// Pod annotation: none of these GPU UUIDs.
 pub const NOUSE_GPU_UUID_ANNOTATION: &str = "nvidia.com/nouse-gpuuuid";
 
+/// Pod annotation: how far above its compute share (percent of the GPU,
+/// 1-100) each of the pod's capped vGPUs may run while the GPU has idle
+/// capacity; the node monitor lends it and takes it back when the owners
+/// return.
+pub const GPU_CORES_BURST_ANNOTATION: &str = "vgpu.io/gpucores-burst";
+
 /// Why a Kubernetes quantity is not a usable whole number.
 #[derive(Debug, Error, PartialEq, Eq)]
 pub enum KubeQuantityError {

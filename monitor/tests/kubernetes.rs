@@ -27,6 +27,7 @@ fn decision_annotations(container: &str, priority: i32) -> String {
                 uuid: "GPU-k8s".into(),
                 memory_bytes: 4 * GIB,
                 cores_percent: 30,
+                burst_percent: None,
             }],
             priority: Some(priority),
         }],

@@ -11,7 +11,8 @@ use std::path::{Path, PathBuf};
 use thiserror::Error;
 use vgpu_common::config::{
     ShimConfig, UtilizationPolicy, ENV_CONTEXT_RESERVE, ENV_MEMORY_LIMIT, ENV_OVERSUBSCRIBE,
-    ENV_REGION_PATH, ENV_SM_LIMIT, ENV_SWAP_LIMIT, ENV_TASK_PRIORITY, ENV_UTILIZATION_POLICY,
+    ENV_REGION_PATH, ENV_SM_BURST_LIMIT, ENV_SM_LIMIT, ENV_SWAP_LIMIT, ENV_TASK_PRIORITY,
+    ENV_UTILIZATION_POLICY,
 };
 use vgpu_common::decision::{ContainerDecision, DeviceGrant, GpuInfo};
 use vgpu_common::region::{Region, RegionLimits, MAX_DEVICES};
@@ -215,6 +216,9 @@ pub fn plan(
             format!("{ENV_SM_LIMIT}_{i}"),
             grant.cores_percent.to_string(),
         );
+        if let Some(burst) = grant.burst_percent {
+            envs.insert(format!("{ENV_SM_BURST_LIMIT}_{i}"), burst.to_string());
+        }
     }
     envs.insert(
         ENV_REGION_PATH.to_string(),
@@ -387,6 +391,7 @@ mod tests {
             uuid: uuid.into(),
             memory_bytes,
             cores_percent,
+            burst_percent: None,
         }
     }
 
@@ -454,6 +459,21 @@ mod tests {
                 ("/etc/ld.so.preload", "/base/ld.so.preload", true),
             ]
         );
+    }
+
+    #[test]
+    fn a_burst_share_reaches_the_shim_and_the_region() {
+        let mut bursting = grant("GPU-1", 1 << 30, 30);
+        bursting.burst_percent = Some(80);
+        let decision = container(vec![bursting, grant("GPU-0", 1 << 30, 50)], None);
+        let plan = plan(&settings(Path::new("/b")), "u", &decision, &gpus()).expect("plan");
+        assert_eq!(
+            plan.envs.get("VGPU_SM_BURST_LIMIT_1").map(String::as_str),
+            Some("80")
+        );
+        assert_eq!(plan.envs.get("VGPU_SM_BURST_LIMIT_0"), None);
+        assert_eq!(plan.limits.sm_limit[..2], [50, 30]);
+        assert_eq!(plan.limits.sm_burst[..2], [0, 80]);
     }
 
     #[test]

@@ -222,6 +222,7 @@ mod tests {
                             uuid: format!("GPU-{i}"),
                             memory_bytes: 1 << 30,
                             cores_percent: 10,
+                            burst_percent: None,
                         })
                         .collect(),
                     priority: None,

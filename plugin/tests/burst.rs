@@ -84,6 +84,7 @@ fn decision_for(i: usize, pod: &Pod, node: &str, gpus: &[GpuInfo]) -> Decision {
                 uuid: gpus[(start + k) % gpus.len()].uuid.clone(),
                 memory_bytes: (1 + ((i + c + k) % 4) as u64) * GIB + ((i % 3) as u64) * 100 * MIB,
                 cores_percent: [10, 25, 50, 100, 0][(i + c + k) % 5],
+                burst_percent: None,
             })
             .collect();
         let priority = i.is_multiple_of(2).then_some((c % 3) as i32);

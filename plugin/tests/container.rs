@@ -74,6 +74,7 @@ fn grant(uuid: &str, memory_bytes: u64, cores_percent: u32) -> DeviceGrant {
         uuid: uuid.into(),
         memory_bytes,
         cores_percent,
+        burst_percent: None,
     }
 }
 

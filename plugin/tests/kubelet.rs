@@ -227,6 +227,7 @@ fn grant(uuid: &str, memory: u64, cores: u32) -> DeviceGrant {
         uuid: uuid.into(),
         memory_bytes: memory,
         cores_percent: cores,
+        burst_percent: None,
     }
 }
 

@@ -21,8 +21,8 @@ use k8s_openapi::api::core::v1::{Container, Pod};
 use std::collections::BTreeMap;
 use thiserror::Error;
 use vgpu_common::resources::{
-    self, parse_whole_quantity, NOUSE_GPU_TYPE_ANNOTATION, NOUSE_GPU_UUID_ANNOTATION,
-    USE_GPU_TYPE_ANNOTATION, USE_GPU_UUID_ANNOTATION,
+    self, parse_whole_quantity, GPU_CORES_BURST_ANNOTATION, NOUSE_GPU_TYPE_ANNOTATION,
+    NOUSE_GPU_UUID_ANNOTATION, USE_GPU_TYPE_ANNOTATION, USE_GPU_UUID_ANNOTATION,
 };
 
 /// The most GPUs one container may ask for (the shim handles 16 devices).
@@ -206,6 +206,8 @@ pub struct PodRequest {
     pub selectors: Selectors,
     pub gpu_policy: Option<GpuPolicy>,
     pub node_policy: Option<NodePolicy>,
+    /// Burst share in percent for every capped vGPU of the pod.
+    pub burst_percent: Option<u32>,
 }
 
 impl PodRequest {
@@ -312,6 +314,18 @@ pub fn parse_pod(
         NODE_POLICY_ANNOTATION,
         HAMI_NODE_POLICY_ANNOTATION,
     )?;
+    if let Some(text) = annotations.get(GPU_CORES_BURST_ANNOTATION) {
+        let burst = text
+            .trim()
+            .parse::<u32>()
+            .ok()
+            .filter(|percent| (1..=100).contains(percent))
+            .ok_or_else(|| RequestError::Annotation {
+                annotation: GPU_CORES_BURST_ANNOTATION,
+                reason: format!("{text:?} is not a whole percentage from 1 to 100"),
+            })?;
+        request.burst_percent = Some(burst);
+    }
     Ok(request)
 }
 
@@ -745,6 +759,32 @@ mod tests {
             huge.containers[0].memory,
             MemoryRequest::Bytes(1_000_000_000_000 << 20)
         );
+    }
+
+    #[test]
+    fn burst_annotation_is_a_whole_percentage() {
+        let with = |value: &str| {
+            let mut p = pod(
+                vec![container(
+                    "c",
+                    &[("nvidia.com/gpu", "1"), ("nvidia.com/gpucores", "30")],
+                )],
+                vec![],
+            );
+            p.metadata.annotations = Some(BTreeMap::from([(
+                "vgpu.io/gpucores-burst".to_string(),
+                value.to_string(),
+            )]));
+            parse(&p)
+        };
+        assert_eq!(with("80").expect("80").burst_percent, Some(80));
+        assert_eq!(with(" 100 ").expect("100").burst_percent, Some(100));
+        for bad in ["0", "101", "-5", "50%", "lots", ""] {
+            let error = with(bad).expect_err(bad).to_string();
+            assert!(error.contains("vgpu.io/gpucores-burst"), "{bad}: {error}");
+        }
+        let plain = pod(vec![container("c", &[("nvidia.com/gpu", "1")])], vec![]);
+        assert_eq!(parse(&plain).expect("plain").burst_percent, None);
     }
 
     #[test]

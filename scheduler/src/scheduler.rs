@@ -811,6 +811,7 @@ impl Scheduler {
                                 uuid: info.uuid.clone(),
                                 memory_bytes: g.memory_bytes,
                                 cores_percent: g.cores.min(100),
+                                burst_percent: burst_above(g.cores, request.burst_percent),
                             })
                         })
                         .collect(),
@@ -858,4 +859,26 @@ fn summarize(pod: &Pod) -> String {
         })
         .collect();
     format!(": {}", parts.join("; "))
+}
+
+/// The burst share a vGPU of `cores` percent gets from the pod's burst
+/// annotation: only a capped share (1-99 %) below the burst can burst.
+fn burst_above(cores: u32, burst: Option<u32>) -> Option<u32> {
+    burst.filter(|&burst| cores > 0 && cores < 100 && burst > cores)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::burst_above;
+
+    #[test]
+    fn only_capped_shares_below_the_burst_burst() {
+        assert_eq!(burst_above(30, Some(80)), Some(80));
+        assert_eq!(burst_above(30, Some(100)), Some(100));
+        assert_eq!(burst_above(30, Some(30)), None, "no higher than the share");
+        assert_eq!(burst_above(50, Some(20)), None, "below the share");
+        assert_eq!(burst_above(0, Some(80)), None, "uncapped");
+        assert_eq!(burst_above(100, Some(100)), None, "exclusive");
+        assert_eq!(burst_above(30, None), None);
+    }
 }

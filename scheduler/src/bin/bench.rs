@@ -165,6 +165,7 @@ fn build_pod(i: usize, options: &Options) -> Pod {
                 uuid: format!("GPU-{node:05}{gpu:03}-5e1f-4c6e-a1b2-c3d4e5f6a7b8"),
                 memory_bytes: memory_of(model(node)) / 4,
                 cores_percent: 25,
+                burst_percent: None,
             }],
             priority: None,
         }],

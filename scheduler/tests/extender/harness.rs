@@ -376,6 +376,7 @@ impl Harness {
                         uuid: uuid(node, *gpu),
                         memory_bytes: gib * GIB,
                         cores_percent: *cores,
+                        burst_percent: None,
                     }],
                     priority: None,
                 })

@@ -476,3 +476,45 @@ async fn pods_without_gpus_pass_everywhere_and_bind_without_a_decision() {
     assert_eq!(bound["spec"]["nodeName"], "plain");
     assert!(h.decision(&p).is_none());
 }
+
+#[tokio::test]
+async fn the_burst_annotation_reaches_every_capped_vgpu_of_the_decision() {
+    let h = Harness::start(test_config()).await;
+    h.put_node(node("n1", &[gpu("NVIDIA A10", 24), gpu("NVIDIA A10", 24)]))
+        .await;
+    let p = h
+        .create_pod(pod(
+            "bursty",
+            &[vgpu("capped", 1, 1024, 30), vgpu("whole", 1, 1024, 100)],
+            &[("vgpu.io/gpucores-burst", "80")],
+        ))
+        .await;
+    let decision = h.schedule_and_allocate(&p).await;
+    let burst_of = |name: &str| -> Vec<Option<u32>> {
+        decision
+            .containers
+            .iter()
+            .find(|c| c.name == name)
+            .expect("container")
+            .devices
+            .iter()
+            .map(|d| d.burst_percent)
+            .collect()
+    };
+    assert_eq!(burst_of("capped"), vec![Some(80)]);
+    assert_eq!(
+        burst_of("whole"),
+        vec![None],
+        "an exclusive GPU has no burst"
+    );
+
+    let bad = h
+        .create_pod(pod(
+            "bad-burst",
+            &[vgpu("main", 1, 1024, 30)],
+            &[("vgpu.io/gpucores-burst", "150")],
+        ))
+        .await;
+    let error = h.schedule(&bad).await.expect_err("refused");
+    assert!(error.contains("vgpu.io/gpucores-burst"), "{error}");
+}
