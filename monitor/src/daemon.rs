@@ -146,6 +146,8 @@ pub struct Monitor {
     gpus: Option<Gpus>,
     pods: Arc<PodDirectory>,
     tracks: HashMap<(String, usize), Track>,
+    /// Region devices already reported as on a GPU their pod was not given.
+    misplaced: HashSet<(String, usize)>,
     reaper: Reaper,
     janitor: Janitor,
     shared: Arc<Shared>,
@@ -178,6 +180,7 @@ impl Monitor {
             gpus,
             pods,
             tracks: HashMap::new(),
+            misplaced: HashSet::new(),
             shared,
             last_sweep: None,
             generation: 0,
@@ -218,6 +221,7 @@ impl Monitor {
         let scan = self.discovery.rescan(started);
         for key in &scan.removed {
             self.janitor.forget(key);
+            self.misplaced.retain(|(misplaced, _)| misplaced != key);
         }
         let gpus = self.sample_gpus();
         let process_util = process_util_by_uuid(&gpus);
@@ -250,7 +254,31 @@ impl Monitor {
                 processes: figures.active_slots,
             });
             let policy = UtilizationPolicy::from_u32(figures.policy);
+            let granted = pod.as_ref().and_then(|p| p.grants.get(&region.container));
             for device in &figures.devices {
+                // The decision, not the container's own region, says which
+                // GPUs it may use and with what share.
+                let mut device = device.clone();
+                if let Some(grants) = granted {
+                    match grants.iter().find(|g| g.uuid == device.uuid) {
+                        Some(grant) => {
+                            device.sm_limit = grant.cores_percent;
+                            device.sm_burst = grant.burst_percent.unwrap_or(0);
+                        }
+                        None => {
+                            if self.misplaced.insert((region.key.clone(), device.index)) {
+                                tracing::warn!(
+                                    "container {}: its region names GPU {} as device {}, which the scheduler did not give it; that device is left out of metrics and arbitration",
+                                    region.key,
+                                    device.uuid,
+                                    device.index
+                                );
+                            }
+                            continue;
+                        }
+                    }
+                }
+                let device = &device;
                 let track = self
                     .tracks
                     .entry((region.key.clone(), device.index))

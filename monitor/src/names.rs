@@ -9,9 +9,10 @@
 //! a pod is *gone* only when a complete, current list says so.
 //!
 //! The scheduler extender's decision annotation (`vgpu.io/decision`) also
-//! gives each container's priority. A region header is written by the
-//! container itself, so where the decision names a priority the monitor
-//! uses it instead of the header's.
+//! gives each container's priority and, per GPU, its share and burst. A
+//! region is written by the container itself, so where the decision exists
+//! the monitor uses its figures instead of the region's, and ignores a
+//! region device on a GPU the decision did not give the container.
 
 use futures_util::StreamExt;
 use k8s_openapi::api::core::v1::Pod;
@@ -23,7 +24,7 @@ use std::path::PathBuf;
 use std::sync::{Arc, RwLock};
 use std::time::Instant;
 use thiserror::Error;
-use vgpu_common::decision::{Decision, DECISION_ANNOTATION};
+use vgpu_common::decision::{Decision, DeviceGrant, DECISION_ANNOTATION};
 
 /// How the API server is reached.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -96,6 +97,8 @@ pub struct PodRecord {
     pub name: String,
     /// Container name → priority from the scheduler's decision.
     pub priorities: HashMap<String, i32>,
+    /// Container name → the GPUs the scheduler's decision gave it.
+    pub grants: HashMap<String, Vec<DeviceGrant>>,
 }
 
 /// Whether the API can currently vouch for the pod list.
@@ -248,6 +251,7 @@ fn record_of(pod: &Pod) -> Option<(String, PodRecord)> {
     let meta = &pod.metadata;
     let uid = meta.uid.clone()?;
     let mut priorities = HashMap::new();
+    let mut grants = HashMap::new();
     if let Some(text) = meta
         .annotations
         .as_ref()
@@ -257,8 +261,9 @@ fn record_of(pod: &Pod) -> Option<(String, PodRecord)> {
             Ok(decision) => {
                 for container in decision.containers {
                     if let Some(priority) = container.priority {
-                        priorities.insert(container.name, priority);
+                        priorities.insert(container.name.clone(), priority);
                     }
+                    grants.insert(container.name, container.devices);
                 }
             }
             Err(error) => tracing::debug!("pod {uid}: {error}"),
@@ -270,6 +275,7 @@ fn record_of(pod: &Pod) -> Option<(String, PodRecord)> {
             namespace: meta.namespace.clone().unwrap_or_default(),
             name: meta.name.clone().unwrap_or_default(),
             priorities,
+            grants,
         },
     ))
 }

@@ -182,3 +182,54 @@ fn without_the_api_names_fall_back_and_nothing_is_removed() {
     );
     assert!(monitor.log().contains("Kubernetes API unavailable"));
 }
+
+#[test]
+fn the_decision_not_the_region_says_which_gpus_and_shares_a_container_has() {
+    let host = HostDir::new("k8s-claims");
+    let annotations = decision_annotations("main", 1);
+    let api = FakeApiServer::start(pod_list(
+        NODE,
+        &[(UID_NAMED, "team-a", "trainer-0", &annotations)],
+    ));
+    // The container wrote itself a 90 % share on its GPU (decided: 30 %)
+    // and claims a second GPU it was never given.
+    let mut limits = RegionLimits::default();
+    limits.sm_limit[0] = 90;
+    limits.sm_limit[1] = 50;
+    let region = host.create_region(&format!("{UID_NAMED}_main"), &limits);
+    region.set_device_uuid(0, "GPU-k8s");
+    region.set_device_uuid(1, "GPU-stolen");
+    let _slot = charge(&region, 0, 0, 0, MIB);
+
+    let monitor = MonitorProcess::start(
+        MonitorProcess::command(),
+        &[
+            "--containers-dir",
+            host.root.to_str().expect("utf8"),
+            "--no-nvml",
+            "--apiserver-url",
+            &api.url(),
+            "--node-name",
+            NODE,
+        ],
+    );
+    let labels = [
+        ("pod", "trainer-0"),
+        ("container", "main"),
+        ("device_uuid", "GPU-k8s"),
+    ];
+    let share = monitor.wait_for_metrics(Duration::from_secs(10), |s| {
+        value(s, "vgpu_container_compute_share_ratio", &labels).filter(|v| *v < 0.5)
+    });
+    assert!((share - 0.30).abs() < 1e-9, "decided share: {share}");
+    let text = monitor.scrape_text();
+    assert!(
+        !text.contains("GPU-stolen"),
+        "a GPU the pod was not given shows up:\n{text}"
+    );
+    assert!(
+        monitor.log().contains("the scheduler did not give it"),
+        "{}",
+        monitor.log()
+    );
+}
