@@ -114,6 +114,12 @@ pub struct Cli {
     #[arg(long, default_value = resources::ELASTIC_GPU_CORE, value_name = "NAME")]
     pub resource_elastic_cores: String,
 
+    /// The schedulerName the admission webhook (`POST /webhook/mutate`)
+    /// gives pods that ask for vGPUs and name no scheduler; it must be the
+    /// name of the kube-scheduler profile that calls this extender.
+    #[arg(long, default_value = crate::scheduler::DEFAULT_SCHEDULER_NAME, value_name = "NAME")]
+    pub scheduler_name: String,
+
     /// Log level: error, warn, info, debug or trace (logs go to stderr).
     #[arg(long, default_value = "info", value_name = "LEVEL")]
     pub log_level: tracing::Level,
@@ -140,6 +146,7 @@ impl Cli {
             node_policy: self.node_policy,
             bind_wait: Duration::from_millis(self.bind_wait_ms),
             unbound_grace: Duration::from_secs(self.unbound_grace_seconds),
+            scheduler_name: self.scheduler_name.clone(),
         }
     }
 

@@ -14,6 +14,7 @@
 //! - [`api`]: the Kubernetes client, watches and writes.
 //! - [`scheduler`]: filter, prioritize and bind.
 //! - [`server`]: the HTTP(S) server.
+//! - [`webhook`]: the admission webhook that gives vGPU pods this scheduler.
 //! - [`cli`]: command-line flags.
 //! - [`client`]: a minimal HTTP client for the extender (tests, benchmark).
 
@@ -27,6 +28,7 @@ pub mod requests;
 pub mod scheduler;
 pub mod server;
 pub mod state;
+pub mod webhook;
 
 use crate::api::{ApiError, ApiSource, KubeApi};
 use crate::scheduler::{Config, Scheduler};

@@ -52,6 +52,8 @@ pub struct Config {
     pub bind_wait: Duration,
     /// How long a decision whose pod is not bound yet keeps its node busy.
     pub unbound_grace: Duration,
+    /// The `schedulerName` the admission webhook gives vGPU pods.
+    pub scheduler_name: String,
 }
 
 impl Default for Config {
@@ -63,9 +65,13 @@ impl Default for Config {
             node_policy: NodePolicy::default(),
             bind_wait: Duration::from_millis(3000),
             unbound_grace: Duration::from_secs(30),
+            scheduler_name: DEFAULT_SCHEDULER_NAME.into(),
         }
     }
 }
+
+/// The scheduler name vGPU pods use unless configured otherwise.
+pub const DEFAULT_SCHEDULER_NAME: &str = "vgpu-scheduler";
 
 /// An HTTP answer: status and JSON body.
 #[derive(Clone, Debug, PartialEq, Eq)]

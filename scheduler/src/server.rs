@@ -1,5 +1,5 @@
 //! The HTTP(S) server: `POST /filter`, `/prioritize`, `/bind`,
-//! `GET /healthz`, `/readyz`, `/debug/state`; also `POST /priorities` and
+//! `/webhook/mutate`, `GET /healthz`, `/readyz`, `/debug/state`; also `POST /priorities` and
 //! `/scheduler/{filter,priorities,prioritize,bind}` (Elastic GPU
 //! Scheduler's URLs).
 
@@ -50,6 +50,7 @@ pub fn router(scheduler: Arc<Scheduler>) -> Router {
         .route("/scheduler/priorities", post(prioritize))
         .route("/scheduler/prioritize", post(prioritize))
         .route("/scheduler/bind", post(bind))
+        .route("/webhook/mutate", post(mutate))
         .route("/healthz", get(|| async { "ok" }))
         .route("/readyz", get(readyz))
         .route("/debug/state", get(debug_state))
@@ -77,6 +78,15 @@ async fn prioritize(State(scheduler): State<Arc<Scheduler>>, body: Bytes) -> Res
 
 async fn bind(State(scheduler): State<Arc<Scheduler>>, body: Bytes) -> Response {
     respond(scheduler.bind(&body).await)
+}
+
+async fn mutate(State(scheduler): State<Arc<Scheduler>>, body: Bytes) -> Response {
+    let config = scheduler.config();
+    let reply = crate::webhook::mutate(&body, &config.scheduler_name, &config.resources);
+    respond(Reply {
+        status: reply.status,
+        body: reply.body,
+    })
 }
 
 async fn readyz(State(scheduler): State<Arc<Scheduler>>) -> Response {

@@ -90,11 +90,15 @@ def test_chart_lints_without_findings():
     [
         {},
         {
-            "scheduler": {"extender": {"tls": {"secretName": "vgpu-tls"}, "gpuPolicy": "binpack"}},
+            "scheduler": {
+                "extender": {"tls": {"secretName": "vgpu-tls"}, "gpuPolicy": "binpack"},
+                "webhook": {"caBundle": "Q0E="},
+            },
             "node": {"devicePlugin": {"swapLimit": "8g", "preload": False, "corePolicy": "force"}},
         },
+        {"scheduler": {"webhook": {"enabled": False}, "service": {"enabled": False}}},
     ],
-    ids=["defaults", "tls-swap-force"],
+    ids=["defaults", "tls-swap-force", "no-webhook"],
 )
 def test_every_object_matches_the_kubernetes_schema(values):
     objects = render(values)
@@ -130,7 +134,10 @@ def _accepts(binary, arguments):
     [
         {},
         {
-            "scheduler": {"extender": {"tls": {"secretName": "vgpu-tls"}, "nodePolicy": "spread"}},
+            "scheduler": {
+                "extender": {"tls": {"secretName": "vgpu-tls"}, "nodePolicy": "spread"},
+                "webhook": {"caBundle": "Q0E="},
+            },
             "node": {
                 "devicePlugin": {"swapLimit": "8g", "contextReserve": "128m", "preload": False},
                 "monitor": {"arbitration": False, "hamiMetricNames": True},
@@ -163,7 +170,7 @@ def test_a_broken_argument_is_caught_by_that_check():
 def test_kube_scheduler_reaches_the_extender_with_the_same_names_and_port():
     values = {
         "resources": {"gpu": "example.com/vgpu", "cores": "example.com/vgpu-cores"},
-        "scheduler": {"extender": {"port": 40000}},
+        "scheduler": {"extender": {"port": 40000}, "webhook": {"enabled": False}},
     }
     objects = render(values)
     config = scheduler_config(objects)
@@ -206,8 +213,8 @@ def test_kube_scheduler_reaches_the_extender_with_the_same_names_and_port():
     assert f"--config={mount['mountPath']}/config.yaml" in ks["command"]
 
 
-def test_https_extender():
-    objects = render({"scheduler": {"extender": {"tls": {"secretName": "vgpu-tls"}}}})
+def test_https_extender_with_a_given_certificate():
+    objects = render({"scheduler": {"extender": {"tls": {"secretName": "vgpu-tls"}}, "webhook": {"enabled": False}}})
     (extender,) = scheduler_config(objects)["extenders"]
     assert extender["urlPrefix"].startswith("https://")
     assert extender["enableHTTPS"] is True
@@ -343,3 +350,92 @@ def test_bind_wait_must_fit_in_kube_schedulers_timeout():
     values["scheduler"]["extender"]["httpTimeoutSeconds"] = 10
     (extender,) = scheduler_config(render(values))["extenders"]
     assert extender["httpTimeout"] == "10s"
+
+
+def _openssl(*args, stdin=None):
+    result = subprocess.run(["openssl", *args], input=stdin, capture_output=True, text=True, timeout=30)
+    assert result.returncode == 0, f"openssl {args}: {result.stderr}"
+    return result.stdout
+
+
+def test_webhook_reaches_the_extender_over_a_certificate_it_trusts(tmp_path):
+    import base64
+
+    objects = render(namespace="gpu-system")
+    webhook_config = find(objects, "MutatingWebhookConfiguration", "-webhook")
+    (webhook,) = webhook_config["webhooks"]
+    assert webhook["admissionReviewVersions"] == ["v1"]
+    assert webhook["sideEffects"] == "None"
+    assert webhook["failurePolicy"] == "Ignore", "an outage must not block every pod"
+    assert webhook["rules"] == [
+        {"operations": ["CREATE"], "apiGroups": [""], "apiVersions": ["v1"], "resources": ["pods"], "scope": "Namespaced"}
+    ]
+    client = webhook["clientConfig"]["service"]
+    service = find(objects, "Service", "-scheduler")
+    assert client["name"] == service["metadata"]["name"]
+    assert client["namespace"] == service["metadata"]["namespace"] == "gpu-system"
+    assert client["port"] == service["spec"]["ports"][0]["port"]
+    assert client["path"] == "/webhook/mutate"
+
+    # The extender serves HTTPS with the secret's certificate, and gives
+    # pods the name of the profile that calls it.
+    deployment = find(objects, "Deployment", "-scheduler")
+    extender = container(deployment, "extender")
+    f = flags(extender)
+    assert f["scheduler-name"] == scheduler_config(objects)["profiles"][0]["schedulerName"]
+    mount = next(m for m in extender["volumeMounts"] if m["name"] == "tls")
+    assert f["tls-cert"] == f"{mount['mountPath']}/tls.crt"
+    volume = next(v for v in deployment["spec"]["template"]["spec"]["volumes"] if v["name"] == "tls")
+    secret = find(objects, "Secret", "-scheduler-tls")
+    assert volume["secret"]["secretName"] == secret["metadata"]["name"]
+    assert extender["readinessProbe"]["httpGet"]["scheme"] == "HTTPS"
+    (ext,) = scheduler_config(objects)["extenders"]
+    assert ext["urlPrefix"].startswith("https://127.0.0.1:")
+
+    # The API server trusts caBundle; the serving certificate must be signed
+    # by it, name the service's DNS name, and match its key.
+    files = {}
+    for name, data in [
+        ("ca.pem", webhook["clientConfig"]["caBundle"]),
+        ("ca-in-secret.pem", secret["data"]["ca.crt"]),
+        ("tls.pem", secret["data"]["tls.crt"]),
+        ("tls.key", secret["data"]["tls.key"]),
+    ]:
+        path = tmp_path / name
+        path.write_bytes(base64.b64decode(data))
+        files[name] = str(path)
+    assert (tmp_path / "ca.pem").read_bytes() == (tmp_path / "ca-in-secret.pem").read_bytes()
+    assert "OK" in _openssl("verify", "-CAfile", files["ca.pem"], files["tls.pem"])
+    san = _openssl("x509", "-in", files["tls.pem"], "-noout", "-ext", "subjectAltName")
+    assert f"DNS:{client['name']}.gpu-system.svc" in san, san
+    assert "IP Address:127.0.0.1" in san, "kube-scheduler reaches it on loopback"
+    cert_key = _openssl("x509", "-in", files["tls.pem"], "-noout", "-pubkey")
+    private_key = _openssl("pkey", "-in", files["tls.key"], "-pubout")
+    assert cert_key == private_key
+
+
+def test_webhook_with_a_given_certificate_needs_its_ca():
+    values = {"scheduler": {"extender": {"tls": {"secretName": "mine"}}}}
+    with pytest.raises(Exception) as error:
+        render(values)
+    assert "caBundle" in str(error.value)
+    values["scheduler"]["webhook"] = {"caBundle": "Q0E="}
+    objects = render(values)
+    (webhook,) = find(objects, "MutatingWebhookConfiguration", "-webhook")["webhooks"]
+    assert webhook["clientConfig"]["caBundle"] == "Q0E="
+    assert not [o for o in objects if o["kind"] == "Secret"], "the given secret is used, none made"
+    volume = next(
+        v
+        for v in find(objects, "Deployment", "-scheduler")["spec"]["template"]["spec"]["volumes"]
+        if v["name"] == "tls"
+    )
+    assert volume["secret"]["secretName"] == "mine"
+
+
+def test_without_the_webhook_nothing_of_it_is_installed():
+    objects = render({"scheduler": {"webhook": {"enabled": False}}})
+    kinds = {o["kind"] for o in objects}
+    assert "MutatingWebhookConfiguration" not in kinds and "Secret" not in kinds
+    (ext,) = scheduler_config(objects)["extenders"]
+    assert ext["urlPrefix"].startswith("http://")
+    assert "tls-cert" not in flags(container(find(objects, "Deployment", "-scheduler"), "extender"))

@@ -8,3 +8,4 @@ mod policies;
 mod rejections;
 mod restart;
 mod tls;
+mod webhook;

@@ -34,3 +34,13 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 {{- define "vgpu.containersDir" -}}
 {{- printf "%s/containers" (.Values.hostDir | trimSuffix "/") -}}
 {{- end -}}
+
+{{/* Whether the extender serves HTTPS: a given certificate, or the webhook's. */}}
+{{- define "vgpu.extenderTLS" -}}
+{{- if or .Values.scheduler.extender.tls.secretName .Values.scheduler.webhook.enabled -}}true{{- end -}}
+{{- end -}}
+
+{{/* The secret holding the extender's certificate. */}}
+{{- define "vgpu.extenderTLSSecret" -}}
+{{- .Values.scheduler.extender.tls.secretName | default (printf "%s-scheduler-tls" (include "vgpu.fullname" .)) -}}
+{{- end -}}

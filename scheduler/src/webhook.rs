@@ -1,0 +1,306 @@
+//! The mutating admission webhook: points pods that ask for vGPUs at the
+//! vgpu scheduler.
+//!
+//! Pod specs written for HAMi do not name a scheduler; without this
+//! webhook kube-scheduler's default profile would place them, no decision
+//! would be recorded, and the device plugin would refuse them at admission.
+//! For a pod being created that asks for one of the vGPU resources in any
+//! container (init containers too) and names no scheduler, or the default
+//! one, the webhook answers with a JSON patch that sets
+//! `spec.schedulerName`. Everything else is allowed unchanged: the webhook
+//! never rejects a pod (a pod it cannot read is let through as it is), so
+//! a webhook outage cannot stop a cluster's other workloads.
+
+use crate::requests::ResourceNames;
+use base64::Engine;
+use k8s_openapi::api::core::v1::{Container, Pod};
+use serde::{Deserialize, Serialize};
+use serde_json::{json, Value};
+
+/// The scheduler name kube-scheduler uses when a pod names none.
+const DEFAULT_SCHEDULER: &str = "default-scheduler";
+
+/// An `admission.k8s.io/v1` `AdmissionReview`, as much of it as is read.
+#[derive(Debug, Deserialize)]
+struct Review {
+    #[serde(rename = "apiVersion")]
+    api_version: Option<String>,
+    kind: Option<String>,
+    request: Option<ReviewRequest>,
+}
+
+#[derive(Debug, Deserialize)]
+struct ReviewRequest {
+    uid: String,
+    operation: Option<String>,
+    object: Option<Value>,
+}
+
+#[derive(Debug, Serialize)]
+struct ReviewResponse {
+    uid: String,
+    allowed: bool,
+    #[serde(rename = "patchType", skip_serializing_if = "Option::is_none")]
+    patch_type: Option<&'static str>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    patch: Option<String>,
+    #[serde(rename = "warnings", skip_serializing_if = "Vec::is_empty")]
+    warnings: Vec<String>,
+}
+
+/// The webhook's answer: HTTP status and JSON body.
+#[derive(Debug)]
+pub struct WebhookReply {
+    pub status: u16,
+    pub body: Vec<u8>,
+}
+
+/// Answers one `AdmissionReview` for pods. `scheduler_name` is the name
+/// vGPU pods are given; `names` are the resources that make a pod a vGPU
+/// pod.
+pub fn mutate(body: &[u8], scheduler_name: &str, names: &ResourceNames) -> WebhookReply {
+    let review: Review = match serde_json::from_slice(body) {
+        Ok(review) => review,
+        Err(error) => return bad_request(format!("not an AdmissionReview: {error}")),
+    };
+    if review.kind.as_deref() != Some("AdmissionReview") {
+        return bad_request(format!(
+            "expected kind AdmissionReview, got {:?}",
+            review.kind.unwrap_or_default()
+        ));
+    }
+    let api_version = review
+        .api_version
+        .unwrap_or_else(|| "admission.k8s.io/v1".into());
+    let request = match review.request {
+        Some(request) => request,
+        None => return bad_request("the AdmissionReview has no request".into()),
+    };
+    let mut response = ReviewResponse {
+        uid: request.uid,
+        allowed: true,
+        patch_type: None,
+        patch: None,
+        warnings: Vec::new(),
+    };
+    let creating = matches!(request.operation.as_deref(), None | Some("CREATE"));
+    let pod = request
+        .object
+        .map(serde_json::from_value::<Pod>)
+        .transpose();
+    match pod {
+        Ok(Some(pod)) if creating && needs_vgpu_scheduler(&pod, names) => {
+            let patch = json!([{
+                "op": "add",
+                "path": "/spec/schedulerName",
+                "value": scheduler_name,
+            }]);
+            response.patch_type = Some("JSONPatch");
+            response.patch =
+                Some(base64::engine::general_purpose::STANDARD.encode(patch.to_string()));
+        }
+        Ok(_) => {}
+        Err(error) => {
+            tracing::warn!("admission review {}: unreadable pod: {error}", response.uid);
+            response
+                .warnings
+                .push(format!("vgpu webhook could not read the pod: {error}"));
+        }
+    }
+    let body = json!({
+        "apiVersion": api_version,
+        "kind": "AdmissionReview",
+        "response": response,
+    });
+    WebhookReply {
+        status: 200,
+        body: body.to_string().into_bytes(),
+    }
+}
+
+/// Whether `pod` asks for a vGPU, is not bound yet, and names no scheduler
+/// or the default one.
+fn needs_vgpu_scheduler(pod: &Pod, names: &ResourceNames) -> bool {
+    let Some(spec) = &pod.spec else {
+        return false;
+    };
+    let default_scheduler = match spec.scheduler_name.as_deref() {
+        None | Some("") | Some(DEFAULT_SCHEDULER) => true,
+        Some(_) => false,
+    };
+    let vgpu_resources = [&names.gpu, &names.elastic_memory, &names.elastic_cores];
+    let asks = |container: &Container| {
+        container.resources.as_ref().is_some_and(|resources| {
+            [&resources.limits, &resources.requests]
+                .into_iter()
+                .flatten()
+                .any(|quantities| {
+                    vgpu_resources
+                        .iter()
+                        .any(|name| quantities.contains_key(*name))
+                })
+        })
+    };
+    spec.node_name.is_none()
+        && default_scheduler
+        && (spec.containers.iter().any(asks) || spec.init_containers.iter().flatten().any(asks))
+}
+
+fn bad_request(message: String) -> WebhookReply {
+    WebhookReply {
+        status: 400,
+        body: json!({ "error": message }).to_string().into_bytes(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn review(pod: Value) -> Vec<u8> {
+        json!({
+            "apiVersion": "admission.k8s.io/v1",
+            "kind": "AdmissionReview",
+            "request": {
+                "uid": "705ab4f5-6393-11e8-b7cc-42010a800002",
+                "kind": {"group": "", "version": "v1", "kind": "Pod"},
+                "resource": {"group": "", "version": "v1", "resource": "pods"},
+                "operation": "CREATE",
+                "object": pod,
+            }
+        })
+        .to_string()
+        .into_bytes()
+    }
+
+    fn pod(limits: Value, scheduler: Option<&str>) -> Value {
+        let mut spec = json!({
+            "containers": [{"name": "main", "image": "cuda", "resources": {"limits": limits}}]
+        });
+        if let Some(name) = scheduler {
+            spec["schedulerName"] = json!(name);
+        }
+        json!({"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "p"}, "spec": spec})
+    }
+
+    fn answer(body: &[u8]) -> Value {
+        let reply = mutate(body, "vgpu-scheduler", &ResourceNames::default());
+        assert_eq!(
+            reply.status,
+            200,
+            "{}",
+            String::from_utf8_lossy(&reply.body)
+        );
+        let value: Value = serde_json::from_slice(&reply.body).expect("json");
+        assert_eq!(value["kind"], "AdmissionReview");
+        assert_eq!(
+            value["response"]["uid"],
+            "705ab4f5-6393-11e8-b7cc-42010a800002"
+        );
+        assert_eq!(value["response"]["allowed"], true);
+        value["response"].clone()
+    }
+
+    fn patch_of(response: &Value) -> Option<Value> {
+        let text = response["patch"].as_str()?;
+        assert_eq!(response["patchType"], "JSONPatch");
+        let bytes = base64::engine::general_purpose::STANDARD
+            .decode(text)
+            .expect("base64");
+        Some(serde_json::from_slice(&bytes).expect("patch json"))
+    }
+
+    #[test]
+    fn vgpu_pods_get_the_vgpu_scheduler() {
+        for scheduler in [None, Some("default-scheduler"), Some("")] {
+            let response = answer(&review(pod(json!({"nvidia.com/gpu": "1"}), scheduler)));
+            assert_eq!(
+                patch_of(&response),
+                Some(
+                    json!([{"op": "add", "path": "/spec/schedulerName", "value": "vgpu-scheduler"}])
+                ),
+                "{scheduler:?}"
+            );
+        }
+        let elastic = answer(&review(pod(json!({"elasticgpu.io/gpu-core": "50"}), None)));
+        assert!(patch_of(&elastic).is_some());
+        // An init container alone is enough.
+        let mut init_only = pod(json!({}), None);
+        init_only["spec"]["initContainers"] = json!([
+            {"name": "warm", "image": "cuda", "resources": {"requests": {"nvidia.com/gpu": "1"}}}
+        ]);
+        assert!(patch_of(&answer(&review(init_only))).is_some());
+    }
+
+    #[test]
+    fn everything_else_passes_unchanged() {
+        let cases = [
+            pod(json!({"cpu": "1"}), None),
+            pod(json!({"nvidia.com/gpu": "1"}), Some("my-scheduler")),
+            json!({"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "p"}}),
+        ];
+        for case in cases {
+            let response = answer(&review(case.clone()));
+            assert_eq!(patch_of(&response), None, "{case}");
+        }
+        let mut bound = pod(json!({"nvidia.com/gpu": "1"}), None);
+        bound["spec"]["nodeName"] = json!("n1");
+        assert_eq!(patch_of(&answer(&review(bound))), None);
+        // An update is never changed.
+        let mut update: Value =
+            serde_json::from_slice(&review(pod(json!({"nvidia.com/gpu": "1"}), None)))
+                .expect("json");
+        update["request"]["operation"] = json!("UPDATE");
+        assert_eq!(patch_of(&answer(update.to_string().as_bytes())), None);
+    }
+
+    #[test]
+    fn an_unreadable_pod_is_allowed_with_a_warning() {
+        let response = answer(&review(json!({"spec": {"containers": "not a list"}})));
+        assert_eq!(patch_of(&response), None);
+        let warning = response["warnings"][0].as_str().expect("warning");
+        assert!(warning.contains("could not read the pod"), "{warning}");
+    }
+
+    #[test]
+    fn malformed_reviews_are_refused_in_words() {
+        let names = ResourceNames::default();
+        for (body, words) in [
+            (&b"{"[..], "not an AdmissionReview"),
+            (br#"{"kind":"Pod"}"#, "expected kind AdmissionReview"),
+            (br#"{"kind":"AdmissionReview"}"#, "no request"),
+            (
+                br#"{"kind":"AdmissionReview","request":{}}"#,
+                "not an AdmissionReview",
+            ),
+        ] {
+            let reply = mutate(body, "vgpu-scheduler", &names);
+            assert_eq!(reply.status, 400);
+            let text = String::from_utf8_lossy(&reply.body);
+            assert!(text.contains(words), "{text}");
+        }
+    }
+
+    #[test]
+    fn configured_resource_names_are_the_ones_looked_for() {
+        let names = ResourceNames {
+            gpu: "example.com/vgpu".into(),
+            ..ResourceNames::default()
+        };
+        let reply = mutate(
+            &review(pod(json!({"example.com/vgpu": "1"}), None)),
+            "gpu-sched",
+            &names,
+        );
+        let value: Value = serde_json::from_slice(&reply.body).expect("json");
+        let patch = patch_of(&value["response"]).expect("patched");
+        assert_eq!(patch[0]["value"], "gpu-sched");
+        let reply = mutate(
+            &review(pod(json!({"nvidia.com/gpu": "1"}), None)),
+            "gpu-sched",
+            &names,
+        );
+        let value: Value = serde_json::from_slice(&reply.body).expect("json");
+        assert_eq!(patch_of(&value["response"]), None);
+    }
+}
