@@ -46,6 +46,23 @@ fn with_uuid(host: &HostDir, key: &str) -> vgpu_common::region::Region {
     region
 }
 
+/// The monitor binary on `host`'s regions, without NVML, naming pods
+/// through the API at `api_url`.
+fn monitor_with_api(host: &HostDir, api_url: &str, extra: &[&str]) -> MonitorProcess {
+    let root = host.root.to_str().expect("utf8");
+    let mut args = vec![
+        "--containers-dir",
+        root,
+        "--no-nvml",
+        "--apiserver-url",
+        api_url,
+        "--node-name",
+        NODE,
+    ];
+    args.extend_from_slice(extra);
+    MonitorProcess::start(MonitorProcess::command(), &args)
+}
+
 #[test]
 fn pods_are_named_from_the_api_and_deleted_pods_cleaned_up() {
     let host = HostDir::new("k8s");
@@ -62,20 +79,7 @@ fn pods_are_named_from_the_api_and_deleted_pods_cleaned_up() {
     let busy = with_uuid(&host, &format!("{UID_BUSY}_main"));
     let _slot = charge(&busy, 0, 0, 0, MIB);
 
-    let monitor = MonitorProcess::start(
-        MonitorProcess::command(),
-        &[
-            "--containers-dir",
-            host.root.to_str().expect("utf8"),
-            "--no-nvml",
-            "--apiserver-url",
-            &api.url(),
-            "--node-name",
-            NODE,
-            "--cleanup-grace-seconds",
-            "1",
-        ],
-    );
+    let monitor = monitor_with_api(&host, &api.url(), &["--cleanup-grace-seconds", "1"]);
     let labels = [
         ("namespace", "team-a"),
         ("pod", "trainer-0"),
@@ -155,20 +159,7 @@ fn without_the_api_names_fall_back_and_nothing_is_removed() {
     drop(region);
     // Nothing listens on this port.
     let url = format!("http://127.0.0.1:{}", free_port());
-    let monitor = MonitorProcess::start(
-        MonitorProcess::command(),
-        &[
-            "--containers-dir",
-            host.root.to_str().expect("utf8"),
-            "--no-nvml",
-            "--apiserver-url",
-            &url,
-            "--node-name",
-            NODE,
-            "--cleanup-grace-seconds",
-            "1",
-        ],
-    );
+    let monitor = monitor_with_api(&host, &url, &["--cleanup-grace-seconds", "1"]);
     let labels = [("namespace", ""), ("pod", UID_GONE), ("container", "main")];
     monitor.wait_for_metrics(Duration::from_secs(10), |s| {
         (value(s, "vgpu_container_memory_used_bytes", &labels).is_some()
@@ -201,18 +192,7 @@ fn the_decision_not_the_region_says_which_gpus_and_shares_a_container_has() {
     region.set_device_uuid(1, "GPU-stolen");
     let _slot = charge(&region, 0, 0, 0, MIB);
 
-    let monitor = MonitorProcess::start(
-        MonitorProcess::command(),
-        &[
-            "--containers-dir",
-            host.root.to_str().expect("utf8"),
-            "--no-nvml",
-            "--apiserver-url",
-            &api.url(),
-            "--node-name",
-            NODE,
-        ],
-    );
+    let monitor = monitor_with_api(&host, &api.url(), &[]);
     let labels = [
         ("pod", "trainer-0"),
         ("container", "main"),
