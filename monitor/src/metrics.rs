@@ -1,5 +1,5 @@
 //! The Prometheus exposition: what the monitor knows at its last pass,
-//! rendered in the text format with the `prometheus` crate's encoder.
+//! rendered in the text format (0.0.4).
 //!
 //! Names follow Prometheus conventions under the `vgpu_` prefix; ratios are
 //! 0..1. With `hami_names`, HAMi's current metric names are emitted too,
@@ -47,8 +47,6 @@
 
 use crate::discovery::DeviceFigures;
 use crate::gpu::GpuInfo;
-use prometheus::proto::{LabelPair, Metric, MetricFamily, MetricType};
-use prometheus::{Encoder, TextEncoder};
 use std::collections::BTreeMap;
 use vgpu_common::region::{SHARE_FULL, SHARE_UNLIMITED};
 
@@ -131,122 +129,157 @@ type DeviceValue = fn(&ContainerDevice) -> Option<f64>;
 /// Reads one figure of a GPU (`None`: no sample).
 type GpuValue = fn(&GpuInfo) -> Option<f64>;
 
-fn pairs(labels: &[(&str, &str)]) -> Vec<LabelPair> {
-    labels
-        .iter()
-        .map(|(name, value)| {
-            let mut pair = LabelPair::default();
-            pair.set_name(name.to_string());
-            pair.set_value(value.to_string());
-            pair
-        })
-        .collect()
+/// The kind of a metric family, as the `# TYPE` line names it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Kind {
+    Counter,
+    Gauge,
 }
 
-/// One metric per labelled object, reused by every family over those
-/// objects: a family borrows the metrics (labels and all) while it is
-/// encoded and hands them back, so a render allocates labels once per
-/// object, not once per series.
-struct Pool {
-    metrics: Vec<Metric>,
-}
-
-impl Pool {
-    fn new(labels: impl Iterator<Item = Vec<LabelPair>>) -> Self {
-        Self {
-            metrics: labels.map(Metric::from_label).collect(),
+impl Kind {
+    fn as_str(self) -> &'static str {
+        match self {
+            Kind::Counter => "counter",
+            Kind::Gauge => "gauge",
         }
     }
 }
 
-/// Encodes families one at a time into a buffer.
+/// `{name="value",...}` with label values escaped as the text format
+/// wants (backslash, double quote, newline); empty for no labels.
+fn label_text(labels: &[(&str, &str)]) -> String {
+    if labels.is_empty() {
+        return String::new();
+    }
+    let mut text = String::with_capacity(
+        16 + labels
+            .iter()
+            .map(|(n, v)| n.len() + v.len() + 4)
+            .sum::<usize>(),
+    );
+    for (position, (name, value)) in labels.iter().enumerate() {
+        text.push(if position == 0 { '{' } else { ',' });
+        text.push_str(name);
+        text.push_str("=\"");
+        for c in value.chars() {
+            match c {
+                '\\' => text.push_str("\\\\"),
+                '"' => text.push_str("\\\""),
+                '\n' => text.push_str("\\n"),
+                _ => text.push(c),
+            }
+        }
+        text.push('"');
+    }
+    text.push('}');
+    text
+}
+
+/// Label sets rendered once per labelled object and reused by every family
+/// over those objects, so a render escapes labels once per object, not once
+/// per series.
+struct LabelSets(Vec<String>);
+
+impl LabelSets {
+    fn new(sets: impl Iterator<Item = String>) -> Self {
+        Self(sets.collect())
+    }
+}
+
+/// Writes families in the Prometheus text format (0.0.4) into a buffer.
 struct Writer {
     buffer: Vec<u8>,
-    encoder: TextEncoder,
 }
 
 impl Writer {
-    /// Encodes the family `name` with a sample for every object of `pool`
-    /// that `value` gives one for.
+    /// Writes the family `name` with a sample for every object of `labels`
+    /// that `value` gives one for; a family without samples is left out.
     fn family(
         &mut self,
         name: &str,
         help: &str,
-        kind: MetricType,
-        pool: &mut Pool,
+        kind: Kind,
+        labels: &LabelSets,
         value: impl Fn(usize) -> Option<f64>,
     ) {
-        let mut metrics = Vec::with_capacity(pool.metrics.len());
-        let mut owners = Vec::with_capacity(pool.metrics.len());
-        for (index, metric) in pool.metrics.iter_mut().enumerate() {
-            let Some(v) = value(index) else { continue };
-            match kind {
-                MetricType::COUNTER => metric.counter.mut_or_insert_default().set_value(v),
-                _ => metric.gauge.mut_or_insert_default().set_value(v),
+        use std::io::Write;
+        let mut header_written = false;
+        for (index, set) in labels.0.iter().enumerate() {
+            let Some(sample) = value(index) else { continue };
+            if !header_written {
+                self.header(name, help, kind);
+                header_written = true;
             }
-            metrics.push(std::mem::take(metric));
-            owners.push(index);
-        }
-        if metrics.is_empty() {
-            return;
-        }
-        let mut family = MetricFamily::default();
-        family.set_name(name.to_string());
-        family.set_help(help.to_string());
-        family.set_field_type(kind);
-        family.set_metric(metrics);
-        if let Err(error) = self
-            .encoder
-            .encode(std::slice::from_ref(&family), &mut self.buffer)
-        {
-            // Only an empty family or an I/O error can fail; neither can
-            // happen here, and a scrape must never panic.
-            tracing::error!("encoding {name}: {error}");
-        }
-        for (metric, index) in family.mut_metric().drain(..).zip(owners) {
-            pool.metrics[index] = metric;
+            self.buffer.extend_from_slice(name.as_bytes());
+            self.buffer.extend_from_slice(set.as_bytes());
+            self.buffer.push(b' ');
+            // Writing into a Vec cannot fail. Display of f64 is what
+            // Prometheus' parser reads (shortest round-trip form).
+            let _ = write!(self.buffer, "{sample}");
+            self.buffer.push(b'\n');
         }
     }
 
+    fn header(&mut self, name: &str, help: &str, kind: Kind) {
+        self.buffer.extend_from_slice(b"# HELP ");
+        self.buffer.extend_from_slice(name.as_bytes());
+        self.buffer.push(b' ');
+        for c in help.chars() {
+            match c {
+                '\\' => self.buffer.extend_from_slice(b"\\\\"),
+                '\n' => self.buffer.extend_from_slice(b"\\n"),
+                _ => {
+                    let mut utf8 = [0u8; 4];
+                    self.buffer
+                        .extend_from_slice(c.encode_utf8(&mut utf8).as_bytes());
+                }
+            }
+        }
+        self.buffer.extend_from_slice(b"\n# TYPE ");
+        self.buffer.extend_from_slice(name.as_bytes());
+        self.buffer.push(b' ');
+        self.buffer.extend_from_slice(kind.as_str().as_bytes());
+        self.buffer.push(b'\n');
+    }
+
     /// A family with a single unlabelled sample.
-    fn single(&mut self, name: &str, help: &str, kind: MetricType, value: f64) {
-        let mut pool = Pool::new(std::iter::once(Vec::new()));
-        self.family(name, help, kind, &mut pool, |_| Some(value));
+    fn single(&mut self, name: &str, help: &str, kind: Kind, value: f64) {
+        let labels = LabelSets(vec![String::new()]);
+        self.family(name, help, kind, &labels, |_| Some(value));
     }
 }
 
 /// Renders `snapshot` in the Prometheus text format.
 pub fn render(snapshot: &Snapshot, hami_names: bool) -> Vec<u8> {
-    use MetricType::{COUNTER, GAUGE};
+    use Kind::{Counter, Gauge};
     let mut w = Writer {
         buffer: Vec::with_capacity(256 * (snapshot.devices.len() * 24 + 64)),
-        encoder: TextEncoder::new(),
     };
     let devices = &snapshot.devices;
 
     // Per container and device.
-    let per_device: [(&str, &str, MetricType, DeviceValue); 17] = [
-        ("vgpu_container_memory_used_bytes", "Device memory charged to the container.", GAUGE, |d| Some(d.figures.memory_used as f64)),
-        ("vgpu_container_memory_limit_bytes", "Device memory cap of the container (0 = uncapped).", GAUGE, |d| Some(d.figures.memory_limit as f64)),
-        ("vgpu_container_memory_peak_bytes", "Highest device memory use of the container.", GAUGE, |d| Some(d.figures.peak_used as f64)),
-        ("vgpu_container_memory_context_bytes", "Device memory charged for CUDA contexts, over the container's live process slots.", GAUGE, |d| Some(d.figures.context as f64)),
-        ("vgpu_container_memory_module_bytes", "Device memory charged for loaded modules, over the container's live process slots.", GAUGE, |d| Some(d.figures.module as f64)),
-        ("vgpu_container_memory_data_bytes", "Device memory charged for data allocations, over the container's live process slots.", GAUGE, |d| Some(d.figures.data as f64)),
-        ("vgpu_container_swap_used_bytes", "Host memory the container uses as swap for the device.", GAUGE, |d| Some(d.figures.swap_used as f64)),
-        ("vgpu_container_swap_limit_bytes", "Host memory the container may use as swap for the device.", GAUGE, |d| Some(d.figures.swap_limit as f64)),
-        ("vgpu_container_compute_share_ratio", "Configured compute share of the device (1 = uncapped).", GAUGE, |d| Some(percent_ratio(d.figures.sm_limit))),
-        ("vgpu_container_compute_burst_ratio", "Compute share the container may borrow up to when the device has idle capacity (1 = uncapped).", GAUGE, |d| Some(if d.figures.sm_limit == 0 || d.figures.sm_limit >= 100 { 1.0 } else { percent_ratio(d.figures.sm_burst.max(d.figures.sm_limit)) })),
-        ("vgpu_container_compute_effective_ratio", "Compute share granted now by the monitor (0 = paused, 1 = unlimited).", GAUGE, |d| Some(share_ratio(d.figures.sm_effective))),
-        ("vgpu_container_utilization_ratio", "Device time the container got per wall time over the utilization window.", GAUGE, |d| d.utilization),
-        ("vgpu_container_throttled_seconds_total", "Time the container's launches waited for their compute share.", COUNTER, |d| Some(d.figures.throttled_ns as f64 / 1e9)),
-        ("vgpu_container_kernel_launches_total", "Kernel and graph launches of the container (metered launches).", COUNTER, |d| Some(d.figures.launches as f64)),
-        ("vgpu_container_oom_events_total", "Allocations refused because of the container's memory cap.", COUNTER, |d| Some(d.figures.oom_events as f64)),
-        ("vgpu_container_last_kernel_age_seconds", "Seconds since the container last launched work on the device.", GAUGE, |d| d.last_kernel_age_seconds),
-        ("vgpu_container_priority", "Priority in force for the container (lower is more important).", GAUGE, |d| Some(f64::from(d.priority))),
+    let per_device: [(&str, &str, Kind, DeviceValue); 17] = [
+        ("vgpu_container_memory_used_bytes", "Device memory charged to the container.", Gauge, |d| Some(d.figures.memory_used as f64)),
+        ("vgpu_container_memory_limit_bytes", "Device memory cap of the container (0 = uncapped).", Gauge, |d| Some(d.figures.memory_limit as f64)),
+        ("vgpu_container_memory_peak_bytes", "Highest device memory use of the container.", Gauge, |d| Some(d.figures.peak_used as f64)),
+        ("vgpu_container_memory_context_bytes", "Device memory charged for CUDA contexts, over the container's live process slots.", Gauge, |d| Some(d.figures.context as f64)),
+        ("vgpu_container_memory_module_bytes", "Device memory charged for loaded modules, over the container's live process slots.", Gauge, |d| Some(d.figures.module as f64)),
+        ("vgpu_container_memory_data_bytes", "Device memory charged for data allocations, over the container's live process slots.", Gauge, |d| Some(d.figures.data as f64)),
+        ("vgpu_container_swap_used_bytes", "Host memory the container uses as swap for the device.", Gauge, |d| Some(d.figures.swap_used as f64)),
+        ("vgpu_container_swap_limit_bytes", "Host memory the container may use as swap for the device.", Gauge, |d| Some(d.figures.swap_limit as f64)),
+        ("vgpu_container_compute_share_ratio", "Configured compute share of the device (1 = uncapped).", Gauge, |d| Some(percent_ratio(d.figures.sm_limit))),
+        ("vgpu_container_compute_burst_ratio", "Compute share the container may borrow up to when the device has idle capacity (1 = uncapped).", Gauge, |d| Some(if d.figures.sm_limit == 0 || d.figures.sm_limit >= 100 { 1.0 } else { percent_ratio(d.figures.sm_burst.max(d.figures.sm_limit)) })),
+        ("vgpu_container_compute_effective_ratio", "Compute share granted now by the monitor (0 = paused, 1 = unlimited).", Gauge, |d| Some(share_ratio(d.figures.sm_effective))),
+        ("vgpu_container_utilization_ratio", "Device time the container got per wall time over the utilization window.", Gauge, |d| d.utilization),
+        ("vgpu_container_throttled_seconds_total", "Time the container's launches waited for their compute share.", Counter, |d| Some(d.figures.throttled_ns as f64 / 1e9)),
+        ("vgpu_container_kernel_launches_total", "Kernel and graph launches of the container (metered launches).", Counter, |d| Some(d.figures.launches as f64)),
+        ("vgpu_container_oom_events_total", "Allocations refused because of the container's memory cap.", Counter, |d| Some(d.figures.oom_events as f64)),
+        ("vgpu_container_last_kernel_age_seconds", "Seconds since the container last launched work on the device.", Gauge, |d| d.last_kernel_age_seconds),
+        ("vgpu_container_priority", "Priority in force for the container (lower is more important).", Gauge, |d| Some(f64::from(d.priority))),
     ];
-    let mut pool = Pool::new(devices.iter().map(|d| {
+    let pool = LabelSets::new(devices.iter().map(|d| {
         let index = d.figures.index.to_string();
-        pairs(&[
+        label_text(&[
             ("namespace", &d.namespace),
             ("pod", &d.pod),
             ("container", &d.container),
@@ -255,11 +288,11 @@ pub fn render(snapshot: &Snapshot, hami_names: bool) -> Vec<u8> {
         ])
     }));
     for (name, help, kind, value) in per_device {
-        w.family(name, help, kind, &mut pool, |i| value(&devices[i]));
+        w.family(name, help, kind, &pool, |i| value(&devices[i]));
     }
 
-    let mut container_pool = Pool::new(snapshot.containers.iter().map(|c| {
-        pairs(&[
+    let container_pool = LabelSets::new(snapshot.containers.iter().map(|c| {
+        label_text(&[
             ("namespace", &c.namespace),
             ("pod", &c.pod),
             ("container", &c.container),
@@ -268,17 +301,17 @@ pub fn render(snapshot: &Snapshot, hami_names: bool) -> Vec<u8> {
     w.family(
         "vgpu_container_processes",
         "Process slots in use in the container's region.",
-        GAUGE,
-        &mut container_pool,
+        Gauge,
+        &container_pool,
         |i| Some(snapshot.containers[i].processes as f64),
     );
 
     // Per physical GPU.
     let gpus = &snapshot.gpus;
     let per_gpu = snapshot.containers_per_gpu();
-    let mut gpu_pool = Pool::new(gpus.iter().map(|g| {
+    let gpu_pool = LabelSets::new(gpus.iter().map(|g| {
         let index = g.index.to_string();
-        pairs(&[
+        label_text(&[
             ("device_index", &index),
             ("device_uuid", &g.uuid),
             ("model", &g.name),
@@ -311,13 +344,13 @@ pub fn render(snapshot: &Snapshot, hami_names: bool) -> Vec<u8> {
         ),
     ];
     for (name, help, value) in per_gpu_metrics {
-        w.family(name, help, GAUGE, &mut gpu_pool, |i| value(&gpus[i]));
+        w.family(name, help, Gauge, &gpu_pool, |i| value(&gpus[i]));
     }
     w.family(
         "vgpu_gpu_containers",
         "Containers with a region on the GPU.",
-        GAUGE,
-        &mut gpu_pool,
+        Gauge,
+        &gpu_pool,
         |i| Some(per_gpu.get(gpus[i].uuid.as_str()).copied().unwrap_or(0) as f64),
     );
 
@@ -325,33 +358,33 @@ pub fn render(snapshot: &Snapshot, hami_names: bool) -> Vec<u8> {
     w.single(
         "vgpu_monitor_regions",
         "Container regions the monitor reads.",
-        GAUGE,
+        Gauge,
         snapshot.regions as f64,
     );
     w.single(
         "vgpu_monitor_regions_refused_total",
         "Region files refused (wrong size, magic, version or kind of file).",
-        COUNTER,
+        Counter,
         snapshot.refused_total as f64,
     );
     w.single(
         "vgpu_monitor_slots_reclaimed_total",
         "Process slots of dead processes returned by the monitor.",
-        COUNTER,
+        Counter,
         snapshot.reclaimed_total as f64,
     );
     if let Some(up) = snapshot.api_up {
         w.single(
             "vgpu_monitor_kubernetes_api_up",
             "1 when the pod list from the Kubernetes API is current, else 0.",
-            GAUGE,
+            Gauge,
             if up { 1.0 } else { 0.0 },
         );
     }
     w.single(
         "vgpu_monitor_loop_duration_seconds",
         "How long the monitor's last pass took.",
-        GAUGE,
+        Gauge,
         snapshot.loop_seconds,
     );
 
@@ -363,12 +396,12 @@ pub fn render(snapshot: &Snapshot, hami_names: bool) -> Vec<u8> {
 
 /// HAMi's current names, labels and scales.
 fn hami(w: &mut Writer, snapshot: &Snapshot) {
-    use MetricType::GAUGE;
+    use Kind::Gauge;
     let gpus = &snapshot.gpus;
-    let mut host_pool = Pool::new(gpus.iter().map(|g| {
+    let host_pool = LabelSets::new(gpus.iter().map(|g| {
         let index = g.index.to_string();
         let device_type = format!("NVIDIA-{}", g.name);
-        pairs(&[
+        label_text(&[
             ("device_index", &index),
             ("device_type", &device_type),
             ("device_uuid", &g.uuid),
@@ -378,22 +411,22 @@ fn hami(w: &mut Writer, snapshot: &Snapshot) {
     w.family(
         "hami_host_gpu_memory_used_bytes",
         "GPU real-time device memory usage on host",
-        GAUGE,
-        &mut host_pool,
+        Gauge,
+        &host_pool,
         |i| gpus[i].memory_used.map(|v| v as f64),
     );
     w.family(
         "hami_host_gpu_utilization_ratio",
         "GPU core utilization ratio on host (0-100)",
-        GAUGE,
-        &mut host_pool,
+        Gauge,
+        &host_pool,
         |i| gpus[i].utilization.map(|u| u * 100.0),
     );
 
     let devices = &snapshot.devices;
-    let mut pool = Pool::new(devices.iter().map(|d| {
+    let pool = LabelSets::new(devices.iter().map(|d| {
         let index = d.figures.index.to_string();
-        pairs(&[
+        label_text(&[
             ("container", &d.container),
             ("device_uuid", &d.figures.uuid),
             ("namespace", &d.namespace),
@@ -445,18 +478,122 @@ fn hami(w: &mut Writer, snapshot: &Snapshot) {
         ),
     ];
     for (name, help, value) in per_device {
-        w.family(name, help, GAUGE, &mut pool, |i| value(&devices[i]));
+        w.family(name, help, Gauge, &pool, |i| value(&devices[i]));
     }
 }
 
 /// The content type of [`render`]'s output.
 pub fn content_type() -> &'static str {
-    prometheus::TEXT_FORMAT
+    "text/plain; version=0.0.4"
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The same family through the `prometheus` crate's text encoder.
+    fn reference(
+        name: &str,
+        help: &str,
+        counter: bool,
+        series: &[(Vec<(&str, &str)>, f64)],
+    ) -> String {
+        use prometheus::proto::{LabelPair, Metric, MetricFamily, MetricType};
+        use prometheus::Encoder;
+        let mut family = MetricFamily::default();
+        family.set_name(name.into());
+        family.set_help(help.into());
+        family.set_field_type(if counter {
+            MetricType::COUNTER
+        } else {
+            MetricType::GAUGE
+        });
+        let metrics = series
+            .iter()
+            .map(|(labels, value)| {
+                let pairs = labels
+                    .iter()
+                    .map(|(n, v)| {
+                        let mut pair = LabelPair::default();
+                        pair.set_name(n.to_string());
+                        pair.set_value(v.to_string());
+                        pair
+                    })
+                    .collect();
+                let mut metric = Metric::from_label(pairs);
+                if counter {
+                    metric.counter.mut_or_insert_default().set_value(*value);
+                } else {
+                    metric.gauge.mut_or_insert_default().set_value(*value);
+                }
+                metric
+            })
+            .collect();
+        family.set_metric(metrics);
+        let mut out = Vec::new();
+        prometheus::TextEncoder::new()
+            .encode(&[family], &mut out)
+            .expect("encode");
+        String::from_utf8(out).expect("utf8")
+    }
+
+    #[test]
+    fn exposition_matches_the_reference_encoder_byte_for_byte() {
+        let series: Vec<(Vec<(&str, &str)>, f64)> = vec![
+            (vec![("pod", "plain"), ("device_index", "0")], 0.3),
+            (
+                vec![
+                    ("pod", "quote\"back\\slash\nnewline"),
+                    ("device_index", "1"),
+                ],
+                1.0,
+            ),
+            (
+                vec![("pod", "ünïcode ☃"), ("device_index", "12")],
+                1234567890123.0,
+            ),
+            (vec![("pod", ""), ("device_index", "3")], -2.5e-7),
+            (
+                vec![("pod", "big"), ("device_index", "4")],
+                1.8446744073709552e19,
+            ),
+        ];
+        for counter in [false, true] {
+            let labels = LabelSets::new(series.iter().map(|(l, _)| label_text(l)));
+            let mut w = Writer { buffer: Vec::new() };
+            let kind = if counter { Kind::Counter } else { Kind::Gauge };
+            w.family(
+                "vgpu_test_total",
+                "Help with a \\ and a\nnewline.",
+                kind,
+                &labels,
+                |i| Some(series[i].1),
+            );
+            assert_eq!(
+                String::from_utf8(w.buffer).expect("utf8"),
+                reference(
+                    "vgpu_test_total",
+                    "Help with a \\ and a\nnewline.",
+                    counter,
+                    &series
+                )
+            );
+        }
+        let mut w = Writer { buffer: Vec::new() };
+        w.single("vgpu_one", "One.", Kind::Gauge, 7.0);
+        assert_eq!(
+            String::from_utf8(w.buffer).expect("utf8"),
+            reference("vgpu_one", "One.", false, &[(vec![], 7.0)])
+        );
+    }
+
+    #[test]
+    fn a_family_without_samples_is_left_out() {
+        let labels = LabelSets::new(std::iter::once(label_text(&[("a", "b")])));
+        let mut w = Writer { buffer: Vec::new() };
+        w.family("vgpu_none", "Nothing.", Kind::Gauge, &labels, |_| None);
+        assert!(w.buffer.is_empty());
+    }
 
     fn device(uuid: &str) -> ContainerDevice {
         ContainerDevice {
