@@ -23,7 +23,13 @@ use vgpu_common::resources;
 /// (comma lists, matched as case-insensitive substrings of the GPU model),
 /// nvidia.com/use-gpuuuid, nvidia.com/nouse-gpuuuid, and the policies
 /// vgpu.io/gpu-scheduler-policy, vgpu.io/node-scheduler-policy (or HAMi's
-/// hami.io/gpu-scheduler-policy, hami.io/node-scheduler-policy).
+/// hami.io/gpu-scheduler-policy, hami.io/node-scheduler-policy), and
+/// vgpu.io/gpucores-burst (percent up to which the pod's capped vGPUs may
+/// borrow idle capacity).
+///
+/// With --tls-cert/--tls-key it can also serve as a mutating admission
+/// webhook (POST /webhook/mutate) that gives new vGPU pods naming no
+/// scheduler the --scheduler-name.
 #[derive(Debug, Parser)]
 #[command(name = "vgpu-scheduler", version, about, long_about)]
 pub struct Cli {
