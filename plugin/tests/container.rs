@@ -161,3 +161,90 @@ async fn containers_started_with_the_answer_are_held_to_their_own_limits() {
         shares[1]
     );
 }
+
+/// The node monitor, as a process over the plugin's container directories
+/// (no NVML, no Kubernetes API: the regions say everything).
+struct MonitorProcess(std::process::Child);
+
+impl MonitorProcess {
+    fn start(containers_dir: &std::path::Path) -> Self {
+        let binary = vgpu_tests::target_dir().join("vgpu-monitor");
+        assert!(
+            binary.exists(),
+            "{} is missing: build the workspace first",
+            binary.display()
+        );
+        let child = std::process::Command::new(binary)
+            .args(["--containers-dir"])
+            .arg(containers_dir)
+            .args(["--no-nvml", "--no-kubernetes", "--listen", "127.0.0.1:0"])
+            .args(["--interval-ms", "50", "--active-window-ms", "300"])
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .expect("start vgpu-monitor");
+        Self(child)
+    }
+}
+
+impl Drop for MonitorProcess {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_decided_burst_lets_a_lone_container_use_idle_capacity() {
+    let api = FakeApi::start().await;
+    api.add_node("burst-node");
+    let mut node = PluginNode::new("burst-node", 1, "8Gi", &api.url, &[]);
+    node.start();
+    let mut kubelet = FakeKubelet::start(&node.plugin_dir);
+    let registration = kubelet.next_registration(WAIT).await;
+    let mut conn = kubelet.connect(&registration).await;
+    conn.wait_devices(WAIT, |list| list.len() == 10).await;
+    let gpu = eventually(WAIT, "the inventory", || async {
+        inventory(&api, "burst-node")
+    })
+    .await
+    .gpus[0]
+        .uuid
+        .clone();
+
+    let p = api.add_pod(pod("bursty", vec![], vec![container("main", 1)]));
+    let decision = decide(&p, "burst-node", |_, _| {
+        let mut bursting = grant(&gpu, GIB, 30);
+        bursting.burst_percent = Some(80);
+        (vec![bursting], None)
+    });
+    let p = bind(&api, "bursty", &decision);
+    let answers = conn.admit(&p, RESOURCE).await.expect("admitted");
+    assert_eq!(answers[0].2.envs["VGPU_SM_BURST_LIMIT_0"], "80");
+    let main = container_sandbox(&node, &answers[0].2);
+    let uid = p.metadata.uid.clone().expect("uid");
+    let region =
+        Region::open_existing(&node.containers_dir.join(format!("{uid}_main/region.cache")))
+            .expect("region");
+    assert_eq!(region.limits().sm_burst[0], 80);
+
+    // Alone on the GPU with the monitor running, the container borrows
+    // the idle capacity up to its burst; without the burst it would stay
+    // at its 30 % share.
+    let _monitor = MonitorProcess::start(&node.containers_dir);
+    let mut meter = BusyMeter::new(&main);
+    let window = Duration::from_secs(2);
+    let seconds = 1.5 + window.as_secs_f64() + 0.5;
+    let work = Workload::start(&main, "burst", "k1ms", seconds, 1);
+    let start = meter.read(0, work.pid());
+    wait_until(start.at_ns + 1_500_000_000);
+    let settled = meter.read(0, work.pid());
+    wait_until(settled.at_ns + window.as_nanos() as u64);
+    let end = meter.read(0, work.pid());
+    work.finish();
+    let share = process_share(settled, end);
+    assert!(
+        (share - 80.0).abs() <= 5.0,
+        "lone container at {share:.1} %"
+    );
+}
