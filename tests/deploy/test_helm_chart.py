@@ -97,14 +97,17 @@ def test_chart_lints_without_findings():
             "node": {"devicePlugin": {"swapLimit": "8g", "preload": False, "corePolicy": "force"}},
         },
         {"scheduler": {"webhook": {"enabled": False}, "service": {"enabled": False}}},
+        {"node": {"monitor": {"serviceMonitor": {"enabled": True}}}},
     ],
-    ids=["defaults", "tls-swap-force", "no-webhook"],
+    ids=["defaults", "tls-swap-force", "no-webhook", "service-monitor"],
 )
 def test_every_object_matches_the_kubernetes_schema(values):
     objects = render(values)
     kinds = sorted(o["kind"] for o in objects)
     assert kinds.count("DaemonSet") == 1 and kinds.count("Deployment") == 1, kinds
     for obj in objects:
+        if obj["apiVersion"].startswith("monitoring.coreos.com/"):
+            continue  # an operator's CRD: not in Kubernetes' schemas
         # Strict: an unknown or misplaced field is an error too.
         kubernetes_validate.validate(obj, KUBE_VERSION, strict=True)
 
@@ -439,3 +442,21 @@ def test_without_the_webhook_nothing_of_it_is_installed():
     (ext,) = scheduler_config(objects)["extenders"]
     assert ext["urlPrefix"].startswith("http://")
     assert "tls-cert" not in flags(container(find(objects, "Deployment", "-scheduler"), "extender"))
+
+
+def test_service_monitor_scrapes_the_monitor_service():
+    assert not [o for o in render() if o["kind"] == "ServiceMonitor"], "off by default"
+    values = {"node": {"monitor": {"serviceMonitor": {"enabled": True, "labels": {"release": "kube-prom"}}}}}
+    objects = render(values)
+    monitor = find(objects, "ServiceMonitor", "-monitor")
+    service = find(objects, "Service", "-monitor")
+    assert monitor["metadata"]["labels"]["release"] == "kube-prom"
+    assert monitor["spec"]["selector"]["matchLabels"].items() <= service["metadata"]["labels"].items()
+    assert monitor["spec"]["namespaceSelector"]["matchNames"] == [service["metadata"]["namespace"]]
+    (endpoint,) = monitor["spec"]["endpoints"]
+    assert endpoint["port"] == service["spec"]["ports"][0]["name"]
+    assert endpoint["path"] == "/metrics"
+    values["node"]["monitor"]["service"] = {"enabled": False}
+    with pytest.raises(Exception) as error:
+        render(values)
+    assert "serviceMonitor" in str(error.value)
