@@ -32,8 +32,8 @@
 //!    holds an unknown value.
 
 use std::cmp::Ordering;
-use vgpu_common::config::UtilizationPolicy;
-use vgpu_common::region::{SHARE_FULL, SHARE_UNLIMITED};
+use vgpu_node_contract::region::{SHARE_FULL, SHARE_UNLIMITED};
+use vgpu_node_contract::shim_env::UtilizationPolicy;
 
 /// Largest share lending may grant (see rule 3).
 pub const MAX_LENT_SHARE: u32 = SHARE_FULL - 1;

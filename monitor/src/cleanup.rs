@@ -22,7 +22,7 @@ use std::sync::mpsc;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 use thiserror::Error;
-use vgpu_common::region::{Region, MAX_SLOTS};
+use vgpu_node_contract::region::{Region, MAX_SLOTS};
 
 /// A reclaim running longer than this is taken to be stuck on a held mutex.
 pub const JANITOR_STUCK_AFTER: Duration = Duration::from_secs(5);

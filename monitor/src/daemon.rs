@@ -4,7 +4,6 @@
 use crate::arbitration::{arbitrate, Contender};
 use crate::cleanup::{self, Janitor, Reaper, Verdict};
 use crate::discovery::{Discovery, DiscoveryConfig};
-use crate::gpu::{GpuInfo, Gpus};
 use crate::metrics::{self, ContainerDevice, ContainerSummary, Snapshot};
 use crate::names::{ApiState, PodDirectory, Presence};
 use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
@@ -12,8 +11,9 @@ use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
 use std::time::{Duration, Instant};
-use vgpu_common::config::UtilizationPolicy;
-use vgpu_common::region::{monotonic_ns, SHARE_FULL, SHARE_UNLIMITED};
+use vgpu_node_contract::region::{monotonic_ns, SHARE_FULL, SHARE_UNLIMITED};
+use vgpu_node_contract::shim_env::UtilizationPolicy;
+use vgpu_nvml_host::{GpuSample, Sampler};
 
 /// How often dead slots are looked for and cleanup is judged.
 const SWEEP_EVERY: Duration = Duration::from_secs(1);
@@ -143,7 +143,7 @@ struct Seen {
 pub struct Monitor {
     config: MonitorConfig,
     discovery: Discovery,
-    gpus: Option<Gpus>,
+    gpus: Option<Sampler>,
     pods: Arc<PodDirectory>,
     tracks: HashMap<(String, usize), Track>,
     /// Region devices already reported as on a GPU their pod was not given.
@@ -163,7 +163,7 @@ impl Monitor {
     pub fn new(config: MonitorConfig, pods: Arc<PodDirectory>) -> Self {
         let gpus = match &config.nvml {
             None => None,
-            Some(path) => match Gpus::open(path.as_deref()) {
+            Some(path) => match Sampler::open(path.as_deref()) {
                 Ok(gpus) => Some(gpus),
                 Err(error) => {
                     tracing::warn!("{error}; host GPU figures will be missing");
@@ -377,7 +377,7 @@ impl Monitor {
         self.shared.publish(snapshot);
     }
 
-    fn sample_gpus(&mut self) -> Vec<GpuInfo> {
+    fn sample_gpus(&mut self) -> Vec<GpuSample> {
         let Some(gpus) = self.gpus.as_mut() else {
             return Vec::new();
         };
@@ -569,7 +569,7 @@ fn granted_rate(track: &mut Track, granted: u64, now: u64, window: Duration) -> 
     Some((used as f64 / elapsed as f64).clamp(0.0, 1.0))
 }
 
-fn process_util_by_uuid(gpus: &[GpuInfo]) -> HashMap<&str, &HashMap<u32, u32>> {
+fn process_util_by_uuid(gpus: &[GpuSample]) -> HashMap<&str, &HashMap<u32, u32>> {
     gpus.iter()
         .filter(|g| !g.uuid.is_empty())
         .map(|g| (g.uuid.as_str(), &g.process_sm_percent))

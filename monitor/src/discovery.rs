@@ -21,7 +21,7 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 use thiserror::Error;
-use vgpu_common::region::{Region, RegionError, MAX_DEVICES, MAX_SLOTS, REGION_BYTES};
+use vgpu_node_contract::region::{Region, RegionError, MAX_DEVICES, MAX_SLOTS, REGION_BYTES};
 
 /// How long a file that could not be used is left alone if it does not change.
 pub const REJECT_RETRY: Duration = Duration::from_secs(60);
@@ -563,7 +563,7 @@ pub fn open_region(path: &Path) -> Result<(Region, Guarded, FileIdentity), Disco
 #[cfg(test)]
 mod tests {
     use super::*;
-    use vgpu_common::region::RegionLimits;
+    use vgpu_node_contract::region::RegionLimits;
 
     fn temp_root(name: &str) -> PathBuf {
         let dir = std::env::temp_dir().join(format!("vgpu-disc-{}-{name}", std::process::id()));

@@ -6,7 +6,6 @@
 //! - [`guard`]: survives region files truncated while mapped (`SIGBUS`).
 //! - [`names`]: pod names from the Kubernetes API (list + watch of the
 //!   node's pods), falling back to directory names.
-//! - [`gpu`]: host GPU figures from NVML.
 //! - [`arbitration`]: the effective-share rule, a pure function.
 //! - [`cleanup`]: dead process slots and regions of deleted pods.
 //! - [`metrics`]: the Prometheus exposition.
@@ -17,7 +16,6 @@ pub mod arbitration;
 pub mod cleanup;
 pub mod daemon;
 pub mod discovery;
-pub mod gpu;
 pub mod guard;
 pub mod metrics;
 pub mod names;

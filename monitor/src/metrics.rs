@@ -46,9 +46,9 @@
 //! `vgpu_monitor_loop_duration_seconds`.
 
 use crate::discovery::DeviceFigures;
-use crate::gpu::GpuInfo;
 use std::collections::BTreeMap;
-use vgpu_common::region::{SHARE_FULL, SHARE_UNLIMITED};
+use vgpu_node_contract::region::{SHARE_FULL, SHARE_UNLIMITED};
+use vgpu_nvml_host::GpuSample;
 
 /// One container's figures for one device, ready to export.
 #[derive(Clone, Debug, Default, PartialEq)]
@@ -77,7 +77,7 @@ pub struct Snapshot {
     pub generation: u64,
     pub devices: Vec<ContainerDevice>,
     pub containers: Vec<ContainerSummary>,
-    pub gpus: Vec<GpuInfo>,
+    pub gpus: Vec<GpuSample>,
     pub regions: usize,
     pub refused_total: u64,
     pub reclaimed_total: u64,
@@ -127,7 +127,7 @@ pub fn percent_ratio(percent: u32) -> f64 {
 /// Reads one figure of a container device (`None`: no sample).
 type DeviceValue = fn(&ContainerDevice) -> Option<f64>;
 /// Reads one figure of a GPU (`None`: no sample).
-type GpuValue = fn(&GpuInfo) -> Option<f64>;
+type GpuValue = fn(&GpuSample) -> Option<f64>;
 
 /// The kind of a metric family, as the `# TYPE` line names it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -629,7 +629,7 @@ mod tests {
                 container: "c".into(),
                 processes: 2,
             }],
-            gpus: vec![GpuInfo {
+            gpus: vec![GpuSample {
                 index: 0,
                 uuid: "GPU-a".into(),
                 name: "Sim".into(),
@@ -637,7 +637,7 @@ mod tests {
                 memory_total: Some(100),
                 utilization: Some(0.5),
                 healthy: true,
-                ..GpuInfo::default()
+                ..GpuSample::default()
             }],
             regions: 1,
             ..Snapshot::default()

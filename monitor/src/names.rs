@@ -18,77 +18,13 @@ use futures_util::StreamExt;
 use k8s_openapi::api::core::v1::Pod;
 use kube::runtime::watcher::{self, Event};
 use kube::runtime::WatchStreamExt;
-use kube::{Api, Client, Config};
+use kube::{Api, Client};
 use std::collections::HashMap;
-use std::path::PathBuf;
 use std::sync::{Arc, RwLock};
 use std::time::Instant;
-use thiserror::Error;
-use vgpu_common::decision::{Decision, DeviceGrant, DECISION_ANNOTATION};
+use vgpu_cluster::decision::{Decision, DeviceGrant, DECISION_ANNOTATION};
 
-/// How the API server is reached.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub enum ApiSource {
-    /// A URL, without authentication (tests, `kubectl proxy`).
-    Url(String),
-    /// A kubeconfig file.
-    Kubeconfig(PathBuf),
-    /// The pod's service account (`KUBERNETES_SERVICE_HOST` and the token
-    /// and CA files under `/var/run/secrets/kubernetes.io/serviceaccount`).
-    InCluster,
-}
-
-#[derive(Debug, Error)]
-pub enum NamesError {
-    #[error("API server URL {url:?}: {reason}")]
-    Url { url: String, reason: String },
-    #[error("kubeconfig {path}: {reason}")]
-    Kubeconfig { path: PathBuf, reason: String },
-    #[error("in-cluster configuration: {0}")]
-    InCluster(String),
-    #[error("Kubernetes client: {0}")]
-    Client(String),
-}
-
-/// Builds a client for `source`.
-pub async fn make_client(source: &ApiSource) -> Result<Client, NamesError> {
-    let config = match source {
-        ApiSource::Url(url) => {
-            let parsed = parse_text(url).map_err(|reason| NamesError::Url {
-                url: url.clone(),
-                reason,
-            })?;
-            Config::new(parsed)
-        }
-        ApiSource::Kubeconfig(path) => {
-            let kubeconfig =
-                kube::config::Kubeconfig::read_from(path).map_err(|e| NamesError::Kubeconfig {
-                    path: path.clone(),
-                    reason: e.to_string(),
-                })?;
-            Config::from_custom_kubeconfig(kubeconfig, &kube::config::KubeConfigOptions::default())
-                .await
-                .map_err(|e| NamesError::Kubeconfig {
-                    path: path.clone(),
-                    reason: e.to_string(),
-                })?
-        }
-        ApiSource::InCluster => {
-            Config::incluster().map_err(|e| NamesError::InCluster(e.to_string()))?
-        }
-    };
-    Client::try_from(config).map_err(|e| NamesError::Client(e.to_string()))
-}
-
-/// Parses `text` into whatever type the caller needs (the URL type of the
-/// HTTP stack kube uses), with the error as text.
-fn parse_text<T>(text: &str) -> Result<T, String>
-where
-    T: std::str::FromStr,
-    T::Err: std::fmt::Display,
-{
-    text.parse().map_err(|e: T::Err| e.to_string())
-}
+pub use vgpu_cluster::client::{make_client, ApiSource, ClientError};
 
 /// What the monitor knows about one pod.
 #[derive(Clone, Debug, PartialEq, Eq)]

@@ -11,8 +11,8 @@ use std::sync::Arc;
 use vgpu_monitor::daemon::{Monitor, MonitorConfig, Shared};
 use vgpu_monitor::metrics::Snapshot;
 use vgpu_monitor::names::PodDirectory;
-use vgpu_tests::compute::{process_share, wait_until, BusyMeter, Reading, Workload};
-use vgpu_tests::Sandbox;
+use vgpu_testkit::compute::{process_share, wait_until, BusyMeter, Reading, Workload};
+use vgpu_testkit::Sandbox;
 
 /// Allowed error, in percentage points of the device.
 const TOLERANCE: f64 = 4.0;
@@ -261,7 +261,7 @@ fn idle_capacity_is_lent_up_to_the_burst_and_given_back_to_its_owner() {
 
 #[test]
 fn decisions_follow_the_counters_and_shares_are_restored_on_shutdown() {
-    use vgpu_common::region::{RegionLimits, SHARE_UNLIMITED};
+    use vgpu_node_contract::region::{RegionLimits, SHARE_UNLIMITED};
     let host = HostDir::new("restore");
     let make = |key: &str, share: u32, priority: i32| {
         let mut limits = RegionLimits::default();
@@ -274,7 +274,7 @@ fn decisions_follow_the_counters_and_shares_are_restored_on_shutdown() {
     let high = make("u-high_c", 30, 0);
     let low = make("u-low_c", 60, 1);
     let uncapped = make("u-free_c", 0, 2);
-    let effective = |region: &vgpu_common::region::Region| {
+    let effective = |region: &vgpu_node_contract::region::Region| {
         region.layout().devices[0]
             .sm_effective
             .load(Ordering::Acquire)

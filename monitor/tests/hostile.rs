@@ -10,10 +10,10 @@ use common::*;
 use proptest::prelude::*;
 use std::os::unix::fs::FileExt;
 use std::time::{Duration, Instant};
-use vgpu_common::region::{Region, RegionLimits, MAX_DEVICES, MAX_SLOTS, REGION_BYTES};
 use vgpu_monitor::daemon::{Monitor, MonitorConfig};
 use vgpu_monitor::metrics::Snapshot;
 use vgpu_monitor::names::PodDirectory;
+use vgpu_node_contract::region::{Region, RegionLimits, MAX_DEVICES, MAX_SLOTS, REGION_BYTES};
 
 const GOOD: &str = "u-good_c";
 

@@ -7,8 +7,8 @@ mod common;
 
 use common::*;
 use std::time::Duration;
-use vgpu_common::decision::{ContainerDecision, Decision, DeviceGrant, DECISION_ANNOTATION};
-use vgpu_common::region::RegionLimits;
+use vgpu_cluster::decision::{ContainerDecision, Decision, DeviceGrant, DECISION_ANNOTATION};
+use vgpu_node_contract::region::RegionLimits;
 
 const NODE: &str = "gpu-node-3";
 const UID_NAMED: &str = "3f2a1b0c-9d8e-4f7a-b6c5-d4e3f2a1b0c9";
@@ -40,7 +40,7 @@ fn decision_annotations(container: &str, priority: i32) -> String {
     serde_json::Value::Object(annotations).to_string()
 }
 
-fn with_uuid(host: &HostDir, key: &str) -> vgpu_common::region::Region {
+fn with_uuid(host: &HostDir, key: &str) -> vgpu_node_contract::region::Region {
     let region = host.create_region(key, &RegionLimits::default());
     region.set_device_uuid(0, "GPU-k8s");
     region

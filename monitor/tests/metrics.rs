@@ -9,9 +9,9 @@ use std::io::{BufRead, BufReader, Write};
 use std::process::Stdio;
 use std::sync::atomic::Ordering;
 use std::time::Duration;
-use vgpu_common::region::{MemoryKind, Region, RegionLimits, SHARE_FULL};
 use vgpu_monitor::discovery::read_figures;
-use vgpu_tests::{key_values, programs_dir, run_ok, Sandbox};
+use vgpu_node_contract::region::{MemoryKind, Region, RegionLimits, SHARE_FULL};
+use vgpu_testkit::{key_values, programs_dir, run_ok, Sandbox};
 
 const UID_A: &str = "6f1c0a52-4b7e-4d5e-9b1a-0c2d3e4f5a6b";
 const UID_B: &str = "0a9b8c7d-6e5f-4a3b-8c2d-1e0f9a8b7c6d";

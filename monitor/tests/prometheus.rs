@@ -11,8 +11,8 @@ use std::path::Path;
 use std::process::{Child, Command, Stdio};
 use std::sync::atomic::Ordering;
 use std::time::Duration;
-use vgpu_common::region::RegionLimits;
-use vgpu_tests::Sandbox;
+use vgpu_node_contract::region::RegionLimits;
+use vgpu_testkit::Sandbox;
 
 fn require(tool: &str) -> std::path::PathBuf {
     let found = std::env::var_os("PATH").and_then(|paths| {

@@ -9,13 +9,9 @@ use std::collections::BTreeMap;
 use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 use thiserror::Error;
-use vgpu_common::config::{
-    ShimConfig, UtilizationPolicy, ENV_CONTEXT_RESERVE, ENV_MEMORY_LIMIT, ENV_OVERSUBSCRIBE,
-    ENV_REGION_PATH, ENV_SM_BURST_LIMIT, ENV_SM_LIMIT, ENV_SWAP_LIMIT, ENV_TASK_PRIORITY,
-    ENV_UTILIZATION_POLICY,
-};
-use vgpu_common::decision::{ContainerDecision, DeviceGrant, GpuInfo};
-use vgpu_common::region::{Region, RegionLimits, MAX_DEVICES};
+use vgpu_cluster::decision::{ContainerDecision, DeviceGrant, InventoryGpu};
+use vgpu_node_contract::region::{Region, RegionLimits, MAX_DEVICES, UNCAPPED_SHARE};
+use vgpu_node_contract::shim_env::{ShimConfig, UtilizationPolicy};
 
 /// The GPUs a container may see (NVIDIA container runtime).
 pub const ENV_VISIBLE_DEVICES: &str = "NVIDIA_VISIBLE_DEVICES";
@@ -67,8 +63,6 @@ pub enum AllocateError {
     TooManyGpus { container: String, count: usize },
     #[error("pod UID {uid:?} or container name {container:?} cannot name a directory")]
     BadName { uid: String, container: String },
-    #[error("the environment built for container {container} does not parse: {what}")]
-    Environment { container: String, what: String },
     #[error("{path}: {op}: {source}")]
     Io {
         path: PathBuf,
@@ -77,7 +71,7 @@ pub enum AllocateError {
         source: std::io::Error,
     },
     #[error("{0}")]
-    Region(#[from] vgpu_common::region::RegionError),
+    Region(#[from] vgpu_node_contract::region::RegionError),
     #[error("region {path} already exists with other limits; refusing to change the limits of a running container")]
     RegionMismatch { path: PathBuf },
 }
@@ -95,7 +89,7 @@ pub struct ContainerPlan {
     pub host_dir: PathBuf,
     /// The region file on the host.
     pub region_host: PathBuf,
-    /// The limits written into the region (what the shim derives from
+    /// The limits written into the region (what the shim reads back from
     /// [`Self::envs`]).
     pub limits: RegionLimits,
     pub envs: BTreeMap<String, String>,
@@ -110,25 +104,6 @@ impl ContainerPlan {
             mounts: self.mounts.clone(),
             ..Default::default()
         }
-    }
-}
-
-/// `GPU_CORE_UTILIZATION_POLICY` value of a policy.
-pub fn policy_name(policy: UtilizationPolicy) -> &'static str {
-    match policy {
-        UtilizationPolicy::Default => "default",
-        UtilizationPolicy::Force => "force",
-        UtilizationPolicy::Disable => "disable",
-    }
-}
-
-/// A size as HAMi's device plugin writes it (`<N>m`) when it is a whole
-/// number of MiB, else plain bytes.
-pub fn size_text(bytes: u64) -> String {
-    if bytes.is_multiple_of(1 << 20) {
-        format!("{}m", bytes >> 20)
-    } else {
-        bytes.to_string()
     }
 }
 
@@ -159,7 +134,7 @@ pub fn plan(
     settings: &Settings,
     pod_uid: &str,
     container: &ContainerDecision,
-    gpus: &[GpuInfo],
+    gpus: &[InventoryGpu],
 ) -> Result<ContainerPlan, AllocateError> {
     let name = &container.name;
     if container.devices.len() > MAX_DEVICES {
@@ -203,43 +178,42 @@ pub fn plan(
     let region_host = host_dir.join(&settings.region_file);
     let region_container = settings.container_dir.join(&settings.region_file);
 
-    let mut envs = BTreeMap::new();
+    // The shim's configuration, typed: the decision's bytes and percents
+    // go straight into the region's limits, and the environment is written
+    // from the same value the region is created with.
+    let mut config = ShimConfig {
+        region_path: region_container.display().to_string(),
+        region_path_set: true,
+        oversubscribe: settings.swap_limit.is_some(),
+        context_reserve: settings
+            .context_reserve
+            .unwrap_or(ShimConfig::default().context_reserve),
+        ..ShimConfig::default()
+    };
+    config.limits.policy = settings.policy as u32;
+    if let Some(priority) = container.priority {
+        config.limits.priority = priority;
+    }
+    for (i, (_, grant)) in grants.iter().enumerate() {
+        config.limits.memory_limit[i] = grant.memory_bytes;
+        config.limits.sm_limit[i] = grant.cores_percent;
+        config.limits.sm_burst[i] = grant.burst_percent.unwrap_or(0);
+        config.limits.swap_limit[i] = settings.swap_limit.unwrap_or(0);
+    }
+    // Shares as the shim reads them back (100 % is no cap), so the region
+    // and the environment agree.
+    for share in &mut config.limits.sm_limit {
+        if *share >= 100 {
+            *share = UNCAPPED_SHARE;
+        }
+    }
+
+    let mut envs: BTreeMap<String, String> = config.to_env(grants.len()).into_iter().collect();
     let uuids: Vec<&str> = grants.iter().map(|(_, g)| g.uuid.as_str()).collect();
     envs.insert(ENV_VISIBLE_DEVICES.to_string(), uuids.join(","));
     envs.insert(ENV_DEVICE_ORDER.to_string(), "PCI_BUS_ID".to_string());
-    for (i, (_, grant)) in grants.iter().enumerate() {
-        envs.insert(
-            format!("{ENV_MEMORY_LIMIT}_{i}"),
-            size_text(grant.memory_bytes),
-        );
-        envs.insert(
-            format!("{ENV_SM_LIMIT}_{i}"),
-            grant.cores_percent.to_string(),
-        );
-        if let Some(burst) = grant.burst_percent {
-            envs.insert(format!("{ENV_SM_BURST_LIMIT}_{i}"), burst.to_string());
-        }
-    }
-    envs.insert(
-        ENV_REGION_PATH.to_string(),
-        region_container.display().to_string(),
-    );
-    envs.insert(
-        ENV_UTILIZATION_POLICY.to_string(),
-        policy_name(settings.policy).to_string(),
-    );
-    if let Some(priority) = container.priority {
-        envs.insert(ENV_TASK_PRIORITY.to_string(), priority.to_string());
-    }
-    if let Some(swap) = settings.swap_limit {
-        envs.insert(ENV_OVERSUBSCRIBE.to_string(), "true".to_string());
-        envs.insert(ENV_SWAP_LIMIT.to_string(), size_text(swap));
-    }
-    if let Some(reserve) = settings.context_reserve {
-        envs.insert(ENV_CONTEXT_RESERVE.to_string(), size_text(reserve));
-    }
 
-    let limits = limits_from_env(name, &envs)?;
+    let limits = config.limits;
 
     let mut mounts = vec![
         api::Mount {
@@ -269,33 +243,6 @@ pub fn plan(
         envs,
         mounts,
     })
-}
-
-/// The region limits the shim derives from `envs`, computed by the shim's
-/// own configuration reader, so the region the plugin creates and the
-/// environment can never disagree.
-fn limits_from_env(
-    container: &str,
-    envs: &BTreeMap<String, String>,
-) -> Result<RegionLimits, AllocateError> {
-    let config = ShimConfig::from_lookup(|name| envs.get(name).cloned()).map_err(|error| {
-        AllocateError::Environment {
-            container: container.to_string(),
-            what: error.to_string(),
-        }
-    })?;
-    let mut limits = RegionLimits {
-        policy: config.policy as u32,
-        priority: config.priority,
-        ..RegionLimits::default()
-    };
-    for device in 0..MAX_DEVICES {
-        limits.memory_limit[device] = config.memory_limit[device].unwrap_or(0);
-        limits.swap_limit[device] = config.swap_limit[device];
-        limits.sm_limit[device] = config.sm_limit[device].unwrap_or(0);
-        limits.sm_burst[device] = config.sm_burst[device].unwrap_or(0);
-    }
-    Ok(limits)
 }
 
 /// Whether a stored region enforces `wanted` (the region keeps a burst
@@ -371,9 +318,9 @@ mod tests {
         }
     }
 
-    fn gpus() -> Vec<GpuInfo> {
+    fn gpus() -> Vec<InventoryGpu> {
         (0..3)
-            .map(|index| GpuInfo {
+            .map(|index| InventoryGpu {
                 uuid: format!("GPU-{index}"),
                 index,
                 model: "m".into(),
@@ -493,7 +440,7 @@ mod tests {
         let env = |k: &str| plan.envs.get(k).map(String::as_str);
         assert_eq!(env("GPU_CORE_UTILIZATION_POLICY"), Some("force"));
         assert_eq!(env("CUDA_OVERSUBSCRIBE"), Some("true"));
-        assert_eq!(env("VGPU_SWAP_LIMIT"), Some("8192m"));
+        assert_eq!(env("VGPU_SWAP_LIMIT_0"), Some("8192m"));
         assert_eq!(env("VGPU_CONTEXT_RESERVE"), Some("128m"));
         assert_eq!(env("CUDA_TASK_PRIORITY"), None);
         assert_eq!(plan.limits.swap_limit[0], 8 << 30);
@@ -556,12 +503,5 @@ mod tests {
             "/usr/local/vgpu/libvgpu.so\n"
         );
         let _ = std::fs::remove_dir_all(&base);
-    }
-
-    #[test]
-    fn sizes_are_written_as_hami_does() {
-        assert_eq!(size_text(3000 << 20), "3000m");
-        assert_eq!(size_text(0), "0m");
-        assert_eq!(size_text(1000), "1000");
     }
 }

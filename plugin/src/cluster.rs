@@ -6,32 +6,16 @@
 use crate::protocol::PendingPod;
 use k8s_openapi::api::core::v1::{Node, Pod};
 use kube::api::{ListParams, Patch, PatchParams};
-use kube::{Api, Client, Config};
-use std::path::PathBuf;
+use kube::{Api, Client};
 use thiserror::Error;
-use vgpu_common::decision::{NodeInventory, ALLOCATED_ANNOTATION, NODE_INVENTORY_ANNOTATION};
+use vgpu_cluster::decision::{NodeInventory, ALLOCATED_ANNOTATION, NODE_INVENTORY_ANNOTATION};
 
-/// How the API server is reached.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub enum ApiSource {
-    /// A URL, without authentication (tests, `kubectl proxy`).
-    Url(String),
-    /// A kubeconfig file.
-    Kubeconfig(PathBuf),
-    /// The pod's service account.
-    InCluster,
-}
+pub use vgpu_cluster::client::{ApiSource, ClientError};
 
 #[derive(Debug, Error)]
 pub enum ClusterError {
-    #[error("API server URL {url:?}: {reason}")]
-    Url { url: String, reason: String },
-    #[error("kubeconfig {path}: {reason}")]
-    Kubeconfig { path: PathBuf, reason: String },
-    #[error("in-cluster configuration: {0}")]
-    InCluster(String),
-    #[error("Kubernetes client: {0}")]
-    Client(String),
+    #[error(transparent)]
+    Client(#[from] ClientError),
     /// The object changed since it was read (HTTP 409).
     #[error("{what}: changed since it was read")]
     Conflict { what: String },
@@ -45,43 +29,7 @@ pub enum ClusterError {
 
 /// Builds a client for `source`.
 pub async fn make_client(source: &ApiSource) -> Result<Client, ClusterError> {
-    let config = match source {
-        ApiSource::Url(url) => {
-            // The URI type is whatever kube's HTTP stack uses.
-            let uri = parse_text(url).map_err(|reason| ClusterError::Url {
-                url: url.clone(),
-                reason,
-            })?;
-            Config::new(uri)
-        }
-        ApiSource::Kubeconfig(path) => {
-            let kubeconfig = kube::config::Kubeconfig::read_from(path).map_err(|e| {
-                ClusterError::Kubeconfig {
-                    path: path.clone(),
-                    reason: e.to_string(),
-                }
-            })?;
-            Config::from_custom_kubeconfig(kubeconfig, &kube::config::KubeConfigOptions::default())
-                .await
-                .map_err(|e| ClusterError::Kubeconfig {
-                    path: path.clone(),
-                    reason: e.to_string(),
-                })?
-        }
-        ApiSource::InCluster => {
-            Config::incluster().map_err(|e| ClusterError::InCluster(e.to_string()))?
-        }
-    };
-    Client::try_from(config).map_err(|e| ClusterError::Client(e.to_string()))
-}
-
-/// Parses `text` into the type the caller needs, with the error as text.
-fn parse_text<T>(text: &str) -> Result<T, String>
-where
-    T: std::str::FromStr,
-    T::Err: std::fmt::Display,
-{
-    text.parse().map_err(|e: T::Err| e.to_string())
+    Ok(vgpu_cluster::client::make_client(source).await?)
 }
 
 /// This node's view of the API.

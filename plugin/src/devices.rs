@@ -3,11 +3,11 @@
 //!
 //! Kubelet only counts these: which physical GPU a container gets, with what
 //! memory and compute share, is the scheduler extender's decision (see
-//! [`vgpu_common::decision`]); the virtual IDs kubelet picks are checked for
+//! [`vgpu_cluster::decision`]); the virtual IDs kubelet picks are checked for
 //! their number only.
 
 use crate::api::v1beta1 as api;
-use vgpu_common::decision::GpuInfo;
+use vgpu_cluster::decision::InventoryGpu;
 
 /// Separates the GPU UUID from the replica number in a device ID.
 pub const ID_SEPARATOR: &str = "::";
@@ -33,7 +33,7 @@ pub fn parse_device_id(id: &str) -> Option<(&str, u32)> {
 
 /// The device list for `ListAndWatch`: every replica of every GPU, with the
 /// GPU's health and NUMA node.
-pub fn kubelet_devices(gpus: &[GpuInfo]) -> Vec<api::Device> {
+pub fn kubelet_devices(gpus: &[InventoryGpu]) -> Vec<api::Device> {
     gpus.iter()
         .flat_map(|gpu| {
             let health = if gpu.healthy { HEALTHY } else { UNHEALTHY };
@@ -111,8 +111,8 @@ pub fn preferred(
 mod tests {
     use super::*;
 
-    fn gpu(uuid: &str, healthy: bool, numa: Option<u32>) -> GpuInfo {
-        GpuInfo {
+    fn gpu(uuid: &str, healthy: bool, numa: Option<u32>) -> InventoryGpu {
+        InventoryGpu {
             uuid: uuid.into(),
             index: 0,
             model: "m".into(),

@@ -1,5 +1,5 @@
 //! Publishing the node's GPUs as the node annotation
-//! [`vgpu_common::decision::NODE_INVENTORY_ANNOTATION`]: at start, on every
+//! [`vgpu_cluster::decision::NODE_INVENTORY_ANNOTATION`]: at start, on every
 //! health change, and as a heartbeat, so the scheduler extender can tell a
 //! live plugin from a dead one.
 
@@ -7,7 +7,8 @@ use crate::cluster::Cluster;
 use crate::service::stopped;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 use tokio::sync::watch;
-use vgpu_common::decision::{GpuInfo, NodeInventory, FORMAT_VERSION};
+use vgpu_cluster::decision::{InventoryGpu, NodeInventory, FORMAT_VERSION};
+use vgpu_nvml_host::GpuFacts;
 
 /// Longest wait before retrying a failed write.
 const RETRY: Duration = Duration::from_secs(5);
@@ -20,8 +21,26 @@ pub fn now_unix_ms() -> u64 {
         .unwrap_or(0)
 }
 
+/// The inventory entries for the GPUs NVML describes, each shared by at
+/// most `split_count` containers, all healthy to start with.
+pub fn inventory_gpus(facts: Vec<GpuFacts>, split_count: u32) -> Vec<InventoryGpu> {
+    facts
+        .into_iter()
+        .map(|gpu| InventoryGpu {
+            uuid: gpu.uuid,
+            index: gpu.index,
+            model: gpu.model,
+            memory_bytes: gpu.memory_bytes,
+            sm_count: gpu.sm_count,
+            split_count,
+            numa: gpu.numa,
+            healthy: true,
+        })
+        .collect()
+}
+
 /// The inventory for `gpus`, stamped now.
-pub fn inventory(gpus: &[GpuInfo]) -> NodeInventory {
+pub fn inventory(gpus: &[InventoryGpu]) -> NodeInventory {
     NodeInventory {
         version: FORMAT_VERSION,
         heartbeat_unix_ms: now_unix_ms(),
@@ -32,7 +51,7 @@ pub fn inventory(gpus: &[GpuInfo]) -> NodeInventory {
 /// Writes the inventory until `shutdown` becomes true.
 pub async fn publish(
     cluster: Cluster,
-    mut gpus: watch::Receiver<Vec<GpuInfo>>,
+    mut gpus: watch::Receiver<Vec<InventoryGpu>>,
     heartbeat: Duration,
     mut shutdown: watch::Receiver<bool>,
 ) {

@@ -1,13 +1,12 @@
 //! `vgpu-device-plugin`: the kubelet device plugin of vgpu.
 //!
-//! - [`gpu`]: this node's GPUs, from NVML.
 //! - [`health`]: GPU health (NVML XID/ECC events and probes, or injected
 //!   signals) and the recovery policy.
 //! - [`devices`]: the `<uuid>::<k>` devices kubelet sees and the preferred
 //!   allocation.
 //! - [`protocol`]: finding the node's one pending pod and matching
 //!   kubelet's requests to its containers (the protocol of
-//!   [`vgpu_common::decision`]).
+//!   [`vgpu_cluster::decision`]).
 //! - [`allocate`]: a container's environment, mounts and region.
 //! - [`cluster`]: the Kubernetes API (pods, allocation record, node
 //!   inventory).
@@ -19,7 +18,6 @@
 pub mod allocate;
 pub mod cluster;
 pub mod devices;
-pub mod gpu;
 pub mod health;
 pub mod inventory;
 pub mod kubelet;
@@ -43,7 +41,7 @@ use std::sync::Arc;
 use std::time::Duration;
 use thiserror::Error;
 use tokio::sync::watch;
-use vgpu_common::decision::GpuInfo;
+use vgpu_cluster::decision::InventoryGpu;
 
 /// Everything a running plugin needs besides its GPUs and the API client.
 #[derive(Clone, Debug)]
@@ -97,7 +95,7 @@ pub fn apply_health(state: &PluginState, event: &HealthEvent) {
 /// registers with kubelet, follows `health`, publishes the inventory.
 pub async fn run(
     config: PluginConfig,
-    gpus: Vec<GpuInfo>,
+    gpus: Vec<InventoryGpu>,
     health: Box<dyn HealthSource>,
     client: kube::Client,
     shutdown: watch::Receiver<bool>,

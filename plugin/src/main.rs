@@ -5,15 +5,16 @@ use clap::Parser;
 use std::sync::Arc;
 use std::time::Duration;
 use vgpu_device_plugin::health::{HealthTracker, NvmlHealth};
+use vgpu_device_plugin::inventory::inventory_gpus;
 use vgpu_device_plugin::options::Options;
-use vgpu_device_plugin::{cluster, gpu, PluginConfig};
+use vgpu_device_plugin::{cluster, PluginConfig};
 
 fn main() -> anyhow::Result<()> {
     let options = Options::parse();
     init_logging(options.log_level);
 
-    let nvml = Arc::new(gpu::open(&options.nvml_library)?);
-    let gpus = gpu::discover(&nvml, options.split_count)?;
+    let nvml = Arc::new(vgpu_nvml_host::open(Some(&options.nvml_library))?);
+    let gpus = inventory_gpus(vgpu_nvml_host::describe(&nvml)?, options.split_count);
     let health = NvmlHealth::new(
         Arc::clone(&nvml),
         gpus.iter().map(|g| g.uuid.clone()).collect(),
@@ -54,7 +55,8 @@ fn init_logging(level: tracing::Level) {
     let filter = Targets::new()
         .with_default(own.min(LevelFilter::WARN))
         .with_target("vgpu_device_plugin", own)
-        .with_target("vgpu_common", own);
+        .with_target("vgpu_cluster", own)
+        .with_target("vgpu_nvml_host", own);
     tracing_subscriber::registry()
         .with(tracing_subscriber::fmt::layer().with_writer(std::io::stderr))
         .with(filter)

@@ -7,8 +7,8 @@ use crate::kubelet::KubeletSettings;
 use clap::{Parser, ValueEnum};
 use std::path::PathBuf;
 use std::time::Duration;
-use vgpu_common::config::UtilizationPolicy;
-use vgpu_common::quantity::parse_size;
+use vgpu_node_contract::shim_env::UtilizationPolicy;
+use vgpu_node_contract::size::parse_size;
 
 /// `GPU_CORE_UTILIZATION_POLICY` written into containers.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]

@@ -1,4 +1,4 @@
-//! The plugin's side of the protocol in [`vgpu_common::decision`]: finding
+//! The plugin's side of the protocol in [`vgpu_cluster::decision`]: finding
 //! the one pod pending on this node and matching kubelet's requests to its
 //! next unallocated containers. Pure functions over pods as the API server
 //! returned them; nothing is guessed: anything that does not fit exactly is
@@ -6,7 +6,7 @@
 
 use k8s_openapi::api::core::v1::Pod;
 use thiserror::Error;
-use vgpu_common::decision::{
+use vgpu_cluster::decision::{
     kubelet_has_admitted, parse_allocated, ContainerDecision, Decision, ALLOCATED_ANNOTATION,
     DECISION_ANNOTATION,
 };
@@ -205,7 +205,7 @@ mod tests {
     use super::*;
     use k8s_openapi::api::core::v1::{PodSpec, PodStatus};
     use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, Time};
-    use vgpu_common::decision::{DeviceGrant, FORMAT_VERSION};
+    use vgpu_cluster::decision::{DeviceGrant, FORMAT_VERSION};
 
     fn decision(node: &str, containers: &[(&str, usize)]) -> Decision {
         Decision {

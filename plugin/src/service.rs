@@ -11,7 +11,7 @@ use std::pin::Pin;
 use std::sync::Arc;
 use tokio::sync::{watch, Mutex};
 use tonic::{Request, Response, Status};
-use vgpu_common::decision::GpuInfo;
+use vgpu_cluster::decision::InventoryGpu;
 
 /// How often an `Allocate` re-reads the pod when its record was changed
 /// by someone else in between.
@@ -22,13 +22,13 @@ pub struct PluginState {
     pub cluster: Cluster,
     pub settings: Settings,
     /// The node's GPUs with their current health.
-    pub gpus: watch::Sender<Vec<GpuInfo>>,
+    pub gpus: watch::Sender<Vec<InventoryGpu>>,
     /// One `Allocate` at a time (kubelet admits one pod at a time anyway).
     allocate_lock: Mutex<()>,
 }
 
 impl PluginState {
-    pub fn new(cluster: Cluster, settings: Settings, gpus: Vec<GpuInfo>) -> Arc<Self> {
+    pub fn new(cluster: Cluster, settings: Settings, gpus: Vec<InventoryGpu>) -> Arc<Self> {
         Arc::new(Self {
             cluster,
             settings,
@@ -47,7 +47,7 @@ impl PluginState {
             .map_err(|e| Status::failed_precondition(e.to_string()))
     }
 
-    /// Serves one `Allocate` call (see [`vgpu_common::decision`], step 4).
+    /// Serves one `Allocate` call (see [`vgpu_cluster::decision`], step 4).
     pub async fn allocate(
         &self,
         request: &api::AllocateRequest,

@@ -17,11 +17,11 @@ use std::time::Duration;
 use support::kubelet::{gpu_containers, FakeKubelet, PluginConn};
 use support::node::PluginNode;
 use support::*;
-use vgpu_common::decision::{ContainerDecision, Decision, DeviceGrant, GpuInfo};
-use vgpu_common::region::Region;
-use vgpu_device_plugin::allocate::size_text;
+use vgpu_cluster::decision::{ContainerDecision, Decision, DeviceGrant, InventoryGpu};
 use vgpu_device_plugin::api::v1beta1 as api;
 use vgpu_device_plugin::devices::parse_device_id;
+use vgpu_node_contract::region::Region;
+use vgpu_node_contract::size::format_size;
 
 const NODES: usize = 5;
 const PODS: usize = 50;
@@ -31,7 +31,7 @@ struct NodeRun {
     node: PluginNode,
     kubelet: FakeKubelet,
     conn: PluginConn,
-    gpus: Vec<GpuInfo>,
+    gpus: Vec<InventoryGpu>,
 }
 
 async fn bring_up(api: &FakeApi, name: &str) -> NodeRun {
@@ -76,7 +76,7 @@ fn shape(i: usize) -> Pod {
 }
 
 /// What the extender decides for pod `i` on a node with `gpus`.
-fn decision_for(i: usize, pod: &Pod, node: &str, gpus: &[GpuInfo]) -> Decision {
+fn decision_for(i: usize, pod: &Pod, node: &str, gpus: &[InventoryGpu]) -> Decision {
     decide(pod, node, |c, count| {
         let start = (i + c) % gpus.len();
         let devices = (0..count)
@@ -135,7 +135,7 @@ fn check_container(
     for (i, (_, grant)) in grants.iter().enumerate() {
         assert_eq!(
             env[&format!("CUDA_DEVICE_MEMORY_LIMIT_{i}")],
-            size_text(grant.memory_bytes),
+            format_size(grant.memory_bytes),
             "{who}"
         );
         assert_eq!(

@@ -13,11 +13,11 @@ use std::time::Duration;
 use support::kubelet::FakeKubelet;
 use support::node::PluginNode;
 use support::*;
-use vgpu_common::decision::DeviceGrant;
-use vgpu_common::region::Region;
+use vgpu_cluster::decision::DeviceGrant;
 use vgpu_device_plugin::api::v1beta1 as api;
-use vgpu_tests::compute::{process_share, wait_until, BusyMeter, Workload};
-use vgpu_tests::{key_values, number, run_ok, shim_library, Sandbox};
+use vgpu_node_contract::region::Region;
+use vgpu_testkit::compute::{process_share, wait_until, BusyMeter, Workload};
+use vgpu_testkit::{key_values, number, run_ok, shim_library, Sandbox};
 
 const WAIT: Duration = Duration::from_secs(15);
 
@@ -119,10 +119,10 @@ async fn containers_started_with_the_answer_are_held_to_their_own_limits() {
         "1 GiB in 64 MiB chunks: {values:?}"
     );
     assert_eq!(number(&values, "refusal"), 2, "CUDA_ERROR_OUT_OF_MEMORY");
-    assert_eq!(number(&values, "mem_total"), 1024 * vgpu_tests::MIB);
+    assert_eq!(number(&values, "mem_total"), 1024 * vgpu_testkit::MIB);
     let values = key_values(&run_ok(&mut side.probe("procaddr", &["fill", "67108864"])));
     assert_eq!(number(&values, "chunks"), 46, "3000 MiB: {values:?}");
-    assert_eq!(number(&values, "mem_total"), 3000 * vgpu_tests::MIB);
+    assert_eq!(number(&values, "mem_total"), 3000 * vgpu_testkit::MIB);
 
     // The regions the plugin created are the ones the shim used.
     let uid = p.metadata.uid.clone().expect("uid");
@@ -168,7 +168,7 @@ struct MonitorProcess(std::process::Child);
 
 impl MonitorProcess {
     fn start(containers_dir: &std::path::Path) -> Self {
-        let binary = vgpu_tests::target_dir().join("vgpu-monitor");
+        let binary = vgpu_testkit::target_dir().join("vgpu-monitor");
         assert!(
             binary.exists(),
             "{} is missing: build the workspace first",

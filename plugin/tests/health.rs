@@ -16,7 +16,7 @@ use std::time::Duration;
 use support::kubelet::FakeKubelet;
 use support::node::PluginNode;
 use support::*;
-use vgpu_tests::simulated_gpu_library;
+use vgpu_testkit::simulated_gpu_library;
 
 const WAIT: Duration = Duration::from_secs(15);
 

@@ -12,13 +12,13 @@ use std::time::Duration;
 use support::kubelet::{FakeKubelet, PluginConn};
 use support::*;
 use tokio::sync::watch;
-use vgpu_common::config::UtilizationPolicy;
-use vgpu_common::decision::{DeviceGrant, GpuInfo};
+use vgpu_cluster::decision::{DeviceGrant, InventoryGpu};
 use vgpu_device_plugin::allocate::Settings;
 use vgpu_device_plugin::cluster::{make_client, ApiSource};
 use vgpu_device_plugin::health::{HealthTracker, ManualHealth, ManualHealthHandle, Signal};
 use vgpu_device_plugin::kubelet::KubeletSettings;
 use vgpu_device_plugin::PluginConfig;
+use vgpu_node_contract::shim_env::UtilizationPolicy;
 
 const WAIT: Duration = Duration::from_secs(10);
 
@@ -38,9 +38,9 @@ impl Drop for Harness {
     }
 }
 
-fn gpus() -> Vec<GpuInfo> {
+fn gpus() -> Vec<InventoryGpu> {
     (0..2)
-        .map(|index| GpuInfo {
+        .map(|index| InventoryGpu {
             uuid: format!("GPU-0000000{index}-aaaa-bbbb-cccc-dddddddddddd"),
             index,
             model: "Test GPU".into(),
@@ -304,7 +304,8 @@ async fn allocate_serves_the_pending_pod_and_refuses_what_it_cannot_match() {
         .join("containers")
         .join(format!("{uid}_main"))
         .join("region.cache");
-    let region = vgpu_common::region::Region::open_existing(&region).expect("region created");
+    let region =
+        vgpu_node_contract::region::Region::open_existing(&region).expect("region created");
     assert_eq!(region.device_limit(0), 4 * GIB);
     assert_eq!(region.device_limit(1), 3000 * MIB);
     assert_eq!(region.limits().sm_limit[1], 30);

@@ -8,31 +8,19 @@ use k8s_openapi::api::core::v1::{Node, Pod};
 use kube::api::{Patch, PatchParams, PostParams};
 use kube::runtime::watcher::{self, Event, ListSemantic};
 use kube::runtime::WatchStreamExt;
-use kube::{Api, Client, Config};
+use kube::{Api, Client};
 use serde_json::json;
-use std::path::PathBuf;
 use std::sync::Arc;
 use thiserror::Error;
-use vgpu_common::decision::{ALLOCATED_ANNOTATION, DECISION_ANNOTATION};
+use vgpu_cluster::decision::{ALLOCATED_ANNOTATION, DECISION_ANNOTATION};
 
-/// How the API server is reached.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub enum ApiSource {
-    /// A URL, without authentication (`kubectl proxy`, tests).
-    Url(String),
-    /// A kubeconfig file.
-    Kubeconfig(PathBuf),
-    /// The pod's service account, else `$KUBECONFIG` / `~/.kube/config`.
-    Infer,
-}
+pub use vgpu_cluster::client::{ApiSource, ClientError};
 
 /// A failed API call or client set-up.
 #[derive(Debug, Error)]
 pub enum ApiError {
-    #[error("API server URL {url:?}: {reason}")]
-    Url { url: String, reason: String },
-    #[error("kubeconfig {path}: {reason}")]
-    Kubeconfig { path: PathBuf, reason: String },
+    #[error(transparent)]
+    Client(#[from] ClientError),
     #[error("Kubernetes client configuration: {0}")]
     Config(String),
     /// The object changed since it was read (resourceVersion precondition).
@@ -64,34 +52,7 @@ impl From<kube::Error> for ApiError {
 
 /// Builds a client for `source`.
 pub async fn make_client(source: &ApiSource) -> Result<Client, ApiError> {
-    let config = match source {
-        ApiSource::Url(url) => {
-            let uri = url
-                .parse()
-                .map_err(|e: http::uri::InvalidUri| ApiError::Url {
-                    url: url.clone(),
-                    reason: e.to_string(),
-                })?;
-            Config::new(uri)
-        }
-        ApiSource::Kubeconfig(path) => {
-            let kubeconfig =
-                kube::config::Kubeconfig::read_from(path).map_err(|e| ApiError::Kubeconfig {
-                    path: path.clone(),
-                    reason: e.to_string(),
-                })?;
-            Config::from_custom_kubeconfig(kubeconfig, &kube::config::KubeConfigOptions::default())
-                .await
-                .map_err(|e| ApiError::Kubeconfig {
-                    path: path.clone(),
-                    reason: e.to_string(),
-                })?
-        }
-        ApiSource::Infer => Config::infer()
-            .await
-            .map_err(|e| ApiError::Config(e.to_string()))?,
-    };
-    Client::try_from(config).map_err(|e| ApiError::Config(e.to_string()))
+    Ok(vgpu_cluster::client::make_client(source).await?)
 }
 
 /// The extender's API calls.

@@ -8,7 +8,7 @@ use clap::Parser;
 use std::net::IpAddr;
 use std::path::PathBuf;
 use std::time::Duration;
-use vgpu_common::resources;
+use vgpu_cluster::resources;
 
 /// kube-scheduler HTTP extender of vgpu: places pods that ask for vGPUs on
 /// nodes and GPUs, and binds them.

@@ -20,8 +20,8 @@ use crate::requests::{
 use serde::Serialize;
 use std::fmt::Write as _;
 use std::sync::Arc;
-use vgpu_common::decision::GpuInfo;
-use vgpu_common::resources::{
+use vgpu_cluster::decision::InventoryGpu;
+use vgpu_cluster::resources::{
     NOUSE_GPU_TYPE_ANNOTATION, NOUSE_GPU_UUID_ANNOTATION, USE_GPU_TYPE_ANNOTATION,
     USE_GPU_UUID_ANNOTATION,
 };
@@ -65,7 +65,7 @@ impl Usage {
 }
 
 /// What filtering reads of one GPU, packed together (thousands of nodes are
-/// checked per request; the full [`GpuInfo`] is read only to explain a
+/// checked per request; the full [`InventoryGpu`] is read only to explain a
 /// rejection or write a decision).
 #[derive(Clone, Debug)]
 pub struct HotGpu {
@@ -80,17 +80,17 @@ pub struct HotGpu {
 /// A node's GPUs.
 #[derive(Clone, Debug, Default)]
 pub struct NodeGpus {
-    pub gpus: Vec<GpuInfo>,
+    pub gpus: Vec<InventoryGpu>,
     pub hot: Vec<HotGpu>,
 }
 
 impl NodeGpus {
-    pub fn new(gpus: Vec<GpuInfo>) -> Self {
+    pub fn new(gpus: Vec<InventoryGpu>) -> Self {
         Self::with_models(gpus, |model| Arc::from(model))
     }
 
     /// Builds the GPU list, getting each lower-case model from `intern`.
-    pub fn with_models(gpus: Vec<GpuInfo>, mut intern: impl FnMut(&str) -> Arc<str>) -> Self {
+    pub fn with_models(gpus: Vec<InventoryGpu>, mut intern: impl FnMut(&str) -> Arc<str>) -> Self {
         let hot = gpus
             .iter()
             .map(|g| HotGpu {
@@ -460,7 +460,7 @@ fn mib(bytes: u64) -> u64 {
 
 /// Describes one GPU problem in words.
 pub fn describe_problem(
-    gpu: &GpuInfo,
+    gpu: &InventoryGpu,
     problem: GpuProblem,
     selectors: &Selectors,
     out: &mut String,
@@ -569,12 +569,12 @@ pub fn explain(node: &NodeGpus, request: &PodRequest, miss: &Miss) -> String {
 mod tests {
     use super::*;
     use crate::requests::MemoryRequest;
-    use vgpu_common::decision::GpuInfo;
+    use vgpu_cluster::decision::InventoryGpu;
 
     const GIB: u64 = 1 << 30;
 
-    fn gpu(index: u32, model: &str, memory_gib: u64) -> GpuInfo {
-        GpuInfo {
+    fn gpu(index: u32, model: &str, memory_gib: u64) -> InventoryGpu {
+        InventoryGpu {
             uuid: format!("GPU-{index}"),
             index,
             model: model.into(),

@@ -4,7 +4,7 @@
 //! writes that choice into the pod (`vgpu.io/decision`) and binds the pod;
 //! the device plugin on the node then hands each container exactly those
 //! GPUs. The protocol between the two is described in
-//! [`vgpu_common::decision`].
+//! [`vgpu_cluster::decision`].
 //!
 //! - [`extender`]: kube-scheduler's extender v1 JSON types.
 //! - [`requests`]: what a pod asks for (resources and annotations).
@@ -16,11 +16,9 @@
 //! - [`server`]: the HTTP(S) server.
 //! - [`webhook`]: the admission webhook that gives vGPU pods this scheduler.
 //! - [`cli`]: command-line flags.
-//! - [`client`]: a minimal HTTP client for the extender (tests, benchmark).
 
 pub mod api;
 pub mod cli;
-pub mod client;
 pub mod extender;
 pub mod fit;
 pub mod policy;

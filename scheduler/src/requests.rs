@@ -20,7 +20,7 @@ use crate::policy::{
 use k8s_openapi::api::core::v1::{Container, Pod};
 use std::collections::BTreeMap;
 use thiserror::Error;
-use vgpu_common::resources::{
+use vgpu_cluster::resources::{
     self, parse_whole_quantity, GPU_CORES_BURST_ANNOTATION, NOUSE_GPU_TYPE_ANNOTATION,
     NOUSE_GPU_UUID_ANNOTATION, USE_GPU_TYPE_ANNOTATION, USE_GPU_UUID_ANNOTATION,
 };
@@ -369,10 +369,10 @@ fn quantity(container: &Container, resource: &str) -> Result<Option<u64>, Reques
                 resource: resource.to_string(),
                 value: value.0.clone(),
                 reason: match e {
-                    vgpu_common::resources::KubeQuantityError::Negative(_) => {
+                    vgpu_cluster::resources::KubeQuantityError::Negative(_) => {
                         "must not be negative".to_string()
                     }
-                    vgpu_common::resources::KubeQuantityError::Fractional(_) => {
+                    vgpu_cluster::resources::KubeQuantityError::Fractional(_) => {
                         "must be a whole number".to_string()
                     }
                     other => other.to_string(),

@@ -35,7 +35,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 use std::time::Instant;
-use vgpu_common::decision::{
+use vgpu_cluster::decision::{
     ContainerDecision, Decision, DeviceGrant, FORMAT_VERSION, HEARTBEAT_STALE_MS,
     NODE_INVENTORY_ANNOTATION,
 };
@@ -840,7 +840,7 @@ fn summarize(pod: &Pod) -> String {
         .metadata
         .annotations
         .as_ref()
-        .and_then(|a| a.get(vgpu_common::decision::DECISION_ANNOTATION))
+        .and_then(|a| a.get(vgpu_cluster::decision::DECISION_ANNOTATION))
         .and_then(|text| Decision::parse(text).ok());
     let Some(decision) = decision else {
         return String::new();

@@ -23,7 +23,7 @@ use std::borrow::Cow;
 use std::collections::{BTreeMap, HashMap};
 use std::sync::{Arc, RwLock, RwLockReadGuard};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
-use vgpu_common::decision::{
+use vgpu_cluster::decision::{
     kubelet_has_admitted, parse_allocated, Decision, NodeInventory, ALLOCATED_ANNOTATION,
     DECISION_ANNOTATION, HEARTBEAT_STALE_MS, NODE_INVENTORY_ANNOTATION,
 };
@@ -904,7 +904,7 @@ mod tests {
     use super::*;
     use k8s_openapi::api::core::v1::{PodSpec, PodStatus};
     use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
-    use vgpu_common::decision::{ContainerDecision, DeviceGrant, GpuInfo, FORMAT_VERSION};
+    use vgpu_cluster::decision::{ContainerDecision, DeviceGrant, InventoryGpu, FORMAT_VERSION};
 
     const GIB: u64 = 1 << 30;
 
@@ -913,7 +913,7 @@ mod tests {
             version: FORMAT_VERSION,
             heartbeat_unix_ms: now_unix_ms(),
             gpus: (0..gpus)
-                .map(|i| GpuInfo {
+                .map(|i| InventoryGpu {
                     uuid: format!("GPU-{name}-{i}"),
                     index: i,
                     model: "A10".into(),

@@ -11,10 +11,10 @@ use crate::table::{AllocationTable, Charge, Resource};
 use std::ffi::CString;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering};
 use std::sync::OnceLock;
-use vgpu_common::config::ShimConfig;
-use vgpu_common::quantity::human_bytes;
-use vgpu_common::region::{MemoryKind, Region, RegionLimits, MAX_DEVICES};
 use vgpu_cuda_abi::cuda::*;
+use vgpu_node_contract::region::{MemoryKind, Region, MAX_DEVICES};
+use vgpu_node_contract::shim_env::ShimConfig;
+use vgpu_node_contract::size::human_bytes;
 
 /// How hooked calls behave in this process.
 // One instance per process lives in a static, so the size of the small
@@ -114,18 +114,8 @@ pub struct Enforcer {
 }
 
 impl Enforcer {
-    fn new(config: ShimConfig) -> Result<Self, vgpu_common::region::RegionError> {
-        let mut limits = RegionLimits {
-            policy: config.policy as u32,
-            priority: config.priority,
-            ..RegionLimits::default()
-        };
-        for device in 0..MAX_DEVICES {
-            limits.memory_limit[device] = config.memory_limit[device].unwrap_or(0);
-            limits.swap_limit[device] = config.swap_limit[device];
-            limits.sm_limit[device] = config.sm_limit[device].unwrap_or(0);
-            limits.sm_burst[device] = config.sm_burst[device].unwrap_or(0);
-        }
+    fn new(config: ShimConfig) -> Result<Self, vgpu_node_contract::region::RegionError> {
+        let limits = config.limits;
         let path = std::path::Path::new(&config.region_path);
         let region = Region::open_or_create(path, &limits)?;
         let stored = region.limits();
@@ -136,7 +126,7 @@ impl Enforcer {
             );
         }
         let region_path = CString::new(config.region_path.clone()).map_err(|_| {
-            vgpu_common::region::RegionError::Corrupt {
+            vgpu_node_contract::region::RegionError::Corrupt {
                 path: path.to_path_buf(),
                 what: "path contains a NUL byte".into(),
             }
@@ -147,7 +137,7 @@ impl Enforcer {
             libc::pthread_atfork(Some(fork_prepare), Some(fork_parent), Some(fork_child));
         }
         tracing::debug!(region = %config.region_path, "enforcing limits");
-        let policy = config.policy;
+        let policy = config.policy();
         Ok(Self {
             config,
             region,
@@ -271,7 +261,7 @@ impl Enforcer {
         Err(CUDA_ERROR_OUT_OF_MEMORY)
     }
 
-    fn refuse(&self, device: usize, refused: vgpu_common::region::CapExceeded) -> CUresult {
+    fn refuse(&self, device: usize, refused: vgpu_node_contract::region::CapExceeded) -> CUresult {
         let now_ms = monotonic_ms();
         let last = self.last_oom_log_ms.load(Ordering::Relaxed);
         if now_ms.saturating_sub(last) >= 1000
@@ -616,7 +606,7 @@ pub fn current_context() -> Option<(usize, usize)> {
 }
 
 fn monotonic_ms() -> u64 {
-    vgpu_common::region::monotonic_ns() / 1_000_000
+    vgpu_node_contract::region::monotonic_ns() / 1_000_000
 }
 
 extern "C" fn fork_prepare() {

@@ -9,7 +9,7 @@
 //! CUDA runtime since 11.3 obtains driver entry points.
 //!
 //! Each container has one region file shared by all its processes (see
-//! `vgpu_common::region`); allocations are charged there before the driver
+//! `vgpu_node_contract::region`); allocations are charged there before the driver
 //! is asked, so the container's total never exceeds its cap.
 //!
 //! Every exported function catches panics ([`guarded!`]) so none unwinds

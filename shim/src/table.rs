@@ -10,7 +10,7 @@
 
 use crate::lock::ForkSafeLock;
 use std::collections::HashMap;
-use vgpu_common::region::MemoryKind;
+use vgpu_node_contract::region::MemoryKind;
 
 /// What an entry stands for; part of the key, since handles of different
 /// kinds come from different number spaces.

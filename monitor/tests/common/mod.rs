@@ -12,7 +12,7 @@ use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
-use vgpu_common::region::{MemoryKind, Region, RegionLimits};
+use vgpu_node_contract::region::{MemoryKind, Region, RegionLimits};
 
 pub const MIB: u64 = 1 << 20;
 pub const GIB: u64 = 1 << 30;

@@ -14,7 +14,7 @@ use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use std::collections::BTreeMap;
 use std::future::Future;
 use std::time::{Duration, Instant};
-use vgpu_common::decision::{
+use vgpu_cluster::decision::{
     parse_allocated, ContainerDecision, Decision, DeviceGrant, NodeInventory, ALLOCATED_ANNOTATION,
     DECISION_ANNOTATION, FORMAT_VERSION, NODE_INVENTORY_ANNOTATION,
 };

@@ -6,7 +6,7 @@
 use std::fs::File;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Stdio};
-use vgpu_tests::{shim_library, Sandbox};
+use vgpu_testkit::{shim_library, Sandbox};
 
 pub const PLUGIN: &str = env!("CARGO_BIN_EXE_vgpu-device-plugin");
 

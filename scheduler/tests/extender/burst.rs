@@ -14,9 +14,9 @@ use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
 use std::time::{Duration, Instant};
-use vgpu_scheduler::client::ExtenderClient;
 use vgpu_scheduler::policy::{GpuPolicy, NodePolicy};
 use vgpu_scheduler::scheduler::Config;
+use vgpu_testkit::extender_client::ExtenderClient;
 
 const NODES: usize = 100;
 const PODS: usize = 500;
@@ -292,8 +292,8 @@ async fn burst_of_500_pods_on_100_nodes_with_a_restart() {
         let decision = decision_of(&pod).unwrap_or_else(|| panic!("{name} has no decision"));
         assert_eq!(decision.node, node, "{name}");
         assert!(decision.is_complete(&allocated_of(&pod)), "{name} admitted");
-        let inventory: vgpu_common::decision::NodeInventory =
-            vgpu_common::decision::NodeInventory::parse(
+        let inventory: vgpu_cluster::decision::NodeInventory =
+            vgpu_cluster::decision::NodeInventory::parse(
                 nodes[&node]["metadata"]["annotations"]["vgpu.io/node-gpus"]
                     .as_str()
                     .expect("inventory"),
@@ -374,7 +374,7 @@ async fn burst_of_500_pods_on_100_nodes_with_a_restart() {
     let loads = oracle(&h.api);
     let mut busiest = 0.0f64;
     for node in nodes.values() {
-        let inventory = vgpu_common::decision::NodeInventory::parse(
+        let inventory = vgpu_cluster::decision::NodeInventory::parse(
             node["metadata"]["annotations"]["vgpu.io/node-gpus"]
                 .as_str()
                 .expect("inventory"),

@@ -4,7 +4,7 @@ use crate::harness::*;
 use serde_json::json;
 use std::time::Duration;
 use vgpu_scheduler::api::ApiSource;
-use vgpu_scheduler::client::ExtenderClient;
+use vgpu_testkit::extender_client::ExtenderClient;
 
 async fn healthy(h: &Harness) {
     let (status, body) = h.client.get("/healthz").await.expect("health");

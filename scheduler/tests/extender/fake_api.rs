@@ -18,7 +18,7 @@ use std::collections::{BTreeMap, HashMap, HashSet};
 use std::net::SocketAddr;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
-use vgpu_common::decision::{Decision, ALLOCATED_ANNOTATION, DECISION_ANNOTATION};
+use vgpu_cluster::decision::{Decision, ALLOCATED_ANNOTATION, DECISION_ANNOTATION};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Kind {

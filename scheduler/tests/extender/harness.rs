@@ -7,18 +7,18 @@ use serde_json::{json, Value};
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
-use vgpu_common::decision::{
-    ContainerDecision, Decision, DeviceGrant, GpuInfo, NodeInventory, ALLOCATED_ANNOTATION,
+use vgpu_cluster::decision::{
+    ContainerDecision, Decision, DeviceGrant, InventoryGpu, NodeInventory, ALLOCATED_ANNOTATION,
     DECISION_ANNOTATION, FORMAT_VERSION, NODE_INVENTORY_ANNOTATION,
 };
 use vgpu_scheduler::api::ApiSource;
-use vgpu_scheduler::client::ExtenderClient;
 use vgpu_scheduler::extender::{
     ExtenderBindingResult, ExtenderFilterResult, HostPriorityList, NodeList,
 };
 use vgpu_scheduler::scheduler::Config;
 use vgpu_scheduler::state::now_unix_ms;
 use vgpu_scheduler::Running;
+use vgpu_testkit::extender_client::ExtenderClient;
 
 pub const GIB: u64 = 1 << 30;
 pub const MIB: u64 = 1 << 20;
@@ -67,7 +67,7 @@ pub fn inventory(node: &str, gpus: &[Gpu], heartbeat_unix_ms: u64) -> String {
         gpus: gpus
             .iter()
             .enumerate()
-            .map(|(i, g)| GpuInfo {
+            .map(|(i, g)| InventoryGpu {
                 uuid: uuid(node, i),
                 index: i as u32,
                 model: g.model.into(),

@@ -160,7 +160,7 @@ async fn a_stopping_extender_lets_binds_in_flight_finish() {
         h.api.pod("ml-team", "late-bind").expect("pod")["spec"]["nodeName"],
         "n1"
     );
-    assert!(vgpu_scheduler::client::ExtenderClient::new(addr)
+    assert!(vgpu_testkit::extender_client::ExtenderClient::new(addr)
         .get("/healthz")
         .await
         .is_err());

@@ -7,8 +7,8 @@ use hyper_util::rt::TokioIo;
 use std::sync::Arc;
 use std::time::Duration;
 use vgpu_scheduler::api::ApiSource;
-use vgpu_scheduler::client::ExtenderClient;
 use vgpu_scheduler::server::{tls_config, ServerError};
+use vgpu_testkit::extender_client::ExtenderClient;
 
 /// One request over HTTPS, trusting only the test CA; returns status and body.
 async fn https(

@@ -6,8 +6,8 @@ use super::written_handle;
 use crate::driver::cuda as real;
 use crate::enforcer::{mode, Enforcer, Mode};
 use crate::table::{Charge, Resource};
-use vgpu_common::region::MemoryKind;
 use vgpu_cuda_abi::cuda::*;
+use vgpu_node_contract::region::MemoryKind;
 
 fn context_charge(enforcer: &Enforcer, device: CUdevice) -> Charge {
     Charge {

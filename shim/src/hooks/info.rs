@@ -22,7 +22,7 @@ pub unsafe extern "C" fn cuMemGetInfo_v2(free: *mut usize, total: *mut usize) ->
         let Some((device, _)) = current_context() else {
             return code;
         };
-        if device >= vgpu_common::region::MAX_DEVICES {
+        if device >= vgpu_node_contract::region::MAX_DEVICES {
             return code;
         }
         let limit = enforcer.region.device_limit(device);
@@ -66,7 +66,8 @@ pub unsafe extern "C" fn cuDeviceTotalMem_v2(bytes: *mut usize, device: CUdevice
             Mode::Enforce(enforcer)
                 if code == CUDA_SUCCESS
                     && !bytes.is_null()
-                    && (0..vgpu_common::region::MAX_DEVICES as CUdevice).contains(&device) =>
+                    && (0..vgpu_node_contract::region::MAX_DEVICES as CUdevice)
+                        .contains(&device) =>
             {
                 let limit = enforcer.region.device_limit(device as usize);
                 let swap_limit = enforcer.region.device_swap_limit(device as usize);

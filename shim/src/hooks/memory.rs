@@ -6,8 +6,8 @@ use super::{written, written_handle};
 use crate::driver::cuda as real;
 use crate::enforcer::{current_context, mode, Enforcer, Mode};
 use crate::table::{Charge, Resource};
-use vgpu_common::region::MemoryKind;
 use vgpu_cuda_abi::cuda::*;
+use vgpu_node_contract::region::MemoryKind;
 
 /// Pitch alignment assumed before the driver reports the real pitch. Real
 /// devices align pitched rows to at most 512 bytes.

@@ -6,8 +6,8 @@ use crate::driver::cuda as real;
 use crate::enforcer::{current_context, mode, Mode};
 use crate::table::{Charge, Resource};
 use std::ffi::{c_char, c_void, CStr};
-use vgpu_common::region::MemoryKind;
 use vgpu_cuda_abi::cuda::*;
+use vgpu_node_contract::region::MemoryKind;
 
 const ELF_MAGIC: [u8; 4] = [0x7f, b'E', b'L', b'F'];
 const FATBIN_MAGIC: u32 = 0xBA55_ED50;

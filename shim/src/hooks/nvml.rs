@@ -6,8 +6,8 @@
 use crate::driver::nvml as real;
 use crate::enforcer::{mode, Enforcer, Mode};
 use std::ffi::{c_char, CStr};
-use vgpu_common::region::MAX_DEVICES;
 use vgpu_cuda_abi::nvml::*;
+use vgpu_node_contract::region::MAX_DEVICES;
 
 /// The CUDA ordinal an NVML device corresponds to: by UUID when a process of
 /// the container has recorded the devices' UUIDs, else by NVML index (the

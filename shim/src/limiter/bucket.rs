@@ -10,8 +10,8 @@
 
 use std::sync::atomic::Ordering;
 use std::time::Duration;
-use vgpu_common::config::UtilizationPolicy;
-use vgpu_common::region::{ComputeBucket, DeviceRecord, SHARE_FULL, SHARE_UNLIMITED};
+use vgpu_node_contract::region::{ComputeBucket, DeviceRecord, SHARE_FULL, SHARE_UNLIMITED};
+use vgpu_node_contract::shim_env::UtilizationPolicy;
 
 /// Tokens may accumulate for at most this long of the granted share while
 /// the container is idle: enough to absorb sleep overshoot, small enough
@@ -38,7 +38,7 @@ pub fn share(record: &DeviceRecord, policy: UtilizationPolicy) -> Option<u32> {
     }
 }
 
-pub use vgpu_common::region::monotonic_ns;
+pub use vgpu_node_contract::region::monotonic_ns;
 
 fn credit(bucket: &ComputeBucket, share: u32, now: u64) {
     let last = bucket.refilled_at.load(Ordering::Acquire);

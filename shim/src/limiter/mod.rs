@@ -23,9 +23,9 @@ use samples::{Outcome, Sample, Sampler};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::OnceLock;
 use std::time::{Duration, Instant};
-use vgpu_common::config::UtilizationPolicy;
-use vgpu_common::region::{Region, MAX_DEVICES};
 use vgpu_cuda_abi::cuda::*;
+use vgpu_node_contract::region::{Region, MAX_DEVICES};
+use vgpu_node_contract::shim_env::UtilizationPolicy;
 
 /// Longest wait for the first timing of a kernel group.
 const FIRST_SAMPLE_WAIT: Duration = Duration::from_secs(2);

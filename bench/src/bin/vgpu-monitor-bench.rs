@@ -1,0 +1,317 @@
+//! `vgpu-monitor-bench`: how long `/metrics` takes to render and serve with
+//! many containers and GPUs, how long one monitor pass takes, and how much
+//! memory the monitor holds.
+//!
+//! ```sh
+//! cargo build --release --workspace
+//! cargo run --release -p vgpu-monitor --bin vgpu-monitor-bench -- [CONTAINERS] [GPUS]
+//! ```
+//!
+//! Defaults: 100 containers x 8 GPUs. Regions are real region files in a
+//! temporary host directory, each with a live process slot charging memory
+//! on every GPU. When the simulated GPU (`libsimgpu.so`) sits next to this
+//! binary, NVML figures come from it (8 simulated GPUs); otherwise host GPU
+//! figures are left out.
+
+use anyhow::Context;
+use std::io::{Read, Write};
+use std::net::{SocketAddr, TcpStream};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::Ordering;
+use std::time::{Duration, Instant};
+use vgpu_monitor::daemon::{Monitor, MonitorConfig};
+use vgpu_monitor::names::PodDirectory;
+use vgpu_node_contract::region::{MemoryKind, Region, RegionLimits};
+
+fn main() -> anyhow::Result<()> {
+    let mut args = std::env::args().skip(1);
+    let containers: usize = args.next().map(|a| a.parse()).transpose()?.unwrap_or(100);
+    let gpus: usize = args.next().map(|a| a.parse()).transpose()?.unwrap_or(8);
+    anyhow::ensure!(gpus <= 16, "at most 16 GPUs per container");
+
+    let root = std::env::temp_dir().join(format!("vgpu-monitor-bench-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&root);
+    let hosts = root.join("containers");
+    std::fs::create_dir_all(&hosts).context("bench directory")?;
+    let result = run(&root, &hosts, containers, gpus);
+    let _ = std::fs::remove_dir_all(&root);
+    result
+}
+
+/// Points NVML at the simulated GPU when it is next to this binary.
+fn simulated_nvml(root: &Path, gpus: usize) -> Option<PathBuf> {
+    let exe = std::env::current_exe().ok()?;
+    let library = exe.parent()?.join("libsimgpu.so");
+    if !library.exists() {
+        return None;
+    }
+    let lib_dir = root.join("lib");
+    std::fs::create_dir_all(&lib_dir).ok()?;
+    let alias = lib_dir.join("libnvidia-ml.so.1");
+    std::os::unix::fs::symlink(&library, &alias).ok()?;
+    // Single-threaded still: nothing reads the environment concurrently.
+    std::env::set_var("SIMGPU_DEVICES", gpus.to_string());
+    std::env::set_var("SIMGPU_MEMORY", "80Gi");
+    std::env::set_var("SIMGPU_STATE", root.join("simgpu.state"));
+    Some(alias)
+}
+
+fn run(root: &Path, hosts: &Path, containers: usize, gpus: usize) -> anyhow::Result<()> {
+    let nvml = simulated_nvml(root, gpus);
+    let mut config = MonitorConfig::for_root(hosts.to_path_buf());
+    config.nvml = nvml.clone().map(Some);
+    config.hami_names = true;
+    config.cleanup_grace = None;
+    let mut monitor = Monitor::new(config, PodDirectory::disabled());
+    monitor.tick();
+    let mut uuids: Vec<String> = monitor
+        .shared()
+        .snapshot()
+        .gpus
+        .iter()
+        .map(|g| g.uuid.clone())
+        .collect();
+    if uuids.len() < gpus {
+        uuids = (0..gpus).map(|i| format!("GPU-bench-{i:04}")).collect();
+    }
+
+    // The containers: one region each, a live slot charging every GPU.
+    let mut regions = Vec::with_capacity(containers);
+    for index in 0..containers {
+        let dir = hosts.join(format!(
+            "{:08x}-0000-4000-8000-{:012x}_worker",
+            index, index
+        ));
+        std::fs::create_dir_all(&dir)?;
+        let mut limits = RegionLimits::default();
+        for device in 0..gpus {
+            limits.memory_limit[device] = 8 << 30;
+            limits.sm_limit[device] = 10;
+            limits.sm_burst[device] = 30;
+        }
+        limits.priority = (index % 3) as i32;
+        let region = Region::open_or_create(&dir.join("region.cache"), &limits)?;
+        let slot = region.claim_slot(index as u32 + 1)?;
+        for (device, uuid) in uuids.iter().enumerate().take(gpus) {
+            region.set_device_uuid(device, uuid);
+            for (kind, bytes) in [
+                (MemoryKind::Context, 256u64 << 20),
+                (MemoryKind::Module, 4 << 20),
+                (MemoryKind::Data, (index as u64 + 1) << 24),
+            ] {
+                let _ = region.reserve(slot, device, kind, bytes)?;
+            }
+            let bucket = &region.layout().devices[device].compute;
+            bucket
+                .launches
+                .store(index as u64 * 1000, Ordering::Relaxed);
+            bucket
+                .throttled_ns
+                .store(index as u64 * 1_000_000, Ordering::Relaxed);
+        }
+        regions.push(region);
+    }
+
+    let mut tick_times = Vec::new();
+    for _ in 0..50 {
+        let started = Instant::now();
+        monitor.tick();
+        tick_times.push(started.elapsed());
+    }
+    let shared = monitor.shared();
+    let snapshot = shared.snapshot();
+    anyhow::ensure!(
+        snapshot.devices.len() == containers * gpus,
+        "expected {} container devices, read {}",
+        containers * gpus,
+        snapshot.devices.len()
+    );
+
+    let mut render_plain = Vec::new();
+    let mut render_hami = Vec::new();
+    for _ in 0..200 {
+        let started = Instant::now();
+        let text = vgpu_monitor::metrics::render(&snapshot, false);
+        render_plain.push(started.elapsed());
+        let started = Instant::now();
+        let _ = vgpu_monitor::metrics::render(&snapshot, true);
+        render_hami.push(started.elapsed());
+        drop(text);
+    }
+    let plain_text = vgpu_monitor::metrics::render(&snapshot, false);
+    let hami_text = vgpu_monitor::metrics::render(&snapshot, true);
+    let series = |text: &[u8]| {
+        String::from_utf8_lossy(text)
+            .lines()
+            .filter(|l| !l.starts_with('#'))
+            .count()
+    };
+    drop(monitor);
+
+    // The real daemon, as a child process over the same directory.
+    let plain = serve_figures(hosts, nvml.as_deref(), false, containers)?;
+    let hami = serve_figures(hosts, nvml.as_deref(), true, containers)?;
+
+    println!(
+        "vgpu-monitor: {containers} containers x {gpus} GPUs ({} container devices; NVML: {})",
+        containers * gpus,
+        if nvml.is_some() {
+            "simulated GPU"
+        } else {
+            "none"
+        }
+    );
+    println!(
+        "exposition: {} series / {} KiB by default, {} series / {} KiB with --hami-metric-names",
+        series(&plain_text),
+        plain_text.len() / 1024,
+        series(&hami_text),
+        hami_text.len() / 1024
+    );
+    println!();
+    println!("| measurement | p50 | p99 |");
+    println!("|---|---:|---:|");
+    row(
+        "monitor pass (rescan, read all regions and NVML, arbitrate, publish)",
+        &mut tick_times,
+    );
+    row("render /metrics", &mut render_plain);
+    row(
+        "render /metrics, with --hami-metric-names",
+        &mut render_hami,
+    );
+    for (label, figures) in [("", &plain), (", with --hami-metric-names", &hami)] {
+        row(
+            &format!(
+                "GET /metrics from the daemon, a new pass since the last scrape (renders){label}"
+            ),
+            &mut figures.fresh.clone(),
+        );
+        row(
+            &format!("GET /metrics from the daemon, back to back (rendered once per pass){label}"),
+            &mut figures.cached.clone(),
+        );
+    }
+    println!();
+    println!(
+        "daemon resident memory (VmRSS, after the scrapes): {:.1} MB; {:.1} MB with --hami-metric-names",
+        plain.rss_kib as f64 / 1024.0,
+        hami.rss_kib as f64 / 1024.0
+    );
+    drop(regions);
+    Ok(())
+}
+
+struct Served {
+    fresh: Vec<Duration>,
+    cached: Vec<Duration>,
+    rss_kib: u64,
+}
+
+/// Starts the `vgpu-monitor` binary next to this one over `hosts`, times
+/// scrapes, and reads its resident memory.
+fn serve_figures(
+    hosts: &Path,
+    nvml: Option<&Path>,
+    hami: bool,
+    containers: usize,
+) -> anyhow::Result<Served> {
+    let exe = std::env::current_exe()?
+        .parent()
+        .context("bench binary directory")?
+        .join("vgpu-monitor");
+    let port = std::net::TcpListener::bind("127.0.0.1:0")?
+        .local_addr()?
+        .port();
+    let addr: SocketAddr = format!("127.0.0.1:{port}").parse()?;
+    let mut command = std::process::Command::new(&exe);
+    command
+        .arg("--listen")
+        .arg(addr.to_string())
+        .arg("--containers-dir")
+        .arg(hosts)
+        .args(["--no-kubernetes", "--no-cleanup", "--log-level", "warn"]);
+    match nvml {
+        Some(path) => command.arg("--nvml-library").arg(path),
+        None => command.arg("--no-nvml"),
+    };
+    if hami {
+        command.arg("--hami-metric-names");
+    }
+    let mut child = command
+        .spawn()
+        .with_context(|| format!("starting {}", exe.display()))?;
+    let result = (|| {
+        let deadline = Instant::now() + Duration::from_secs(20);
+        let wanted = format!("vgpu_monitor_regions {containers}");
+        loop {
+            if let Ok(body) = get(addr) {
+                if String::from_utf8_lossy(&body).contains(&wanted) {
+                    break;
+                }
+            }
+            anyhow::ensure!(
+                Instant::now() < deadline,
+                "the daemon never read every region"
+            );
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        let mut fresh = Vec::new();
+        for _ in 0..100 {
+            // The daemon passes every 100 ms: each scrape finds a new pass.
+            std::thread::sleep(Duration::from_millis(110));
+            let started = Instant::now();
+            get(addr)?;
+            fresh.push(started.elapsed());
+        }
+        let mut cached = Vec::new();
+        for _ in 0..200 {
+            let started = Instant::now();
+            get(addr)?;
+            cached.push(started.elapsed());
+        }
+        let rss_kib = vm_rss_kib(child.id()).context("reading the daemon's VmRSS")?;
+        Ok(Served {
+            fresh,
+            cached,
+            rss_kib,
+        })
+    })();
+    let _ = child.kill();
+    let _ = child.wait();
+    result
+}
+
+fn row(what: &str, times: &mut [Duration]) {
+    times.sort();
+    let at = |q: f64| {
+        let index = ((times.len() as f64 - 1.0) * q).round() as usize;
+        times[index.min(times.len() - 1)].as_secs_f64() * 1e3
+    };
+    println!("| {what} | {:.2} ms | {:.2} ms |", at(0.5), at(0.99));
+}
+
+/// `GET /metrics`; the whole response, as bytes (a client that reads it
+/// into a buffer sized for it).
+fn get(addr: SocketAddr) -> anyhow::Result<Vec<u8>> {
+    let mut stream = TcpStream::connect(addr)?;
+    write!(
+        stream,
+        "GET /metrics HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n"
+    )?;
+    let mut body = Vec::with_capacity(8 << 20);
+    stream.read_to_end(&mut body)?;
+    anyhow::ensure!(body.starts_with(b"HTTP/1.1 200"), "bad response");
+    Ok(body)
+}
+
+fn vm_rss_kib(pid: u32) -> Option<u64> {
+    std::fs::read_to_string(format!("/proc/{pid}/status"))
+        .ok()?
+        .lines()
+        .find(|l| l.starts_with("VmRSS:"))?
+        .split_whitespace()
+        .nth(1)?
+        .parse()
+        .ok()
+}

@@ -1,0 +1,377 @@
+//! What the scheduler extender and the device plugin tell each other.
+//!
+//! # The protocol
+//!
+//! Kubelet's `Allocate` call names the devices it picked, not the pod they
+//! are for, so the plugin must work out which pod it is serving. vgpu makes
+//! that unambiguous by construction, with no lock object that could outlive
+//! its pod:
+//!
+//! 1. **Inventory.** The plugin publishes its node's GPUs as the node
+//!    annotation [`NODE_INVENTORY_ANNOTATION`] ([`NodeInventory`], JSON,
+//!    versioned), on start, on any change and as a heartbeat. The extender
+//!    gives nothing new to a node whose heartbeat is older than
+//!    [`HEARTBEAT_STALE_MS`].
+//! 2. **Decision.** When the extender binds a pod, it first writes its
+//!    choice (node, and per container the GPUs with memory and cores) as the
+//!    pod annotation [`DECISION_ANNOTATION`] ([`Decision`]), then binds.
+//! 3. **One pending pod per node.** A pod is *pending* on a node from its
+//!    decision until the plugin has allocated all its GPU containers
+//!    ([`ALLOCATED_ANNOTATION`]) or kubelet has finished admitting it
+//!    ([`kubelet_has_admitted`]), whichever comes first: kubelet calls
+//!    `Allocate` for every container while it admits a pod, so an admitted
+//!    pod will see no more calls (a container whose resources no vgpu plugin
+//!    serves runs without its vGPU instead of blocking the node, and its
+//!    decision still counts against the GPUs). The extender never binds a
+//!    second vGPU pod to a node that has a pending one. This state is
+//!    derived, not stored:
+//!    the extender computes it from the pods it watches, so a deleted,
+//!    failed or finished pod stops being pending at once, and a restart of
+//!    the extender loses nothing (it rebuilds from the API). Kubelet admits
+//!    pods one at a time, so serialising per node costs one admission's time
+//!    per pod and nothing else.
+//! 4. **Allocate.** The plugin takes the node's pending pod, checks that the
+//!    request matches its next unallocated GPU container (init containers
+//!    first, in order, then the others, as kubelet admits them, by device
+//!    count), appends the container to [`ALLOCATED_ANNOTATION`] (with the
+//!    pod's resource version as a precondition), and only then answers with
+//!    that container's environment and mounts. A request that
+//!    matches no pending pod fails with a message kubelet shows in the pod's
+//!    events; nothing is guessed.
+//! 5. **Restarts.** Plugin, kubelet and extender keep no state of their own
+//!    that the annotations do not hold, so any of them may restart at any
+//!    point. The record is written before the answer, so a plugin that dies
+//!    in between leaves a pod whose admission failed (kubelet reports it;
+//!    its controller replaces it), never a container served twice or a
+//!    later container matched to the wrong record.
+
+use serde::{Deserialize, Serialize};
+use thiserror::Error;
+
+/// Node annotation holding the plugin's [`NodeInventory`].
+pub const NODE_INVENTORY_ANNOTATION: &str = "vgpu.io/node-gpus";
+/// Pod annotation holding the extender's [`Decision`].
+pub const DECISION_ANNOTATION: &str = "vgpu.io/decision";
+/// Pod annotation listing the containers the plugin has allocated
+/// (JSON array of container names).
+pub const ALLOCATED_ANNOTATION: &str = "vgpu.io/allocated";
+/// A node whose inventory heartbeat is older than this gets no new pods.
+pub const HEARTBEAT_STALE_MS: u64 = 90_000;
+/// Version of the JSON formats in this module.
+pub const FORMAT_VERSION: u32 = 1;
+
+/// One GPU as the plugin advertises it.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct InventoryGpu {
+    pub uuid: String,
+    pub index: u32,
+    pub model: String,
+    pub memory_bytes: u64,
+    pub sm_count: u32,
+    /// How many containers may share it at most.
+    pub split_count: u32,
+    /// NUMA node, if known.
+    pub numa: Option<u32>,
+    pub healthy: bool,
+}
+
+/// A node's GPUs, as published by its plugin.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct NodeInventory {
+    pub version: u32,
+    /// Milliseconds since the Unix epoch when the plugin last wrote this.
+    pub heartbeat_unix_ms: u64,
+    pub gpus: Vec<InventoryGpu>,
+}
+
+/// One GPU granted to a container.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct DeviceGrant {
+    pub uuid: String,
+    /// Device memory cap in bytes.
+    pub memory_bytes: u64,
+    /// Compute share in percent (100: the whole GPU, exclusively).
+    pub cores_percent: u32,
+    /// How far above its share the container may run while the GPU has
+    /// idle capacity (the node monitor lends it and takes it back), in
+    /// percent; absent: never above the share.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub burst_percent: Option<u32>,
+}
+
+/// What one container gets.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct ContainerDecision {
+    pub name: String,
+    /// An init container (kubelet admits those first).
+    pub init: bool,
+    pub devices: Vec<DeviceGrant>,
+    /// `CUDA_TASK_PRIORITY` for the container, if requested.
+    pub priority: Option<i32>,
+}
+
+/// The extender's choice for a pod.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct Decision {
+    pub version: u32,
+    pub node: String,
+    pub decided_unix_ms: u64,
+    /// GPU containers only, in kubelet's admission order.
+    pub containers: Vec<ContainerDecision>,
+}
+
+/// An annotation that could not be used.
+#[derive(Debug, Error)]
+pub enum FormatError {
+    #[error("{annotation}: not valid JSON of the expected shape: {source}")]
+    Json {
+        annotation: &'static str,
+        #[source]
+        source: serde_json::Error,
+    },
+    #[error("{annotation}: format version {found}, this build understands {FORMAT_VERSION}")]
+    Version {
+        annotation: &'static str,
+        found: u32,
+    },
+    #[error("{annotation}: {what}")]
+    Invalid {
+        annotation: &'static str,
+        what: String,
+    },
+}
+
+fn parse<T: for<'de> Deserialize<'de>>(
+    annotation: &'static str,
+    text: &str,
+) -> Result<T, FormatError> {
+    serde_json::from_str(text).map_err(|source| FormatError::Json { annotation, source })
+}
+
+impl NodeInventory {
+    pub fn parse(text: &str) -> Result<Self, FormatError> {
+        let inventory: Self = parse(NODE_INVENTORY_ANNOTATION, text)?;
+        if inventory.version != FORMAT_VERSION {
+            return Err(FormatError::Version {
+                annotation: NODE_INVENTORY_ANNOTATION,
+                found: inventory.version,
+            });
+        }
+        if let Some(gpu) = inventory.gpus.iter().find(|g| g.split_count == 0) {
+            return Err(FormatError::Invalid {
+                annotation: NODE_INVENTORY_ANNOTATION,
+                what: format!("{} has a split count of 0", gpu.uuid),
+            });
+        }
+        Ok(inventory)
+    }
+
+    pub fn to_json(&self) -> String {
+        // Serialising plain structs of strings and numbers cannot fail.
+        serde_json::to_string(self).unwrap_or_default()
+    }
+
+    /// Whether the plugin that wrote this is alive as of `now_unix_ms`.
+    pub fn is_fresh(&self, now_unix_ms: u64) -> bool {
+        now_unix_ms.saturating_sub(self.heartbeat_unix_ms) <= HEARTBEAT_STALE_MS
+    }
+}
+
+impl Decision {
+    pub fn parse(text: &str) -> Result<Self, FormatError> {
+        let decision: Self = parse(DECISION_ANNOTATION, text)?;
+        if decision.version != FORMAT_VERSION {
+            return Err(FormatError::Version {
+                annotation: DECISION_ANNOTATION,
+                found: decision.version,
+            });
+        }
+        if let Some(container) = decision.containers.iter().find(|c| {
+            c.devices.is_empty()
+                || c.devices
+                    .iter()
+                    .any(|d| d.cores_percent > 100 || d.burst_percent.is_some_and(|b| b > 100))
+        }) {
+            return Err(FormatError::Invalid {
+                annotation: DECISION_ANNOTATION,
+                what: format!(
+                    "container {} has no devices, or a share or burst over 100 %",
+                    container.name
+                ),
+            });
+        }
+        Ok(decision)
+    }
+
+    pub fn to_json(&self) -> String {
+        serde_json::to_string(self).unwrap_or_default()
+    }
+
+    /// The first container not in `allocated`, in admission order.
+    pub fn next_unallocated(&self, allocated: &[String]) -> Option<&ContainerDecision> {
+        self.containers
+            .iter()
+            .find(|c| !allocated.contains(&c.name))
+    }
+
+    /// Whether every GPU container has been allocated.
+    pub fn is_complete(&self, allocated: &[String]) -> bool {
+        self.next_unallocated(allocated).is_none()
+    }
+}
+
+/// Whether kubelet is done admitting a pod, from the pod's status: its
+/// phase has left `Pending` (running, or rejected as `Failed`), or kubelet
+/// has reported container statuses, which it writes only after admission
+/// (so a pod pulling a large image no longer holds its node). Kubelet has
+/// made every `Allocate` call for an admitted pod.
+pub fn kubelet_has_admitted(phase: Option<&str>, reports_container_statuses: bool) -> bool {
+    let still_pending = matches!(phase, None | Some("") | Some("Pending"));
+    !still_pending || reports_container_statuses
+}
+
+/// Parses [`ALLOCATED_ANNOTATION`].
+pub fn parse_allocated(text: &str) -> Result<Vec<String>, FormatError> {
+    parse(ALLOCATED_ANNOTATION, text)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn admission_ends_when_the_phase_moves_or_statuses_appear() {
+        assert!(!kubelet_has_admitted(None, false));
+        assert!(!kubelet_has_admitted(Some(""), false));
+        assert!(!kubelet_has_admitted(Some("Pending"), false));
+        assert!(kubelet_has_admitted(Some("Pending"), true));
+        assert!(kubelet_has_admitted(Some("Running"), false));
+        assert!(kubelet_has_admitted(Some("Failed"), false));
+        assert!(kubelet_has_admitted(Some("Succeeded"), false));
+        assert!(kubelet_has_admitted(Some("Unknown"), false));
+    }
+
+    fn decision() -> Decision {
+        Decision {
+            version: FORMAT_VERSION,
+            node: "node-1".into(),
+            decided_unix_ms: 1,
+            containers: vec![
+                ContainerDecision {
+                    name: "setup".into(),
+                    init: true,
+                    devices: vec![DeviceGrant {
+                        uuid: "GPU-a".into(),
+                        memory_bytes: 1 << 30,
+                        cores_percent: 10,
+                        burst_percent: None,
+                    }],
+                    priority: None,
+                },
+                ContainerDecision {
+                    name: "main".into(),
+                    init: false,
+                    devices: vec![DeviceGrant {
+                        uuid: "GPU-b".into(),
+                        memory_bytes: 4 << 30,
+                        cores_percent: 50,
+                        burst_percent: None,
+                    }],
+                    priority: Some(0),
+                },
+            ],
+        }
+    }
+
+    #[test]
+    fn decisions_round_trip_and_track_allocation_order() {
+        let original = decision();
+        let parsed = Decision::parse(&original.to_json()).expect("parse");
+        assert_eq!(parsed, original);
+        assert_eq!(
+            parsed.next_unallocated(&[]).map(|c| c.name.as_str()),
+            Some("setup")
+        );
+        let allocated = vec!["setup".to_string()];
+        assert_eq!(
+            parsed.next_unallocated(&allocated).map(|c| c.name.as_str()),
+            Some("main")
+        );
+        assert!(parsed.is_complete(&["setup".into(), "main".into()]));
+    }
+
+    #[test]
+    fn bad_annotations_are_refused_with_their_name() {
+        for text in ["", "{", "[]", r#"{"version":1}"#] {
+            let error = Decision::parse(text).expect_err(text);
+            assert!(error.to_string().contains(DECISION_ANNOTATION), "{error}");
+        }
+        let mut future = decision();
+        future.version = 7;
+        assert!(matches!(
+            Decision::parse(&future.to_json()),
+            Err(FormatError::Version { found: 7, .. })
+        ));
+        let mut greedy = decision();
+        greedy.containers[1].devices[0].cores_percent = 150;
+        assert!(matches!(
+            Decision::parse(&greedy.to_json()),
+            Err(FormatError::Invalid { .. })
+        ));
+        let mut bursting = decision();
+        bursting.containers[1].devices[0].burst_percent = Some(101);
+        assert!(matches!(
+            Decision::parse(&bursting.to_json()),
+            Err(FormatError::Invalid { .. })
+        ));
+    }
+
+    #[test]
+    fn burst_is_optional_in_the_format() {
+        let mut original = decision();
+        assert!(!original.to_json().contains("burstPercent"));
+        original.containers[1].devices[0].burst_percent = Some(80);
+        let text = original.to_json();
+        assert!(text.contains(r#""burstPercent":80"#), "{text}");
+        assert_eq!(Decision::parse(&text).expect("parse"), original);
+    }
+
+    #[test]
+    fn inventories_round_trip_and_age() {
+        let inventory = NodeInventory {
+            version: FORMAT_VERSION,
+            heartbeat_unix_ms: 1_000_000,
+            gpus: vec![InventoryGpu {
+                uuid: "GPU-a".into(),
+                index: 0,
+                model: "NVIDIA H100".into(),
+                memory_bytes: 80 << 30,
+                sm_count: 132,
+                split_count: 10,
+                numa: Some(0),
+                healthy: true,
+            }],
+        };
+        let parsed = NodeInventory::parse(&inventory.to_json()).expect("parse");
+        assert_eq!(parsed, inventory);
+        assert!(parsed.is_fresh(1_000_000 + HEARTBEAT_STALE_MS));
+        assert!(!parsed.is_fresh(1_000_001 + HEARTBEAT_STALE_MS));
+        let mut broken = inventory;
+        broken.gpus[0].split_count = 0;
+        assert!(NodeInventory::parse(&broken.to_json()).is_err());
+    }
+
+    #[test]
+    fn allocated_lists() {
+        assert_eq!(
+            parse_allocated(r#"["a","b"]"#).expect("parse"),
+            vec!["a", "b"]
+        );
+        assert!(parse_allocated("a,b").is_err());
+    }
+}

@@ -1,0 +1,13 @@
+//! What the control-plane parts (scheduler extender, device plugin, node
+//! monitor) agree on.
+//!
+//! - [`client`]: how a daemon reaches the API server.
+//! - [`resources`]: the extended resources and pod annotations vgpu reads,
+//!   and Kubernetes quantities.
+//! - [`decision`]: the node inventory and per-pod decisions the extender and
+//!   the device plugin exchange through annotations, and the protocol that
+//!   matches kubelet's `Allocate` calls to pods.
+
+pub mod client;
+pub mod decision;
+pub mod resources;

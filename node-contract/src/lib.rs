@@ -1,0 +1,12 @@
+//! What the parts on one node agree on. The shim links this crate into
+//! every container process, so it stays small and serde-free.
+//!
+//! - [`size`]: byte sizes and percentages as the environment writes them.
+//! - [`shim_env`]: the container environment the device plugin writes and the
+//!   shim reads (HAMi-core compatible names), and its one conversion to the
+//!   region's limits.
+//! - [`region`]: the per-container shared-memory region file.
+
+pub mod region;
+pub mod shim_env;
+pub mod size;

@@ -1,0 +1,284 @@
+//! Compute shares on the simulated GPU, measured by the simulated driver's
+//! own record of device time. This is the representative subset; the full
+//! sweep (every limit, pattern and kernel size over 10 s) is
+//! `vgpu-accuracy`.
+
+use std::sync::atomic::Ordering;
+use std::time::Duration;
+use vgpu_node_contract::region::Region;
+use vgpu_testkit::compute::*;
+use vgpu_testkit::Sandbox;
+
+/// Allowed error, in percentage points of the device.
+const TOLERANCE: f64 = 2.0;
+
+fn assert_near(what: &str, achieved: f64, target: f64) {
+    assert!(
+        (achieved - target).abs() <= TOLERANCE,
+        "{what}: achieved {achieved:.2} %, target {target} %"
+    );
+}
+
+#[test]
+fn one_container_holds_its_share_in_every_pattern() {
+    // Runs in parallel: each case has its own simulated device, and the
+    // workloads mostly sleep.
+    let cases = [
+        (5, "sync", "k1ms"),
+        (10, "burst", "k30ms"),
+        (25, "sync", "k20us"),
+        (50, "streams", "k1ms"),
+        (75, "graph", "k20us"),
+        (90, "burst", "k20us"),
+    ];
+    let results: Vec<_> = std::thread::scope(|scope| {
+        let handles: Vec<_> = cases
+            .iter()
+            .map(|&(limit, pattern, kernel)| {
+                scope.spawn(move || {
+                    (
+                        limit,
+                        pattern,
+                        kernel,
+                        measure_single(limit, pattern, kernel, Duration::from_secs(4)),
+                    )
+                })
+            })
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| h.join().expect("case"))
+            .collect()
+    });
+    for (limit, pattern, kernel, result) in results {
+        let what = format!("limit {limit}, {pattern}, {kernel}");
+        assert_near(&what, result.steady, limit as f64);
+        // Reached within the first second: no start-up burst far over it.
+        assert!(
+            result.first_second <= limit as f64 + 10.0,
+            "{what}: first second at {:.1} %",
+            result.first_second
+        );
+    }
+}
+
+#[test]
+fn without_the_shim_the_same_workload_takes_the_whole_device() {
+    let mut sandbox = Sandbox::new("uncapped", 1, "16Gi");
+    sandbox.set("CUDA_DEVICE_SM_LIMIT", "25");
+    let mut meter = BusyMeter::new(&sandbox);
+    let mut child = sandbox
+        .command_without_shim(&vgpu_testkit::programs_dir().join("workload"))
+        .args(["burst", "k1ms", "2.5", "1"])
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .expect("spawn");
+    let mut line = String::new();
+    std::io::BufRead::read_line(
+        &mut std::io::BufReader::new(child.stdout.as_mut().expect("stdout")),
+        &mut line,
+    )
+    .expect("ready");
+    let start = meter.read(0, child.id());
+    wait_until(start.at_ns + 2_000_000_000);
+    let end = meter.read(0, child.id());
+    assert!(child.wait().expect("exit").success());
+    assert!(
+        process_share(start, end) > 95.0,
+        "{:.1}",
+        process_share(start, end)
+    );
+}
+
+/// Runs several containers on one device at once, each at its own limit and
+/// all saturating it, and returns each one's steady share.
+fn run_tenants(limits: &[u32], window: Duration) -> Vec<f64> {
+    let base = Sandbox::new("tenants", 1, "16Gi");
+    let mut meter = BusyMeter::new(&base);
+    let workloads: Vec<(Sandbox, Workload)> = limits
+        .iter()
+        .enumerate()
+        .map(|(index, limit)| {
+            // Same simulated device, separate containers (regions).
+            let mut sandbox = Sandbox::new("tenant", 1, "16Gi");
+            sandbox
+                .set("SIMGPU_STATE", &base.sim_state.display().to_string())
+                .set("LD_LIBRARY_PATH", &base.lib_dir.display().to_string())
+                .set(
+                    "CUDA_DEVICE_MEMORY_SHARED_CACHE",
+                    &base
+                        .dir
+                        .join(format!("region-{index}"))
+                        .display()
+                        .to_string(),
+                )
+                .set("CUDA_DEVICE_SM_LIMIT", &limit.to_string());
+            let workload = Workload::start(
+                &sandbox,
+                "burst",
+                "k1ms",
+                1.0 + window.as_secs_f64() + 0.5,
+                1,
+            );
+            (sandbox, workload)
+        })
+        .collect();
+    let start = meter.read(0, 0);
+    wait_until(start.at_ns + 1_000_000_000);
+    let settled: Vec<Reading> = workloads
+        .iter()
+        .map(|(_, w)| meter.read(0, w.pid()))
+        .collect();
+    wait_until(settled[0].at_ns + window.as_nanos() as u64);
+    let end: Vec<Reading> = workloads
+        .iter()
+        .map(|(_, w)| meter.read(0, w.pid()))
+        .collect();
+    let shares = settled
+        .iter()
+        .zip(&end)
+        .map(|(from, to)| process_share(*from, *to))
+        .collect();
+    for (_, workload) in workloads {
+        workload.finish();
+    }
+    shares
+}
+
+#[test]
+fn two_containers_at_30_and_70_each_get_their_share() {
+    let shares = run_tenants(&[30, 70], Duration::from_secs(4));
+    assert_near("container at 30", shares[0], 30.0);
+    assert_near("container at 70", shares[1], 70.0);
+}
+
+#[test]
+fn four_containers_at_25_each_get_a_quarter() {
+    let shares = run_tenants(&[25, 25, 25, 25], Duration::from_secs(4));
+    for (index, share) in shares.iter().enumerate() {
+        assert_near(&format!("container {index}"), *share, 25.0);
+    }
+}
+
+#[test]
+fn each_device_of_a_two_device_container_is_held_independently() {
+    let mut sandbox = Sandbox::new("twodev", 2, "16Gi");
+    sandbox
+        .set("CUDA_DEVICE_SM_LIMIT_0", "30")
+        .set("CUDA_DEVICE_SM_LIMIT_1", "60");
+    let mut meter = BusyMeter::new(&sandbox);
+    let workload = Workload::start(&sandbox, "burst", "k1ms", 5.5, 2);
+    let pid = workload.pid();
+    let start = [meter.read(0, pid), meter.read(1, pid)];
+    wait_until(start[0].at_ns + 1_000_000_000);
+    let settled = [meter.read(0, pid), meter.read(1, pid)];
+    wait_until(settled[0].at_ns + 4_000_000_000);
+    let end = [meter.read(0, pid), meter.read(1, pid)];
+    workload.finish();
+    assert_near("device 0", process_share(settled[0], end[0]), 30.0);
+    assert_near("device 1", process_share(settled[1], end[1]), 60.0);
+}
+
+#[test]
+fn a_new_effective_share_takes_hold_within_a_second() {
+    let mut sandbox = Sandbox::new("retarget", 1, "16Gi");
+    sandbox.set("CUDA_DEVICE_SM_LIMIT", "50");
+    let mut meter = BusyMeter::new(&sandbox);
+    let workload = Workload::start(&sandbox, "burst", "k1ms", 6.0, 1);
+    let pid = workload.pid();
+    let start = meter.read(0, pid);
+    wait_until(start.at_ns + 1_000_000_000);
+    let before = meter.read(0, pid);
+    wait_until(before.at_ns + 2_000_000_000);
+    let changed = meter.read(0, pid);
+    // What the node monitor does: write a new effective share (basis points).
+    let region = Region::open_existing(&sandbox.region).expect("region");
+    region.layout().devices[0]
+        .sm_effective
+        .store(2_000, Ordering::Release);
+    wait_until(changed.at_ns + 1_000_000_000);
+    let one_second_later = meter.read(0, pid);
+    wait_until(one_second_later.at_ns + 1_500_000_000);
+    let end = meter.read(0, pid);
+    workload.finish();
+    assert_near("before the change", process_share(before, changed), 50.0);
+    assert_near(
+        "from one second after the change",
+        process_share(one_second_later, end),
+        20.0,
+    );
+    let transition = process_share(changed, one_second_later);
+    assert!(
+        (20.0 - TOLERANCE..50.0 - TOLERANCE).contains(&transition),
+        "the second after the change moves toward 20 %: {transition:.1}"
+    );
+}
+
+#[test]
+fn policies_force_and_disable() {
+    // force: the configured share holds even if an effective share says more.
+    let mut forced = Sandbox::new("force", 1, "16Gi");
+    forced
+        .set("CUDA_DEVICE_SM_LIMIT", "30")
+        .set("GPU_CORE_UTILIZATION_POLICY", "force");
+    let mut meter = BusyMeter::new(&forced);
+    let workload = Workload::start(&forced, "burst", "k1ms", 3.5, 1);
+    let region = Region::open_existing(&forced.region).expect("region");
+    region.layout().devices[0]
+        .sm_effective
+        .store(9_000, Ordering::Release);
+    let start = meter.read(0, workload.pid());
+    wait_until(start.at_ns + 1_000_000_000);
+    let settled = meter.read(0, workload.pid());
+    wait_until(settled.at_ns + 2_000_000_000);
+    let end = meter.read(0, workload.pid());
+    workload.finish();
+    assert_near("force", process_share(settled, end), 30.0);
+
+    // disable: no compute cap at all.
+    let mut disabled = Sandbox::new("disable", 1, "16Gi");
+    disabled
+        .set("CUDA_DEVICE_SM_LIMIT", "30")
+        .set("GPU_CORE_UTILIZATION_POLICY", "disable");
+    let mut meter = BusyMeter::new(&disabled);
+    let workload = Workload::start(&disabled, "burst", "k1ms", 2.5, 1);
+    let start = meter.read(0, workload.pid());
+    wait_until(start.at_ns + 2_000_000_000);
+    let end = meter.read(0, workload.pid());
+    workload.finish();
+    assert!(
+        process_share(start, end) > 95.0,
+        "{:.1}",
+        process_share(start, end)
+    );
+}
+
+#[test]
+fn region_counters_account_for_launches_and_throttling() {
+    let mut sandbox = Sandbox::new("counters", 1, "16Gi");
+    sandbox.set("CUDA_DEVICE_SM_LIMIT", "40");
+    let mut meter = BusyMeter::new(&sandbox);
+    let workload = Workload::start(&sandbox, "burst", "k1ms", 4.0, 1);
+    let pid = workload.pid();
+    let region = Region::open_existing(&sandbox.region).expect("region");
+    let bucket = &region.layout().devices[0].compute;
+    let start = meter.read(0, pid);
+    let granted_before = bucket.granted_ns();
+    wait_until(start.at_ns + 3_000_000_000);
+    let end = meter.read(0, pid);
+    let granted_after = bucket.granted_ns();
+    workload.finish();
+    let granted = (granted_after - granted_before) as f64;
+    let busy = (end.process_ns - start.process_ns) as f64;
+    assert!(bucket.launches.load(Ordering::Relaxed) > 1000);
+    assert!(
+        bucket.throttled_ns.load(Ordering::Relaxed) > 1_000_000_000,
+        "waited for most of the run"
+    );
+    // What was granted is what the device ran, within a few kernels queued
+    // at either end of the window.
+    assert!(
+        (granted - busy).abs() / busy < 0.03,
+        "granted {granted} ns vs device time used {busy} ns"
+    );
+}

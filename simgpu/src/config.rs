@@ -1,0 +1,274 @@
+//! Configuration from the environment, read once per process.
+//!
+//! | variable | meaning | default |
+//! | --- | --- | --- |
+//! | `SIMGPU_DEVICES` | number of devices (0..=16) | 1 |
+//! | `SIMGPU_MEMORY` | memory per device (size string) | `16Gi` |
+//! | `SIMGPU_MEMORY_<i>` | memory of device `i` | `SIMGPU_MEMORY` |
+//! | `SIMGPU_SM_COUNT` | multiprocessors per device (1..=1024) | 132 |
+//! | `SIMGPU_NAME` | device name | `vgpu Simulated GPU` |
+//! | `SIMGPU_UUID_SEED` | any text; changes every device UUID | none |
+//! | `SIMGPU_STATE` | path of the shared state file | `/tmp/simgpu-state-<uid>` |
+//! | `SIMGPU_CONTEXT_BYTES` | device memory one context costs (size) | 0 |
+//! | `SIMGPU_DRIVER_VERSION` | `cuDriverGetVersion` value | 12080 |
+//! | `SIMGPU_NVML_DRIVER_VERSION` | NVML driver version string | `580.00.00` |
+//!
+//! A bad value is reported in one line on stderr; `cuInit` then returns
+//! `CUDA_ERROR_INVALID_VALUE` and `nvmlInit` `NVML_ERROR_UNKNOWN`.
+
+use std::path::PathBuf;
+use std::sync::OnceLock;
+
+use vgpu_node_contract::size::parse_size;
+
+/// Most devices the simulation supports (and the state file lays out).
+pub const MAX_DEVICES: usize = 16;
+
+/// The simulated machine.
+#[derive(Debug, Clone)]
+pub struct Config {
+    pub devices: usize,
+    pub memory: Vec<u64>,
+    pub sm_count: i32,
+    pub name: String,
+    pub uuids: Vec<[u8; 16]>,
+    pub state_path: PathBuf,
+    pub context_bytes: u64,
+    pub driver_version: i32,
+    pub nvml_driver_version: String,
+}
+
+impl Config {
+    /// `GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx` for device `index`.
+    pub fn uuid_string(&self, index: usize) -> String {
+        format_uuid(&self.uuids[index])
+    }
+
+    /// PCI bus number of device `index` (domain 0, device 0, function 0).
+    pub fn pci_bus(&self, index: usize) -> u32 {
+        index as u32 + 1
+    }
+}
+
+/// Formats 16 bytes the way NVIDIA prints GPU UUIDs.
+pub fn format_uuid(b: &[u8; 16]) -> String {
+    let hex: String = b.iter().map(|x| format!("{x:02x}")).collect();
+    format!(
+        "GPU-{}-{}-{}-{}-{}",
+        &hex[0..8],
+        &hex[8..12],
+        &hex[12..16],
+        &hex[16..20],
+        &hex[20..32]
+    )
+}
+
+static CONFIG: OnceLock<Result<Config, String>> = OnceLock::new();
+
+/// The process's configuration; the first call reads the environment and
+/// reports a bad value on stderr (once).
+pub fn get() -> Result<&'static Config, ()> {
+    let loaded = CONFIG.get_or_init(|| {
+        let result = from_env(|name| std::env::var(name).ok());
+        if let Err(message) = &result {
+            crate::ffi::warn(message);
+        }
+        result
+    });
+    loaded.as_ref().map_err(|_| ())
+}
+
+fn splitmix64(mut x: u64) -> u64 {
+    x = x.wrapping_add(0x9e37_79b9_7f4a_7c15);
+    x = (x ^ (x >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    x = (x ^ (x >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    x ^ (x >> 31)
+}
+
+fn fnv1a(text: &str) -> u64 {
+    text.bytes().fold(0xcbf2_9ce4_8422_2325, |h, b| {
+        (h ^ u64::from(b)).wrapping_mul(0x0000_0100_0000_01b3)
+    })
+}
+
+/// Deterministic UUID bytes for a device index and seed.
+fn uuid_bytes(seed: u64, index: usize) -> [u8; 16] {
+    let a = splitmix64(seed ^ (index as u64).wrapping_mul(0x2545_f491_4f6c_dd1d) ^ 0x5157);
+    let b = splitmix64(a ^ 0x6a09_e667_f3bc_c908);
+    let mut out = [0u8; 16];
+    out[..8].copy_from_slice(&a.to_be_bytes());
+    out[8..].copy_from_slice(&b.to_be_bytes());
+    out
+}
+
+fn parse_int<T: std::str::FromStr + PartialOrd + Copy + std::fmt::Display>(
+    name: &str,
+    text: &str,
+    min: T,
+    max: T,
+) -> Result<T, String> {
+    match text.trim().parse::<T>() {
+        Ok(v) if v >= min && v <= max => Ok(v),
+        _ => Err(format!(
+            "bad {name}={text:?}: expected a whole number from {min} to {max}"
+        )),
+    }
+}
+
+fn parse_bytes(name: &str, text: &str) -> Result<u64, String> {
+    parse_size(text).map_err(|e| format!("bad {name}={text:?}: {e}"))
+}
+
+/// Builds the configuration from a variable lookup (the environment, or a
+/// map in unit tests).
+pub fn from_env(var: impl Fn(&str) -> Option<String>) -> Result<Config, String> {
+    let devices = match var("SIMGPU_DEVICES") {
+        Some(v) => parse_int("SIMGPU_DEVICES", &v, 0usize, MAX_DEVICES)?,
+        None => 1,
+    };
+    let default_memory = match var("SIMGPU_MEMORY") {
+        Some(v) => parse_bytes("SIMGPU_MEMORY", &v)?,
+        None => 16 << 30,
+    };
+    if default_memory == 0 {
+        return Err("bad SIMGPU_MEMORY=\"0\": a device needs some memory".to_string());
+    }
+    let mut memory = Vec::with_capacity(devices);
+    for i in 0..devices {
+        let name = format!("SIMGPU_MEMORY_{i}");
+        let bytes = match var(&name) {
+            Some(v) => parse_bytes(&name, &v)?,
+            None => default_memory,
+        };
+        if bytes == 0 {
+            return Err(format!("bad {name}=\"0\": a device needs some memory"));
+        }
+        memory.push(bytes);
+    }
+    let sm_count = match var("SIMGPU_SM_COUNT") {
+        Some(v) => parse_int("SIMGPU_SM_COUNT", &v, 1i32, 1024)?,
+        None => 132,
+    };
+    let name = match var("SIMGPU_NAME") {
+        Some(v) if v.trim().is_empty() || v.len() > 95 => {
+            return Err(format!(
+                "bad SIMGPU_NAME={v:?}: expected 1 to 95 characters"
+            ))
+        }
+        Some(v) => v,
+        None => "vgpu Simulated GPU".to_string(),
+    };
+    let seed = var("SIMGPU_UUID_SEED").map(|s| fnv1a(&s)).unwrap_or(0);
+    let uuids = (0..devices).map(|i| uuid_bytes(seed, i)).collect();
+    let state_path = match var("SIMGPU_STATE") {
+        Some(v) if v.trim().is_empty() => {
+            return Err("bad SIMGPU_STATE=\"\": expected a file path".to_string())
+        }
+        Some(v) => PathBuf::from(v),
+        None => {
+            // SAFETY: getuid has no preconditions and cannot fail.
+            let uid = unsafe { libc::getuid() };
+            PathBuf::from(format!("/tmp/simgpu-state-{uid}"))
+        }
+    };
+    let context_bytes = match var("SIMGPU_CONTEXT_BYTES") {
+        Some(v) => parse_bytes("SIMGPU_CONTEXT_BYTES", &v)?,
+        None => 0,
+    };
+    let driver_version = match var("SIMGPU_DRIVER_VERSION") {
+        Some(v) => parse_int("SIMGPU_DRIVER_VERSION", &v, 1000i32, 99_990)?,
+        None => 12080,
+    };
+    let nvml_driver_version = match var("SIMGPU_NVML_DRIVER_VERSION") {
+        Some(v) if v.trim().is_empty() || v.len() > 70 => {
+            return Err(format!(
+                "bad SIMGPU_NVML_DRIVER_VERSION={v:?}: expected 1 to 70 characters"
+            ))
+        }
+        Some(v) => v,
+        None => "580.00.00".to_string(),
+    };
+    Ok(Config {
+        devices,
+        memory,
+        sm_count,
+        name,
+        uuids,
+        state_path,
+        context_bytes,
+        driver_version,
+        nvml_driver_version,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::collections::HashMap;
+
+    fn cfg(pairs: &[(&str, &str)]) -> Result<Config, String> {
+        let map: HashMap<String, String> = pairs
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect();
+        from_env(|k| map.get(k).cloned())
+    }
+
+    #[test]
+    fn defaults() {
+        let c = cfg(&[]).expect("defaults are valid");
+        assert_eq!(c.devices, 1);
+        assert_eq!(c.memory, vec![16 << 30]);
+        assert_eq!(c.sm_count, 132);
+        assert_eq!(c.driver_version, 12080);
+        assert_eq!(c.context_bytes, 0);
+        assert!(c
+            .state_path
+            .to_string_lossy()
+            .starts_with("/tmp/simgpu-state-"));
+    }
+
+    #[test]
+    fn per_device_memory() {
+        let c = cfg(&[
+            ("SIMGPU_DEVICES", "3"),
+            ("SIMGPU_MEMORY", "8Gi"),
+            ("SIMGPU_MEMORY_1", "4096m"),
+        ])
+        .expect("valid");
+        assert_eq!(c.memory, vec![8 << 30, 4 << 30, 8 << 30]);
+    }
+
+    #[test]
+    fn bad_values() {
+        for pairs in [
+            [("SIMGPU_DEVICES", "17")],
+            [("SIMGPU_DEVICES", "x")],
+            [("SIMGPU_MEMORY", "1.5g")],
+            [("SIMGPU_MEMORY", "0")],
+            [("SIMGPU_SM_COUNT", "0")],
+            [("SIMGPU_CONTEXT_BYTES", "lots")],
+            [("SIMGPU_DRIVER_VERSION", "twelve")],
+            [("SIMGPU_NAME", "")],
+        ] {
+            let err = cfg(&pairs).expect_err("must be rejected");
+            assert!(err.contains(pairs[0].0), "{err}");
+            assert!(!err.contains('\n'));
+        }
+    }
+
+    #[test]
+    fn uuids_are_deterministic_and_distinct() {
+        let a = cfg(&[("SIMGPU_DEVICES", "4")]).expect("valid");
+        let b = cfg(&[("SIMGPU_DEVICES", "4")]).expect("valid");
+        let c = cfg(&[("SIMGPU_DEVICES", "4"), ("SIMGPU_UUID_SEED", "x")]).expect("valid");
+        assert_eq!(a.uuids, b.uuids);
+        assert_ne!(a.uuids, c.uuids);
+        let s = a.uuid_string(0);
+        assert_eq!(s.len(), 40);
+        assert!(s.starts_with("GPU-"));
+        let parts: Vec<usize> = s[4..].split('-').map(str::len).collect();
+        assert_eq!(parts, vec![8, 4, 4, 4, 12]);
+        assert_ne!(a.uuids[0], a.uuids[1]);
+    }
+}

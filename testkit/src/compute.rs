@@ -1,0 +1,193 @@
+//! Measuring compute shares on the simulated GPU: workloads run under the
+//! shim, and the simulated driver's own record of device time says what
+//! share each process really got.
+
+use crate::{programs_dir, Sandbox};
+use std::io::{BufRead, BufReader, Write};
+use std::process::{Child, ChildStdin, ChildStdout, Stdio};
+use std::time::Duration;
+
+/// Reads the simulated driver's busy-time record (outside the shim).
+pub struct BusyMeter {
+    child: Child,
+    input: ChildStdin,
+    output: BufReader<ChildStdout>,
+}
+
+/// One reading: when, and how much device time had been used by then.
+#[derive(Clone, Copy, Debug)]
+pub struct Reading {
+    pub at_ns: u64,
+    pub process_ns: u64,
+    pub device_ns: u64,
+}
+
+impl BusyMeter {
+    pub fn new(sandbox: &Sandbox) -> Self {
+        let mut child = sandbox
+            .command_without_shim(&programs_dir().join("simtool"))
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .spawn()
+            .expect("spawn simtool");
+        let input = child.stdin.take().expect("simtool stdin");
+        let output = BufReader::new(child.stdout.take().expect("simtool stdout"));
+        Self {
+            child,
+            input,
+            output,
+        }
+    }
+
+    /// Device time used on `device` by `pid` (0: the device as a whole).
+    pub fn read(&mut self, device: u32, pid: u32) -> Reading {
+        writeln!(self.input, "{device} {pid}").expect("ask simtool");
+        let mut line = String::new();
+        self.output.read_line(&mut line).expect("simtool answer");
+        let numbers: Vec<u64> = line
+            .split_whitespace()
+            .map(|n| n.parse().expect("number"))
+            .collect();
+        assert_eq!(numbers.len(), 3, "simtool said {line:?}");
+        Reading {
+            at_ns: numbers[0],
+            process_ns: numbers[1],
+            device_ns: numbers[2],
+        }
+    }
+}
+
+impl Drop for BusyMeter {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// Percent of wall time between two readings that the process used.
+pub fn process_share(from: Reading, to: Reading) -> f64 {
+    100.0 * (to.process_ns - from.process_ns) as f64 / (to.at_ns - from.at_ns) as f64
+}
+
+/// Percent of wall time between two readings that the device was busy.
+pub fn device_share(from: Reading, to: Reading) -> f64 {
+    100.0 * (to.device_ns - from.device_ns) as f64 / (to.at_ns - from.at_ns) as f64
+}
+
+/// A workload process under the shim, started and ready.
+pub struct Workload {
+    pub child: Child,
+}
+
+impl Workload {
+    /// Starts `workload PATTERN KERNEL SECONDS DEVICES` and waits until its
+    /// contexts and modules are set up.
+    pub fn start(
+        sandbox: &Sandbox,
+        pattern: &str,
+        kernel: &str,
+        seconds: f64,
+        devices: u32,
+    ) -> Self {
+        let mut child = sandbox
+            .command(&programs_dir().join("workload"))
+            .args([pattern, kernel, &seconds.to_string(), &devices.to_string()])
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .expect("spawn workload");
+        let mut line = String::new();
+        BufReader::new(child.stdout.as_mut().expect("workload stdout"))
+            .read_line(&mut line)
+            .expect("workload ready");
+        assert_eq!(line.trim(), "ready", "workload did not start");
+        Self { child }
+    }
+
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
+    /// Waits for the workload to finish on its own.
+    pub fn finish(mut self) {
+        let status = self.child.wait().expect("workload exit");
+        assert!(status.success(), "workload failed: {status}");
+    }
+}
+
+impl Drop for Workload {
+    fn drop(&mut self) {
+        if let Ok(None) = self.child.try_wait() {
+            let _ = self.child.kill();
+            let _ = self.child.wait();
+        }
+    }
+}
+
+/// What one measured run achieved.
+#[derive(Clone, Copy, Debug)]
+pub struct ShareResult {
+    /// Share over the first second after start (percent).
+    pub first_second: f64,
+    /// Share over the measured window after that (percent).
+    pub steady: f64,
+}
+
+/// Runs one workload alone in a fresh sandbox at `limit` percent and
+/// measures its share over `window` after a one-second start.
+pub fn measure_single(limit: u32, pattern: &str, kernel: &str, window: Duration) -> ShareResult {
+    let mut sandbox = Sandbox::new("share", 1, "16Gi");
+    sandbox.set("CUDA_DEVICE_SM_LIMIT", &limit.to_string());
+    let mut meter = BusyMeter::new(&sandbox);
+    let seconds = 1.0 + window.as_secs_f64() + 0.5;
+    let workload = Workload::start(&sandbox, pattern, kernel, seconds, 1);
+    let pid = workload.pid();
+    let start = meter.read(0, pid);
+    wait_until(start.at_ns + 1_000_000_000);
+    let settled = meter.read(0, pid);
+    wait_until(settled.at_ns + window.as_nanos() as u64);
+    let end = meter.read(0, pid);
+    workload.finish();
+    ShareResult {
+        first_second: process_share(start, settled),
+        steady: process_share(settled, end),
+    }
+}
+
+/// Runs the same workload without the shim (no cap at all) and measures its
+/// share over `window`.
+pub fn measure_without_shim(pattern: &str, kernel: &str, window: Duration) -> f64 {
+    let sandbox = Sandbox::new("alone", 1, "16Gi");
+    let mut meter = BusyMeter::new(&sandbox);
+    let mut child = sandbox
+        .command_without_shim(&programs_dir().join("workload"))
+        .args([
+            pattern,
+            kernel,
+            &(window.as_secs_f64() + 0.5).to_string(),
+            "1",
+        ])
+        .stdout(Stdio::piped())
+        .spawn()
+        .expect("spawn workload");
+    let mut line = String::new();
+    BufReader::new(child.stdout.as_mut().expect("workload stdout"))
+        .read_line(&mut line)
+        .expect("workload ready");
+    let start = meter.read(0, child.id());
+    wait_until(start.at_ns + window.as_nanos() as u64);
+    let end = meter.read(0, child.id());
+    let _ = child.wait();
+    process_share(start, end)
+}
+
+/// Sleeps until CLOCK_MONOTONIC reaches `deadline_ns`: the end of a
+/// measurement window, not a stand-in for synchronisation.
+pub fn wait_until(deadline_ns: u64) {
+    let now = monotonic_ns();
+    if deadline_ns > now {
+        std::thread::sleep(Duration::from_nanos(deadline_ns - now));
+    }
+}
+
+pub use vgpu_node_contract::region::monotonic_ns;

@@ -1,0 +1,192 @@
+//! Helpers shared by the integration tests: a simulated-GPU sandbox per
+//! test, the built shim and test programs, and parsing of their output.
+//!
+//! Tests need the workspace's cdylibs built first (`cargo build`), as the
+//! README's test command does; a missing library is reported with that hint.
+
+pub mod compute;
+pub mod extender_client;
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+/// Directory holding the compiled C test programs.
+pub fn programs_dir() -> PathBuf {
+    PathBuf::from(env!("VGPU_TEST_PROGRAMS"))
+}
+
+/// `target/<profile>`, found from the running executable: tests live in
+/// `target/<profile>/deps/`, binaries in `target/<profile>/`.
+pub fn target_dir() -> PathBuf {
+    let exe = std::env::current_exe().expect("executable path");
+    let dir = exe.parent().expect("executable has a directory");
+    if dir.file_name().is_some_and(|name| name == "deps") {
+        dir.parent().expect("deps has a parent").to_path_buf()
+    } else {
+        dir.to_path_buf()
+    }
+}
+
+fn built_library(name: &str) -> PathBuf {
+    let path = target_dir().join(name);
+    assert!(
+        path.exists(),
+        "{} is missing: build the workspace first (`cargo build --workspace`)",
+        path.display()
+    );
+    path
+}
+
+/// The shim under test.
+pub fn shim_library() -> PathBuf {
+    built_library("libvgpu.so")
+}
+
+/// The simulated GPU library.
+pub fn simulated_gpu_library() -> PathBuf {
+    built_library("libsimgpu.so")
+}
+
+static SANDBOX_COUNTER: AtomicUsize = AtomicUsize::new(0);
+
+/// A private simulated GPU and container: its own driver state file, its own
+/// region file, and a library directory where the simulated GPU answers to
+/// the names of NVIDIA's driver libraries.
+pub struct Sandbox {
+    pub dir: PathBuf,
+    pub lib_dir: PathBuf,
+    pub region: PathBuf,
+    pub sim_state: PathBuf,
+    env: Vec<(String, String)>,
+}
+
+impl Sandbox {
+    /// A sandbox whose simulated GPU has `devices` devices of `memory` each.
+    pub fn new(name: &str, devices: u32, memory: &str) -> Self {
+        let unique = SANDBOX_COUNTER.fetch_add(1, Ordering::Relaxed);
+        let dir = std::env::temp_dir().join(format!(
+            "vgpu-test-{}-{}-{name}",
+            std::process::id(),
+            unique
+        ));
+        let _ = std::fs::remove_dir_all(&dir);
+        let lib_dir = dir.join("lib");
+        std::fs::create_dir_all(&lib_dir).expect("create sandbox");
+        let simulated = simulated_gpu_library();
+        for alias in [
+            "libcuda.so.1",
+            "libcuda.so",
+            "libnvidia-ml.so.1",
+            "libnvidia-ml.so",
+        ] {
+            std::os::unix::fs::symlink(&simulated, lib_dir.join(alias)).expect("link driver alias");
+        }
+        let region = dir.join("region.cache");
+        let sim_state = dir.join("simgpu.state");
+        let env = vec![
+            ("SIMGPU_DEVICES".to_string(), devices.to_string()),
+            ("SIMGPU_MEMORY".to_string(), memory.to_string()),
+            ("SIMGPU_STATE".to_string(), sim_state.display().to_string()),
+            ("LD_LIBRARY_PATH".to_string(), lib_dir.display().to_string()),
+            (
+                "CUDA_DEVICE_MEMORY_SHARED_CACHE".to_string(),
+                region.display().to_string(),
+            ),
+            // Contexts are charged explicitly in the tests that check them.
+            ("VGPU_CONTEXT_RESERVE".to_string(), "0".to_string()),
+        ];
+        Self {
+            dir,
+            lib_dir,
+            region,
+            sim_state,
+            env,
+        }
+    }
+
+    /// Sets (or replaces) an environment variable for every command.
+    pub fn set(&mut self, key: &str, value: &str) -> &mut Self {
+        self.env.retain(|(k, _)| k != key);
+        self.env.push((key.to_string(), value.to_string()));
+        self
+    }
+
+    /// Removes an environment variable from every command.
+    pub fn unset(&mut self, key: &str) -> &mut Self {
+        self.env.retain(|(k, _)| k != key);
+        self
+    }
+
+    /// A command for `program` with the sandbox environment, without the shim.
+    pub fn command_without_shim(&self, program: &Path) -> Command {
+        let mut command = Command::new(program);
+        command.env_clear();
+        if let Ok(path) = std::env::var("PATH") {
+            command.env("PATH", path);
+        }
+        for (key, value) in &self.env {
+            command.env(key, value);
+        }
+        command
+    }
+
+    /// A command for `program` running under the shim.
+    pub fn command(&self, program: &Path) -> Command {
+        let mut command = self.command_without_shim(program);
+        command.env("LD_PRELOAD", shim_library());
+        command
+    }
+
+    /// `probe ACCESS ARGS...` (the linked build for the `linked` access mode).
+    pub fn probe(&self, access: &str, args: &[&str]) -> Command {
+        let program = if access == "linked" {
+            programs_dir().join("probe_linked")
+        } else {
+            programs_dir().join("probe")
+        };
+        let mut command = self.command(&program);
+        command.arg(access).args(args);
+        command
+    }
+}
+
+impl Drop for Sandbox {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+/// Runs a command, panicking with its stderr if it fails.
+pub fn run_ok(command: &mut Command) -> Output {
+    let output = command.output().expect("spawn test program");
+    assert!(
+        output.status.success(),
+        "{command:?} failed with {}\nstdout:\n{}\nstderr:\n{}",
+        output.status,
+        String::from_utf8_lossy(&output.stdout),
+        String::from_utf8_lossy(&output.stderr)
+    );
+    output
+}
+
+/// Parses `key=value` lines.
+pub fn key_values(output: &Output) -> HashMap<String, String> {
+    String::from_utf8_lossy(&output.stdout)
+        .lines()
+        .filter_map(|line| line.split_once('='))
+        .map(|(k, v)| (k.to_string(), v.to_string()))
+        .collect()
+}
+
+/// A numeric value from parsed output.
+pub fn number(values: &HashMap<String, String>, key: &str) -> i128 {
+    values
+        .get(key)
+        .unwrap_or_else(|| panic!("output has no {key}: {values:?}"))
+        .parse()
+        .unwrap_or_else(|_| panic!("{key} is not a number: {values:?}"))
+}
+
+pub const MIB: i128 = 1 << 20;
