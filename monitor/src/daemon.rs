@@ -152,6 +152,8 @@ pub struct Monitor {
     janitor: Janitor,
     shared: Arc<Shared>,
     last_sweep: Option<Instant>,
+    /// Cleanup sweeps done so far.
+    sweeps: u64,
     generation: u64,
     /// Effective-share writes so far.
     pub writes: u64,
@@ -183,6 +185,7 @@ impl Monitor {
             misplaced: HashSet::new(),
             shared,
             last_sweep: None,
+            sweeps: 0,
             generation: 0,
             writes: 0,
         }
@@ -368,6 +371,7 @@ impl Monitor {
             regions: self.discovery.len(),
             refused_total: self.discovery.refused_total,
             reclaimed_total: self.janitor.reclaimed.load(Ordering::Relaxed),
+            sweeps_total: self.sweeps,
             api_up: match api_state {
                 ApiState::Disabled => None,
                 state => Some(state == ApiState::Synced),
@@ -439,6 +443,7 @@ impl Monitor {
             return;
         }
         self.last_sweep = Some(now);
+        self.sweeps += 1;
         let mut remove = Vec::new();
         for region in self.discovery.regions() {
             if cleanup::has_dead_slot(region.region()) {

@@ -42,7 +42,8 @@
 //! (regions with a device on it).
 //!
 //! The monitor itself: `vgpu_monitor_regions`, `vgpu_monitor_regions_refused_total`,
-//! `vgpu_monitor_slots_reclaimed_total`, `vgpu_monitor_kubernetes_api_up`,
+//! `vgpu_monitor_slots_reclaimed_total`, `vgpu_monitor_cleanup_sweeps_total`,
+//! `vgpu_monitor_kubernetes_api_up`,
 //! `vgpu_monitor_loop_duration_seconds`.
 
 use crate::discovery::DeviceFigures;
@@ -81,6 +82,8 @@ pub struct Snapshot {
     pub regions: usize,
     pub refused_total: u64,
     pub reclaimed_total: u64,
+    /// Cleanup sweeps done (one at most every second).
+    pub sweeps_total: u64,
     /// `None` when no API is configured.
     pub api_up: Option<bool>,
     pub loop_seconds: f64,
@@ -372,6 +375,12 @@ pub fn render(snapshot: &Snapshot, hami_names: bool) -> Vec<u8> {
         "Process slots of dead processes returned by the monitor.",
         Counter,
         snapshot.reclaimed_total as f64,
+    );
+    w.single(
+        "vgpu_monitor_cleanup_sweeps_total",
+        "Cleanup sweeps done (dead slots reclaimed, regions of deleted pods removed).",
+        Counter,
+        snapshot.sweeps_total as f64,
     );
     if let Some(up) = snapshot.api_up {
         w.single(

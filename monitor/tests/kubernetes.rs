@@ -166,7 +166,14 @@ fn without_the_api_names_fall_back_and_nothing_is_removed() {
             && value(s, "vgpu_monitor_kubernetes_api_up", &[]) == Some(0.0))
         .then_some(())
     });
-    std::thread::sleep(Duration::from_secs(3));
+    // Sweeps are at least a second apart, so three more after this point
+    // span more than the one-second grace: the monitor has had its chance
+    // to remove the region.
+    let sweeps = |s: &[Sample]| value(s, "vgpu_monitor_cleanup_sweeps_total", &[]);
+    let seen = monitor.wait_for_metrics(Duration::from_secs(10), sweeps);
+    monitor.wait_for_metrics(Duration::from_secs(15), |s| {
+        sweeps(s).filter(|count| *count >= seen + 3.0)
+    });
     assert!(
         exists(&host.root.join(format!("{UID_GONE}_main"))),
         "never delete on uncertainty"

@@ -17,7 +17,7 @@ use nvml_wrapper::bitmasks::event::EventTypes;
 use nvml_wrapper::error::NvmlError;
 use nvml_wrapper::Nvml;
 use std::collections::{HashMap, HashSet};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::mpsc;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -140,23 +140,30 @@ impl HealthTracker {
 pub struct ManualHealth {
     tracker: HealthTracker,
     signals: mpsc::Receiver<Signal>,
+    handled: Arc<AtomicU64>,
 }
 
 /// Sends signals to a [`ManualHealth`].
 #[derive(Clone)]
 pub struct ManualHealthHandle {
     signals: mpsc::Sender<Signal>,
+    handled: Arc<AtomicU64>,
 }
 
 impl ManualHealth {
     pub fn new(tracker: HealthTracker) -> (Self, ManualHealthHandle) {
         let (tx, rx) = mpsc::channel();
+        let handled = Arc::new(AtomicU64::new(0));
         (
             Self {
                 tracker,
                 signals: rx,
+                handled: Arc::clone(&handled),
             },
-            ManualHealthHandle { signals: tx },
+            ManualHealthHandle {
+                signals: tx,
+                handled,
+            },
         )
     }
 }
@@ -165,6 +172,12 @@ impl ManualHealthHandle {
     /// Delivers `signal`; false once the source has stopped.
     pub fn send(&self, signal: Signal) -> bool {
         self.signals.send(signal).is_ok()
+    }
+
+    /// How many signals have been applied, and their health changes
+    /// reported, so far.
+    pub fn handled(&self) -> u64 {
+        self.handled.load(Ordering::Acquire)
     }
 
     /// Reports XID `xid` on `uuid`, as NVML would.
@@ -184,6 +197,7 @@ impl HealthSource for ManualHealth {
                     if let Some(event) = self.tracker.apply(signal, Instant::now()) {
                         report(event);
                     }
+                    self.handled.fetch_add(1, Ordering::Release);
                 }
                 Err(mpsc::RecvTimeoutError::Timeout) => {}
                 Err(mpsc::RecvTimeoutError::Disconnected) => {

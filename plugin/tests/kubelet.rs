@@ -162,9 +162,10 @@ async fn registers_reports_health_and_registers_again_after_kubelet_restarts() {
         inventory(&api, "node-a").filter(|i| !i.gpus[1].healthy && i.gpus[0].healthy)
     })
     .await;
+    // Signals are applied in order, so once the recovery below shows, this
+    // application XID has been applied too: had it made GPU 0 unhealthy,
+    // nothing would make it healthy again and the wait would fail.
     assert!(harness.health.inject_xid(&gpu0, 13));
-    tokio::time::sleep(Duration::from_millis(300)).await;
-    assert!(health_of(&conn, &gpu0).iter().all(|h| h == "Healthy"));
 
     // Recovery (here: one good probe, the window being zero).
     assert!(harness.health.send(Signal::Probe {
@@ -188,8 +189,14 @@ async fn registers_reports_health_and_registers_again_after_kubelet_restarts() {
 
     // A fault while kubelet is away reaches the next kubelet.
     kubelet.stop().await;
+    let handled = harness.health.handled();
     assert!(harness.health.inject_xid(&gpu0, 48));
-    tokio::time::sleep(Duration::from_millis(200)).await;
+    eventually(
+        WAIT,
+        "the fault to be applied while kubelet is away",
+        || async { (harness.health.handled() > handled).then_some(()) },
+    )
+    .await;
     kubelet.restart().await;
     let third = kubelet.next_registration(WAIT).await;
     let mut conn = kubelet.connect(&third).await;

@@ -1,140 +1,18 @@
-//! The real CUDA driver and NVML underneath the shim.
+//! The real CUDA driver and NVML underneath the shim, and the shim's hooks.
 //!
-//! Each function the shim hooks or calls is declared once in [`cuda`] or
-//! [`nvml`] with its C signature. The declaration yields:
-//! - a slot for the real function's address, filled when the library is
-//!   first needed (`dlopen` of `libcuda.so.1` / `libnvidia-ml.so.1`, then the
-//!   real `dlsym` on that handle, which finds the driver's own definition and
-//!   never ours);
-//! - a typed caller, `driver::cuda::cuMemAlloc_v2(...)`;
-//! - for hooked functions, an entry mapping the real address to our hook, so
-//!   that an address the program obtained from the driver (through `dlsym` or
-//!   `cuGetProcAddress`) can be swapped for the hook of exactly that variant.
-//!
-//! The hot path of a typed caller is one relaxed atomic load and a call.
+//! Each function the shim hooks or calls is declared here once, with its C
+//! signature (see `vgpu_interpose::driver_library!` for everything that
+//! one line produces). A hooked function's implementation is the function
+//! of the same name under [`crate::hooks`]; its signature is checked against
+//! the line here at compile time. `twin` names the driver's `_ptsz` variant
+//! (per-thread default stream), hooked by the same implementation.
 
 use std::ffi::{c_char, c_void, CStr};
-use std::sync::atomic::{AtomicPtr, Ordering};
-use std::sync::OnceLock;
-
-/// One real function's address, resolved lazily.
-pub struct RealFn {
-    pub name: &'static CStr,
-    address: AtomicPtr<c_void>,
-}
-
-impl RealFn {
-    pub const fn new(name: &'static CStr) -> Self {
-        Self {
-            name,
-            address: AtomicPtr::new(std::ptr::null_mut()),
-        }
-    }
-
-    /// The real address, loading `library` on first use; null if the
-    /// library or the symbol is missing.
-    #[inline(always)]
-    pub fn get(&self, library: &Library) -> *mut c_void {
-        let address = self.address.load(Ordering::Relaxed);
-        if !address.is_null() {
-            return address;
-        }
-        library.ensure_loaded();
-        self.address.load(Ordering::Relaxed)
-    }
-}
-
-/// A hooked function: its real counterpart and our replacement.
-pub struct Hook {
-    pub real: &'static RealFn,
-    pub hook: *const c_void,
-}
-
-// SAFETY: `hook` is the address of a function, immutable and valid in every
-// thread.
-unsafe impl Sync for Hook {}
-
-/// A driver library and the functions the shim takes from it.
-pub struct Library {
-    sonames: &'static [&'static CStr],
-    functions: fn() -> &'static [&'static RealFn],
-    hooks: fn() -> &'static [Hook],
-    /// Real address -> hook address, sorted by real address.
-    redirects: OnceLock<Vec<(usize, usize)>>,
-}
-
-thread_local! {
-    /// Set while this thread is inside a library load. `dlopen` runs the
-    /// library's constructors, which may look driver symbols up again; such
-    /// a nested lookup must not wait for the load it is part of.
-    static LOADING: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
-}
-
-impl Library {
-    /// Loads the library (once) and resolves every declared function.
-    pub fn ensure_loaded(&self) {
-        self.loaded();
-    }
-
-    /// The redirect table, loading the library first if needed; `None` for
-    /// a lookup nested inside this thread's own load.
-    fn loaded(&self) -> Option<&Vec<(usize, usize)>> {
-        if let Some(redirects) = self.redirects.get() {
-            return Some(redirects);
-        }
-        if LOADING.with(|loading| loading.replace(true)) {
-            return None;
-        }
-        let redirects = self.redirects.get_or_init(|| self.load());
-        LOADING.with(|loading| loading.set(false));
-        Some(redirects)
-    }
-
-    fn load(&self) -> Vec<(usize, usize)> {
-        let handle = self.sonames.iter().find_map(|soname| {
-            // SAFETY: dlopen with a NUL-terminated name; RTLD_NOLOAD is not
-            // used because a program that reaches a hook has the library
-            // loaded already or wants it loaded.
-            let handle =
-                unsafe { libc::dlopen(soname.as_ptr(), libc::RTLD_NOW | libc::RTLD_GLOBAL) };
-            (!handle.is_null()).then_some(handle)
-        });
-        let Some(handle) = handle else {
-            tracing::debug!(library = ?self.sonames.first(), "driver library not found");
-            return Vec::new();
-        };
-        for function in (self.functions)() {
-            // SAFETY: real_dlsym is libc's dlsym; the handle is live and the
-            // name NUL-terminated.
-            let address = unsafe { crate::dlsym::real_dlsym(handle, function.name.as_ptr()) };
-            function.address.store(address, Ordering::Relaxed);
-        }
-        let mut redirects: Vec<(usize, usize)> = (self.hooks)()
-            .iter()
-            .filter_map(|hook| {
-                let real = hook.real.address.load(Ordering::Relaxed);
-                (!real.is_null()).then_some((real as usize, hook.hook as usize))
-            })
-            .collect();
-        redirects.sort_unstable();
-        redirects
-    }
-
-    /// Our hook for a real address, if the address is a hooked function of
-    /// this library. Loads the library if needed.
-    pub fn redirect(&self, address: *mut c_void) -> Option<*mut c_void> {
-        let redirects = self.loaded()?;
-        redirects
-            .binary_search_by_key(&(address as usize), |(real, _)| *real)
-            .ok()
-            .map(|index| redirects[index].1 as *mut c_void)
-    }
-
-    /// Whether `name` is one of the functions this library hooks.
-    pub fn hooks_name(&self, name: &CStr) -> bool {
-        (self.hooks)().iter().any(|hook| hook.real.name == name)
-    }
-}
+#[allow(unused_imports)]
+use vgpu_cuda_abi::cuda::*;
+#[allow(unused_imports)]
+use vgpu_cuda_abi::nvml::*;
+use vgpu_interpose::driver_library;
 
 /// Swaps a real driver address for our hook of the same function, if any.
 pub fn redirect_any(address: *mut c_void, name: *const c_char) -> *mut c_void {
@@ -157,104 +35,9 @@ pub fn redirect_any(address: *mut c_void, name: *const c_char) -> *mut c_void {
     library.redirect(address).unwrap_or(address)
 }
 
-macro_rules! driver_library {
-    (
-        library $lib:ident, sonames [$($soname:literal),+], missing $missing:expr;
-        hooked { $( fn $hname:ident ( $($harg:ident : $hty:ty),* ) -> $hret:ty; )* }
-        used { $( fn $uname:ident ( $($uarg:ident : $uty:ty),* ) -> $uret:ty; )* }
-    ) => {
-        #[allow(non_snake_case, non_upper_case_globals, clippy::too_many_arguments)]
-        pub mod $lib {
-            use super::*;
-            #[allow(unused_imports)]
-            use vgpu_cuda_abi::cuda::*;
-            #[allow(unused_imports)]
-            use vgpu_cuda_abi::nvml::*;
-
-            /// Real function addresses.
-            pub mod real {
-                use super::super::RealFn;
-                $( pub static $hname: RealFn = RealFn::new(
-                    match std::ffi::CStr::from_bytes_with_nul(concat!(stringify!($hname), "\0").as_bytes()) {
-                        Ok(name) => name,
-                        Err(_) => panic!("symbol name"),
-                    }); )*
-                $( pub static $uname: RealFn = RealFn::new(
-                    match std::ffi::CStr::from_bytes_with_nul(concat!(stringify!($uname), "\0").as_bytes()) {
-                        Ok(name) => name,
-                        Err(_) => panic!("symbol name"),
-                    }); )*
-            }
-
-            static FUNCTIONS: &[&RealFn] = &[ $( &real::$hname, )* $( &real::$uname, )* ];
-            static HOOKS: &[Hook] = &[ $( Hook {
-                real: &real::$hname,
-                hook: crate::hooks::$hname as *const c_void,
-            }, )* ];
-
-            pub static LIBRARY: Library = Library {
-                sonames: &[ $( match std::ffi::CStr::from_bytes_with_nul(concat!($soname, "\0").as_bytes()) {
-                    Ok(name) => name,
-                    Err(_) => panic!("soname"),
-                }, )+ ],
-                functions: || FUNCTIONS,
-                hooks: || HOOKS,
-                redirects: OnceLock::new(),
-            };
-
-            $(
-                /// Calls the real function.
-                ///
-                /// # Safety
-                /// The arguments must satisfy the C API's contract.
-                // The SAFETY comments below are stripped by macro expansion,
-                // which is why the lint is silenced here.
-                #[allow(clippy::undocumented_unsafe_blocks)]
-                #[inline(always)]
-                pub unsafe fn $hname($($harg: $hty),*) -> $hret {
-                    let address = real::$hname.get(&LIBRARY);
-                    if address.is_null() {
-                        return $missing;
-                    }
-                    // SAFETY: the address was resolved for this symbol, whose
-                    // C signature is the one declared here.
-                    let function: unsafe extern "C" fn($($hty),*) -> $hret =
-                        unsafe { std::mem::transmute::<*mut c_void, unsafe extern "C" fn($($hty),*) -> $hret>(address) };
-                    // SAFETY: forwarded under the caller's contract.
-                    unsafe { function($($harg),*) }
-                }
-            )*
-            $(
-                /// Calls the real function.
-                ///
-                /// # Safety
-                /// The arguments must satisfy the C API's contract.
-                // The SAFETY comments below are stripped by macro expansion,
-                // which is why the lint is silenced here.
-                #[allow(clippy::undocumented_unsafe_blocks)]
-                #[inline(always)]
-                pub unsafe fn $uname($($uarg: $uty),*) -> $uret {
-                    let address = real::$uname.get(&LIBRARY);
-                    if address.is_null() {
-                        return $missing;
-                    }
-                    // SAFETY: the address was resolved for this symbol, whose
-                    // C signature is the one declared here.
-                    let function: unsafe extern "C" fn($($uty),*) -> $uret =
-                        unsafe { std::mem::transmute::<*mut c_void, unsafe extern "C" fn($($uty),*) -> $uret>(address) };
-                    // SAFETY: forwarded under the caller's contract.
-                    unsafe { function($($uarg),*) }
-                }
-            )*
-        }
-    };
-}
-
-use vgpu_cuda_abi::cuda::CUDA_ERROR_NOT_SUPPORTED;
-use vgpu_cuda_abi::nvml::NVML_ERROR_FUNCTION_NOT_FOUND;
-
 driver_library! {
-    library cuda, sonames ["libcuda.so.1", "libcuda.so"], missing CUDA_ERROR_NOT_SUPPORTED;
+    library cuda, sonames ["libcuda.so.1", "libcuda.so"], missing CUDA_ERROR_NOT_SUPPORTED,
+        on_panic CUDA_ERROR_UNKNOWN, hooks crate::hooks, resolve crate::dlsym::real_dlsym;
     hooked {
         fn cuInit(flags: u32) -> CUresult;
         fn cuGetProcAddress(symbol: *const c_char, pfn: *mut *mut c_void, cuda_version: i32, flags: u64) -> CUresult;
@@ -276,12 +59,9 @@ driver_library! {
         fn cuMemFree_v2(dptr: CUdeviceptr) -> CUresult;
         fn cuMemCreate(handle: *mut CUmemGenericAllocationHandle, bytes: usize, prop: *const CUmemAllocationProp, flags: u64) -> CUresult;
         fn cuMemRelease(handle: CUmemGenericAllocationHandle) -> CUresult;
-        fn cuMemAllocAsync(dptr: *mut CUdeviceptr, bytes: usize, stream: CUstream) -> CUresult;
-        fn cuMemAllocAsync_ptsz(dptr: *mut CUdeviceptr, bytes: usize, stream: CUstream) -> CUresult;
-        fn cuMemAllocFromPoolAsync(dptr: *mut CUdeviceptr, bytes: usize, pool: CUmemoryPool, stream: CUstream) -> CUresult;
-        fn cuMemAllocFromPoolAsync_ptsz(dptr: *mut CUdeviceptr, bytes: usize, pool: CUmemoryPool, stream: CUstream) -> CUresult;
-        fn cuMemFreeAsync(dptr: CUdeviceptr, stream: CUstream) -> CUresult;
-        fn cuMemFreeAsync_ptsz(dptr: CUdeviceptr, stream: CUstream) -> CUresult;
+        fn cuMemAllocAsync(dptr: *mut CUdeviceptr, bytes: usize, stream: CUstream) -> CUresult; twin cuMemAllocAsync_ptsz;
+        fn cuMemAllocFromPoolAsync(dptr: *mut CUdeviceptr, bytes: usize, pool: CUmemoryPool, stream: CUstream) -> CUresult; twin cuMemAllocFromPoolAsync_ptsz;
+        fn cuMemFreeAsync(dptr: CUdeviceptr, stream: CUstream) -> CUresult; twin cuMemFreeAsync_ptsz;
         fn cuMemPoolTrimTo(pool: CUmemoryPool, keep: usize) -> CUresult;
         fn cuMemPoolCreate(pool: *mut CUmemoryPool, props: *const CUmemPoolProps) -> CUresult;
         fn cuMemPoolDestroy(pool: CUmemoryPool) -> CUresult;
@@ -297,21 +77,17 @@ driver_library! {
         fn cuModuleLoadDataEx(module: *mut CUmodule, image: *const c_void, num_options: u32, options: *mut c_void, values: *mut *mut c_void) -> CUresult;
         fn cuModuleLoadFatBinary(module: *mut CUmodule, image: *const c_void) -> CUresult;
         fn cuModuleUnload(module: CUmodule) -> CUresult;
-        fn cuLaunchKernel(function: CUfunction, gx: u32, gy: u32, gz: u32, bx: u32, by: u32, bz: u32, shared: u32, stream: CUstream, params: *mut *mut c_void, extra: *mut *mut c_void) -> CUresult;
-        fn cuLaunchKernel_ptsz(function: CUfunction, gx: u32, gy: u32, gz: u32, bx: u32, by: u32, bz: u32, shared: u32, stream: CUstream, params: *mut *mut c_void, extra: *mut *mut c_void) -> CUresult;
-        fn cuLaunchKernelEx(config: *const CUlaunchConfig, function: CUfunction, params: *mut *mut c_void, extra: *mut *mut c_void) -> CUresult;
-        fn cuLaunchKernelEx_ptsz(config: *const CUlaunchConfig, function: CUfunction, params: *mut *mut c_void, extra: *mut *mut c_void) -> CUresult;
-        fn cuLaunchCooperativeKernel(function: CUfunction, gx: u32, gy: u32, gz: u32, bx: u32, by: u32, bz: u32, shared: u32, stream: CUstream, params: *mut *mut c_void) -> CUresult;
-        fn cuLaunchCooperativeKernel_ptsz(function: CUfunction, gx: u32, gy: u32, gz: u32, bx: u32, by: u32, bz: u32, shared: u32, stream: CUstream, params: *mut *mut c_void) -> CUresult;
+        fn cuLibraryLoadData(library: *mut CUlibrary, code: *const c_void, jit_options: *mut c_void, jit_values: *mut *mut c_void, jit_count: u32, library_options: *mut c_void, library_values: *mut *mut c_void, library_count: u32) -> CUresult;
+        fn cuLibraryLoadFromFile(library: *mut CUlibrary, path: *const c_char, jit_options: *mut c_void, jit_values: *mut *mut c_void, jit_count: u32, library_options: *mut c_void, library_values: *mut *mut c_void, library_count: u32) -> CUresult;
+        fn cuLibraryUnload(library: CUlibrary) -> CUresult;
+        fn cuLaunchKernel(function: CUfunction, gx: u32, gy: u32, gz: u32, bx: u32, by: u32, bz: u32, shared: u32, stream: CUstream, params: *mut *mut c_void, extra: *mut *mut c_void) -> CUresult; twin cuLaunchKernel_ptsz;
+        fn cuLaunchKernelEx(config: *const CUlaunchConfig, function: CUfunction, params: *mut *mut c_void, extra: *mut *mut c_void) -> CUresult; twin cuLaunchKernelEx_ptsz;
+        fn cuLaunchCooperativeKernel(function: CUfunction, gx: u32, gy: u32, gz: u32, bx: u32, by: u32, bz: u32, shared: u32, stream: CUstream, params: *mut *mut c_void) -> CUresult; twin cuLaunchCooperativeKernel_ptsz;
         fn cuLaunchCooperativeKernelMultiDevice(launches: *mut CUDA_LAUNCH_PARAMS, count: u32, flags: u32) -> CUresult;
-        fn cuGraphLaunch(exec: CUgraphExec, stream: CUstream) -> CUresult;
-        fn cuGraphLaunch_ptsz(exec: CUgraphExec, stream: CUstream) -> CUresult;
-        fn cuStreamBeginCapture_v2(stream: CUstream, mode: i32) -> CUresult;
-        fn cuStreamBeginCapture_v2_ptsz(stream: CUstream, mode: i32) -> CUresult;
-        fn cuStreamBeginCaptureToGraph(stream: CUstream, graph: CUgraph, dependencies: *const CUgraphNode, edges: *const c_void, count: usize, mode: i32) -> CUresult;
-        fn cuStreamBeginCaptureToGraph_ptsz(stream: CUstream, graph: CUgraph, dependencies: *const CUgraphNode, edges: *const c_void, count: usize, mode: i32) -> CUresult;
-        fn cuStreamEndCapture(stream: CUstream, graph: *mut CUgraph) -> CUresult;
-        fn cuStreamEndCapture_ptsz(stream: CUstream, graph: *mut CUgraph) -> CUresult;
+        fn cuGraphLaunch(exec: CUgraphExec, stream: CUstream) -> CUresult; twin cuGraphLaunch_ptsz;
+        fn cuStreamBeginCapture_v2(stream: CUstream, mode: i32) -> CUresult; twin cuStreamBeginCapture_v2_ptsz;
+        fn cuStreamBeginCaptureToGraph(stream: CUstream, graph: CUgraph, dependencies: *const CUgraphNode, edges: *const c_void, count: usize, mode: i32) -> CUresult; twin cuStreamBeginCaptureToGraph_ptsz;
+        fn cuStreamEndCapture(stream: CUstream, graph: *mut CUgraph) -> CUresult; twin cuStreamEndCapture_ptsz;
     }
     used {
         fn cuEventCreate(event: *mut CUevent, flags: u32) -> CUresult;
@@ -339,7 +115,8 @@ driver_library! {
 }
 
 driver_library! {
-    library nvml, sonames ["libnvidia-ml.so.1", "libnvidia-ml.so"], missing NVML_ERROR_FUNCTION_NOT_FOUND;
+    library nvml, sonames ["libnvidia-ml.so.1", "libnvidia-ml.so"], missing NVML_ERROR_FUNCTION_NOT_FOUND,
+        on_panic NVML_ERROR_UNKNOWN, hooks crate::hooks, resolve crate::dlsym::real_dlsym;
     hooked {
         fn nvmlInit_v2() -> nvmlReturn_t;
         fn nvmlInitWithFlags(flags: u32) -> nvmlReturn_t;

@@ -12,19 +12,9 @@
 //! `vgpu_node_contract::region`); allocations are charged there before the driver
 //! is asked, so the container's total never exceeds its cap.
 //!
-//! Every exported function catches panics ([`guarded!`]) so none unwinds
-//! into C, and nothing is written to standard output.
-
-/// Runs `$body`, returning `$fallback` if it panics: no unwind may cross
-/// into the C caller.
-macro_rules! guarded {
-    ($fallback:expr, $body:block) => {
-        match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| $body)) {
-            Ok(value) => value,
-            Err(_) => $fallback,
-        }
-    };
-}
+//! Every hook is declared once in [`driver`], which exports it under the
+//! driver's symbol name and catches panics so none unwinds into C; nothing
+//! is written to standard output.
 
 mod dlsym;
 mod driver;

@@ -46,13 +46,16 @@ impl<T> ForkSafeLock<T> {
         self.locked.store(false, Ordering::Release);
     }
 
-    /// Runs `f` on the data under the lock.
+    /// Runs `f` on the data under the lock. The lock is released however
+    /// `f` ends, a panic included: every hook catches panics at the FFI
+    /// boundary and the process goes on, so a lock left held would hang the
+    /// next driver call instead.
     pub fn with<R>(&self, f: impl FnOnce(&mut T) -> R) -> R {
         self.lock();
-        // SAFETY: the lock gives this thread exclusive access.
-        let result = f(unsafe { &mut *self.data.get() });
-        self.unlock();
-        result
+        let held = Held(self);
+        // SAFETY: the lock gives this thread exclusive access until `held`
+        // is dropped.
+        f(unsafe { &mut *held.0.data.get() })
     }
 
     /// Like `with`, but gives up at once if the lock is held.
@@ -64,10 +67,10 @@ impl<T> ForkSafeLock<T> {
         {
             return None;
         }
-        // SAFETY: the lock gives this thread exclusive access.
-        let result = f(unsafe { &mut *self.data.get() });
-        self.unlock();
-        Some(result)
+        let held = Held(self);
+        // SAFETY: the lock gives this thread exclusive access until `held`
+        // is dropped.
+        Some(f(unsafe { &mut *held.0.data.get() }))
     }
 
     /// `pthread_atfork` prepare handler.
@@ -87,6 +90,15 @@ impl<T> ForkSafeLock<T> {
         // SAFETY: held since the prepare handler; the child is single-threaded.
         reset(unsafe { &mut *self.data.get() });
         self.unlock();
+    }
+}
+
+/// Releases the lock when dropped, on return and on unwind alike.
+struct Held<'a, T>(&'a ForkSafeLock<T>);
+
+impl<T> Drop for Held<'_, T> {
+    fn drop(&mut self) {
+        self.0.unlock();
     }
 }
 
@@ -115,5 +127,23 @@ mod tests {
         assert_eq!(lock.try_with(|v| v.len()), None, "held across fork");
         lock.after_fork_in_child(|v| v.clear());
         assert_eq!(lock.with(|v| v.len()), 0);
+    }
+
+    #[test]
+    fn a_panic_inside_releases_the_lock() {
+        let lock = ForkSafeLock::new(0u32);
+        let caught = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            lock.with(|value| {
+                *value = 1;
+                panic!("inside the critical section");
+            })
+        }));
+        assert!(caught.is_err());
+        assert_eq!(lock.try_with(|value| *value), Some(1), "released on unwind");
+        let caught = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            lock.try_with(|_| panic!("inside try_with"))
+        }));
+        assert!(caught.is_err());
+        assert_eq!(lock.try_with(|value| *value + 1), Some(2));
     }
 }

@@ -19,6 +19,8 @@ pub enum Resource {
     DevicePointer,
     Array,
     Module,
+    /// A CUDA 12 library (`cuLibraryLoad*`).
+    Library,
     Context,
     PhysicalHandle,
     Pool,

@@ -59,6 +59,8 @@ fn every_allocation_kind_is_charged_and_returned() {
             ("vmm", 16 * MIB),
             ("array", 4 * MIB),
             ("module", number(&values, "module_image")),
+            ("library", number(&values, "module_image")),
+            ("library_file", number(&values, "module_image")),
             ("async", 10 * MIB),
         ];
         for (key, bytes) in expected {

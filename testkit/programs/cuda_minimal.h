@@ -12,6 +12,7 @@ typedef unsigned long long CUdeviceptr;
 typedef unsigned long long CUmemGenericAllocationHandle;
 typedef void *CUcontext;
 typedef void *CUmodule;
+typedef void *CUlibrary;
 typedef void *CUfunction;
 typedef void *CUstream;
 typedef void *CUarray;

@@ -62,6 +62,9 @@ struct Driver {
     CUresult (*ArrayDestroy)(CUarray);
     CUresult (*ModuleLoadData)(CUmodule *, const void *);
     CUresult (*ModuleUnload)(CUmodule);
+    CUresult (*LibraryLoadData)(CUlibrary *, const void *, void *, void **, unsigned, void *, void **, unsigned);
+    CUresult (*LibraryLoadFromFile)(CUlibrary *, const char *, void *, void **, unsigned, void *, void **, unsigned);
+    CUresult (*LibraryUnload)(CUlibrary);
     CUresult (*MemAllocAsync)(CUdeviceptr *, size_t, CUstream);
     CUresult (*MemFreeAsync)(CUdeviceptr, CUstream);
     CUresult (*StreamSynchronize)(CUstream);
@@ -91,6 +94,9 @@ CUresult cuArrayCreate_v2(CUarray *, const CUDA_ARRAY_DESCRIPTOR *);
 CUresult cuArrayDestroy(CUarray);
 CUresult cuModuleLoadData(CUmodule *, const void *);
 CUresult cuModuleUnload(CUmodule);
+CUresult cuLibraryLoadData(CUlibrary *, const void *, void *, void **, unsigned, void *, void **, unsigned);
+CUresult cuLibraryLoadFromFile(CUlibrary *, const char *, void *, void **, unsigned, void *, void **, unsigned);
+CUresult cuLibraryUnload(CUlibrary);
 CUresult cuMemAllocAsync(CUdeviceptr *, size_t, CUstream);
 CUresult cuMemFreeAsync(CUdeviceptr, CUstream);
 CUresult cuStreamSynchronize(CUstream);
@@ -120,6 +126,9 @@ static int load_driver(void) {
     cu.ArrayDestroy = cuArrayDestroy;
     cu.ModuleLoadData = cuModuleLoadData;
     cu.ModuleUnload = cuModuleUnload;
+    cu.LibraryLoadData = cuLibraryLoadData;
+    cu.LibraryLoadFromFile = cuLibraryLoadFromFile;
+    cu.LibraryUnload = cuLibraryUnload;
     cu.MemAllocAsync = cuMemAllocAsync;
     cu.MemFreeAsync = cuMemFreeAsync;
     cu.StreamSynchronize = cuStreamSynchronize;
@@ -191,6 +200,9 @@ static int load_driver(void) {
     RESOLVE(ArrayDestroy, "cuArrayDestroy", "cuArrayDestroy", 12000);
     RESOLVE(ModuleLoadData, "cuModuleLoadData", "cuModuleLoadData", 12000);
     RESOLVE(ModuleUnload, "cuModuleUnload", "cuModuleUnload", 12000);
+    RESOLVE(LibraryLoadData, "cuLibraryLoadData", "cuLibraryLoadData", 12000);
+    RESOLVE(LibraryLoadFromFile, "cuLibraryLoadFromFile", "cuLibraryLoadFromFile", 12000);
+    RESOLVE(LibraryUnload, "cuLibraryUnload", "cuLibraryUnload", 12000);
     RESOLVE(MemAllocAsync, "cuMemAllocAsync", "cuMemAllocAsync", 12000);
     RESOLVE(MemFreeAsync, "cuMemFreeAsync", "cuMemFreeAsync", 12000);
     RESOLVE(StreamSynchronize, "cuStreamSynchronize", "cuStreamSynchronize", 12000);
@@ -304,6 +316,28 @@ static int cmd_kinds(void) {
     printf("module=%llu\nmodule_image=%zu\n", used_now() - before, strlen(sim_module));
     CHECK(cu.ModuleUnload(module));
     printf("module_back=%llu\n", used_now() - before);
+
+    CUlibrary library;
+    before = used_now();
+    CHECK(cu.LibraryLoadData(&library, sim_module, NULL, NULL, 0, NULL, NULL, 0));
+    printf("library=%llu\n", used_now() - before);
+    CHECK(cu.LibraryUnload(library));
+    printf("library_back=%llu\n", used_now() - before);
+
+    char library_path[] = "/tmp/vgpu-probe-library-XXXXXX";
+    int library_fd = mkstemp(library_path);
+    if (library_fd < 0 || write(library_fd, sim_module, strlen(sim_module)) != (ssize_t)strlen(sim_module)) {
+        fprintf(stderr, "cannot write %s\n", library_path);
+        return 1;
+    }
+    close(library_fd);
+    before = used_now();
+    CUresult file_rc = cu.LibraryLoadFromFile(&library, library_path, NULL, NULL, 0, NULL, NULL, 0);
+    unlink(library_path);
+    CHECK(file_rc);
+    printf("library_file=%llu\n", used_now() - before);
+    CHECK(cu.LibraryUnload(library));
+    printf("library_file_back=%llu\n", used_now() - before);
 
     CUmemoryPool pool;
     CHECK(cu.DeviceGetDefaultMemPool(&pool, 0));

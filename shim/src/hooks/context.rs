@@ -3,10 +3,11 @@
 //! (code, stacks, printf buffer) that no allocation call shows.
 
 use super::written_handle;
-use crate::driver::cuda as real;
+use crate::driver::cuda::signature;
 use crate::enforcer::{mode, Enforcer, Mode};
 use crate::table::{Charge, Resource};
 use vgpu_cuda_abi::cuda::*;
+use vgpu_interpose::Real;
 use vgpu_node_contract::region::MemoryKind;
 
 fn context_charge(enforcer: &Enforcer, device: CUdevice) -> Charge {
@@ -39,107 +40,102 @@ fn create_context(
     }
 }
 
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuCtxCreate_v2(
+#[allow(non_snake_case)]
+pub(crate) unsafe fn cuCtxCreate_v2(
+    driver: Real<signature::cuCtxCreate_v2>,
     ctx: *mut CUcontext,
     flags: u32,
     device: CUdevice,
 ) -> CUresult {
-    guarded!(CUDA_ERROR_UNKNOWN, {
-        // SAFETY: forwarded unchanged.
-        create_context(device, ctx, || unsafe {
-            real::cuCtxCreate_v2(ctx, flags, device)
-        })
-    })
+    // SAFETY: forwarded unchanged.
+    create_context(device, ctx, || unsafe { (driver.call)(ctx, flags, device) })
 }
 
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuCtxCreate_v3(
+#[allow(non_snake_case)]
+pub(crate) unsafe fn cuCtxCreate_v3(
+    driver: Real<signature::cuCtxCreate_v3>,
     ctx: *mut CUcontext,
     params: *mut std::ffi::c_void,
     num_params: i32,
     flags: u32,
     device: CUdevice,
 ) -> CUresult {
-    guarded!(CUDA_ERROR_UNKNOWN, {
-        create_context(device, ctx, || {
-            // SAFETY: forwarded unchanged.
-            unsafe { real::cuCtxCreate_v3(ctx, params, num_params, flags, device) }
-        })
+    create_context(device, ctx, || {
+        // SAFETY: forwarded unchanged.
+        unsafe { (driver.call)(ctx, params, num_params, flags, device) }
     })
 }
 
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuCtxCreate_v4(
+#[allow(non_snake_case)]
+pub(crate) unsafe fn cuCtxCreate_v4(
+    driver: Real<signature::cuCtxCreate_v4>,
     ctx: *mut CUcontext,
     params: *mut std::ffi::c_void,
     flags: u32,
     device: CUdevice,
 ) -> CUresult {
-    guarded!(CUDA_ERROR_UNKNOWN, {
+    // SAFETY: forwarded unchanged.
+    create_context(device, ctx, || unsafe {
+        (driver.call)(ctx, params, flags, device)
+    })
+}
+
+#[allow(non_snake_case)]
+pub(crate) unsafe fn cuCtxDestroy_v2(
+    driver: Real<signature::cuCtxDestroy_v2>,
+    ctx: CUcontext,
+) -> CUresult {
+    match mode() {
         // SAFETY: forwarded unchanged.
-        create_context(device, ctx, || unsafe {
-            real::cuCtxCreate_v4(ctx, params, flags, device)
-        })
-    })
-}
-
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuCtxDestroy_v2(ctx: CUcontext) -> CUresult {
-    guarded!(CUDA_ERROR_UNKNOWN, {
-        match mode() {
+        Mode::Passthrough | Mode::FailClosed => unsafe { (driver.call)(ctx) },
+        Mode::Enforce(enforcer) => {
             // SAFETY: forwarded unchanged.
-            Mode::Passthrough | Mode::FailClosed => unsafe { real::cuCtxDestroy_v2(ctx) },
-            Mode::Enforce(enforcer) => {
-                // SAFETY: forwarded unchanged.
-                let code = enforcer.uncharged(Resource::Context, ctx as u64, || unsafe {
-                    real::cuCtxDestroy_v2(ctx)
-                });
-                if code == CUDA_SUCCESS {
-                    // Destroying a context frees everything allocated in it.
-                    enforcer.release_context_resources(ctx as usize);
-                }
-                code
+            let code = enforcer.uncharged(Resource::Context, ctx as u64, || unsafe {
+                (driver.call)(ctx)
+            });
+            if code == CUDA_SUCCESS {
+                // Destroying a context frees everything allocated in it.
+                enforcer.release_context_resources(ctx as usize);
             }
+            code
         }
-    })
+    }
 }
 
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuDevicePrimaryCtxRetain(
+#[allow(non_snake_case)]
+pub(crate) unsafe fn cuDevicePrimaryCtxRetain(
+    driver: Real<signature::cuDevicePrimaryCtxRetain>,
     ctx: *mut CUcontext,
     device: CUdevice,
 ) -> CUresult {
-    guarded!(CUDA_ERROR_UNKNOWN, {
-        match mode() {
-            // SAFETY: forwarded unchanged.
-            Mode::Passthrough => unsafe { real::cuDevicePrimaryCtxRetain(ctx, device) },
-            Mode::FailClosed => CUDA_ERROR_NOT_INITIALIZED,
-            Mode::Enforce(enforcer) => {
-                let first = enforcer.primary_retained(device.max(0) as usize);
-                let charge = context_charge(enforcer, device);
-                if first {
-                    if let Err(code) = enforcer.reserve(charge.device, charge.kind, charge.bytes) {
-                        enforcer.primary_retain_failed(charge.device);
-                        return code;
-                    }
-                }
-                // SAFETY: forwarded unchanged.
-                let code = unsafe { real::cuDevicePrimaryCtxRetain(ctx, device) };
-                if code == CUDA_SUCCESS {
-                    // SAFETY: written by the successful call.
-                    enforcer.note_primary_context(charge.device, unsafe { written_handle(ctx) }
-                        as usize);
-                } else {
+    match mode() {
+        // SAFETY: forwarded unchanged.
+        Mode::Passthrough => unsafe { (driver.call)(ctx, device) },
+        Mode::FailClosed => CUDA_ERROR_NOT_INITIALIZED,
+        Mode::Enforce(enforcer) => {
+            let first = enforcer.primary_retained(device.max(0) as usize);
+            let charge = context_charge(enforcer, device);
+            if first {
+                if let Err(code) = enforcer.reserve(charge.device, charge.kind, charge.bytes) {
                     enforcer.primary_retain_failed(charge.device);
-                    if first {
-                        enforcer.release(charge.device, charge.kind, charge.bytes);
-                    }
+                    return code;
                 }
-                code
             }
+            // SAFETY: forwarded unchanged.
+            let code = unsafe { (driver.call)(ctx, device) };
+            if code == CUDA_SUCCESS {
+                // SAFETY: written by the successful call.
+                enforcer
+                    .note_primary_context(charge.device, unsafe { written_handle(ctx) } as usize);
+            } else {
+                enforcer.primary_retain_failed(charge.device);
+                if first {
+                    enforcer.release(charge.device, charge.kind, charge.bytes);
+                }
+            }
+            code
         }
-    })
+    }
 }
 
 /// Common part of the primary-context release and reset hooks.
@@ -163,38 +159,42 @@ fn primary_context_gone(device: CUdevice, code: CUresult, reset: bool) -> CUresu
     code
 }
 
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuDevicePrimaryCtxRelease(device: CUdevice) -> CUresult {
-    guarded!(CUDA_ERROR_UNKNOWN, {
-        // SAFETY: forwarded unchanged.
-        let code = unsafe { real::cuDevicePrimaryCtxRelease(device) };
-        primary_context_gone(device, code, false)
-    })
+#[allow(non_snake_case)]
+pub(crate) unsafe fn cuDevicePrimaryCtxRelease(
+    driver: Real<signature::cuDevicePrimaryCtxRelease>,
+    device: CUdevice,
+) -> CUresult {
+    // SAFETY: forwarded unchanged.
+    let code = unsafe { (driver.call)(device) };
+    primary_context_gone(device, code, false)
 }
 
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuDevicePrimaryCtxRelease_v2(device: CUdevice) -> CUresult {
-    guarded!(CUDA_ERROR_UNKNOWN, {
-        // SAFETY: forwarded unchanged.
-        let code = unsafe { real::cuDevicePrimaryCtxRelease_v2(device) };
-        primary_context_gone(device, code, false)
-    })
+#[allow(non_snake_case)]
+pub(crate) unsafe fn cuDevicePrimaryCtxRelease_v2(
+    driver: Real<signature::cuDevicePrimaryCtxRelease_v2>,
+    device: CUdevice,
+) -> CUresult {
+    // SAFETY: forwarded unchanged.
+    let code = unsafe { (driver.call)(device) };
+    primary_context_gone(device, code, false)
 }
 
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuDevicePrimaryCtxReset(device: CUdevice) -> CUresult {
-    guarded!(CUDA_ERROR_UNKNOWN, {
-        // SAFETY: forwarded unchanged.
-        let code = unsafe { real::cuDevicePrimaryCtxReset(device) };
-        primary_context_gone(device, code, true)
-    })
+#[allow(non_snake_case)]
+pub(crate) unsafe fn cuDevicePrimaryCtxReset(
+    driver: Real<signature::cuDevicePrimaryCtxReset>,
+    device: CUdevice,
+) -> CUresult {
+    // SAFETY: forwarded unchanged.
+    let code = unsafe { (driver.call)(device) };
+    primary_context_gone(device, code, true)
 }
 
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuDevicePrimaryCtxReset_v2(device: CUdevice) -> CUresult {
-    guarded!(CUDA_ERROR_UNKNOWN, {
-        // SAFETY: forwarded unchanged.
-        let code = unsafe { real::cuDevicePrimaryCtxReset_v2(device) };
-        primary_context_gone(device, code, true)
-    })
+#[allow(non_snake_case)]
+pub(crate) unsafe fn cuDevicePrimaryCtxReset_v2(
+    driver: Real<signature::cuDevicePrimaryCtxReset_v2>,
+    device: CUdevice,
+) -> CUresult {
+    // SAFETY: forwarded unchanged.
+    let code = unsafe { (driver.call)(device) };
+    primary_context_gone(device, code, true)
 }

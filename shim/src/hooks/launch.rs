@@ -6,10 +6,12 @@
 //! and the launch is forwarded with nothing else done.
 
 use crate::driver::cuda as real;
+use crate::driver::cuda::signature;
 use crate::enforcer::{mode, Mode};
 use crate::limiter::{Flavour, LaunchKey};
 use std::ffi::c_void;
 use vgpu_cuda_abi::cuda::*;
+use vgpu_interpose::Real;
 
 /// Runs `launch` under the container's compute share.
 #[inline(always)]
@@ -53,8 +55,9 @@ fn kernel_key(
     }
 }
 
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuLaunchKernel(
+#[allow(non_snake_case, clippy::too_many_arguments)]
+pub(crate) unsafe fn cuLaunchKernel(
+    driver: Real<signature::cuLaunchKernel>,
     function: CUfunction,
     gx: u32,
     gy: u32,
@@ -67,43 +70,14 @@ pub unsafe extern "C" fn cuLaunchKernel(
     params: *mut *mut c_void,
     extra: *mut *mut c_void,
 ) -> CUresult {
-    guarded!(CUDA_ERROR_UNKNOWN, {
-        let key = kernel_key(function, gx, gy, gz, bx, by, bz, shared);
-        limited(key, stream, Flavour::Legacy, || {
-            // SAFETY: forwarded unchanged.
-            unsafe {
-                real::cuLaunchKernel(
-                    function, gx, gy, gz, bx, by, bz, shared, stream, params, extra,
-                )
-            }
-        })
-    })
-}
-
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuLaunchKernel_ptsz(
-    function: CUfunction,
-    gx: u32,
-    gy: u32,
-    gz: u32,
-    bx: u32,
-    by: u32,
-    bz: u32,
-    shared: u32,
-    stream: CUstream,
-    params: *mut *mut c_void,
-    extra: *mut *mut c_void,
-) -> CUresult {
-    guarded!(CUDA_ERROR_UNKNOWN, {
-        let key = kernel_key(function, gx, gy, gz, bx, by, bz, shared);
-        limited(key, stream, Flavour::PerThread, || {
-            // SAFETY: forwarded unchanged.
-            unsafe {
-                real::cuLaunchKernel_ptsz(
-                    function, gx, gy, gz, bx, by, bz, shared, stream, params, extra,
-                )
-            }
-        })
+    let key = kernel_key(function, gx, gy, gz, bx, by, bz, shared);
+    limited(key, stream, Flavour::of(driver.per_thread), || {
+        // SAFETY: forwarded unchanged.
+        unsafe {
+            (driver.call)(
+                function, gx, gy, gz, bx, by, bz, shared, stream, params, extra,
+            )
+        }
     })
 }
 
@@ -132,48 +106,28 @@ unsafe fn config_key(
     ))
 }
 
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuLaunchKernelEx(
+#[allow(non_snake_case, clippy::too_many_arguments)]
+pub(crate) unsafe fn cuLaunchKernelEx(
+    driver: Real<signature::cuLaunchKernelEx>,
     config: *const CUlaunchConfig,
     function: CUfunction,
     params: *mut *mut c_void,
     extra: *mut *mut c_void,
 ) -> CUresult {
-    guarded!(CUDA_ERROR_UNKNOWN, {
-        let launch = || {
-            // SAFETY: forwarded unchanged.
-            unsafe { real::cuLaunchKernelEx(config, function, params, extra) }
-        };
-        // SAFETY: the caller's configuration.
-        match unsafe { config_key(config, function) } {
-            Some((key, stream)) => limited(key, stream, Flavour::Legacy, launch),
-            None => launch(),
-        }
-    })
+    let launch = || {
+        // SAFETY: forwarded unchanged.
+        unsafe { (driver.call)(config, function, params, extra) }
+    };
+    // SAFETY: the caller's configuration.
+    match unsafe { config_key(config, function) } {
+        Some((key, stream)) => limited(key, stream, Flavour::of(driver.per_thread), launch),
+        None => launch(),
+    }
 }
 
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuLaunchKernelEx_ptsz(
-    config: *const CUlaunchConfig,
-    function: CUfunction,
-    params: *mut *mut c_void,
-    extra: *mut *mut c_void,
-) -> CUresult {
-    guarded!(CUDA_ERROR_UNKNOWN, {
-        let launch = || {
-            // SAFETY: forwarded unchanged.
-            unsafe { real::cuLaunchKernelEx_ptsz(config, function, params, extra) }
-        };
-        // SAFETY: the caller's configuration.
-        match unsafe { config_key(config, function) } {
-            Some((key, stream)) => limited(key, stream, Flavour::PerThread, launch),
-            None => launch(),
-        }
-    })
-}
-
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuLaunchCooperativeKernel(
+#[allow(non_snake_case, clippy::too_many_arguments)]
+pub(crate) unsafe fn cuLaunchCooperativeKernel(
+    driver: Real<signature::cuLaunchCooperativeKernel>,
     function: CUfunction,
     gx: u32,
     gy: u32,
@@ -185,113 +139,67 @@ pub unsafe extern "C" fn cuLaunchCooperativeKernel(
     stream: CUstream,
     params: *mut *mut c_void,
 ) -> CUresult {
-    guarded!(CUDA_ERROR_UNKNOWN, {
-        let key = kernel_key(function, gx, gy, gz, bx, by, bz, shared);
-        limited(key, stream, Flavour::Legacy, || {
-            // SAFETY: forwarded unchanged.
-            unsafe {
-                real::cuLaunchCooperativeKernel(
-                    function, gx, gy, gz, bx, by, bz, shared, stream, params,
-                )
-            }
-        })
-    })
-}
-
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuLaunchCooperativeKernel_ptsz(
-    function: CUfunction,
-    gx: u32,
-    gy: u32,
-    gz: u32,
-    bx: u32,
-    by: u32,
-    bz: u32,
-    shared: u32,
-    stream: CUstream,
-    params: *mut *mut c_void,
-) -> CUresult {
-    guarded!(CUDA_ERROR_UNKNOWN, {
-        let key = kernel_key(function, gx, gy, gz, bx, by, bz, shared);
-        limited(key, stream, Flavour::PerThread, || {
-            // SAFETY: forwarded unchanged.
-            unsafe {
-                real::cuLaunchCooperativeKernel_ptsz(
-                    function, gx, gy, gz, bx, by, bz, shared, stream, params,
-                )
-            }
-        })
+    let key = kernel_key(function, gx, gy, gz, bx, by, bz, shared);
+    limited(key, stream, Flavour::of(driver.per_thread), || {
+        // SAFETY: forwarded unchanged.
+        unsafe { (driver.call)(function, gx, gy, gz, bx, by, bz, shared, stream, params) }
     })
 }
 
 /// One kernel per device, each on its own stream: every device is charged
 /// for its part (at the learned price; these launches are not timed).
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuLaunchCooperativeKernelMultiDevice(
+#[allow(non_snake_case, clippy::too_many_arguments)]
+pub(crate) unsafe fn cuLaunchCooperativeKernelMultiDevice(
+    driver: Real<signature::cuLaunchCooperativeKernelMultiDevice>,
     launches: *mut CUDA_LAUNCH_PARAMS,
     count: u32,
     flags: u32,
 ) -> CUresult {
-    guarded!(CUDA_ERROR_UNKNOWN, {
-        if let (Mode::Enforce(enforcer), false) = (mode(), launches.is_null()) {
-            // SAFETY: the caller passes `count` launch descriptions.
-            let entries = unsafe { std::slice::from_raw_parts(launches, count as usize) };
-            for entry in entries {
-                let mut context: CUcontext = std::ptr::null_mut();
-                // SAFETY: the caller's stream; valid out-pointer.
-                if unsafe { real::cuStreamGetCtx(entry.h_stream, &mut context) } != CUDA_SUCCESS {
-                    continue;
-                }
-                if let Some(device) = enforcer.device_of_context(context as usize) {
-                    let key = kernel_key(
-                        entry.function,
-                        entry.grid_dim_x,
-                        entry.grid_dim_y,
-                        entry.grid_dim_z,
-                        entry.block_dim_x,
-                        entry.block_dim_y,
-                        entry.block_dim_z,
-                        entry.shared_mem_bytes,
-                    );
-                    enforcer
-                        .limiter
-                        .charge_untimed(&enforcer.region, device, key);
-                }
+    if let (Mode::Enforce(enforcer), false) = (mode(), launches.is_null()) {
+        // SAFETY: the caller passes `count` launch descriptions.
+        let entries = unsafe { std::slice::from_raw_parts(launches, count as usize) };
+        for entry in entries {
+            let mut context: CUcontext = std::ptr::null_mut();
+            // SAFETY: the caller's stream; valid out-pointer.
+            if unsafe { real::cuStreamGetCtx(entry.h_stream, &mut context) } != CUDA_SUCCESS {
+                continue;
+            }
+            if let Some(device) = enforcer.device_of_context(context as usize) {
+                let key = kernel_key(
+                    entry.function,
+                    entry.grid_dim_x,
+                    entry.grid_dim_y,
+                    entry.grid_dim_z,
+                    entry.block_dim_x,
+                    entry.block_dim_y,
+                    entry.block_dim_z,
+                    entry.shared_mem_bytes,
+                );
+                enforcer
+                    .limiter
+                    .charge_untimed(&enforcer.region, device, key);
             }
         }
-        // SAFETY: forwarded unchanged.
-        unsafe { real::cuLaunchCooperativeKernelMultiDevice(launches, count, flags) }
-    })
+    }
+    // SAFETY: forwarded unchanged.
+    unsafe { (driver.call)(launches, count, flags) }
 }
 
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuGraphLaunch(exec: CUgraphExec, stream: CUstream) -> CUresult {
-    guarded!(CUDA_ERROR_UNKNOWN, {
-        limited(
-            LaunchKey::graph(exec as usize),
-            stream,
-            Flavour::Legacy,
-            || {
-                // SAFETY: forwarded unchanged.
-                unsafe { real::cuGraphLaunch(exec, stream) }
-            },
-        )
-    })
-}
-
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuGraphLaunch_ptsz(exec: CUgraphExec, stream: CUstream) -> CUresult {
-    guarded!(CUDA_ERROR_UNKNOWN, {
-        limited(
-            LaunchKey::graph(exec as usize),
-            stream,
-            Flavour::PerThread,
-            || {
-                // SAFETY: forwarded unchanged.
-                unsafe { real::cuGraphLaunch_ptsz(exec, stream) }
-            },
-        )
-    })
+#[allow(non_snake_case, clippy::too_many_arguments)]
+pub(crate) unsafe fn cuGraphLaunch(
+    driver: Real<signature::cuGraphLaunch>,
+    exec: CUgraphExec,
+    stream: CUstream,
+) -> CUresult {
+    limited(
+        LaunchKey::graph(exec as usize),
+        stream,
+        Flavour::of(driver.per_thread),
+        || {
+            // SAFETY: forwarded unchanged.
+            unsafe { (driver.call)(exec, stream) }
+        },
+    )
 }
 
 // ---- Stream capture: while any capture is in progress the limiter checks
@@ -315,27 +223,19 @@ fn capture_over(code: CUresult) -> CUresult {
     code
 }
 
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuStreamBeginCapture_v2(stream: CUstream, capture_mode: i32) -> CUresult {
-    guarded!(CUDA_ERROR_UNKNOWN, {
-        // SAFETY: forwarded unchanged.
-        capture_began(unsafe { real::cuStreamBeginCapture_v2(stream, capture_mode) })
-    })
-}
-
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuStreamBeginCapture_v2_ptsz(
+#[allow(non_snake_case, clippy::too_many_arguments)]
+pub(crate) unsafe fn cuStreamBeginCapture_v2(
+    driver: Real<signature::cuStreamBeginCapture_v2>,
     stream: CUstream,
     capture_mode: i32,
 ) -> CUresult {
-    guarded!(CUDA_ERROR_UNKNOWN, {
-        // SAFETY: forwarded unchanged.
-        capture_began(unsafe { real::cuStreamBeginCapture_v2_ptsz(stream, capture_mode) })
-    })
+    // SAFETY: forwarded unchanged.
+    capture_began(unsafe { (driver.call)(stream, capture_mode) })
 }
 
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuStreamBeginCaptureToGraph(
+#[allow(non_snake_case, clippy::too_many_arguments)]
+pub(crate) unsafe fn cuStreamBeginCaptureToGraph(
+    driver: Real<signature::cuStreamBeginCaptureToGraph>,
     stream: CUstream,
     graph: CUgraph,
     dependencies: *const CUgraphNode,
@@ -343,64 +243,18 @@ pub unsafe extern "C" fn cuStreamBeginCaptureToGraph(
     count: usize,
     capture_mode: i32,
 ) -> CUresult {
-    guarded!(CUDA_ERROR_UNKNOWN, {
-        capture_began(
-            // SAFETY: forwarded unchanged.
-            unsafe {
-                real::cuStreamBeginCaptureToGraph(
-                    stream,
-                    graph,
-                    dependencies,
-                    edges,
-                    count,
-                    capture_mode,
-                )
-            },
-        )
-    })
-}
-
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuStreamBeginCaptureToGraph_ptsz(
-    stream: CUstream,
-    graph: CUgraph,
-    dependencies: *const CUgraphNode,
-    edges: *const c_void,
-    count: usize,
-    capture_mode: i32,
-) -> CUresult {
-    guarded!(CUDA_ERROR_UNKNOWN, {
-        capture_began(
-            // SAFETY: forwarded unchanged.
-            unsafe {
-                real::cuStreamBeginCaptureToGraph_ptsz(
-                    stream,
-                    graph,
-                    dependencies,
-                    edges,
-                    count,
-                    capture_mode,
-                )
-            },
-        )
-    })
-}
-
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuStreamEndCapture(stream: CUstream, graph: *mut CUgraph) -> CUresult {
-    guarded!(CUDA_ERROR_UNKNOWN, {
+    capture_began(
         // SAFETY: forwarded unchanged.
-        capture_over(unsafe { real::cuStreamEndCapture(stream, graph) })
-    })
+        unsafe { (driver.call)(stream, graph, dependencies, edges, count, capture_mode) },
+    )
 }
 
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuStreamEndCapture_ptsz(
+#[allow(non_snake_case, clippy::too_many_arguments)]
+pub(crate) unsafe fn cuStreamEndCapture(
+    driver: Real<signature::cuStreamEndCapture>,
     stream: CUstream,
     graph: *mut CUgraph,
 ) -> CUresult {
-    guarded!(CUDA_ERROR_UNKNOWN, {
-        // SAFETY: forwarded unchanged.
-        capture_over(unsafe { real::cuStreamEndCapture_ptsz(stream, graph) })
-    })
+    // SAFETY: forwarded unchanged.
+    capture_over(unsafe { (driver.call)(stream, graph) })
 }

@@ -4,9 +4,11 @@
 
 use super::{written, written_handle};
 use crate::driver::cuda as real;
+use crate::driver::cuda::signature;
 use crate::enforcer::{current_context, mode, Enforcer, Mode};
 use crate::table::{Charge, Resource};
 use vgpu_cuda_abi::cuda::*;
+use vgpu_interpose::Real;
 use vgpu_node_contract::region::MemoryKind;
 
 /// Pitch alignment assumed before the driver reports the real pitch. Real
@@ -49,43 +51,38 @@ fn free_resource(resource: Resource, id: u64, free: impl FnOnce() -> CUresult) -
     }
 }
 
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuMemAlloc_v2(dptr: *mut CUdeviceptr, bytes: usize) -> CUresult {
-    guarded!(CUDA_ERROR_UNKNOWN, {
-        let allocate = || {
-            // SAFETY: forwarded unchanged; `dptr` is written on success.
-            let code = unsafe { real::cuMemAlloc_v2(dptr, bytes) };
-            // SAFETY: the caller's out-pointer.
-            (code, unsafe { written(dptr) })
-        };
-        if let Mode::Enforce(enforcer) = mode() {
-            // Swap is off unless oversubscription is configured: do not
-            // ask the driver for the context twice on the common path.
-            let spill_device = enforcer
-                .config
-                .oversubscribe
-                .then(current_context)
-                .flatten();
-            if let Some((device, context)) = spill_device {
-                if enforcer.may_spill(device) {
-                    return allocate_or_spill(
-                        enforcer,
-                        device,
-                        context,
-                        dptr,
-                        bytes as u64,
-                        allocate,
-                    );
-                }
+#[allow(non_snake_case)]
+pub(crate) unsafe fn cuMemAlloc_v2(
+    driver: Real<signature::cuMemAlloc_v2>,
+    dptr: *mut CUdeviceptr,
+    bytes: usize,
+) -> CUresult {
+    let allocate = || {
+        // SAFETY: forwarded unchanged; `dptr` is written on success.
+        let code = unsafe { (driver.call)(dptr, bytes) };
+        // SAFETY: the caller's out-pointer.
+        (code, unsafe { written(dptr) })
+    };
+    if let Mode::Enforce(enforcer) = mode() {
+        // Swap is off unless oversubscription is configured: do not
+        // ask the driver for the context twice on the common path.
+        let spill_device = enforcer
+            .config
+            .oversubscribe
+            .then(current_context)
+            .flatten();
+        if let Some((device, context)) = spill_device {
+            if enforcer.may_spill(device) {
+                return allocate_or_spill(enforcer, device, context, dptr, bytes as u64, allocate);
             }
         }
-        allocate_in_context(
-            MemoryKind::Data,
-            Resource::DevicePointer,
-            bytes as u64,
-            allocate,
-        )
-    })
+    }
+    allocate_in_context(
+        MemoryKind::Data,
+        Resource::DevicePointer,
+        bytes as u64,
+        allocate,
+    )
 }
 
 // ---- Host-memory swap (`CUDA_OVERSUBSCRIBE`) ----
@@ -205,141 +202,139 @@ fn free_if_spilled(dptr: CUdeviceptr, before: impl FnOnce() -> CUresult) -> Opti
     Some(code)
 }
 
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuMemAllocManaged(
+#[allow(non_snake_case)]
+pub(crate) unsafe fn cuMemAllocManaged(
+    driver: Real<signature::cuMemAllocManaged>,
     dptr: *mut CUdeviceptr,
     bytes: usize,
     flags: u32,
 ) -> CUresult {
-    guarded!(CUDA_ERROR_UNKNOWN, {
-        allocate_in_context(
-            MemoryKind::Data,
-            Resource::DevicePointer,
-            bytes as u64,
-            || {
-                // SAFETY: forwarded unchanged.
-                let code = unsafe { real::cuMemAllocManaged(dptr, bytes, flags) };
-                // SAFETY: the caller's out-pointer.
-                (code, unsafe { written(dptr) })
-            },
-        )
-    })
+    allocate_in_context(
+        MemoryKind::Data,
+        Resource::DevicePointer,
+        bytes as u64,
+        || {
+            // SAFETY: forwarded unchanged.
+            let code = unsafe { (driver.call)(dptr, bytes, flags) };
+            // SAFETY: the caller's out-pointer.
+            (code, unsafe { written(dptr) })
+        },
+    )
 }
 
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuMemAllocPitch_v2(
+#[allow(non_snake_case)]
+pub(crate) unsafe fn cuMemAllocPitch_v2(
+    driver: Real<signature::cuMemAllocPitch_v2>,
     dptr: *mut CUdeviceptr,
     pitch: *mut usize,
     width: usize,
     height: usize,
     element_bytes: u32,
 ) -> CUresult {
-    guarded!(CUDA_ERROR_UNKNOWN, {
-        let allocate = || {
-            // SAFETY: forwarded unchanged.
-            unsafe { real::cuMemAllocPitch_v2(dptr, pitch, width, height, element_bytes) }
-        };
-        let Mode::Enforce(enforcer) = mode() else {
-            return match mode() {
-                Mode::FailClosed => CUDA_ERROR_NOT_INITIALIZED,
-                _ => allocate(),
-            };
-        };
-        let Some((device, context)) = current_context() else {
-            return allocate();
-        };
-        // Reserve an upper bound, then settle on the real pitch x height.
-        let bound = (width as u64)
-            .div_ceil(PITCH_ALIGNMENT_BOUND)
-            .saturating_mul(PITCH_ALIGNMENT_BOUND)
-            .saturating_mul(height as u64);
-        if let Err(code) = enforcer.reserve(device, MemoryKind::Data, bound) {
-            return code;
-        }
-        let code = allocate();
-        if code != CUDA_SUCCESS {
-            enforcer.release(device, MemoryKind::Data, bound);
-            return code;
-        }
-        // SAFETY: both out-pointers were written by the successful call.
-        let (address, real_pitch) =
-            unsafe { (written(dptr), pitch.as_ref().copied().unwrap_or(0)) };
-        let actual = (real_pitch as u64).saturating_mul(height as u64);
-        enforcer.recharge(device, MemoryKind::Data, bound, actual);
-        let charge = Charge {
-            device,
-            kind: MemoryKind::Data,
-            bytes: actual,
-            context,
-            pool: 0,
-            host: 0,
-        };
-        enforcer
-            .table
-            .insert(Resource::DevicePointer, address, charge);
-        code
-    })
-}
-
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuMemFree_v2(dptr: CUdeviceptr) -> CUresult {
-    guarded!(CUDA_ERROR_UNKNOWN, {
-        if let Some(code) = free_if_spilled(dptr, || CUDA_SUCCESS) {
-            return code;
-        }
+    let allocate = || {
         // SAFETY: forwarded unchanged.
-        free_resource(Resource::DevicePointer, dptr, || unsafe {
-            real::cuMemFree_v2(dptr)
-        })
+        unsafe { (driver.call)(dptr, pitch, width, height, element_bytes) }
+    };
+    let Mode::Enforce(enforcer) = mode() else {
+        return match mode() {
+            Mode::FailClosed => CUDA_ERROR_NOT_INITIALIZED,
+            _ => allocate(),
+        };
+    };
+    let Some((device, context)) = current_context() else {
+        return allocate();
+    };
+    // Reserve an upper bound, then settle on the real pitch x height.
+    let bound = (width as u64)
+        .div_ceil(PITCH_ALIGNMENT_BOUND)
+        .saturating_mul(PITCH_ALIGNMENT_BOUND)
+        .saturating_mul(height as u64);
+    if let Err(code) = enforcer.reserve(device, MemoryKind::Data, bound) {
+        return code;
+    }
+    let code = allocate();
+    if code != CUDA_SUCCESS {
+        enforcer.release(device, MemoryKind::Data, bound);
+        return code;
+    }
+    // SAFETY: both out-pointers were written by the successful call.
+    let (address, real_pitch) = unsafe { (written(dptr), pitch.as_ref().copied().unwrap_or(0)) };
+    let actual = (real_pitch as u64).saturating_mul(height as u64);
+    enforcer.recharge(device, MemoryKind::Data, bound, actual);
+    let charge = Charge {
+        device,
+        kind: MemoryKind::Data,
+        bytes: actual,
+        context,
+        pool: 0,
+        host: 0,
+    };
+    enforcer
+        .table
+        .insert(Resource::DevicePointer, address, charge);
+    code
+}
+
+#[allow(non_snake_case)]
+pub(crate) unsafe fn cuMemFree_v2(
+    driver: Real<signature::cuMemFree_v2>,
+    dptr: CUdeviceptr,
+) -> CUresult {
+    if let Some(code) = free_if_spilled(dptr, || CUDA_SUCCESS) {
+        return code;
+    }
+    // SAFETY: forwarded unchanged.
+    free_resource(Resource::DevicePointer, dptr, || unsafe {
+        (driver.call)(dptr)
     })
 }
 
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuMemCreate(
+#[allow(non_snake_case)]
+pub(crate) unsafe fn cuMemCreate(
+    driver: Real<signature::cuMemCreate>,
     handle: *mut CUmemGenericAllocationHandle,
     bytes: usize,
     prop: *const CUmemAllocationProp,
     flags: u64,
 ) -> CUresult {
-    guarded!(CUDA_ERROR_UNKNOWN, {
-        let create = || {
-            // SAFETY: forwarded unchanged.
-            unsafe { real::cuMemCreate(handle, bytes, prop, flags) }
-        };
-        // SAFETY: `prop` is null or points to the caller's description.
-        let location = unsafe { prop.as_ref() }.map(|p| p.location);
-        match (mode(), location) {
-            (Mode::FailClosed, _) => CUDA_ERROR_NOT_INITIALIZED,
-            (Mode::Enforce(enforcer), Some(location))
-                if location.type_ == CU_MEM_LOCATION_TYPE_DEVICE && location.id >= 0 =>
-            {
-                let charge = Charge {
-                    device: location.id as usize,
-                    kind: MemoryKind::Data,
-                    bytes: bytes as u64,
-                    context: 0,
-                    pool: 0,
-                    host: 0,
-                };
-                enforcer.charged(charge, Resource::PhysicalHandle, || {
-                    let code = create();
-                    // SAFETY: the caller's out-pointer.
-                    (code, unsafe { written(handle) })
-                })
-            }
-            // Host-located physical memory is not device memory.
-            _ => create(),
+    let create = || {
+        // SAFETY: forwarded unchanged.
+        unsafe { (driver.call)(handle, bytes, prop, flags) }
+    };
+    // SAFETY: `prop` is null or points to the caller's description.
+    let location = unsafe { prop.as_ref() }.map(|p| p.location);
+    match (mode(), location) {
+        (Mode::FailClosed, _) => CUDA_ERROR_NOT_INITIALIZED,
+        (Mode::Enforce(enforcer), Some(location))
+            if location.type_ == CU_MEM_LOCATION_TYPE_DEVICE && location.id >= 0 =>
+        {
+            let charge = Charge {
+                device: location.id as usize,
+                kind: MemoryKind::Data,
+                bytes: bytes as u64,
+                context: 0,
+                pool: 0,
+                host: 0,
+            };
+            enforcer.charged(charge, Resource::PhysicalHandle, || {
+                let code = create();
+                // SAFETY: the caller's out-pointer.
+                (code, unsafe { written(handle) })
+            })
         }
-    })
+        // Host-located physical memory is not device memory.
+        _ => create(),
+    }
 }
 
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuMemRelease(handle: CUmemGenericAllocationHandle) -> CUresult {
-    guarded!(CUDA_ERROR_UNKNOWN, {
-        // SAFETY: forwarded unchanged.
-        free_resource(Resource::PhysicalHandle, handle, || unsafe {
-            real::cuMemRelease(handle)
-        })
+#[allow(non_snake_case)]
+pub(crate) unsafe fn cuMemRelease(
+    driver: Real<signature::cuMemRelease>,
+    handle: CUmemGenericAllocationHandle,
+) -> CUresult {
+    // SAFETY: forwarded unchanged.
+    free_resource(Resource::PhysicalHandle, handle, || unsafe {
+        (driver.call)(handle)
     })
 }
 
@@ -362,98 +357,97 @@ fn array_bytes(
         .saturating_mul(channels.max(1) as u64)
 }
 
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuArrayCreate_v2(
+#[allow(non_snake_case)]
+pub(crate) unsafe fn cuArrayCreate_v2(
+    driver: Real<signature::cuArrayCreate_v2>,
     array: *mut CUarray,
     desc: *const CUDA_ARRAY_DESCRIPTOR,
 ) -> CUresult {
-    guarded!(CUDA_ERROR_UNKNOWN, {
-        // SAFETY: `desc` is null or the caller's descriptor.
-        let bytes = unsafe { desc.as_ref() }
-            .map(|d| array_bytes(d.width, d.height, 1, d.format, d.num_channels))
-            .unwrap_or(0);
-        allocate_in_context(MemoryKind::Data, Resource::Array, bytes, || {
-            // SAFETY: forwarded unchanged.
-            let code = unsafe { real::cuArrayCreate_v2(array, desc) };
-            // SAFETY: the caller's out-pointer.
-            (code, unsafe { written_handle(array) })
-        })
+    // SAFETY: `desc` is null or the caller's descriptor.
+    let bytes = unsafe { desc.as_ref() }
+        .map(|d| array_bytes(d.width, d.height, 1, d.format, d.num_channels))
+        .unwrap_or(0);
+    allocate_in_context(MemoryKind::Data, Resource::Array, bytes, || {
+        // SAFETY: forwarded unchanged.
+        let code = unsafe { (driver.call)(array, desc) };
+        // SAFETY: the caller's out-pointer.
+        (code, unsafe { written_handle(array) })
     })
 }
 
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuArray3DCreate_v2(
+#[allow(non_snake_case)]
+pub(crate) unsafe fn cuArray3DCreate_v2(
+    driver: Real<signature::cuArray3DCreate_v2>,
     array: *mut CUarray,
     desc: *const CUDA_ARRAY3D_DESCRIPTOR,
 ) -> CUresult {
-    guarded!(CUDA_ERROR_UNKNOWN, {
-        // SAFETY: `desc` is null or the caller's descriptor.
-        let bytes = unsafe { desc.as_ref() }
-            .map(|d| array_bytes(d.width, d.height, d.depth, d.format, d.num_channels))
-            .unwrap_or(0);
-        allocate_in_context(MemoryKind::Data, Resource::Array, bytes, || {
-            // SAFETY: forwarded unchanged.
-            let code = unsafe { real::cuArray3DCreate_v2(array, desc) };
-            // SAFETY: the caller's out-pointer.
-            (code, unsafe { written_handle(array) })
-        })
-    })
-}
-
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuArrayDestroy(array: CUarray) -> CUresult {
-    guarded!(CUDA_ERROR_UNKNOWN, {
+    // SAFETY: `desc` is null or the caller's descriptor.
+    let bytes = unsafe { desc.as_ref() }
+        .map(|d| array_bytes(d.width, d.height, d.depth, d.format, d.num_channels))
+        .unwrap_or(0);
+    allocate_in_context(MemoryKind::Data, Resource::Array, bytes, || {
         // SAFETY: forwarded unchanged.
-        free_resource(Resource::Array, array as u64, || unsafe {
-            real::cuArrayDestroy(array)
-        })
+        let code = unsafe { (driver.call)(array, desc) };
+        // SAFETY: the caller's out-pointer.
+        (code, unsafe { written_handle(array) })
     })
 }
 
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuMipmappedArrayCreate(
+#[allow(non_snake_case)]
+pub(crate) unsafe fn cuArrayDestroy(
+    driver: Real<signature::cuArrayDestroy>,
+    array: CUarray,
+) -> CUresult {
+    // SAFETY: forwarded unchanged.
+    free_resource(Resource::Array, array as u64, || unsafe {
+        (driver.call)(array)
+    })
+}
+
+#[allow(non_snake_case)]
+pub(crate) unsafe fn cuMipmappedArrayCreate(
+    driver: Real<signature::cuMipmappedArrayCreate>,
     array: *mut CUmipmappedArray,
     desc: *const CUDA_ARRAY3D_DESCRIPTOR,
     levels: u32,
 ) -> CUresult {
-    guarded!(CUDA_ERROR_UNKNOWN, {
-        // SAFETY: `desc` is null or the caller's descriptor.
-        let bytes = unsafe { desc.as_ref() }
-            .map(|d| {
-                (0..levels.min(32)).fold(0u64, |total, level| {
-                    let shrink = |extent: usize| {
-                        if extent == 0 {
-                            0
-                        } else {
-                            (extent >> level).max(1)
-                        }
-                    };
-                    total.saturating_add(array_bytes(
-                        shrink(d.width),
-                        shrink(d.height),
-                        shrink(d.depth),
-                        d.format,
-                        d.num_channels,
-                    ))
-                })
+    // SAFETY: `desc` is null or the caller's descriptor.
+    let bytes = unsafe { desc.as_ref() }
+        .map(|d| {
+            (0..levels.min(32)).fold(0u64, |total, level| {
+                let shrink = |extent: usize| {
+                    if extent == 0 {
+                        0
+                    } else {
+                        (extent >> level).max(1)
+                    }
+                };
+                total.saturating_add(array_bytes(
+                    shrink(d.width),
+                    shrink(d.height),
+                    shrink(d.depth),
+                    d.format,
+                    d.num_channels,
+                ))
             })
-            .unwrap_or(0);
-        allocate_in_context(MemoryKind::Data, Resource::Array, bytes, || {
-            // SAFETY: forwarded unchanged.
-            let code = unsafe { real::cuMipmappedArrayCreate(array, desc, levels) };
-            // SAFETY: the caller's out-pointer.
-            (code, unsafe { written_handle(array) })
         })
+        .unwrap_or(0);
+    allocate_in_context(MemoryKind::Data, Resource::Array, bytes, || {
+        // SAFETY: forwarded unchanged.
+        let code = unsafe { (driver.call)(array, desc, levels) };
+        // SAFETY: the caller's out-pointer.
+        (code, unsafe { written_handle(array) })
     })
 }
 
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuMipmappedArrayDestroy(array: CUmipmappedArray) -> CUresult {
-    guarded!(CUDA_ERROR_UNKNOWN, {
-        // SAFETY: forwarded unchanged.
-        free_resource(Resource::Array, array as u64, || unsafe {
-            real::cuMipmappedArrayDestroy(array)
-        })
+#[allow(non_snake_case)]
+pub(crate) unsafe fn cuMipmappedArrayDestroy(
+    driver: Real<signature::cuMipmappedArrayDestroy>,
+    array: CUmipmappedArray,
+) -> CUresult {
+    // SAFETY: forwarded unchanged.
+    free_resource(Resource::Array, array as u64, || unsafe {
+        (driver.call)(array)
     })
 }
 
@@ -565,146 +559,107 @@ fn alloc_from_pool(
     }
 }
 
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuMemAllocAsync(
+#[allow(non_snake_case)]
+pub(crate) unsafe fn cuMemAllocAsync(
+    driver: Real<signature::cuMemAllocAsync>,
     dptr: *mut CUdeviceptr,
     bytes: usize,
     stream: CUstream,
 ) -> CUresult {
-    guarded!(CUDA_ERROR_UNKNOWN, {
-        // SAFETY: forwarded unchanged.
-        alloc_async(dptr, bytes, || unsafe {
-            real::cuMemAllocAsync(dptr, bytes, stream)
-        })
+    // SAFETY: forwarded unchanged.
+    alloc_async(dptr, bytes, || unsafe {
+        (driver.call)(dptr, bytes, stream)
     })
 }
 
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuMemAllocAsync_ptsz(
-    dptr: *mut CUdeviceptr,
-    bytes: usize,
-    stream: CUstream,
-) -> CUresult {
-    guarded!(CUDA_ERROR_UNKNOWN, {
-        // SAFETY: forwarded unchanged.
-        alloc_async(dptr, bytes, || unsafe {
-            real::cuMemAllocAsync_ptsz(dptr, bytes, stream)
-        })
-    })
-}
-
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuMemAllocFromPoolAsync(
+#[allow(non_snake_case)]
+pub(crate) unsafe fn cuMemAllocFromPoolAsync(
+    driver: Real<signature::cuMemAllocFromPoolAsync>,
     dptr: *mut CUdeviceptr,
     bytes: usize,
     pool: CUmemoryPool,
     stream: CUstream,
 ) -> CUresult {
-    guarded!(CUDA_ERROR_UNKNOWN, {
-        alloc_from_pool(dptr, bytes, pool, || {
-            // SAFETY: forwarded unchanged.
-            unsafe { real::cuMemAllocFromPoolAsync(dptr, bytes, pool, stream) }
-        })
+    alloc_from_pool(dptr, bytes, pool, || {
+        // SAFETY: forwarded unchanged.
+        unsafe { (driver.call)(dptr, bytes, pool, stream) }
     })
 }
 
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuMemAllocFromPoolAsync_ptsz(
-    dptr: *mut CUdeviceptr,
-    bytes: usize,
-    pool: CUmemoryPool,
+#[allow(non_snake_case)]
+pub(crate) unsafe fn cuMemFreeAsync(
+    driver: Real<signature::cuMemFreeAsync>,
+    dptr: CUdeviceptr,
     stream: CUstream,
 ) -> CUresult {
-    guarded!(CUDA_ERROR_UNKNOWN, {
-        alloc_from_pool(dptr, bytes, pool, || {
-            // SAFETY: forwarded unchanged.
-            unsafe { real::cuMemAllocFromPoolAsync_ptsz(dptr, bytes, pool, stream) }
-        })
-    })
-}
-
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuMemFreeAsync(dptr: CUdeviceptr, stream: CUstream) -> CUresult {
-    guarded!(CUDA_ERROR_UNKNOWN, {
-        // Host memory cannot be freed in stream order: wait for the stream's
-        // earlier work (which may still use the buffer), then free it.
-        let wait = || {
-            // SAFETY: the caller's stream.
-            unsafe { real::cuStreamSynchronize(stream) }
-        };
-        if let Some(code) = free_if_spilled(dptr, wait) {
-            return code;
+    // Host memory cannot be freed in stream order: wait for the stream's
+    // earlier work (which may still use the buffer), then free it.
+    let wait = || {
+        // SAFETY: the caller's stream, synchronized the way the called
+        // variant names it.
+        unsafe {
+            if driver.per_thread {
+                real::cuStreamSynchronize_ptsz(stream)
+            } else {
+                real::cuStreamSynchronize(stream)
+            }
         }
-        // SAFETY: forwarded unchanged.
-        free_resource(Resource::DevicePointer, dptr, || unsafe {
-            real::cuMemFreeAsync(dptr, stream)
-        })
+    };
+    if let Some(code) = free_if_spilled(dptr, wait) {
+        return code;
+    }
+    // SAFETY: forwarded unchanged.
+    free_resource(Resource::DevicePointer, dptr, || unsafe {
+        (driver.call)(dptr, stream)
     })
 }
 
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuMemFreeAsync_ptsz(dptr: CUdeviceptr, stream: CUstream) -> CUresult {
-    guarded!(CUDA_ERROR_UNKNOWN, {
-        // Host memory cannot be freed in stream order: wait for the stream's
-        // earlier work (which may still use the buffer), then free it.
-        let wait = || {
-            // SAFETY: the caller's stream.
-            unsafe { real::cuStreamSynchronize_ptsz(stream) }
-        };
-        if let Some(code) = free_if_spilled(dptr, wait) {
-            return code;
-        }
-        // SAFETY: forwarded unchanged.
-        free_resource(Resource::DevicePointer, dptr, || unsafe {
-            real::cuMemFreeAsync_ptsz(dptr, stream)
-        })
-    })
+#[allow(non_snake_case)]
+pub(crate) unsafe fn cuMemPoolTrimTo(
+    driver: Real<signature::cuMemPoolTrimTo>,
+    pool: CUmemoryPool,
+    keep: usize,
+) -> CUresult {
+    // SAFETY: forwarded unchanged.
+    let code = unsafe { (driver.call)(pool, keep) };
+    if let (CUDA_SUCCESS, Mode::Enforce(enforcer)) = (code, mode()) {
+        enforcer.sync_pool(pool);
+    }
+    code
 }
 
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuMemPoolTrimTo(pool: CUmemoryPool, keep: usize) -> CUresult {
-    guarded!(CUDA_ERROR_UNKNOWN, {
-        // SAFETY: forwarded unchanged.
-        let code = unsafe { real::cuMemPoolTrimTo(pool, keep) };
-        if let (CUDA_SUCCESS, Mode::Enforce(enforcer)) = (code, mode()) {
-            enforcer.sync_pool(pool);
-        }
-        code
-    })
-}
-
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuMemPoolCreate(
+#[allow(non_snake_case)]
+pub(crate) unsafe fn cuMemPoolCreate(
+    driver: Real<signature::cuMemPoolCreate>,
     pool: *mut CUmemoryPool,
     props: *const CUmemPoolProps,
 ) -> CUresult {
-    guarded!(CUDA_ERROR_UNKNOWN, {
-        // SAFETY: forwarded unchanged.
-        let code = unsafe { real::cuMemPoolCreate(pool, props) };
-        if let (CUDA_SUCCESS, Mode::Enforce(enforcer)) = (code, mode()) {
-            // SAFETY: `props` was accepted by the driver; `pool` written.
-            let (location, created) =
-                unsafe { (props.as_ref().map(|p| p.location), written_handle(pool)) };
-            if let Some(location) = location {
-                if location.type_ == CU_MEM_LOCATION_TYPE_DEVICE && location.id >= 0 {
-                    enforcer.track_pool(created as CUmemoryPool, location.id as usize);
-                }
+    // SAFETY: forwarded unchanged.
+    let code = unsafe { (driver.call)(pool, props) };
+    if let (CUDA_SUCCESS, Mode::Enforce(enforcer)) = (code, mode()) {
+        // SAFETY: `props` was accepted by the driver; `pool` written.
+        let (location, created) =
+            unsafe { (props.as_ref().map(|p| p.location), written_handle(pool)) };
+        if let Some(location) = location {
+            if location.type_ == CU_MEM_LOCATION_TYPE_DEVICE && location.id >= 0 {
+                enforcer.track_pool(created as CUmemoryPool, location.id as usize);
             }
         }
-        code
-    })
+    }
+    code
 }
 
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuMemPoolDestroy(pool: CUmemoryPool) -> CUresult {
-    guarded!(CUDA_ERROR_UNKNOWN, {
-        // SAFETY: forwarded unchanged.
-        let code = unsafe { real::cuMemPoolDestroy(pool) };
-        if let (CUDA_SUCCESS, Mode::Enforce(enforcer)) = (code, mode()) {
-            enforcer.forget_pool(pool);
-        }
-        code
-    })
+#[allow(non_snake_case)]
+pub(crate) unsafe fn cuMemPoolDestroy(
+    driver: Real<signature::cuMemPoolDestroy>,
+    pool: CUmemoryPool,
+) -> CUresult {
+    // SAFETY: forwarded unchanged.
+    let code = unsafe { (driver.call)(pool) };
+    if let (CUDA_SUCCESS, Mode::Enforce(enforcer)) = (code, mode()) {
+        enforcer.forget_pool(pool);
+    }
+    code
 }
 
 fn note_device_pool(code: CUresult, pool: *mut CUmemoryPool, device: CUdevice) -> CUresult {
@@ -718,25 +673,26 @@ fn note_device_pool(code: CUresult, pool: *mut CUmemoryPool, device: CUdevice) -
     code
 }
 
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuDeviceGetDefaultMemPool(
+#[allow(non_snake_case)]
+pub(crate) unsafe fn cuDeviceGetDefaultMemPool(
+    driver: Real<signature::cuDeviceGetDefaultMemPool>,
     pool: *mut CUmemoryPool,
     device: CUdevice,
 ) -> CUresult {
-    guarded!(CUDA_ERROR_UNKNOWN, {
-        // SAFETY: forwarded unchanged.
-        let code = unsafe { real::cuDeviceGetDefaultMemPool(pool, device) };
-        note_device_pool(code, pool, device)
-    })
+    // SAFETY: forwarded unchanged.
+    let code = unsafe { (driver.call)(pool, device) };
+    note_device_pool(code, pool, device)
 }
 
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuDeviceGetMemPool(pool: *mut CUmemoryPool, device: CUdevice) -> CUresult {
-    guarded!(CUDA_ERROR_UNKNOWN, {
-        // SAFETY: forwarded unchanged.
-        let code = unsafe { real::cuDeviceGetMemPool(pool, device) };
-        note_device_pool(code, pool, device)
-    })
+#[allow(non_snake_case)]
+pub(crate) unsafe fn cuDeviceGetMemPool(
+    driver: Real<signature::cuDeviceGetMemPool>,
+    pool: *mut CUmemoryPool,
+    device: CUdevice,
+) -> CUresult {
+    // SAFETY: forwarded unchanged.
+    let code = unsafe { (driver.call)(pool, device) };
+    note_device_pool(code, pool, device)
 }
 
 #[cfg(test)]

@@ -1,8 +1,11 @@
-//! Exported replacements for driver and NVML functions.
+//! The implementations of the hooked driver and NVML functions.
 //!
-//! Each hook is `#[no_mangle]` under the driver's exact versioned name, wraps
-//! its body in `guarded!`, and has the same three behaviours: forward
-//! (nothing configured), enforce, or refuse (configuration unusable).
+//! Each is named after the driver function it replaces, declared with that
+//! function's C signature in [`crate::driver`] (which exports it under the
+//! driver's symbol and checks the signature), and receives the real
+//! function first, as a [`vgpu_interpose::Real`]. Each has the same three
+//! behaviours: forward (nothing configured), enforce, or refuse
+//! (configuration unusable).
 
 mod context;
 mod info;
@@ -12,13 +15,13 @@ mod module;
 mod nvml;
 mod procaddr;
 
-pub use context::*;
-pub use info::*;
-pub use launch::*;
-pub use memory::*;
-pub use module::*;
-pub use nvml::*;
-pub use procaddr::*;
+pub(crate) use context::*;
+pub(crate) use info::*;
+pub(crate) use launch::*;
+pub(crate) use memory::*;
+pub(crate) use module::*;
+pub(crate) use nvml::*;
+pub(crate) use procaddr::*;
 
 /// Reads an out-parameter the driver has just written, or 0 if the caller
 /// passed null (the driver then failed the call anyway).

@@ -1,12 +1,18 @@
-//! Modules: a loaded module holds its code and constant data on the device,
-//! charged at the size of the image it was loaded from.
+//! Modules and libraries: a loaded module holds its code and constant data
+//! on the device, charged at the size of the image it was loaded from.
+//!
+//! A library (CUDA 12 library management) is charged the same way, to the
+//! device of the context current when it is loaded, and returned when it is
+//! unloaded. The driver may load it into further contexts later (lazily, on
+//! first use in each); those copies are not charged again.
 
 use super::written_handle;
-use crate::driver::cuda as real;
+use crate::driver::cuda::signature;
 use crate::enforcer::{current_context, mode, Mode};
 use crate::table::{Charge, Resource};
 use std::ffi::{c_char, c_void, CStr};
 use vgpu_cuda_abi::cuda::*;
+use vgpu_interpose::Real;
 use vgpu_node_contract::region::MemoryKind;
 
 const ELF_MAGIC: [u8; 4] = [0x7f, b'E', b'L', b'F'];
@@ -46,7 +52,14 @@ unsafe fn image_bytes(image: *const c_void) -> u64 {
     }
 }
 
-fn load_module(module: *mut CUmodule, bytes: u64, load: impl FnOnce() -> CUresult) -> CUresult {
+/// Loads a module or library image of `bytes` through `load`, charged to the
+/// current context's device; `handle` is the out-pointer `load` fills.
+fn load_image<H>(
+    resource: Resource,
+    handle: *mut *mut H,
+    bytes: u64,
+    load: impl FnOnce() -> CUresult,
+) -> CUresult {
     match mode() {
         Mode::Passthrough => load(),
         Mode::FailClosed => CUDA_ERROR_NOT_INITIALIZED,
@@ -62,95 +75,186 @@ fn load_module(module: *mut CUmodule, bytes: u64, load: impl FnOnce() -> CUresul
                 pool: 0,
                 host: 0,
             };
-            enforcer.charged(charge, Resource::Module, || {
+            enforcer.charged(charge, resource, || {
                 let code = load();
                 // SAFETY: the caller's out-pointer, written on success.
-                (code, unsafe { written_handle(module) })
+                (code, unsafe { written_handle(handle) })
             })
         }
     }
 }
 
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuModuleLoad(module: *mut CUmodule, path: *const c_char) -> CUresult {
-    guarded!(CUDA_ERROR_UNKNOWN, {
-        let bytes = if path.is_null() {
-            0
-        } else {
-            // SAFETY: the driver API requires a NUL-terminated path.
-            let path = unsafe { CStr::from_ptr(path) };
-            path.to_str()
-                .ok()
-                .and_then(|p| std::fs::metadata(p).ok())
-                .map(|m| m.len())
-                .unwrap_or(0)
-        };
-        // SAFETY: forwarded unchanged.
-        load_module(module, bytes, || unsafe {
-            real::cuModuleLoad(module, path)
-        })
+/// Size of the image file at `path` (0 if it cannot be read: the driver
+/// then fails the load).
+///
+/// # Safety
+/// `path` must be null or NUL-terminated.
+unsafe fn file_bytes(path: *const c_char) -> u64 {
+    if path.is_null() {
+        return 0;
+    }
+    // SAFETY: the driver API requires a NUL-terminated path.
+    let path = unsafe { CStr::from_ptr(path) };
+    path.to_str()
+        .ok()
+        .and_then(|p| std::fs::metadata(p).ok())
+        .map(|m| m.len())
+        .unwrap_or(0)
+}
+
+#[allow(non_snake_case)]
+pub(crate) unsafe fn cuModuleLoad(
+    driver: Real<signature::cuModuleLoad>,
+    module: *mut CUmodule,
+    path: *const c_char,
+) -> CUresult {
+    // SAFETY: the driver API requires a NUL-terminated path.
+    let bytes = unsafe { file_bytes(path) };
+    // SAFETY: forwarded unchanged.
+    load_image(Resource::Module, module, bytes, || unsafe {
+        (driver.call)(module, path)
     })
 }
 
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuModuleLoadData(module: *mut CUmodule, image: *const c_void) -> CUresult {
-    guarded!(CUDA_ERROR_UNKNOWN, {
-        // SAFETY: the caller passes a valid image.
-        let bytes = unsafe { image_bytes(image) };
-        // SAFETY: forwarded unchanged.
-        load_module(module, bytes, || unsafe {
-            real::cuModuleLoadData(module, image)
-        })
+#[allow(non_snake_case)]
+pub(crate) unsafe fn cuModuleLoadData(
+    driver: Real<signature::cuModuleLoadData>,
+    module: *mut CUmodule,
+    image: *const c_void,
+) -> CUresult {
+    // SAFETY: the caller passes a valid image.
+    let bytes = unsafe { image_bytes(image) };
+    // SAFETY: forwarded unchanged.
+    load_image(Resource::Module, module, bytes, || unsafe {
+        (driver.call)(module, image)
     })
 }
 
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuModuleLoadDataEx(
+#[allow(non_snake_case)]
+pub(crate) unsafe fn cuModuleLoadDataEx(
+    driver: Real<signature::cuModuleLoadDataEx>,
     module: *mut CUmodule,
     image: *const c_void,
     num_options: u32,
     options: *mut c_void,
     values: *mut *mut c_void,
 ) -> CUresult {
-    guarded!(CUDA_ERROR_UNKNOWN, {
-        // SAFETY: the caller passes a valid image.
-        let bytes = unsafe { image_bytes(image) };
-        load_module(module, bytes, || {
-            // SAFETY: forwarded unchanged.
-            unsafe { real::cuModuleLoadDataEx(module, image, num_options, options, values) }
-        })
+    // SAFETY: the caller passes a valid image.
+    let bytes = unsafe { image_bytes(image) };
+    load_image(Resource::Module, module, bytes, || {
+        // SAFETY: forwarded unchanged.
+        unsafe { (driver.call)(module, image, num_options, options, values) }
     })
 }
 
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuModuleLoadFatBinary(
+#[allow(non_snake_case)]
+pub(crate) unsafe fn cuModuleLoadFatBinary(
+    driver: Real<signature::cuModuleLoadFatBinary>,
     module: *mut CUmodule,
     image: *const c_void,
 ) -> CUresult {
-    guarded!(CUDA_ERROR_UNKNOWN, {
-        // SAFETY: the caller passes a valid image.
-        let bytes = unsafe { image_bytes(image) };
-        // SAFETY: forwarded unchanged.
-        load_module(module, bytes, || unsafe {
-            real::cuModuleLoadFatBinary(module, image)
-        })
+    // SAFETY: the caller passes a valid image.
+    let bytes = unsafe { image_bytes(image) };
+    // SAFETY: forwarded unchanged.
+    load_image(Resource::Module, module, bytes, || unsafe {
+        (driver.call)(module, image)
     })
 }
 
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuModuleUnload(module: CUmodule) -> CUresult {
-    guarded!(CUDA_ERROR_UNKNOWN, {
-        match mode() {
-            Mode::Enforce(enforcer) => {
-                // SAFETY: forwarded unchanged.
-                enforcer.uncharged(Resource::Module, module as u64, || unsafe {
-                    real::cuModuleUnload(module)
-                })
-            }
+#[allow(non_snake_case)]
+pub(crate) unsafe fn cuModuleUnload(
+    driver: Real<signature::cuModuleUnload>,
+    module: CUmodule,
+) -> CUresult {
+    match mode() {
+        Mode::Enforce(enforcer) => {
             // SAFETY: forwarded unchanged.
-            _ => unsafe { real::cuModuleUnload(module) },
+            enforcer.uncharged(Resource::Module, module as u64, || unsafe {
+                (driver.call)(module)
+            })
+        }
+        // SAFETY: forwarded unchanged.
+        _ => unsafe { (driver.call)(module) },
+    }
+}
+
+#[allow(non_snake_case, clippy::too_many_arguments)]
+pub(crate) unsafe fn cuLibraryLoadData(
+    driver: Real<signature::cuLibraryLoadData>,
+    library: *mut CUlibrary,
+    code: *const c_void,
+    jit_options: *mut c_void,
+    jit_values: *mut *mut c_void,
+    jit_count: u32,
+    library_options: *mut c_void,
+    library_values: *mut *mut c_void,
+    library_count: u32,
+) -> CUresult {
+    // SAFETY: the caller passes a valid image.
+    let bytes = unsafe { image_bytes(code) };
+    load_image(Resource::Library, library, bytes, || {
+        // SAFETY: forwarded unchanged.
+        unsafe {
+            (driver.call)(
+                library,
+                code,
+                jit_options,
+                jit_values,
+                jit_count,
+                library_options,
+                library_values,
+                library_count,
+            )
         }
     })
+}
+
+#[allow(non_snake_case, clippy::too_many_arguments)]
+pub(crate) unsafe fn cuLibraryLoadFromFile(
+    driver: Real<signature::cuLibraryLoadFromFile>,
+    library: *mut CUlibrary,
+    path: *const c_char,
+    jit_options: *mut c_void,
+    jit_values: *mut *mut c_void,
+    jit_count: u32,
+    library_options: *mut c_void,
+    library_values: *mut *mut c_void,
+    library_count: u32,
+) -> CUresult {
+    // SAFETY: the driver API requires a NUL-terminated path.
+    let bytes = unsafe { file_bytes(path) };
+    load_image(Resource::Library, library, bytes, || {
+        // SAFETY: forwarded unchanged.
+        unsafe {
+            (driver.call)(
+                library,
+                path,
+                jit_options,
+                jit_values,
+                jit_count,
+                library_options,
+                library_values,
+                library_count,
+            )
+        }
+    })
+}
+
+#[allow(non_snake_case)]
+pub(crate) unsafe fn cuLibraryUnload(
+    driver: Real<signature::cuLibraryUnload>,
+    library: CUlibrary,
+) -> CUresult {
+    match mode() {
+        Mode::Enforce(enforcer) => {
+            // SAFETY: forwarded unchanged.
+            enforcer.uncharged(Resource::Library, library as u64, || unsafe {
+                (driver.call)(library)
+            })
+        }
+        // SAFETY: forwarded unchanged.
+        _ => unsafe { (driver.call)(library) },
+    }
 }
 
 #[cfg(test)]

@@ -4,9 +4,11 @@
 //! with the memory charged to each.
 
 use crate::driver::nvml as real;
+use crate::driver::nvml::signature;
 use crate::enforcer::{mode, Enforcer, Mode};
 use std::ffi::{c_char, CStr};
 use vgpu_cuda_abi::nvml::*;
+use vgpu_interpose::Real;
 use vgpu_node_contract::region::MAX_DEVICES;
 
 /// The CUDA ordinal an NVML device corresponds to: by UUID when a process of
@@ -52,77 +54,74 @@ fn capped_memory(enforcer: &Enforcer, device: nvmlDevice_t) -> Option<(u64, u64)
     })
 }
 
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn nvmlInit_v2() -> nvmlReturn_t {
-    guarded!(NVML_ERROR_UNKNOWN, {
-        if let Mode::FailClosed = mode() {
-            return NVML_ERROR_UNKNOWN;
-        }
-        // SAFETY: forwarded unchanged.
-        unsafe { real::nvmlInit_v2() }
-    })
+#[allow(non_snake_case)]
+pub(crate) unsafe fn nvmlInit_v2(driver: Real<signature::nvmlInit_v2>) -> nvmlReturn_t {
+    if let Mode::FailClosed = mode() {
+        return NVML_ERROR_UNKNOWN;
+    }
+    // SAFETY: forwarded unchanged.
+    unsafe { (driver.call)() }
 }
 
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn nvmlInitWithFlags(flags: u32) -> nvmlReturn_t {
-    guarded!(NVML_ERROR_UNKNOWN, {
-        if let Mode::FailClosed = mode() {
-            return NVML_ERROR_UNKNOWN;
-        }
-        // SAFETY: forwarded unchanged.
-        unsafe { real::nvmlInitWithFlags(flags) }
-    })
+#[allow(non_snake_case)]
+pub(crate) unsafe fn nvmlInitWithFlags(
+    driver: Real<signature::nvmlInitWithFlags>,
+    flags: u32,
+) -> nvmlReturn_t {
+    if let Mode::FailClosed = mode() {
+        return NVML_ERROR_UNKNOWN;
+    }
+    // SAFETY: forwarded unchanged.
+    unsafe { (driver.call)(flags) }
 }
 
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn nvmlDeviceGetMemoryInfo(
+#[allow(non_snake_case)]
+pub(crate) unsafe fn nvmlDeviceGetMemoryInfo(
+    driver: Real<signature::nvmlDeviceGetMemoryInfo>,
     device: nvmlDevice_t,
     memory: *mut nvmlMemory_t,
 ) -> nvmlReturn_t {
-    guarded!(NVML_ERROR_UNKNOWN, {
-        // SAFETY: forwarded unchanged.
-        let code = unsafe { real::nvmlDeviceGetMemoryInfo(device, memory) };
-        match mode() {
-            Mode::FailClosed => NVML_ERROR_UNKNOWN,
-            Mode::Enforce(enforcer) if code == NVML_SUCCESS && !memory.is_null() => {
-                if let Some((total, used)) = capped_memory(enforcer, device) {
-                    // SAFETY: written by the successful call.
-                    let memory = unsafe { &mut *memory };
-                    memory.total = total;
-                    memory.used = used.min(total);
-                    memory.free = total.saturating_sub(used);
-                }
-                code
+    // SAFETY: forwarded unchanged.
+    let code = unsafe { (driver.call)(device, memory) };
+    match mode() {
+        Mode::FailClosed => NVML_ERROR_UNKNOWN,
+        Mode::Enforce(enforcer) if code == NVML_SUCCESS && !memory.is_null() => {
+            if let Some((total, used)) = capped_memory(enforcer, device) {
+                // SAFETY: written by the successful call.
+                let memory = unsafe { &mut *memory };
+                memory.total = total;
+                memory.used = used.min(total);
+                memory.free = total.saturating_sub(used);
             }
-            _ => code,
+            code
         }
-    })
+        _ => code,
+    }
 }
 
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn nvmlDeviceGetMemoryInfo_v2(
+#[allow(non_snake_case)]
+pub(crate) unsafe fn nvmlDeviceGetMemoryInfo_v2(
+    driver: Real<signature::nvmlDeviceGetMemoryInfo_v2>,
     device: nvmlDevice_t,
     memory: *mut nvmlMemory_v2_t,
 ) -> nvmlReturn_t {
-    guarded!(NVML_ERROR_UNKNOWN, {
-        // SAFETY: forwarded unchanged.
-        let code = unsafe { real::nvmlDeviceGetMemoryInfo_v2(device, memory) };
-        match mode() {
-            Mode::FailClosed => NVML_ERROR_UNKNOWN,
-            Mode::Enforce(enforcer) if code == NVML_SUCCESS && !memory.is_null() => {
-                if let Some((total, used)) = capped_memory(enforcer, device) {
-                    // SAFETY: written by the successful call.
-                    let memory = unsafe { &mut *memory };
-                    memory.total = total;
-                    memory.reserved = 0;
-                    memory.used = used.min(total);
-                    memory.free = total.saturating_sub(used);
-                }
-                code
+    // SAFETY: forwarded unchanged.
+    let code = unsafe { (driver.call)(device, memory) };
+    match mode() {
+        Mode::FailClosed => NVML_ERROR_UNKNOWN,
+        Mode::Enforce(enforcer) if code == NVML_SUCCESS && !memory.is_null() => {
+            if let Some((total, used)) = capped_memory(enforcer, device) {
+                // SAFETY: written by the successful call.
+                let memory = unsafe { &mut *memory };
+                memory.total = total;
+                memory.reserved = 0;
+                memory.used = used.min(total);
+                memory.free = total.saturating_sub(used);
             }
-            _ => code,
+            code
         }
-    })
+        _ => code,
+    }
 }
 
 /// Keeps only the container's processes in an NVML process list, each with
@@ -168,30 +167,29 @@ unsafe fn filter_processes<T>(
 
 macro_rules! process_list_hook {
     ($name:ident, $info:ty) => {
-        #[unsafe(no_mangle)]
-        pub unsafe extern "C" fn $name(
+        #[allow(non_snake_case)]
+        pub(crate) unsafe fn $name(
+            driver: Real<signature::$name>,
             device: nvmlDevice_t,
             count: *mut u32,
             infos: *mut $info,
         ) -> nvmlReturn_t {
-            guarded!(NVML_ERROR_UNKNOWN, {
-                // SAFETY: forwarded unchanged.
-                let code = unsafe { real::$name(device, count, infos) };
-                if let (NVML_SUCCESS, Mode::Enforce(enforcer)) = (code, mode()) {
-                    // SAFETY: the call succeeded, so `count` and `infos` hold the list.
-                    unsafe {
-                        filter_processes(
-                            enforcer,
-                            device,
-                            count,
-                            infos,
-                            |info| info.pid,
-                            |info, bytes| info.used_gpu_memory = bytes,
-                        )
-                    };
-                }
-                code
-            })
+            // SAFETY: forwarded unchanged.
+            let code = unsafe { (driver.call)(device, count, infos) };
+            if let (NVML_SUCCESS, Mode::Enforce(enforcer)) = (code, mode()) {
+                // SAFETY: the call succeeded, so `count` and `infos` hold the list.
+                unsafe {
+                    filter_processes(
+                        enforcer,
+                        device,
+                        count,
+                        infos,
+                        |info| info.pid,
+                        |info, bytes| info.used_gpu_memory = bytes,
+                    )
+                };
+            }
+            code
         }
     };
 }

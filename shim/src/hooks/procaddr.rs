@@ -9,29 +9,29 @@
 //! exactly the driver's.
 
 use crate::driver::cuda as real;
+use crate::driver::cuda::signature;
 use crate::enforcer::{mode, Mode};
 use std::ffi::{c_char, c_void};
 use vgpu_cuda_abi::cuda::*;
+use vgpu_interpose::Real;
 
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuInit(flags: u32) -> CUresult {
-    guarded!(CUDA_ERROR_UNKNOWN, {
-        let mode = mode();
-        if let Mode::FailClosed = mode {
-            return CUDA_ERROR_NOT_INITIALIZED;
-        }
-        // SAFETY: forwarded unchanged.
-        let code = unsafe { real::cuInit(flags) };
-        if code == CUDA_SUCCESS {
-            if let Mode::Enforce(enforcer) = mode {
-                enforcer.learn_devices();
-                if let Err(code) = enforcer.slot() {
-                    return code;
-                }
+#[allow(non_snake_case)]
+pub(crate) unsafe fn cuInit(driver: Real<signature::cuInit>, flags: u32) -> CUresult {
+    let mode = mode();
+    if let Mode::FailClosed = mode {
+        return CUDA_ERROR_NOT_INITIALIZED;
+    }
+    // SAFETY: forwarded unchanged.
+    let code = unsafe { (driver.call)(flags) };
+    if code == CUDA_SUCCESS {
+        if let Mode::Enforce(enforcer) = mode {
+            enforcer.learn_devices();
+            if let Err(code) = enforcer.slot() {
+                return code;
             }
         }
-        code
-    })
+    }
+    code
 }
 
 /// Replaces a just-returned driver address with our hook, if we hook it.
@@ -53,41 +53,39 @@ unsafe fn redirect_result(code: CUresult, pfn: *mut *mut c_void) {
     }
 }
 
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuGetProcAddress(
+#[allow(non_snake_case)]
+pub(crate) unsafe fn cuGetProcAddress(
+    driver: Real<signature::cuGetProcAddress>,
     symbol: *const c_char,
     pfn: *mut *mut c_void,
     cuda_version: i32,
     flags: u64,
 ) -> CUresult {
-    guarded!(CUDA_ERROR_UNKNOWN, {
-        if let Mode::FailClosed = mode() {
-            return CUDA_ERROR_NOT_INITIALIZED;
-        }
-        // SAFETY: forwarded unchanged.
-        let code = unsafe { real::cuGetProcAddress(symbol, pfn, cuda_version, flags) };
-        // SAFETY: `pfn` is the caller's out-pointer.
-        unsafe { redirect_result(code, pfn) };
-        code
-    })
+    if let Mode::FailClosed = mode() {
+        return CUDA_ERROR_NOT_INITIALIZED;
+    }
+    // SAFETY: forwarded unchanged.
+    let code = unsafe { (driver.call)(symbol, pfn, cuda_version, flags) };
+    // SAFETY: `pfn` is the caller's out-pointer.
+    unsafe { redirect_result(code, pfn) };
+    code
 }
 
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuGetProcAddress_v2(
+#[allow(non_snake_case)]
+pub(crate) unsafe fn cuGetProcAddress_v2(
+    driver: Real<signature::cuGetProcAddress_v2>,
     symbol: *const c_char,
     pfn: *mut *mut c_void,
     cuda_version: i32,
     flags: u64,
     status: *mut CUdriverProcAddressQueryResult,
 ) -> CUresult {
-    guarded!(CUDA_ERROR_UNKNOWN, {
-        if let Mode::FailClosed = mode() {
-            return CUDA_ERROR_NOT_INITIALIZED;
-        }
-        // SAFETY: forwarded unchanged.
-        let code = unsafe { real::cuGetProcAddress_v2(symbol, pfn, cuda_version, flags, status) };
-        // SAFETY: `pfn` is the caller's out-pointer.
-        unsafe { redirect_result(code, pfn) };
-        code
-    })
+    if let Mode::FailClosed = mode() {
+        return CUDA_ERROR_NOT_INITIALIZED;
+    }
+    // SAFETY: forwarded unchanged.
+    let code = unsafe { (driver.call)(symbol, pfn, cuda_version, flags, status) };
+    // SAFETY: `pfn` is the caller's out-pointer.
+    unsafe { redirect_result(code, pfn) };
+    code
 }

@@ -15,6 +15,17 @@ pub enum Flavour {
     PerThread,
 }
 
+impl Flavour {
+    /// The flavour of a hooked entry point (`per_thread`: its `_ptsz` twin).
+    pub fn of(per_thread: bool) -> Self {
+        if per_thread {
+            Self::PerThread
+        } else {
+            Self::Legacy
+        }
+    }
+}
+
 /// Events kept for reuse per process.
 const POOL_LIMIT: usize = 256;
 

@@ -174,6 +174,83 @@ cuda_fn! {
     }
 }
 
+// Library management (CUDA 12): a library's kernels are usable in every
+// context. The simulated GPU loads a library into the context current at
+// load time, as a module whose handle is also the library's, which is what
+// a single-context program sees.
+
+cuda_fn! {
+    /// JIT and library options are accepted and ignored.
+    fn cuLibraryLoadData(
+        library: *mut CUlibrary,
+        code: *const c_void,
+        jit_options: *mut c_int,
+        jit_values: *mut *mut c_void,
+        jit_count: c_uint,
+        library_options: *mut c_int,
+        library_values: *mut *mut c_void,
+        library_count: c_uint,
+    ) {
+        let _ = (jit_options, jit_values, jit_count, library_options, library_values, library_count);
+        check_init()?;
+        // SAFETY: image pointer from the caller.
+        let bytes = unsafe { read_image(code) }?;
+        load(library.cast::<CUmodule>(), &bytes)
+    }
+}
+
+cuda_fn! {
+    /// JIT and library options are accepted and ignored.
+    fn cuLibraryLoadFromFile(
+        library: *mut CUlibrary,
+        file_name: *const c_char,
+        jit_options: *mut c_int,
+        jit_values: *mut *mut c_void,
+        jit_count: c_uint,
+        library_options: *mut c_int,
+        library_values: *mut *mut c_void,
+        library_count: c_uint,
+    ) {
+        let _ = (jit_options, jit_values, jit_count, library_options, library_values, library_count);
+        check_init()?;
+        // SAFETY: C string from the caller.
+        let path = unsafe { cstr(file_name) }.ok_or(CUDA_ERROR_INVALID_VALUE)?;
+        let image = match std::fs::read(path) {
+            Ok(bytes) => bytes,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                return Err(CUDA_ERROR_FILE_NOT_FOUND)
+            }
+            Err(_) => return Err(CUDA_ERROR_INVALID_VALUE),
+        };
+        if !image.starts_with(MAGIC) {
+            return Err(CUDA_ERROR_INVALID_IMAGE);
+        }
+        load(library.cast::<CUmodule>(), &image)
+    }
+}
+
+cuda_fn! {
+    fn cuLibraryUnload(library: CUlibrary) {
+        check_init()?;
+        if lock().unload_module(library as u64) {
+            Ok(())
+        } else {
+            Err(CUDA_ERROR_INVALID_HANDLE)
+        }
+    }
+}
+
+cuda_fn! {
+    fn cuLibraryGetModule(module: *mut CUmodule, library: CUlibrary) {
+        check_init()?;
+        if !lock().modules.contains_key(&(library as u64)) {
+            return Err(CUDA_ERROR_INVALID_HANDLE);
+        }
+        // SAFETY: C API out-pointer, checked by `out`.
+        unsafe { out(module, library as CUmodule) }
+    }
+}
+
 cuda_fn! {
     fn cuModuleGetFunction(hfunc: *mut CUfunction, module: CUmodule, name: *const c_char) {
         check_init()?;
