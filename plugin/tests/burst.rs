@@ -21,6 +21,8 @@ use vgpu_cluster::decision::{ContainerDecision, Decision, DeviceGrant, Inventory
 use vgpu_device_plugin::api::v1beta1 as api;
 use vgpu_device_plugin::devices::parse_device_id;
 use vgpu_node_contract::region::Region;
+use vgpu_node_contract::region::UNCAPPED_SHARE;
+use vgpu_node_contract::shim_env::{ShimConfig, DEFAULT_PRIORITY};
 use vgpu_node_contract::size::format_size;
 
 const NODES: usize = 5;
@@ -132,25 +134,30 @@ fn check_container(
     let env = &answer.envs;
     let visible: Vec<&str> = grants.iter().map(|(_, g)| g.uuid.as_str()).collect();
     assert_eq!(env["NVIDIA_VISIBLE_DEVICES"], visible.join(","), "{who}");
+    // What the shim will read from that environment.
+    let config = ShimConfig::from_lookup(|name| env.get(name).cloned())
+        .unwrap_or_else(|error| panic!("{who}: the shim refuses its environment: {error}"));
     for (i, (_, grant)) in grants.iter().enumerate() {
         assert_eq!(
             env[&format!("CUDA_DEVICE_MEMORY_LIMIT_{i}")],
             format_size(grant.memory_bytes),
             "{who}"
         );
-        assert_eq!(
-            env[&format!("CUDA_DEVICE_SM_LIMIT_{i}")],
-            grant.cores_percent.to_string(),
-            "{who}"
-        );
+        assert_eq!(config.limits.memory_limit[i], grant.memory_bytes, "{who}");
+        let share = if grant.cores_percent >= 100 {
+            UNCAPPED_SHARE
+        } else {
+            grant.cores_percent
+        };
+        assert_eq!(config.limits.sm_limit[i], share, "{who}");
     }
     assert!(
         !env.contains_key(&format!("CUDA_DEVICE_MEMORY_LIMIT_{}", grants.len())),
         "{who}: no limit for a device it does not have"
     );
     assert_eq!(
-        env.get("CUDA_TASK_PRIORITY").cloned(),
-        decided.priority.map(|p| p.to_string()),
+        config.limits.priority,
+        decided.priority.unwrap_or(DEFAULT_PRIORITY),
         "{who}"
     );
 

@@ -296,7 +296,8 @@ async fn allocate_serves_the_pending_pod_and_refuses_what_it_cannot_match() {
         format!("{gpu0},{gpu1}")
     );
     assert_eq!(main.envs["CUDA_DEVICE_MEMORY_LIMIT_0"], "4096m");
-    assert_eq!(main.envs["CUDA_DEVICE_SM_LIMIT_0"], "100");
+    // A whole GPU is no compute cap, written as HAMi-core's "uncapped".
+    assert_eq!(main.envs["CUDA_DEVICE_SM_LIMIT_0"], "0");
     assert_eq!(main.envs["CUDA_DEVICE_MEMORY_LIMIT_1"], "3000m");
     assert_eq!(main.envs["CUDA_DEVICE_SM_LIMIT_1"], "30");
     assert_eq!(main.envs["CUDA_TASK_PRIORITY"], "0");
