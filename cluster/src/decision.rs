@@ -128,7 +128,7 @@ pub struct Decision {
 /// An annotation that could not be used.
 #[derive(Debug, Error)]
 pub enum FormatError {
-    #[error("{annotation}: not valid JSON of the expected shape: {source}")]
+    #[error("{annotation}: not valid JSON of the expected shape")]
     Json {
         annotation: &'static str,
         #[source]

@@ -168,7 +168,10 @@ impl Monitor {
             Some(path) => match Sampler::open(path.as_deref()) {
                 Ok(gpus) => Some(gpus),
                 Err(error) => {
-                    tracing::warn!("{error}; host GPU figures will be missing");
+                    tracing::warn!(
+                        error = &error as &dyn std::error::Error,
+                        "host GPU figures will be missing"
+                    );
                     None
                 }
             },

@@ -435,7 +435,10 @@ impl Discovery {
                     if transient {
                         tracing::debug!("region {name} not ready: {error}");
                     } else {
-                        tracing::warn!("skipping region {name}: {error}");
+                        tracing::warn!(
+                            error = &error as &dyn std::error::Error,
+                            "skipping region {name}"
+                        );
                         report.refused += 1;
                         self.refused_total = self.refused_total.saturating_add(1);
                     }

@@ -42,7 +42,10 @@ async fn run(options: Options) -> anyhow::Result<()> {
                 directory
             }
             Err(error) => {
-                tracing::warn!("{error}; pods are named by their directory, no cleanup");
+                tracing::warn!(
+                    error = &error as &dyn std::error::Error,
+                    "no Kubernetes client: pods are named by their directory, no cleanup"
+                );
                 PodDirectory::disabled()
             }
         },

@@ -69,7 +69,10 @@ pub async fn publish(
             }
             Err(error) => {
                 if !failing {
-                    tracing::warn!("publishing the node inventory: {error} (retrying)");
+                    tracing::warn!(
+                        error = &error as &dyn std::error::Error,
+                        "publishing the node inventory (retrying)"
+                    );
                 }
                 failing = true;
                 heartbeat.min(RETRY)

@@ -234,7 +234,10 @@ pub async fn serve(
                     Err(error) => {
                         failures += 1;
                         if failures == 1 || failures.is_multiple_of(60) {
-                            tracing::warn!("{error} (retrying)");
+                            tracing::warn!(
+                                error = &error as &dyn std::error::Error,
+                                "registering with kubelet (retrying)"
+                            );
                         }
                     }
                 }

@@ -8,7 +8,7 @@ use clap::{Parser, ValueEnum};
 use std::path::PathBuf;
 use std::time::Duration;
 use vgpu_node_contract::shim_env::UtilizationPolicy;
-use vgpu_node_contract::size::parse_size;
+use vgpu_node_contract::size::{parse_size, SizeError};
 
 /// `GPU_CORE_UTILIZATION_POLICY` written into containers.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
@@ -31,8 +31,8 @@ impl From<Policy> for UtilizationPolicy {
     }
 }
 
-fn size(text: &str) -> Result<u64, String> {
-    parse_size(text).map_err(|e| e.to_string())
+fn size(text: &str) -> Result<u64, SizeError> {
+    parse_size(text)
 }
 
 /// vgpu kubelet device plugin: shares this node's GPUs between containers.

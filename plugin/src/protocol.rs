@@ -7,8 +7,8 @@
 use k8s_openapi::api::core::v1::Pod;
 use thiserror::Error;
 use vgpu_cluster::decision::{
-    kubelet_has_admitted, parse_allocated, ContainerDecision, Decision, ALLOCATED_ANNOTATION,
-    DECISION_ANNOTATION,
+    kubelet_has_admitted, parse_allocated, ContainerDecision, Decision, FormatError,
+    ALLOCATED_ANNOTATION, DECISION_ANNOTATION,
 };
 
 /// The pod whose containers kubelet is admitting.
@@ -29,7 +29,7 @@ impl PendingPod {
     }
 }
 
-#[derive(Debug, Error, PartialEq, Eq)]
+#[derive(Debug, Error)]
 pub enum ProtocolError {
     #[error("no pod bound to node {node} is waiting for vGPUs (no pod with a {DECISION_ANNOTATION} annotation for this node has containers left to allocate): was the pod scheduled by the vgpu scheduler extender?")]
     NoPendingPod { node: String },
@@ -41,6 +41,12 @@ pub enum ProtocolError {
     },
     #[error("pod {pod}: {what}")]
     Unusable { pod: String, what: String },
+    #[error("pod {pod}")]
+    Annotation {
+        pod: String,
+        #[source]
+        source: FormatError,
+    },
     #[error("kubelet asks for {requested} device(s), but the next container of pod {pod} to allocate, {container}, was given {decided} GPU(s) by the scheduler extender")]
     CountMismatch {
         pod: String,
@@ -100,7 +106,11 @@ fn read_pending(pod: &Pod, node: &str) -> Result<Option<PendingPod>, ProtocolErr
         what,
     };
     let text = annotation(pod, DECISION_ANNOTATION).unwrap_or_default();
-    let decision = Decision::parse(text).map_err(|e| unusable(e.to_string()))?;
+    let annotation_error = |source| ProtocolError::Annotation {
+        pod: name.clone(),
+        source,
+    };
+    let decision = Decision::parse(text).map_err(annotation_error)?;
     if decision.node != node {
         return Err(unusable(format!(
             "the scheduler extender decided for node {}, but the pod is bound to {node}",
@@ -109,7 +119,7 @@ fn read_pending(pod: &Pod, node: &str) -> Result<Option<PendingPod>, ProtocolErr
     }
     let allocated = match annotation(pod, ALLOCATED_ANNOTATION) {
         None => Vec::new(),
-        Some(text) => parse_allocated(text).map_err(|e| unusable(e.to_string()))?,
+        Some(text) => parse_allocated(text).map_err(annotation_error)?,
     };
     if decision.is_complete(&allocated) {
         return Ok(None);

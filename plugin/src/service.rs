@@ -42,9 +42,9 @@ impl PluginState {
             .cluster
             .pods_on_node()
             .await
-            .map_err(|e| Status::unavailable(e.to_string()))?;
+            .map_err(|e| Status::unavailable(with_causes(&e)))?;
         protocol::pending_pod(self.cluster.node(), &pods)
-            .map_err(|e| Status::failed_precondition(e.to_string()))
+            .map_err(|e| Status::failed_precondition(with_causes(&e)))
     }
 
     /// Serves one `Allocate` call (see [`vgpu_cluster::decision`], step 4).
@@ -61,13 +61,17 @@ impl PluginState {
         for attempt in 1..=MAX_ATTEMPTS {
             let pod = self.pending_pod().await?;
             let containers = protocol::match_requests(&pod, &sizes)
-                .map_err(|e| Status::failed_precondition(e.to_string()))?;
+                .map_err(|e| Status::failed_precondition(with_causes(&e)))?;
             let gpus = self.gpus.borrow().clone();
             let mut plans = Vec::with_capacity(containers.len());
             for container in &containers {
                 let plan =
                     allocate::plan(&self.settings, &pod.uid, container, &gpus).map_err(|e| {
-                        Status::failed_precondition(format!("pod {}: {e}", pod.display()))
+                        Status::failed_precondition(format!(
+                            "pod {}: {}",
+                            pod.display(),
+                            with_causes(&e)
+                        ))
                     })?;
                 plans.push(plan);
             }
@@ -78,7 +82,9 @@ impl PluginState {
             tokio::task::spawn_blocking(move || prepared.iter().try_for_each(allocate::prepare))
                 .await
                 .map_err(|e| Status::internal(format!("preparing the container directory: {e}")))?
-                .map_err(|e| Status::internal(format!("pod {}: {e}", pod.display())))?;
+                .map_err(|e| {
+                    Status::internal(format!("pod {}: {}", pod.display(), with_causes(&e)))
+                })?;
 
             let mut allocated = pod.allocated.clone();
             allocated.extend(plans.iter().map(|p| p.container.clone()));
@@ -100,7 +106,7 @@ impl PluginState {
                 Err(ClusterError::Conflict { .. }) => {
                     tracing::debug!(pod = %pod.display(), attempt, "pod changed while allocating; reading it again");
                 }
-                Err(error) => return Err(Status::unavailable(error.to_string())),
+                Err(error) => return Err(Status::unavailable(with_causes(&error))),
             }
         }
         Err(Status::aborted(format!(
@@ -279,4 +285,16 @@ pub fn options() -> api::DevicePluginOptions {
         pre_start_required: false,
         get_preferred_allocation_available: true,
     }
+}
+
+/// An error and its causes on one line: kubelet logs only the message.
+fn with_causes(error: &(dyn std::error::Error + 'static)) -> String {
+    let mut text = error.to_string();
+    let mut cause = error.source();
+    while let Some(next) = cause {
+        text.push_str(": ");
+        text.push_str(&next.to_string());
+        cause = next.source();
+    }
+    text
 }

@@ -21,15 +21,19 @@ pub use vgpu_cluster::client::{ApiSource, ClientError};
 pub enum ApiError {
     #[error(transparent)]
     Client(#[from] ClientError),
-    #[error("Kubernetes client configuration: {0}")]
-    Config(String),
     /// The object changed since it was read (resourceVersion precondition).
     #[error("conflict: {0}")]
     Conflict(String),
     #[error("not found: {0}")]
     NotFound(String),
-    #[error("{0}")]
-    Other(String),
+    #[error("API server answered {code} {reason}: {message}")]
+    Refused {
+        code: u16,
+        reason: String,
+        message: String,
+    },
+    #[error("Kubernetes API call")]
+    Other(#[source] kube::Error),
 }
 
 impl From<kube::Error> for ApiError {
@@ -41,11 +45,12 @@ impl From<kube::Error> for ApiError {
             kube::Error::Api(status) if status.code == 404 => {
                 Self::NotFound(status.message.clone())
             }
-            kube::Error::Api(status) => Self::Other(format!(
-                "API server answered {} {}: {}",
-                status.code, status.reason, status.message
-            )),
-            _ => Self::Other(error.to_string()),
+            kube::Error::Api(status) => Self::Refused {
+                code: status.code,
+                reason: status.reason.clone(),
+                message: status.message.clone(),
+            },
+            _ => Self::Other(error),
         }
     }
 }

@@ -37,6 +37,15 @@ use std::time::Duration;
 use tokio::net::TcpListener;
 use tokio::task::JoinHandle;
 
+/// Why the extender could not start.
+#[derive(Debug, thiserror::Error)]
+pub enum StartError {
+    #[error(transparent)]
+    Api(#[from] ApiError),
+    #[error("listener address")]
+    Listener(#[source] std::io::Error),
+}
+
 /// A running extender: API watches and the server.
 pub struct Running {
     pub local_addr: SocketAddr,
@@ -54,17 +63,15 @@ pub async fn start(
     source: &ApiSource,
     listener: TcpListener,
     tls: Option<Arc<rustls::ServerConfig>>,
-) -> Result<Running, ApiError> {
-    let client = api::make_client(source).await?;
+) -> Result<Running, StartError> {
+    let client = api::make_client(source).await.map_err(StartError::Api)?;
     let state = Arc::new(SharedState::new());
     let watches = vec![
         tokio::spawn(api::watch_pods(client.clone(), state.clone())),
         tokio::spawn(api::watch_nodes(client.clone(), state.clone())),
     ];
     let scheduler = Arc::new(Scheduler::new(config, state, Some(KubeApi::new(client))));
-    let local_addr = listener
-        .local_addr()
-        .map_err(|e| ApiError::Config(format!("listener address: {e}")))?;
+    let local_addr = listener.local_addr().map_err(StartError::Listener)?;
     let (shutdown, stop) = tokio::sync::oneshot::channel::<()>();
     let server = tokio::spawn(server::serve(
         listener,

@@ -248,9 +248,15 @@ pub enum RequestError {
     #[error("container {container:?}: {reason}")]
     Container { container: String, reason: String },
     #[error("annotation {annotation}: {reason}")]
-    Annotation {
+    AnnotationValue {
         annotation: &'static str,
         reason: String,
+    },
+    #[error("annotation {annotation}")]
+    Annotation {
+        annotation: &'static str,
+        #[source]
+        source: crate::policy::UnknownPolicy,
     },
 }
 
@@ -320,7 +326,7 @@ pub fn parse_pod(
             .parse::<u32>()
             .ok()
             .filter(|percent| (1..=100).contains(percent))
-            .ok_or_else(|| RequestError::Annotation {
+            .ok_or_else(|| RequestError::AnnotationValue {
                 annotation: GPU_CORES_BURST_ANNOTATION,
                 reason: format!("{text:?} is not a whole percentage from 1 to 100"),
             })?;
@@ -339,9 +345,9 @@ fn policy_annotation<P: std::str::FromStr<Err = crate::policy::UnknownPolicy>>(
             return value
                 .parse()
                 .map(Some)
-                .map_err(|e: crate::policy::UnknownPolicy| RequestError::Annotation {
+                .map_err(|source| RequestError::Annotation {
                     annotation: key,
-                    reason: e.to_string(),
+                    source,
                 });
         }
     }

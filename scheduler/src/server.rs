@@ -28,12 +28,22 @@ pub const MAX_BODY_BYTES: usize = 256 << 20;
 
 #[derive(Debug, Error)]
 pub enum ServerError {
-    #[error("TLS certificate {path}: {reason}")]
-    Certificate { path: PathBuf, reason: String },
-    #[error("TLS key {path}: {reason}")]
-    Key { path: PathBuf, reason: String },
-    #[error("TLS configuration: {0}")]
-    Tls(String),
+    #[error("TLS certificate {path}")]
+    Certificate {
+        path: PathBuf,
+        #[source]
+        source: rustls::pki_types::pem::Error,
+    },
+    #[error("TLS certificate {path}: no PEM certificate in the file")]
+    NoCertificate { path: PathBuf },
+    #[error("TLS key {path}")]
+    Key {
+        path: PathBuf,
+        #[source]
+        source: rustls::pki_types::pem::Error,
+    },
+    #[error("TLS configuration")]
+    Tls(#[source] rustls::Error),
 }
 
 /// The routes.
@@ -108,32 +118,31 @@ async fn debug_state(State(scheduler): State<Arc<Scheduler>>) -> Response {
 /// Loads a PEM certificate chain and private key for HTTPS.
 pub fn tls_config(cert: &Path, key: &Path) -> Result<Arc<rustls::ServerConfig>, ServerError> {
     let chain: Vec<CertificateDer<'static>> = CertificateDer::pem_file_iter(cert)
-        .map_err(|e| ServerError::Certificate {
+        .map_err(|source| ServerError::Certificate {
             path: cert.to_path_buf(),
-            reason: e.to_string(),
+            source,
         })?
         .collect::<Result<_, _>>()
-        .map_err(|e| ServerError::Certificate {
+        .map_err(|source| ServerError::Certificate {
             path: cert.to_path_buf(),
-            reason: e.to_string(),
+            source,
         })?;
     if chain.is_empty() {
-        return Err(ServerError::Certificate {
+        return Err(ServerError::NoCertificate {
             path: cert.to_path_buf(),
-            reason: "no PEM certificate in the file".into(),
         });
     }
-    let private_key = PrivateKeyDer::from_pem_file(key).map_err(|e| ServerError::Key {
+    let private_key = PrivateKeyDer::from_pem_file(key).map_err(|source| ServerError::Key {
         path: key.to_path_buf(),
-        reason: e.to_string(),
+        source,
     })?;
     let provider = Arc::new(rustls::crypto::ring::default_provider());
     let mut config = rustls::ServerConfig::builder_with_provider(provider)
         .with_safe_default_protocol_versions()
-        .map_err(|e| ServerError::Tls(e.to_string()))?
+        .map_err(ServerError::Tls)?
         .with_no_client_auth()
         .with_single_cert(chain, private_key)
-        .map_err(|e| ServerError::Tls(e.to_string()))?;
+        .map_err(ServerError::Tls)?;
     config.alpn_protocols = vec![b"http/1.1".to_vec()];
     Ok(Arc::new(config))
 }

@@ -24,8 +24,8 @@ use std::collections::{BTreeMap, HashMap};
 use std::sync::{Arc, RwLock, RwLockReadGuard};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 use vgpu_cluster::decision::{
-    kubelet_has_admitted, parse_allocated, Decision, NodeInventory, ALLOCATED_ANNOTATION,
-    DECISION_ANNOTATION, HEARTBEAT_STALE_MS, NODE_INVENTORY_ANNOTATION,
+    kubelet_has_admitted, parse_allocated, Decision, FormatError, NodeInventory,
+    ALLOCATED_ANNOTATION, DECISION_ANNOTATION, HEARTBEAT_STALE_MS, NODE_INVENTORY_ANNOTATION,
 };
 
 /// A record written by the extender itself and never confirmed by the
@@ -81,7 +81,7 @@ pub struct PodRecord {
 
 impl PodRecord {
     /// The record of a pod, `None` when it has no decision.
-    pub fn from_pod(pod: &Pod) -> Result<Option<Self>, String> {
+    pub fn from_pod(pod: &Pod) -> Result<Option<Self>, FormatError> {
         let meta = &pod.metadata;
         let annotations = match &meta.annotations {
             Some(annotations) => annotations,
@@ -91,9 +91,9 @@ impl PodRecord {
             Some(text) => text,
             None => return Ok(None),
         };
-        let decision = Decision::parse(text).map_err(|e| e.to_string())?;
+        let decision = Decision::parse(text)?;
         let allocated = match annotations.get(ALLOCATED_ANNOTATION) {
-            Some(text) => parse_allocated(text).map_err(|e| e.to_string())?,
+            Some(text) => parse_allocated(text)?,
             None => Vec::new(),
         };
         let phase = pod.status.as_ref().and_then(|s| s.phase.as_deref());
@@ -783,9 +783,10 @@ impl ClusterState {
     }
 }
 
-fn warn_unreadable(pod: &Pod, error: &str) {
+fn warn_unreadable(pod: &Pod, error: &FormatError) {
     tracing::warn!(
-        "pod {}/{}: {error}; its GPUs are not counted",
+        error = error as &dyn std::error::Error,
+        "pod {}/{}: unreadable annotation; its GPUs are not counted",
         pod.metadata.namespace.as_deref().unwrap_or(""),
         pod.metadata.name.as_deref().unwrap_or("")
     );

@@ -101,7 +101,11 @@ pub fn mutate(body: &[u8], scheduler_name: &str, names: &ResourceNames) -> Webho
         }
         Ok(_) => {}
         Err(error) => {
-            tracing::warn!("admission review {}: unreadable pod: {error}", response.uid);
+            tracing::warn!(
+                error = &error as &dyn std::error::Error,
+                "admission review {}: unreadable pod",
+                response.uid
+            );
             response
                 .warnings
                 .push(format!("vgpu webhook could not read the pod: {error}"));

@@ -74,7 +74,8 @@ fn build_mode() -> Mode {
         Ok(config) => config,
         Err(error) => {
             tracing::error!(
-                "invalid configuration, GPU calls will fail until it is fixed: {error}"
+                error = &error as &dyn std::error::Error,
+                "invalid configuration, GPU calls will fail until it is fixed"
             );
             return Mode::FailClosed;
         }
@@ -86,7 +87,10 @@ fn build_mode() -> Mode {
     match Enforcer::new(config) {
         Ok(enforcer) => Mode::Enforce(enforcer),
         Err(error) => {
-            tracing::error!("cannot use the container region, GPU calls will fail: {error}");
+            tracing::error!(
+                error = &error as &dyn std::error::Error,
+                "cannot use the container region, GPU calls will fail"
+            );
             Mode::FailClosed
         }
     }
