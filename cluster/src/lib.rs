@@ -7,7 +7,9 @@
 //! - [`decision`]: the node inventory and per-pod decisions the extender and
 //!   the device plugin exchange through annotations, and the protocol that
 //!   matches kubelet's `Allocate` calls to pods.
+//! - [`report`]: errors written as one message for Kubernetes components.
 
 pub mod client;
 pub mod decision;
+pub mod report;
 pub mod resources;

@@ -321,7 +321,14 @@ mod tests {
             .get_or_insert_with(Default::default)
             .insert(DECISION_ANNOTATION.into(), d.to_json());
         let error = pending_pod("n1", &[broken.clone()]).expect_err("broken record");
-        assert!(error.to_string().contains(ALLOCATED_ANNOTATION), "{error}");
+        let source = std::error::Error::source(&error).map(ToString::to_string);
+        assert!(error.to_string().contains("ns/p"), "{error}");
+        assert!(
+            source
+                .as_deref()
+                .is_some_and(|s| s.contains(ALLOCATED_ANNOTATION)),
+            "{error}: {source:?}"
+        );
         // A broken pod next to a good one: both named, neither picked.
         let error =
             pending_pod("n1", &[broken, pod("q", "n1", Some(&d), None)]).expect_err("ambiguous");

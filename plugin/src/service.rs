@@ -12,6 +12,7 @@ use std::sync::Arc;
 use tokio::sync::{watch, Mutex};
 use tonic::{Request, Response, Status};
 use vgpu_cluster::decision::InventoryGpu;
+use vgpu_cluster::report::with_causes;
 
 /// How often an `Allocate` re-reads the pod when its record was changed
 /// by someone else in between.
@@ -285,16 +286,4 @@ pub fn options() -> api::DevicePluginOptions {
         pre_start_required: false,
         get_preferred_allocation_available: true,
     }
-}
-
-/// An error and its causes on one line: kubelet logs only the message.
-fn with_causes(error: &(dyn std::error::Error + 'static)) -> String {
-    let mut text = error.to_string();
-    let mut cause = error.source();
-    while let Some(next) = cause {
-        text.push_str(": ");
-        text.push_str(&next.to_string());
-        cause = next.source();
-    }
-    text
 }

@@ -39,6 +39,7 @@ use vgpu_cluster::decision::{
     ContainerDecision, Decision, DeviceGrant, FORMAT_VERSION, HEARTBEAT_STALE_MS,
     NODE_INVENTORY_ANNOTATION,
 };
+use vgpu_cluster::report::with_causes;
 
 /// How the extender decides.
 #[derive(Clone, Debug)]
@@ -256,7 +257,7 @@ impl Scheduler {
 
     fn parse(&self, pod: &Pod) -> Result<PodRequest, String> {
         parse_pod(pod, &self.config.resources, &self.config.defaults)
-            .map_err(|e| format!("pod {}: {e}", pod_key(pod)))
+            .map_err(|e| format!("pod {}: {}", pod_key(pod), with_causes(&e)))
     }
 
     /// Whether `request` fits on node `name`; on success returns the node's

@@ -250,12 +250,16 @@ fn sixteen_processes_never_exceed_the_cap() {
         max_used <= 512 * MIB,
         "driver saw {max_used} bytes, cap is 512 MiB"
     );
-    assert!(
-        max_used > 256 * MIB,
-        "the workload should fill the cap: {max_used}"
-    );
-
     let region = Region::open_existing(&sandbox.region).expect("region");
+    // The fill is read from the region's exact peak: the sampler, polling
+    // from outside, may miss short peaks on a loaded machine.
+    let peak = region.layout().devices[0]
+        .peak_used
+        .load(std::sync::atomic::Ordering::Relaxed);
+    assert!(
+        (256 << 20) < peak && peak <= 512 << 20,
+        "the workload should fill the cap: peak {peak}"
+    );
     region.reclaim_dead_slots(None).expect("sweep");
     assert_eq!(region.device_used(0), 0, "accounting returns to zero");
 }
