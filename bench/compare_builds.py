@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Runs the same benchmark from two builds side by side and compares them.
 
-    bench/compare_builds.py OLD_DIR NEW_DIR [--rounds N] [--bench NAME ARGS...]
+    bench/compare_builds.py OLD_DIR NEW_DIR [--rounds N] [--bench "NAME ARGS..."]...
 
 OLD_DIR and NEW_DIR each hold a build's benchmark binaries next to the
 libvgpu.so and libsimgpu.so they measure (a copy of target/release). Each
@@ -15,6 +15,7 @@ and new/old.
 
 import argparse
 import re
+import shlex
 import statistics
 import subprocess
 import sys
@@ -61,9 +62,21 @@ def main():
     parser.add_argument("old", type=Path)
     parser.add_argument("new", type=Path)
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--bench", nargs="+", action="append", metavar=("NAME", "ARG"))
+    parser.add_argument(
+        "--bench",
+        action="append",
+        metavar='"NAME ARGS"',
+        help="a benchmark binary and its arguments, quoted as one (repeatable)",
+    )
     options = parser.parse_args()
-    benches = [(b[0], b[1:]) for b in options.bench] if options.bench else DEFAULT_BENCHES
+    benches = DEFAULT_BENCHES
+    if options.bench:
+        benches = []
+        for text in options.bench:
+            words = shlex.split(text)
+            if not words:
+                sys.exit("--bench needs a benchmark name")
+            benches.append((words[0], words[1:]))
     if options.rounds < 1:
         sys.exit("--rounds must be at least 1")
     for build in (options.old, options.new):

@@ -41,6 +41,7 @@ fn create_context(
 }
 
 #[allow(non_snake_case)]
+#[inline(always)]
 pub(crate) unsafe fn cuCtxCreate_v2(
     driver: Real<signature::cuCtxCreate_v2>,
     ctx: *mut CUcontext,
@@ -52,6 +53,7 @@ pub(crate) unsafe fn cuCtxCreate_v2(
 }
 
 #[allow(non_snake_case)]
+#[inline(always)]
 pub(crate) unsafe fn cuCtxCreate_v3(
     driver: Real<signature::cuCtxCreate_v3>,
     ctx: *mut CUcontext,
@@ -67,6 +69,7 @@ pub(crate) unsafe fn cuCtxCreate_v3(
 }
 
 #[allow(non_snake_case)]
+#[inline(always)]
 pub(crate) unsafe fn cuCtxCreate_v4(
     driver: Real<signature::cuCtxCreate_v4>,
     ctx: *mut CUcontext,
@@ -81,6 +84,7 @@ pub(crate) unsafe fn cuCtxCreate_v4(
 }
 
 #[allow(non_snake_case)]
+#[inline(always)]
 pub(crate) unsafe fn cuCtxDestroy_v2(
     driver: Real<signature::cuCtxDestroy_v2>,
     ctx: CUcontext,
@@ -103,6 +107,7 @@ pub(crate) unsafe fn cuCtxDestroy_v2(
 }
 
 #[allow(non_snake_case)]
+#[inline(always)]
 pub(crate) unsafe fn cuDevicePrimaryCtxRetain(
     driver: Real<signature::cuDevicePrimaryCtxRetain>,
     ctx: *mut CUcontext,
@@ -160,6 +165,7 @@ fn primary_context_gone(device: CUdevice, code: CUresult, reset: bool) -> CUresu
 }
 
 #[allow(non_snake_case)]
+#[inline(always)]
 pub(crate) unsafe fn cuDevicePrimaryCtxRelease(
     driver: Real<signature::cuDevicePrimaryCtxRelease>,
     device: CUdevice,
@@ -170,6 +176,7 @@ pub(crate) unsafe fn cuDevicePrimaryCtxRelease(
 }
 
 #[allow(non_snake_case)]
+#[inline(always)]
 pub(crate) unsafe fn cuDevicePrimaryCtxRelease_v2(
     driver: Real<signature::cuDevicePrimaryCtxRelease_v2>,
     device: CUdevice,
@@ -180,6 +187,7 @@ pub(crate) unsafe fn cuDevicePrimaryCtxRelease_v2(
 }
 
 #[allow(non_snake_case)]
+#[inline(always)]
 pub(crate) unsafe fn cuDevicePrimaryCtxReset(
     driver: Real<signature::cuDevicePrimaryCtxReset>,
     device: CUdevice,
@@ -190,6 +198,7 @@ pub(crate) unsafe fn cuDevicePrimaryCtxReset(
 }
 
 #[allow(non_snake_case)]
+#[inline(always)]
 pub(crate) unsafe fn cuDevicePrimaryCtxReset_v2(
     driver: Real<signature::cuDevicePrimaryCtxReset_v2>,
     device: CUdevice,

@@ -7,6 +7,7 @@ use vgpu_cuda_abi::cuda::*;
 use vgpu_interpose::Real;
 
 #[allow(non_snake_case)]
+#[inline(always)]
 pub(crate) unsafe fn cuMemGetInfo_v2(
     driver: Real<signature::cuMemGetInfo_v2>,
     free: *mut usize,
@@ -60,6 +61,7 @@ pub(crate) unsafe fn cuMemGetInfo_v2(
 }
 
 #[allow(non_snake_case)]
+#[inline(always)]
 pub(crate) unsafe fn cuDeviceTotalMem_v2(
     driver: Real<signature::cuDeviceTotalMem_v2>,
     bytes: *mut usize,

@@ -56,6 +56,7 @@ fn kernel_key(
 }
 
 #[allow(non_snake_case, clippy::too_many_arguments)]
+#[inline(always)]
 pub(crate) unsafe fn cuLaunchKernel(
     driver: Real<signature::cuLaunchKernel>,
     function: CUfunction,
@@ -107,6 +108,7 @@ unsafe fn config_key(
 }
 
 #[allow(non_snake_case, clippy::too_many_arguments)]
+#[inline(always)]
 pub(crate) unsafe fn cuLaunchKernelEx(
     driver: Real<signature::cuLaunchKernelEx>,
     config: *const CUlaunchConfig,
@@ -126,6 +128,7 @@ pub(crate) unsafe fn cuLaunchKernelEx(
 }
 
 #[allow(non_snake_case, clippy::too_many_arguments)]
+#[inline(always)]
 pub(crate) unsafe fn cuLaunchCooperativeKernel(
     driver: Real<signature::cuLaunchCooperativeKernel>,
     function: CUfunction,
@@ -149,6 +152,7 @@ pub(crate) unsafe fn cuLaunchCooperativeKernel(
 /// One kernel per device, each on its own stream: every device is charged
 /// for its part (at the learned price; these launches are not timed).
 #[allow(non_snake_case, clippy::too_many_arguments)]
+#[inline(always)]
 pub(crate) unsafe fn cuLaunchCooperativeKernelMultiDevice(
     driver: Real<signature::cuLaunchCooperativeKernelMultiDevice>,
     launches: *mut CUDA_LAUNCH_PARAMS,
@@ -186,6 +190,7 @@ pub(crate) unsafe fn cuLaunchCooperativeKernelMultiDevice(
 }
 
 #[allow(non_snake_case, clippy::too_many_arguments)]
+#[inline(always)]
 pub(crate) unsafe fn cuGraphLaunch(
     driver: Real<signature::cuGraphLaunch>,
     exec: CUgraphExec,
@@ -224,6 +229,7 @@ fn capture_over(code: CUresult) -> CUresult {
 }
 
 #[allow(non_snake_case, clippy::too_many_arguments)]
+#[inline(always)]
 pub(crate) unsafe fn cuStreamBeginCapture_v2(
     driver: Real<signature::cuStreamBeginCapture_v2>,
     stream: CUstream,
@@ -234,6 +240,7 @@ pub(crate) unsafe fn cuStreamBeginCapture_v2(
 }
 
 #[allow(non_snake_case, clippy::too_many_arguments)]
+#[inline(always)]
 pub(crate) unsafe fn cuStreamBeginCaptureToGraph(
     driver: Real<signature::cuStreamBeginCaptureToGraph>,
     stream: CUstream,
@@ -250,6 +257,7 @@ pub(crate) unsafe fn cuStreamBeginCaptureToGraph(
 }
 
 #[allow(non_snake_case, clippy::too_many_arguments)]
+#[inline(always)]
 pub(crate) unsafe fn cuStreamEndCapture(
     driver: Real<signature::cuStreamEndCapture>,
     stream: CUstream,

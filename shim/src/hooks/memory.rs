@@ -52,6 +52,7 @@ fn free_resource(resource: Resource, id: u64, free: impl FnOnce() -> CUresult) -
 }
 
 #[allow(non_snake_case)]
+#[inline(always)]
 pub(crate) unsafe fn cuMemAlloc_v2(
     driver: Real<signature::cuMemAlloc_v2>,
     dptr: *mut CUdeviceptr,
@@ -203,6 +204,7 @@ fn free_if_spilled(dptr: CUdeviceptr, before: impl FnOnce() -> CUresult) -> Opti
 }
 
 #[allow(non_snake_case)]
+#[inline(always)]
 pub(crate) unsafe fn cuMemAllocManaged(
     driver: Real<signature::cuMemAllocManaged>,
     dptr: *mut CUdeviceptr,
@@ -223,6 +225,7 @@ pub(crate) unsafe fn cuMemAllocManaged(
 }
 
 #[allow(non_snake_case)]
+#[inline(always)]
 pub(crate) unsafe fn cuMemAllocPitch_v2(
     driver: Real<signature::cuMemAllocPitch_v2>,
     dptr: *mut CUdeviceptr,
@@ -276,6 +279,7 @@ pub(crate) unsafe fn cuMemAllocPitch_v2(
 }
 
 #[allow(non_snake_case)]
+#[inline(always)]
 pub(crate) unsafe fn cuMemFree_v2(
     driver: Real<signature::cuMemFree_v2>,
     dptr: CUdeviceptr,
@@ -290,6 +294,7 @@ pub(crate) unsafe fn cuMemFree_v2(
 }
 
 #[allow(non_snake_case)]
+#[inline(always)]
 pub(crate) unsafe fn cuMemCreate(
     driver: Real<signature::cuMemCreate>,
     handle: *mut CUmemGenericAllocationHandle,
@@ -328,6 +333,7 @@ pub(crate) unsafe fn cuMemCreate(
 }
 
 #[allow(non_snake_case)]
+#[inline(always)]
 pub(crate) unsafe fn cuMemRelease(
     driver: Real<signature::cuMemRelease>,
     handle: CUmemGenericAllocationHandle,
@@ -358,6 +364,7 @@ fn array_bytes(
 }
 
 #[allow(non_snake_case)]
+#[inline(always)]
 pub(crate) unsafe fn cuArrayCreate_v2(
     driver: Real<signature::cuArrayCreate_v2>,
     array: *mut CUarray,
@@ -376,6 +383,7 @@ pub(crate) unsafe fn cuArrayCreate_v2(
 }
 
 #[allow(non_snake_case)]
+#[inline(always)]
 pub(crate) unsafe fn cuArray3DCreate_v2(
     driver: Real<signature::cuArray3DCreate_v2>,
     array: *mut CUarray,
@@ -394,6 +402,7 @@ pub(crate) unsafe fn cuArray3DCreate_v2(
 }
 
 #[allow(non_snake_case)]
+#[inline(always)]
 pub(crate) unsafe fn cuArrayDestroy(
     driver: Real<signature::cuArrayDestroy>,
     array: CUarray,
@@ -405,6 +414,7 @@ pub(crate) unsafe fn cuArrayDestroy(
 }
 
 #[allow(non_snake_case)]
+#[inline(always)]
 pub(crate) unsafe fn cuMipmappedArrayCreate(
     driver: Real<signature::cuMipmappedArrayCreate>,
     array: *mut CUmipmappedArray,
@@ -441,6 +451,7 @@ pub(crate) unsafe fn cuMipmappedArrayCreate(
 }
 
 #[allow(non_snake_case)]
+#[inline(always)]
 pub(crate) unsafe fn cuMipmappedArrayDestroy(
     driver: Real<signature::cuMipmappedArrayDestroy>,
     array: CUmipmappedArray,
@@ -560,6 +571,7 @@ fn alloc_from_pool(
 }
 
 #[allow(non_snake_case)]
+#[inline(always)]
 pub(crate) unsafe fn cuMemAllocAsync(
     driver: Real<signature::cuMemAllocAsync>,
     dptr: *mut CUdeviceptr,
@@ -573,6 +585,7 @@ pub(crate) unsafe fn cuMemAllocAsync(
 }
 
 #[allow(non_snake_case)]
+#[inline(always)]
 pub(crate) unsafe fn cuMemAllocFromPoolAsync(
     driver: Real<signature::cuMemAllocFromPoolAsync>,
     dptr: *mut CUdeviceptr,
@@ -587,6 +600,7 @@ pub(crate) unsafe fn cuMemAllocFromPoolAsync(
 }
 
 #[allow(non_snake_case)]
+#[inline(always)]
 pub(crate) unsafe fn cuMemFreeAsync(
     driver: Real<signature::cuMemFreeAsync>,
     dptr: CUdeviceptr,
@@ -615,6 +629,7 @@ pub(crate) unsafe fn cuMemFreeAsync(
 }
 
 #[allow(non_snake_case)]
+#[inline(always)]
 pub(crate) unsafe fn cuMemPoolTrimTo(
     driver: Real<signature::cuMemPoolTrimTo>,
     pool: CUmemoryPool,
@@ -629,6 +644,7 @@ pub(crate) unsafe fn cuMemPoolTrimTo(
 }
 
 #[allow(non_snake_case)]
+#[inline(always)]
 pub(crate) unsafe fn cuMemPoolCreate(
     driver: Real<signature::cuMemPoolCreate>,
     pool: *mut CUmemoryPool,
@@ -650,6 +666,7 @@ pub(crate) unsafe fn cuMemPoolCreate(
 }
 
 #[allow(non_snake_case)]
+#[inline(always)]
 pub(crate) unsafe fn cuMemPoolDestroy(
     driver: Real<signature::cuMemPoolDestroy>,
     pool: CUmemoryPool,
@@ -674,6 +691,7 @@ fn note_device_pool(code: CUresult, pool: *mut CUmemoryPool, device: CUdevice) -
 }
 
 #[allow(non_snake_case)]
+#[inline(always)]
 pub(crate) unsafe fn cuDeviceGetDefaultMemPool(
     driver: Real<signature::cuDeviceGetDefaultMemPool>,
     pool: *mut CUmemoryPool,
@@ -685,6 +703,7 @@ pub(crate) unsafe fn cuDeviceGetDefaultMemPool(
 }
 
 #[allow(non_snake_case)]
+#[inline(always)]
 pub(crate) unsafe fn cuDeviceGetMemPool(
     driver: Real<signature::cuDeviceGetMemPool>,
     pool: *mut CUmemoryPool,

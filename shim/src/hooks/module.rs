@@ -103,6 +103,7 @@ unsafe fn file_bytes(path: *const c_char) -> u64 {
 }
 
 #[allow(non_snake_case)]
+#[inline(always)]
 pub(crate) unsafe fn cuModuleLoad(
     driver: Real<signature::cuModuleLoad>,
     module: *mut CUmodule,
@@ -117,6 +118,7 @@ pub(crate) unsafe fn cuModuleLoad(
 }
 
 #[allow(non_snake_case)]
+#[inline(always)]
 pub(crate) unsafe fn cuModuleLoadData(
     driver: Real<signature::cuModuleLoadData>,
     module: *mut CUmodule,
@@ -131,6 +133,7 @@ pub(crate) unsafe fn cuModuleLoadData(
 }
 
 #[allow(non_snake_case)]
+#[inline(always)]
 pub(crate) unsafe fn cuModuleLoadDataEx(
     driver: Real<signature::cuModuleLoadDataEx>,
     module: *mut CUmodule,
@@ -148,6 +151,7 @@ pub(crate) unsafe fn cuModuleLoadDataEx(
 }
 
 #[allow(non_snake_case)]
+#[inline(always)]
 pub(crate) unsafe fn cuModuleLoadFatBinary(
     driver: Real<signature::cuModuleLoadFatBinary>,
     module: *mut CUmodule,
@@ -162,6 +166,7 @@ pub(crate) unsafe fn cuModuleLoadFatBinary(
 }
 
 #[allow(non_snake_case)]
+#[inline(always)]
 pub(crate) unsafe fn cuModuleUnload(
     driver: Real<signature::cuModuleUnload>,
     module: CUmodule,
@@ -179,6 +184,7 @@ pub(crate) unsafe fn cuModuleUnload(
 }
 
 #[allow(non_snake_case, clippy::too_many_arguments)]
+#[inline(always)]
 pub(crate) unsafe fn cuLibraryLoadData(
     driver: Real<signature::cuLibraryLoadData>,
     library: *mut CUlibrary,
@@ -210,6 +216,7 @@ pub(crate) unsafe fn cuLibraryLoadData(
 }
 
 #[allow(non_snake_case, clippy::too_many_arguments)]
+#[inline(always)]
 pub(crate) unsafe fn cuLibraryLoadFromFile(
     driver: Real<signature::cuLibraryLoadFromFile>,
     library: *mut CUlibrary,
@@ -241,6 +248,7 @@ pub(crate) unsafe fn cuLibraryLoadFromFile(
 }
 
 #[allow(non_snake_case)]
+#[inline(always)]
 pub(crate) unsafe fn cuLibraryUnload(
     driver: Real<signature::cuLibraryUnload>,
     library: CUlibrary,

@@ -55,6 +55,7 @@ fn capped_memory(enforcer: &Enforcer, device: nvmlDevice_t) -> Option<(u64, u64)
 }
 
 #[allow(non_snake_case)]
+#[inline(always)]
 pub(crate) unsafe fn nvmlInit_v2(driver: Real<signature::nvmlInit_v2>) -> nvmlReturn_t {
     if let Mode::FailClosed = mode() {
         return NVML_ERROR_UNKNOWN;
@@ -64,6 +65,7 @@ pub(crate) unsafe fn nvmlInit_v2(driver: Real<signature::nvmlInit_v2>) -> nvmlRe
 }
 
 #[allow(non_snake_case)]
+#[inline(always)]
 pub(crate) unsafe fn nvmlInitWithFlags(
     driver: Real<signature::nvmlInitWithFlags>,
     flags: u32,
@@ -76,6 +78,7 @@ pub(crate) unsafe fn nvmlInitWithFlags(
 }
 
 #[allow(non_snake_case)]
+#[inline(always)]
 pub(crate) unsafe fn nvmlDeviceGetMemoryInfo(
     driver: Real<signature::nvmlDeviceGetMemoryInfo>,
     device: nvmlDevice_t,
@@ -100,6 +103,7 @@ pub(crate) unsafe fn nvmlDeviceGetMemoryInfo(
 }
 
 #[allow(non_snake_case)]
+#[inline(always)]
 pub(crate) unsafe fn nvmlDeviceGetMemoryInfo_v2(
     driver: Real<signature::nvmlDeviceGetMemoryInfo_v2>,
     device: nvmlDevice_t,
@@ -168,6 +172,7 @@ unsafe fn filter_processes<T>(
 macro_rules! process_list_hook {
     ($name:ident, $info:ty) => {
         #[allow(non_snake_case)]
+        #[inline(always)]
         pub(crate) unsafe fn $name(
             driver: Real<signature::$name>,
             device: nvmlDevice_t,

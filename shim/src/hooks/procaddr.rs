@@ -16,6 +16,7 @@ use vgpu_cuda_abi::cuda::*;
 use vgpu_interpose::Real;
 
 #[allow(non_snake_case)]
+#[inline(always)]
 pub(crate) unsafe fn cuInit(driver: Real<signature::cuInit>, flags: u32) -> CUresult {
     let mode = mode();
     if let Mode::FailClosed = mode {
@@ -54,6 +55,7 @@ unsafe fn redirect_result(code: CUresult, pfn: *mut *mut c_void) {
 }
 
 #[allow(non_snake_case)]
+#[inline(always)]
 pub(crate) unsafe fn cuGetProcAddress(
     driver: Real<signature::cuGetProcAddress>,
     symbol: *const c_char,
@@ -72,6 +74,7 @@ pub(crate) unsafe fn cuGetProcAddress(
 }
 
 #[allow(non_snake_case)]
+#[inline(always)]
 pub(crate) unsafe fn cuGetProcAddress_v2(
     driver: Real<signature::cuGetProcAddress_v2>,
     symbol: *const c_char,
