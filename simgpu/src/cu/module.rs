@@ -72,6 +72,26 @@ unsafe fn read_image(image: *const c_void) -> Result<Vec<u8>, CUresult> {
     Ok(text.to_bytes().to_vec())
 }
 
+/// Reads an image file (`cuModuleLoad`, `cuLibraryLoadFromFile`).
+///
+/// # Safety
+/// `path` must be NULL or a NUL-terminated string.
+unsafe fn read_image_file(path: *const c_char) -> Result<Vec<u8>, CUresult> {
+    // SAFETY: per the caller.
+    let path = unsafe { cstr(path) }.ok_or(CUDA_ERROR_INVALID_VALUE)?;
+    let image = match std::fs::read(path) {
+        Ok(bytes) => bytes,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+            return Err(CUDA_ERROR_FILE_NOT_FOUND)
+        }
+        Err(_) => return Err(CUDA_ERROR_INVALID_VALUE),
+    };
+    if !image.starts_with(MAGIC) {
+        return Err(CUDA_ERROR_INVALID_IMAGE);
+    }
+    Ok(image)
+}
+
 fn load(module: *mut CUmodule, image: &[u8]) -> Result<(), CUresult> {
     check_init()?;
     if module.is_null() {
@@ -113,17 +133,7 @@ cuda_fn! {
     fn cuModuleLoad(module: *mut CUmodule, fname: *const c_char) {
         check_init()?;
         // SAFETY: C string from the caller.
-        let path = unsafe { cstr(fname) }.ok_or(CUDA_ERROR_INVALID_VALUE)?;
-        let image = match std::fs::read(path) {
-            Ok(bytes) => bytes,
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
-                return Err(CUDA_ERROR_FILE_NOT_FOUND)
-            }
-            Err(_) => return Err(CUDA_ERROR_INVALID_VALUE),
-        };
-        if !image.starts_with(MAGIC) {
-            return Err(CUDA_ERROR_INVALID_IMAGE);
-        }
+        let image = unsafe { read_image_file(fname) }?;
         load(module, &image)
     }
 }
@@ -214,17 +224,7 @@ cuda_fn! {
         let _ = (jit_options, jit_values, jit_count, library_options, library_values, library_count);
         check_init()?;
         // SAFETY: C string from the caller.
-        let path = unsafe { cstr(file_name) }.ok_or(CUDA_ERROR_INVALID_VALUE)?;
-        let image = match std::fs::read(path) {
-            Ok(bytes) => bytes,
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
-                return Err(CUDA_ERROR_FILE_NOT_FOUND)
-            }
-            Err(_) => return Err(CUDA_ERROR_INVALID_VALUE),
-        };
-        if !image.starts_with(MAGIC) {
-            return Err(CUDA_ERROR_INVALID_IMAGE);
-        }
+        let image = unsafe { read_image_file(file_name) }?;
         load(library.cast::<CUmodule>(), &image)
     }
 }
