@@ -633,7 +633,12 @@ impl Scheduler {
         if request.is_empty() {
             api.bind(namespace, name, &args.pod_uid, node)
                 .await
-                .map_err(|e| format!("binding pod {key} to node {node} failed: {e}"))?;
+                .map_err(|e| {
+                    format!(
+                        "binding pod {key} to node {node} failed: {}",
+                        with_causes(&e)
+                    )
+                })?;
             return Ok(" (no GPUs)".to_string());
         }
 
@@ -717,7 +722,7 @@ impl Scheduler {
         let pod = api
             .get_pod(&args.pod_namespace, &args.pod_name)
             .await
-            .map_err(|e| format!("reading pod {key} failed: {e}"))?;
+            .map_err(|e| format!("reading pod {key} failed: {}", with_causes(&e)))?;
         let uid = pod.metadata.uid.as_deref().unwrap_or("");
         if !args.pod_uid.is_empty() && uid != args.pod_uid {
             return Err(format!(

@@ -27,6 +27,7 @@ use vgpu_cluster::decision::{
     kubelet_has_admitted, parse_allocated, Decision, FormatError, NodeInventory,
     ALLOCATED_ANNOTATION, DECISION_ANNOTATION, HEARTBEAT_STALE_MS, NODE_INVENTORY_ANNOTATION,
 };
+use vgpu_cluster::report::with_causes;
 
 /// A record written by the extender itself and never confirmed by the
 /// watch is trusted this long.
@@ -405,9 +406,12 @@ impl ClusterState {
             None => (Inventory::Missing, Vec::new()),
             Some(Err(error)) => {
                 if !matches!(entry.inventory, Inventory::Invalid(_)) {
-                    tracing::warn!("node {name}: {error}");
+                    tracing::warn!(
+                        error = &error as &dyn std::error::Error,
+                        "node {name}: unreadable GPU inventory"
+                    );
                 }
-                (Inventory::Invalid(error.to_string()), Vec::new())
+                (Inventory::Invalid(with_causes(&error)), Vec::new())
             }
             Some(Ok(inventory)) => (
                 Inventory::Valid {
