@@ -29,7 +29,7 @@ pub const JANITOR_STUCK_AFTER: Duration = Duration::from_secs(5);
 
 #[derive(Debug, Error)]
 pub enum CleanupError {
-    #[error("cannot remove {path}: {source}")]
+    #[error("cannot remove {path}")]
     Remove {
         path: PathBuf,
         #[source]
@@ -241,14 +241,21 @@ fn spawn_worker(pending: Arc<Mutex<HashSet<String>>>, reclaimed: Arc<AtomicU64>)
                         );
                         reclaimed.fetch_add(count as u64, Ordering::Relaxed);
                     }
-                    Err(error) => tracing::warn!("region {}: reclaim: {error}", job.key),
+                    Err(error) => tracing::warn!(
+                        error = &error as &dyn std::error::Error,
+                        "region {}: reclaim",
+                        job.key
+                    ),
                 }
                 *lock(&busy_in_thread) = None;
                 lock(&pending).remove(&job.key);
             }
         });
     if let Err(error) = spawned {
-        tracing::error!("cannot start the janitor thread: {error}");
+        tracing::error!(
+            error = &error as &dyn std::error::Error,
+            "cannot start the janitor thread"
+        );
     }
     Worker { sender, busy }
 }

@@ -473,7 +473,7 @@ impl Monitor {
                     dir.display(),
                     self.config.cleanup_grace.unwrap_or_default().as_secs()
                 ),
-                Err(error) => tracing::warn!("{error}"),
+                Err(error) => tracing::warn!(error = &error as &dyn std::error::Error, ""),
             }
         }
     }

@@ -45,7 +45,7 @@ pub struct DiscoveryConfig {
 /// Why one region could not be used.
 #[derive(Debug, Error)]
 pub enum DiscoveryError {
-    #[error("{path}: {op}: {source}")]
+    #[error("{path}: {op}")]
     Io {
         path: PathBuf,
         op: &'static str,
@@ -60,13 +60,13 @@ pub enum DiscoveryError {
         actual: u64,
         expected: u64,
     },
-    #[error("{path}: {source}")]
+    #[error("{path}")]
     Region {
         path: PathBuf,
         #[source]
         source: RegionError,
     },
-    #[error("{path}: {source}")]
+    #[error("{path}")]
     Guard {
         path: PathBuf,
         #[source]
@@ -327,7 +327,11 @@ impl Discovery {
             }
             Err(error) => {
                 if !self.root_error_logged {
-                    tracing::warn!("cannot list {}: {error}", self.config.root.display());
+                    tracing::warn!(
+                        error = &error as &dyn std::error::Error,
+                        "cannot list {}",
+                        self.config.root.display()
+                    );
                     self.root_error_logged = true;
                 }
                 Vec::new()
@@ -433,7 +437,10 @@ impl Discovery {
                             }
                     );
                     if transient {
-                        tracing::debug!("region {name} not ready: {error}");
+                        tracing::debug!(
+                            error = &error as &dyn std::error::Error,
+                            "region {name} not ready"
+                        );
                     } else {
                         tracing::warn!(
                             error = &error as &dyn std::error::Error,

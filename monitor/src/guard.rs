@@ -41,8 +41,8 @@ static INSTALLED: AtomicBool = AtomicBool::new(false);
 /// Why a mapping could not be guarded.
 #[derive(Debug, Error)]
 pub enum GuardError {
-    #[error("cannot install the SIGBUS handler: {0}")]
-    Install(std::io::Error),
+    #[error("cannot install the SIGBUS handler")]
+    Install(#[source] std::io::Error),
     #[error("more than {MAX_GUARDED} mappings are guarded already")]
     Full,
 }

@@ -86,7 +86,10 @@ async fn shutdown_signal() {
     let mut term = match signal(SignalKind::terminate()) {
         Ok(term) => term,
         Err(error) => {
-            tracing::warn!("cannot watch SIGTERM: {error}");
+            tracing::warn!(
+                error = &error as &dyn std::error::Error,
+                "cannot watch SIGTERM"
+            );
             let _ = tokio::signal::ctrl_c().await;
             return;
         }

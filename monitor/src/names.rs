@@ -176,7 +176,7 @@ impl PodDirectory {
     pub fn failed(&self, error: &dyn std::fmt::Display) {
         let mut inner = self.write();
         if inner.state != ApiState::Failing {
-            tracing::warn!("Kubernetes API unavailable (names fall back to directory names, no cleanup): {error}");
+            tracing::warn!(error = %error, "Kubernetes API unavailable (names fall back to directory names, no cleanup)");
         }
         inner.state = ApiState::Failing;
         inner.incoming = None;
@@ -202,7 +202,7 @@ fn record_of(pod: &Pod) -> Option<(String, PodRecord)> {
                     grants.insert(container.name, container.devices);
                 }
             }
-            Err(error) => tracing::debug!("pod {uid}: {error}"),
+            Err(error) => tracing::debug!(error = &error as &dyn std::error::Error, "pod {uid}"),
         }
     }
     Some((

@@ -31,7 +31,10 @@ async fn metrics(
         )
             .into_response(),
         Err(error) => {
-            tracing::error!("rendering metrics: {error}");
+            tracing::error!(
+                error = &error as &dyn std::error::Error,
+                "rendering metrics"
+            );
             StatusCode::INTERNAL_SERVER_ERROR.into_response()
         }
     }

@@ -281,7 +281,7 @@ pub struct RegionLimits {
 /// Why a region could not be used.
 #[derive(Debug, Error)]
 pub enum RegionError {
-    #[error("region {path}: {op}: {source}")]
+    #[error("region {path}: {op}")]
     Io {
         path: PathBuf,
         op: &'static str,

@@ -63,14 +63,14 @@ pub enum AllocateError {
     TooManyGpus { container: String, count: usize },
     #[error("pod UID {uid:?} or container name {container:?} cannot name a directory")]
     BadName { uid: String, container: String },
-    #[error("{path}: {op}: {source}")]
+    #[error("{path}: {op}")]
     Io {
         path: PathBuf,
         op: &'static str,
         #[source]
         source: std::io::Error,
     },
-    #[error("{0}")]
+    #[error(transparent)]
     Region(#[from] vgpu_node_contract::region::RegionError),
     #[error("region {path} already exists with other limits; refusing to change the limits of a running container")]
     RegionMismatch { path: PathBuf },

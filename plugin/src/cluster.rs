@@ -19,7 +19,7 @@ pub enum ClusterError {
     /// The object changed since it was read (HTTP 409).
     #[error("{what}: changed since it was read")]
     Conflict { what: String },
-    #[error("{what}: {source}")]
+    #[error("{what}")]
     Api {
         what: String,
         #[source]

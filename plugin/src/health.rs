@@ -247,7 +247,10 @@ impl HealthSource for NvmlHealth {
         let mut set = match nvml.create_event_set() {
             Ok(set) => Some(set),
             Err(error) => {
-                tracing::warn!("NVML event set: {error}; GPU health comes from probes only");
+                tracing::warn!(
+                    error = &error as &dyn std::error::Error,
+                    "NVML event set; GPU health comes from probes only"
+                );
                 None
             }
         };
@@ -256,7 +259,10 @@ impl HealthSource for NvmlHealth {
             let device = match nvml.device_by_uuid(uuid.as_str()) {
                 Ok(device) => device,
                 Err(error) => {
-                    tracing::warn!("GPU {uuid}: {error}; no NVML events for it");
+                    tracing::warn!(
+                        error = &error as &dyn std::error::Error,
+                        "GPU {uuid}; no NVML events for it"
+                    );
                     set = Some(current);
                     continue;
                 }
@@ -264,7 +270,10 @@ impl HealthSource for NvmlHealth {
             let supported = match device.supported_event_types() {
                 Ok(types) => types & wanted,
                 Err(error) => {
-                    tracing::warn!("GPU {uuid}: supported NVML events: {error}");
+                    tracing::warn!(
+                        error = &error as &dyn std::error::Error,
+                        "GPU {uuid}: supported NVML events"
+                    );
                     EventTypes::empty()
                 }
             };
@@ -280,7 +289,10 @@ impl HealthSource for NvmlHealth {
                 }
                 Err(error) => {
                     // The set is freed by a failed registration.
-                    tracing::warn!("GPU {uuid}: NVML event registration: {error}; probes only");
+                    tracing::warn!(
+                        error = &error as &dyn std::error::Error,
+                        "GPU {uuid}: NVML event registration; probes only"
+                    );
                     set = nvml.create_event_set().ok();
                 }
             }
@@ -317,7 +329,10 @@ impl HealthSource for NvmlHealth {
                     let uuid = match data.device.uuid() {
                         Ok(uuid) => uuid,
                         Err(error) => {
-                            tracing::warn!("NVML event from a device without a UUID: {error}");
+                            tracing::warn!(
+                                error = &error as &dyn std::error::Error,
+                                "NVML event from a device without a UUID"
+                            );
                             continue;
                         }
                     };
@@ -338,7 +353,7 @@ impl HealthSource for NvmlHealth {
                 Err(error) => {
                     wait_failures += 1;
                     if wait_failures == 1 {
-                        tracing::warn!("NVML event wait: {error}");
+                        tracing::warn!(error = &error as &dyn std::error::Error, "NVML event wait");
                     }
                     std::thread::sleep(wait);
                 }

@@ -48,14 +48,14 @@ pub struct KubeletSettings {
 
 #[derive(Debug, Error)]
 pub enum KubeletError {
-    #[error("{path}: {op}: {source}")]
+    #[error("{path}: {op}")]
     Io {
         path: PathBuf,
         op: &'static str,
         #[source]
         source: std::io::Error,
     },
-    #[error("cannot reach kubelet at {path}: {source}")]
+    #[error("cannot reach kubelet at {path}")]
     Connect {
         path: PathBuf,
         #[source]
@@ -177,8 +177,14 @@ impl Generation {
         let mut server = self.server;
         match tokio::time::timeout(DRAIN_TIMEOUT, &mut server).await {
             Ok(Ok(Ok(()))) => {}
-            Ok(Ok(Err(error))) => tracing::warn!("device plugin server: {error}"),
-            Ok(Err(error)) => tracing::warn!("device plugin server task: {error}"),
+            Ok(Ok(Err(error))) => tracing::warn!(
+                error = &error as &dyn std::error::Error,
+                "device plugin server"
+            ),
+            Ok(Err(error)) => tracing::warn!(
+                error = &error as &dyn std::error::Error,
+                "device plugin server task"
+            ),
             Err(_) => {
                 tracing::warn!(
                     "device plugin server did not drain in {DRAIN_TIMEOUT:?}; closing it"

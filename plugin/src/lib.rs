@@ -57,9 +57,9 @@ pub struct PluginConfig {
 pub enum PluginError {
     #[error(transparent)]
     Kubelet(#[from] kubelet::KubeletError),
-    #[error("writing ld.so.preload: {0}")]
+    #[error("writing ld.so.preload")]
     Preload(#[source] allocate::AllocateError),
-    #[error("starting the health thread: {0}")]
+    #[error("starting the health thread")]
     Health(#[source] std::io::Error),
 }
 

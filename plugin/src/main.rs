@@ -74,7 +74,10 @@ async fn wait_for_signal() {
             }
         }
         Err(error) => {
-            tracing::warn!("cannot watch SIGTERM: {error}");
+            tracing::warn!(
+                error = &error as &dyn std::error::Error,
+                "cannot watch SIGTERM"
+            );
             let _ = tokio::signal::ctrl_c().await;
         }
     }

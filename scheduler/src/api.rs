@@ -196,7 +196,10 @@ where
             }
             Err(error) => {
                 if !failing {
-                    tracing::warn!("Kubernetes API: {what} watch failed (retrying): {error}");
+                    tracing::warn!(
+                        error = &error as &dyn std::error::Error,
+                        "Kubernetes API: {what} watch failed (retrying)"
+                    );
                 }
                 failing = true;
             }

@@ -46,7 +46,10 @@ async fn shutdown_signal() {
             match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
                 Ok(signal) => signal,
                 Err(error) => {
-                    tracing::warn!("cannot watch SIGTERM: {error}");
+                    tracing::warn!(
+                        error = &error as &dyn std::error::Error,
+                        "cannot watch SIGTERM"
+                    );
                     let _ = interrupt.await;
                     return;
                 }

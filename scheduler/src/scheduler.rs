@@ -375,7 +375,7 @@ impl Scheduler {
         let names = candidates(args)?;
         let request = self
             .parse(pod)
-            .inspect_err(|error| tracing::info!("filter: {error}"))?;
+            .inspect_err(|error| tracing::info!(error = %error, "filter"))?;
         let mut outcome = FilterOutcome {
             passed: Vec::with_capacity(names.len()),
             failed: FailedNodesMap::new(),
@@ -497,7 +497,7 @@ impl Scheduler {
             Ok(request) if !request.is_empty() => request,
             Ok(_) => return Ok(zero(names)),
             Err(error) => {
-                tracing::info!("prioritize: {error}");
+                tracing::info!(error = %error, "prioritize");
                 return Ok(zero(names));
             }
         };
@@ -595,7 +595,7 @@ impl Scheduler {
                 ExtenderBindingResult::default()
             }
             Err(error) => {
-                tracing::info!("bind {key} to {}: {error}", args.node);
+                tracing::info!(error = %error, "bind {key} to {}", args.node);
                 ExtenderBindingResult { error }
             }
         }
@@ -708,11 +708,15 @@ impl Scheduler {
                 match api.clear_decision(namespace, name, &version).await {
                     Ok(cleared) => self.state.update(|s| s.apply_pod(&cleared, true)),
                     Err(clear_error) => tracing::warn!(
-                        "pod {key}: binding failed and the decision could not be removed ({clear_error}); it expires after {} s",
+                        error = &clear_error as &dyn std::error::Error,
+                        "pod {key}: binding failed and the decision could not be removed; it expires after {} s",
                         self.config.unbound_grace.as_secs()
                     ),
                 }
-                Err(format!("binding pod {key} to node {node} failed: {error}"))
+                Err(format!(
+                    "binding pod {key} to node {node} failed: {}",
+                    with_causes(&error)
+                ))
             }
         }
     }

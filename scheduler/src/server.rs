@@ -169,7 +169,7 @@ pub async fn serve(
                 let (stream, peer) = match accepted {
                     Ok(accepted) => accepted,
                     Err(error) => {
-                        tracing::warn!("accepting a connection failed: {error}");
+                        tracing::warn!(error = &error as &dyn std::error::Error, "accepting a connection failed");
                         tokio::time::sleep(Duration::from_millis(50)).await;
                         continue;
                     }
@@ -184,7 +184,7 @@ pub async fn serve(
                         Some(acceptor) => {
                             match tokio::time::timeout(Duration::from_secs(10), acceptor.accept(stream)).await {
                                 Ok(Ok(tls)) => serve_connection(tls, service, closing, peer).await,
-                                Ok(Err(error)) => tracing::debug!("TLS handshake with {peer} failed: {error}"),
+                                Ok(Err(error)) => tracing::debug!(error = &error as &dyn std::error::Error, "TLS handshake with {peer} failed"),
                                 Err(_) => tracing::debug!("TLS handshake with {peer} timed out"),
                             }
                         }
@@ -219,6 +219,9 @@ async fn serve_connection<I>(
         }
     };
     if let Err(error) = result {
-        tracing::debug!("connection from {peer}: {error}");
+        tracing::debug!(
+            error = &error as &dyn std::error::Error,
+            "connection from {peer}"
+        );
     }
 }

@@ -170,7 +170,10 @@ impl Enforcer {
         // SAFETY: getpid has no preconditions.
         let pid = unsafe { libc::getpid() } as u32;
         let claimed = self.region.claim_slot(pid).map_err(|error| {
-            tracing::error!("cannot claim a process slot: {error}");
+            tracing::error!(
+                error = &error as &dyn std::error::Error,
+                "cannot claim a process slot"
+            );
             CUDA_ERROR_OUT_OF_MEMORY
         })?;
         match self
@@ -181,7 +184,10 @@ impl Enforcer {
                 match self.region.reclaim_dead_slots(Some(claimed)) {
                     Ok(0) => {}
                     Ok(count) => tracing::info!(count, "returned the memory of exited processes"),
-                    Err(error) => tracing::warn!("sweeping exited processes failed: {error}"),
+                    Err(error) => tracing::warn!(
+                        error = &error as &dyn std::error::Error,
+                        "sweeping exited processes failed"
+                    ),
                 }
                 let slot_nanos = started.elapsed().as_nanos() as u64;
                 let slot_cpu_nanos = thread_cpu_nanos() - cpu_started;
@@ -198,7 +204,10 @@ impl Enforcer {
             Err(winner) => {
                 // Another thread claimed first; give ours back.
                 if let Err(error) = self.region.release_slot(claimed) {
-                    tracing::warn!("releasing a surplus slot failed: {error}");
+                    tracing::warn!(
+                        error = &error as &dyn std::error::Error,
+                        "releasing a surplus slot failed"
+                    );
                 }
                 Ok(winner)
             }
@@ -242,7 +251,10 @@ impl Enforcer {
                 .region
                 .reserve(slot, device, kind, bytes)
                 .map_err(|error| {
-                    tracing::error!("region reservation failed: {error}");
+                    tracing::error!(
+                        error = &error as &dyn std::error::Error,
+                        "region reservation failed"
+                    );
                     CUDA_ERROR_UNKNOWN
                 })
         };
@@ -293,7 +305,10 @@ impl Enforcer {
         match self.region.release(slot, device, kind, bytes) {
             Ok(true) => {}
             Ok(false) => tracing::warn!(device, bytes, "released more than was charged; clamped"),
-            Err(error) => tracing::error!("region release failed: {error}"),
+            Err(error) => tracing::error!(
+                error = &error as &dyn std::error::Error,
+                "region release failed"
+            ),
         }
     }
 
@@ -316,7 +331,10 @@ impl Enforcer {
                 Err(CUDA_ERROR_OUT_OF_MEMORY)
             }
             Err(error) => {
-                tracing::error!("region swap reservation failed: {error}");
+                tracing::error!(
+                    error = &error as &dyn std::error::Error,
+                    "region swap reservation failed"
+                );
                 Err(CUDA_ERROR_UNKNOWN)
             }
         }
@@ -330,7 +348,10 @@ impl Enforcer {
                 return;
             };
             if let Err(error) = self.region.release_swap(slot, device, charge.bytes) {
-                tracing::error!("region swap release failed: {error}");
+                tracing::error!(
+                    error = &error as &dyn std::error::Error,
+                    "region swap release failed"
+                );
             }
         } else {
             self.release(charge.device, charge.kind, charge.bytes);
@@ -351,7 +372,10 @@ impl Enforcer {
         };
         let Ok(slot) = self.slot() else { return };
         if let Err(error) = self.region.recharge(slot, device, kind, old, new) {
-            tracing::error!("region recharge failed: {error}");
+            tracing::error!(
+                error = &error as &dyn std::error::Error,
+                "region recharge failed"
+            );
         }
     }
 
