@@ -147,11 +147,6 @@ impl Library {
         redirects
     }
 
-    /// Whether the library was found (loading it if needed).
-    pub fn is_present(&self) -> bool {
-        self.loaded().is_some_and(|redirects| !redirects.is_empty())
-    }
-
     /// Our hook for a real address, if the address is a hooked function of
     /// this library. Loads the library if needed.
     pub fn redirect(&self, address: *mut c_void) -> Option<*mut c_void> {
