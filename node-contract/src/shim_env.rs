@@ -47,6 +47,16 @@ pub const DEFAULT_PRIORITY: i32 = 1;
 /// Log level when `LIBCUDA_LOG_LEVEL` is unset (warnings).
 pub const DEFAULT_LOG_LEVEL: u8 = 1;
 
+/// The stored form of a compute share of `percent`: a whole device (or
+/// more) is no cap at all, and so is 0.
+pub fn share_cap(percent: u32) -> u32 {
+    if percent >= 100 {
+        UNCAPPED_SHARE
+    } else {
+        percent
+    }
+}
+
 /// How the compute share is applied.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 #[repr(u32)]
@@ -178,10 +188,7 @@ impl ShimConfig {
             // Zero means "no cap", as in HAMi-core: the region's encoding.
             limits.memory_limit[index] = memory.unwrap_or(UNCAPPED);
             let sm = read_percent(&get, &format!("{ENV_SM_LIMIT}_{index}"))?.or(sm_all);
-            // A whole device is no cap at all.
-            limits.sm_limit[index] = sm
-                .filter(|percent| *percent < 100)
-                .unwrap_or(UNCAPPED_SHARE);
+            limits.sm_limit[index] = sm.map_or(UNCAPPED_SHARE, share_cap);
             let burst = read_percent(&get, &format!("{ENV_SM_BURST_LIMIT}_{index}"))?.or(burst_all);
             limits.sm_burst[index] = burst.unwrap_or(0);
             limits.swap_limit[index] = read_size(&get, &format!("{ENV_SWAP_LIMIT}_{index}"))?

@@ -10,8 +10,10 @@ use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 use thiserror::Error;
 use vgpu_cluster::decision::{ContainerDecision, DeviceGrant, InventoryGpu};
-use vgpu_node_contract::region::{Region, RegionLimits, MAX_DEVICES, UNCAPPED_SHARE};
-use vgpu_node_contract::shim_env::{ShimConfig, UtilizationPolicy};
+use vgpu_node_contract::region::{Region, RegionLimits, MAX_DEVICES};
+use vgpu_node_contract::shim_env::{
+    share_cap, ShimConfig, UtilizationPolicy, DEFAULT_CONTEXT_RESERVE,
+};
 
 /// The GPUs a container may see (NVIDIA container runtime).
 pub const ENV_VISIBLE_DEVICES: &str = "NVIDIA_VISIBLE_DEVICES";
@@ -185,9 +187,7 @@ pub fn plan(
         region_path: region_container.display().to_string(),
         region_path_set: true,
         oversubscribe: settings.swap_limit.is_some(),
-        context_reserve: settings
-            .context_reserve
-            .unwrap_or(ShimConfig::default().context_reserve),
+        context_reserve: settings.context_reserve.unwrap_or(DEFAULT_CONTEXT_RESERVE),
         ..ShimConfig::default()
     };
     config.limits.policy = settings.policy as u32;
@@ -196,16 +196,9 @@ pub fn plan(
     }
     for (i, (_, grant)) in grants.iter().enumerate() {
         config.limits.memory_limit[i] = grant.memory_bytes;
-        config.limits.sm_limit[i] = grant.cores_percent;
+        config.limits.sm_limit[i] = share_cap(grant.cores_percent);
         config.limits.sm_burst[i] = grant.burst_percent.unwrap_or(0);
         config.limits.swap_limit[i] = settings.swap_limit.unwrap_or(0);
-    }
-    // Shares as the shim reads them back (100 % is no cap), so the region
-    // and the environment agree.
-    for share in &mut config.limits.sm_limit {
-        if *share >= 100 {
-            *share = UNCAPPED_SHARE;
-        }
     }
 
     let mut envs: BTreeMap<String, String> = config.to_env(grants.len()).into_iter().collect();

@@ -21,8 +21,7 @@ use vgpu_cluster::decision::{ContainerDecision, Decision, DeviceGrant, Inventory
 use vgpu_device_plugin::api::v1beta1 as api;
 use vgpu_device_plugin::devices::parse_device_id;
 use vgpu_node_contract::region::Region;
-use vgpu_node_contract::region::UNCAPPED_SHARE;
-use vgpu_node_contract::shim_env::{ShimConfig, DEFAULT_PRIORITY};
+use vgpu_node_contract::shim_env::{share_cap, ShimConfig, DEFAULT_PRIORITY};
 use vgpu_node_contract::size::format_size;
 
 const NODES: usize = 5;
@@ -144,12 +143,11 @@ fn check_container(
             "{who}"
         );
         assert_eq!(config.limits.memory_limit[i], grant.memory_bytes, "{who}");
-        let share = if grant.cores_percent >= 100 {
-            UNCAPPED_SHARE
-        } else {
-            grant.cores_percent
-        };
-        assert_eq!(config.limits.sm_limit[i], share, "{who}");
+        assert_eq!(
+            config.limits.sm_limit[i],
+            share_cap(grant.cores_percent),
+            "{who}"
+        );
     }
     assert!(
         !env.contains_key(&format!("CUDA_DEVICE_MEMORY_LIMIT_{}", grants.len())),
@@ -194,12 +192,7 @@ fn check_container(
     let limits = region.limits();
     for (i, (_, grant)) in grants.iter().enumerate() {
         assert_eq!(limits.memory_limit[i], grant.memory_bytes, "{who}");
-        let share = if grant.cores_percent >= 100 {
-            0
-        } else {
-            grant.cores_percent
-        };
-        assert_eq!(limits.sm_limit[i], share, "{who}");
+        assert_eq!(limits.sm_limit[i], share_cap(grant.cores_percent), "{who}");
     }
     assert_eq!(limits.memory_limit[grants.len()], 0, "{who}");
     assert_eq!(limits.priority, decided.priority.unwrap_or(1), "{who}");
