@@ -11,7 +11,8 @@
 //! driver (through `dlsym` or `cuGetProcAddress`) can be swapped for the
 //! hook of exactly that variant. A `twin` (the driver's `_ptsz` variant for
 //! per-thread default streams) gets all of that too, from the same line and
-//! the same implementation.
+//! the same implementation; so does an `alias` (another versioned name of
+//! the same function with the same signature, such as `_v2`).
 //!
 //! The implementation must have exactly the declared signature, after a
 //! leading [`Real`] through which it reaches the real function: a hook that
@@ -231,7 +232,7 @@ macro_rules! exported_hook {
     };
 }
 
-/// The items of a `_ptsz` twin, if the declaration names one.
+/// The items of a `_ptsz` twin or an alias, if the declaration names one.
 #[doc(hidden)]
 #[macro_export]
 macro_rules! twin {
@@ -240,8 +241,8 @@ macro_rules! twin {
         $crate::real_caller!($twin, $($rest)*);
     };
     (exported_hook, [], $($rest:tt)*) => {};
-    (exported_hook, [$twin:ident], $hname:ident, $($rest:tt)*) => {
-        $crate::exported_hook!($hname, $twin, true, $($rest)*);
+    (exported_hook, [$twin:ident], $per_thread:expr, $hname:ident, $($rest:tt)*) => {
+        $crate::exported_hook!($hname, $twin, $per_thread, $($rest)*);
     };
 }
 
@@ -254,6 +255,7 @@ macro_rules! twin {
 ///     hooked {
 ///         fn cuMemAlloc_v2(dptr: *mut CUdeviceptr, bytes: usize) -> CUresult;
 ///         fn cuLaunchKernel(...) -> CUresult; twin cuLaunchKernel_ptsz;
+///         fn cuDevicePrimaryCtxRelease(device: CUdevice) -> CUresult; alias cuDevicePrimaryCtxRelease_v2;
 ///     }
 ///     used {
 ///         fn cuCtxGetDevice(device: *mut CUdevice) -> CUresult;
@@ -265,7 +267,7 @@ macro_rules! driver_library {
     (
         library $lib:ident, sonames [$($soname:literal),+], missing $missing:expr,
             on_panic $on_panic:expr, hooks $($hooks:ident)::+, resolve $resolve:path;
-        hooked { $( fn $hname:ident ( $($harg:ident : $hty:ty),* $(,)? ) -> $hret:ty; $(twin $twin:ident;)? )* }
+        hooked { $( fn $hname:ident ( $($harg:ident : $hty:ty),* $(,)? ) -> $hret:ty; $(twin $twin:ident;)? $(alias $alias:ident;)? )* }
         used { $( fn $uname:ident ( $($uarg:ident : $uty:ty),* $(,)? ) -> $uret:ty; )* }
     ) => {
         #[allow(non_snake_case, non_upper_case_globals, clippy::too_many_arguments)]
@@ -278,7 +280,8 @@ macro_rules! driver_library {
             pub mod real {
                 use $crate::RealFn;
                 $( pub static $hname: RealFn = RealFn::new($crate::c_name!(stringify!($hname)));
-                   $( pub static $twin: RealFn = RealFn::new($crate::c_name!(stringify!($twin))); )? )*
+                   $( pub static $twin: RealFn = RealFn::new($crate::c_name!(stringify!($twin))); )?
+                   $( pub static $alias: RealFn = RealFn::new($crate::c_name!(stringify!($alias))); )? )*
                 $( pub static $uname: RealFn = RealFn::new($crate::c_name!(stringify!($uname))); )*
             }
 
@@ -291,12 +294,13 @@ macro_rules! driver_library {
             }
 
             static FUNCTIONS: &[&$crate::RealFn] = &[
-                $( &real::$hname, $( &real::$twin, )? )*
+                $( &real::$hname, $( &real::$twin, )? $( &real::$alias, )? )*
                 $( &real::$uname, )*
             ];
             static HOOKS: &[$crate::Hook] = &[ $(
                 $crate::Hook { real: &real::$hname, hook: exported::$hname as *const ::std::ffi::c_void },
                 $( $crate::Hook { real: &real::$twin, hook: exported::$twin as *const ::std::ffi::c_void }, )?
+                $( $crate::Hook { real: &real::$alias, hook: exported::$alias as *const ::std::ffi::c_void }, )?
             )* ];
 
             pub static LIBRARY: $crate::Library = $crate::Library {
@@ -310,6 +314,7 @@ macro_rules! driver_library {
             $(
                 $crate::real_caller!($hname, ($($harg: $hty),*) -> $hret, $missing);
                 $crate::twin!(real_caller, [$($twin)?], ($($harg: $hty),*) -> $hret, $missing);
+                $crate::twin!(real_caller, [$($alias)?], ($($harg: $hty),*) -> $hret, $missing);
             )*
             $( $crate::real_caller!($uname, ($($uarg: $uty),*) -> $uret, $missing); )*
 
@@ -318,7 +323,8 @@ macro_rules! driver_library {
                 use super::*;
                 $(
                     $crate::exported_hook!($hname, $hname, false, ($($harg: $hty),*) -> $hret, $on_panic);
-                    $crate::twin!(exported_hook, [$($twin)?], $hname, ($($harg: $hty),*) -> $hret, $on_panic);
+                    $crate::twin!(exported_hook, [$($twin)?], true, $hname, ($($harg: $hty),*) -> $hret, $on_panic);
+                    $crate::twin!(exported_hook, [$($alias)?], false, $hname, ($($harg: $hty),*) -> $hret, $on_panic);
                 )*
             }
         }

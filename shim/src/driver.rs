@@ -49,10 +49,8 @@ driver_library! {
         fn cuCtxCreate_v4(ctx: *mut CUcontext, params: *mut c_void, flags: u32, device: CUdevice) -> CUresult;
         fn cuCtxDestroy_v2(ctx: CUcontext) -> CUresult;
         fn cuDevicePrimaryCtxRetain(ctx: *mut CUcontext, device: CUdevice) -> CUresult;
-        fn cuDevicePrimaryCtxRelease(device: CUdevice) -> CUresult;
-        fn cuDevicePrimaryCtxRelease_v2(device: CUdevice) -> CUresult;
-        fn cuDevicePrimaryCtxReset(device: CUdevice) -> CUresult;
-        fn cuDevicePrimaryCtxReset_v2(device: CUdevice) -> CUresult;
+        fn cuDevicePrimaryCtxRelease(device: CUdevice) -> CUresult; alias cuDevicePrimaryCtxRelease_v2;
+        fn cuDevicePrimaryCtxReset(device: CUdevice) -> CUresult; alias cuDevicePrimaryCtxReset_v2;
         fn cuMemAlloc_v2(dptr: *mut CUdeviceptr, bytes: usize) -> CUresult;
         fn cuMemAllocPitch_v2(dptr: *mut CUdeviceptr, pitch: *mut usize, width: usize, height: usize, element_bytes: u32) -> CUresult;
         fn cuMemAllocManaged(dptr: *mut CUdeviceptr, bytes: usize, flags: u32) -> CUresult;

@@ -177,30 +177,8 @@ pub(crate) unsafe fn cuDevicePrimaryCtxRelease(
 
 #[allow(non_snake_case)]
 #[inline(always)]
-pub(crate) unsafe fn cuDevicePrimaryCtxRelease_v2(
-    driver: Real<signature::cuDevicePrimaryCtxRelease_v2>,
-    device: CUdevice,
-) -> CUresult {
-    // SAFETY: forwarded unchanged.
-    let code = unsafe { (driver.call)(device) };
-    primary_context_gone(device, code, false)
-}
-
-#[allow(non_snake_case)]
-#[inline(always)]
 pub(crate) unsafe fn cuDevicePrimaryCtxReset(
     driver: Real<signature::cuDevicePrimaryCtxReset>,
-    device: CUdevice,
-) -> CUresult {
-    // SAFETY: forwarded unchanged.
-    let code = unsafe { (driver.call)(device) };
-    primary_context_gone(device, code, true)
-}
-
-#[allow(non_snake_case)]
-#[inline(always)]
-pub(crate) unsafe fn cuDevicePrimaryCtxReset_v2(
-    driver: Real<signature::cuDevicePrimaryCtxReset_v2>,
     device: CUdevice,
 ) -> CUresult {
     // SAFETY: forwarded unchanged.
