@@ -1,0 +1,87 @@
+"""PyTorch loops for compute shares and overhead.
+
+    python3 torch_loop.py matmul --seconds S [--size N]
+        bf16 matrix products back to back; products per second.
+    python3 torch_loop.py train --chunks C [--steps-per-chunk K]
+        a small MLP's training step (forward, backward, AdamW); the median
+        step time over C chunks of K steps, each chunk synchronised.
+"""
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from handshake import ready_then_wait_for_go, report_and_hold
+
+
+def matmul(args) -> dict:
+    a = torch.randn(args.size, args.size, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(args.size, args.size, device="cuda", dtype=torch.bfloat16)
+    for _ in range(10):
+        c = a @ b
+    torch.cuda.synchronize()
+    ready_then_wait_for_go()
+    start = time.monotonic()
+    end = start + args.seconds
+    done = 0
+    while time.monotonic() < end:
+        c = a @ b
+        done += 1
+    torch.cuda.synchronize()
+    elapsed = time.monotonic() - start
+    del c
+    return {"steps": done, "seconds": elapsed, "rate": done / elapsed}
+
+
+def train(args) -> dict:
+    torch.manual_seed(0)
+    width = 4096
+    model = torch.nn.Sequential(
+        torch.nn.Linear(width, width),
+        torch.nn.GELU(),
+        torch.nn.Linear(width, width),
+        torch.nn.GELU(),
+        torch.nn.Linear(width, 10),
+    ).cuda()
+    optimiser = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    inputs = torch.randn(512, width, device="cuda")
+    labels = torch.randint(0, 10, (512,), device="cuda")
+
+    def step():
+        optimiser.zero_grad(set_to_none=True)
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = torch.nn.functional.cross_entropy(model(inputs), labels)
+        loss.backward()
+        optimiser.step()
+
+    for _ in range(20):
+        step()
+    torch.cuda.synchronize()
+    ready_then_wait_for_go()
+    times = []
+    for _ in range(args.chunks):
+        start = time.monotonic()
+        for _ in range(args.steps_per_chunk):
+            step()
+        torch.cuda.synchronize()
+        times.append((time.monotonic() - start) / args.steps_per_chunk)
+    return {"step_seconds": statistics.median(times)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    modes = parser.add_subparsers(dest="mode", required=True)
+    loop = modes.add_parser("matmul")
+    loop.add_argument("--seconds", type=float, required=True)
+    loop.add_argument("--size", type=int, default=8192)
+    training = modes.add_parser("train")
+    training.add_argument("--chunks", type=int, required=True)
+    training.add_argument("--steps-per-chunk", type=int, default=10)
+    args = parser.parse_args()
+    report_and_hold({"matmul": matmul, "train": train}[args.mode](args))
+
+
+if __name__ == "__main__":
+    main()
