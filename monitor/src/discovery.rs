@@ -177,12 +177,7 @@ pub fn read_figures(region: &Region) -> RegionFigures {
     for index in region.active_slots().take(MAX_SLOTS) {
         let slot = &layout.slots[index];
         active_slots += 1;
-        let host_pid = slot.host_pid.load(Ordering::Relaxed);
-        let pid = if host_pid != 0 {
-            host_pid
-        } else {
-            slot.pid.load(Ordering::Relaxed)
-        };
+        let pid = slot.nvml_pid();
         if pid != 0 {
             pids.push(pid);
         }

@@ -236,7 +236,7 @@ fn a_region_truncated_under_the_mapping_is_dropped_not_fatal() {
     // truncation removes.
     let other = Region::open_existing(&host.region_path("u-trunc_c")).expect("handle");
     for pid in 0..600 {
-        other.claim_slot(pid).expect("slot");
+        other.claim_slot(pid, 0).expect("slot");
     }
     drop(victim);
     let mut monitor = monitor(&host);

@@ -6,7 +6,9 @@
 //!   shim reads (HAMi-core compatible names), and its one conversion to the
 //!   region's limits.
 //! - [`region`]: the per-container shared-memory region file.
+//! - [`process`]: a process's PID as NVML and the host know it.
 
+pub mod process;
 pub mod region;
 pub mod shim_env;
 pub mod size;

@@ -193,6 +193,15 @@ pub struct ProcessSlot {
 }
 
 impl ProcessSlot {
+    /// The PID NVML knows this process by: its host PID when the slot
+    /// records one, else its own (the same outside PID namespaces).
+    pub fn nvml_pid(&self) -> u32 {
+        match self.host_pid.load(Ordering::Relaxed) {
+            0 => self.pid.load(Ordering::Relaxed),
+            host => host,
+        }
+    }
+
     pub fn is_active(&self) -> bool {
         self.state.load(Ordering::Acquire) == STATE_ACTIVE
     }
@@ -716,9 +725,10 @@ impl Region {
         limits
     }
 
-    /// Claims a free slot for process `pid`, returning its index. A slot left
-    /// by a dead process is reclaimed on the way.
-    pub fn claim_slot(&self, pid: u32) -> Result<usize, RegionError> {
+    /// Claims a free slot for process `pid` (as `getpid()` gives it), whose
+    /// PID on the host is `host_pid` (0: not known), returning its index. A
+    /// slot left by a dead process is reclaimed on the way.
+    pub fn claim_slot(&self, pid: u32, host_pid: u32) -> Result<usize, RegionError> {
         let start = pid as usize % MAX_SLOTS;
         for step in 0..MAX_SLOTS {
             let index = (start + step) % MAX_SLOTS;
@@ -730,7 +740,7 @@ impl Region {
                 self.return_slot_memory(index)?;
             }
             slot.pid.store(pid, Ordering::Relaxed);
-            slot.host_pid.store(0, Ordering::Relaxed);
+            slot.host_pid.store(host_pid, Ordering::Relaxed);
             slot.generation.fetch_add(1, Ordering::Relaxed);
             self.layout().active.set(index);
             slot.state.store(STATE_ACTIVE, Ordering::Release);
@@ -1177,7 +1187,7 @@ mod tests {
     fn reserve_respects_cap_and_release_returns() {
         let path = temp_path("cap");
         let region = Region::open_or_create(&path, &limits(1000)).expect("create");
-        let slot = region.claim_slot(1).expect("slot");
+        let slot = region.claim_slot(1, 0).expect("slot");
         assert_eq!(
             region.reserve(slot, 0, MemoryKind::Data, 600).expect("io"),
             Ok(())
@@ -1236,7 +1246,7 @@ mod tests {
                 .collect()
         });
         for (pid, region) in regions.iter().enumerate() {
-            let slot = region.claim_slot(pid as u32).expect("slot");
+            let slot = region.claim_slot(pid as u32, 0).expect("slot");
             region
                 .reserve(slot, 0, MemoryKind::Data, 1)
                 .expect("io")
@@ -1282,7 +1292,7 @@ mod tests {
         with_swap.swap_limit[0] = 500;
         let region = Region::open_or_create(&path, &with_swap).expect("create");
         let other = Region::open_existing(&path).expect("attach");
-        let theirs = other.claim_slot(9).expect("slot");
+        let theirs = other.claim_slot(9, 0).expect("slot");
         assert_eq!(other.reserve_swap(theirs, 0, 400).expect("io"), Ok(()));
         assert!(other.reserve_swap(theirs, 0, 101).expect("io").is_err());
         assert_eq!(region.device_swap_used(0), 400);
@@ -1347,7 +1357,7 @@ mod tests {
         let region = Region::open_or_create(&path, &limits(1 << 20)).expect("create");
         // A second open file description stands in for another process.
         let other = Region::open_existing(&path).expect("attach");
-        let theirs = other.claim_slot(2).expect("slot");
+        let theirs = other.claim_slot(2, 0).expect("slot");
         other
             .reserve(theirs, 0, MemoryKind::Data, 4096)
             .expect("io")
@@ -1369,7 +1379,7 @@ mod tests {
     fn a_process_that_dies_holding_the_mutex_blocks_no_one() {
         let path = temp_path("owner-dead");
         let region = Region::open_or_create(&path, &limits(1000)).expect("create");
-        let slot = region.claim_slot(4).expect("slot");
+        let slot = region.claim_slot(4, 0).expect("slot");
         region
             .reserve(slot, 0, MemoryKind::Data, 100)
             .expect("io")
@@ -1404,7 +1414,7 @@ mod tests {
     fn totals_are_rebuilt_from_slots_after_a_recount() {
         let path = temp_path("recount");
         let region = Region::open_or_create(&path, &limits(0)).expect("create");
-        let slot = region.claim_slot(3).expect("slot");
+        let slot = region.claim_slot(3, 0).expect("slot");
         region
             .reserve(slot, 0, MemoryKind::Data, 100)
             .expect("io")

@@ -169,7 +169,10 @@ impl Enforcer {
         let cpu_started = thread_cpu_nanos();
         // SAFETY: getpid has no preconditions.
         let pid = unsafe { libc::getpid() } as u32;
-        let claimed = self.region.claim_slot(pid).map_err(|error| {
+        // NVML lists processes by host PID: the slot records it so the
+        // process list this shim shows, and the node monitor, can match.
+        let host_pid = vgpu_node_contract::process::outermost_pid().unwrap_or(pid);
+        let claimed = self.region.claim_slot(pid, host_pid).map_err(|error| {
             tracing::error!(
                 error = &error as &dyn std::error::Error,
                 "cannot claim a process slot"

@@ -2,7 +2,7 @@
 //! simulated GPU, reaching the driver each way programs do.
 
 use std::io::{BufRead, BufReader, Write};
-use std::process::{Child, Stdio};
+use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 use vgpu_node_contract::region::Region;
 use vgpu_testkit::*;
@@ -193,6 +193,78 @@ fn nvml_shows_the_cap_and_the_containers_use() {
     expect("processes_rc", 0);
     expect("processes", 1);
     expect("processes_memory", 300 * MIB);
+}
+
+/// `command` as PID 1 of a new PID namespace that still sees the host's
+/// `/proc`, as a pod's processes look to NVML: their own `getpid()` is not
+/// the PID NVML lists them by.
+fn in_new_pid_namespace(command: &Command) -> Command {
+    let mut wrapped = Command::new("unshare");
+    wrapped
+        .args(["--pid", "--fork", "--kill-child"])
+        .arg(command.get_program())
+        .args(command.get_args())
+        .env_clear();
+    for (key, value) in command.get_envs() {
+        if let Some(value) = value {
+            wrapped.env(key, value);
+        }
+    }
+    wrapped
+}
+
+/// The host PID of the one process `unshare --fork` (pid `parent`) started.
+fn forked_child(parent: u32) -> u32 {
+    let children = std::fs::read_to_string(format!("/proc/{parent}/task/{parent}/children"))
+        .expect("children of unshare");
+    let pids: Vec<u32> = children
+        .split_whitespace()
+        .map(|pid| pid.parse().expect("pid"))
+        .collect();
+    assert_eq!(pids.len(), 1, "unshare --fork has one child: {pids:?}");
+    pids[0]
+}
+
+#[test]
+fn nvml_lists_the_containers_processes_by_host_pid_inside_pid_namespaces() {
+    let mut sandbox = Sandbox::new("pidns", 1, "16Gi");
+    sandbox.set("CUDA_DEVICE_MEMORY_LIMIT", "4Gi");
+    let mut holder = in_new_pid_namespace(&sandbox.probe("linked", &["hold", "314572800"]))
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .spawn()
+        .expect("spawn holder in a PID namespace");
+    let mut line = String::new();
+    BufReader::new(holder.stdout.as_mut().expect("holder stdout"))
+        .read_line(&mut line)
+        .expect("read holder");
+    assert_eq!(line.trim(), "ready", "holder did not start");
+    let holder_host_pid = forked_child(holder.id());
+    assert_ne!(holder_host_pid, 1);
+
+    // The simulated GPU, like NVML, lists the holder by its host PID.
+    let mut plain = sandbox.command_without_shim(&programs_dir().join("probe"));
+    plain.args(["dlsym", "nvml"]);
+    let seen = key_values(&run_ok(&mut in_new_pid_namespace(&plain)));
+    assert_eq!(
+        seen.get("process_pids").map(String::as_str),
+        Some(holder_host_pid.to_string().as_str()),
+        "{seen:?}"
+    );
+
+    // Under the shim, another process of the container (in a PID namespace
+    // too) sees the holder listed with the memory charged to it.
+    let shown = key_values(&run_ok(&mut in_new_pid_namespace(
+        &sandbox.probe("dlsym", &["nvml"]),
+    )));
+    drop(holder.stdin.take());
+    assert!(holder.wait().expect("holder exit").success());
+    assert_eq!(number(&shown, "processes"), 1, "{shown:?}");
+    assert_eq!(
+        shown.get("process_pids").map(String::as_str),
+        Some(holder_host_pid.to_string().as_str())
+    );
+    assert_eq!(number(&shown, "processes_memory"), 300 * MIB);
 }
 
 #[test]

@@ -874,8 +874,11 @@ fn open(cfg: &Config) -> Result<Shared, StateError> {
             layout,
             own_slot: AtomicUsize::new(NO_SLOT),
             reclaim: Mutex::new(()),
+            // Real NVML names processes by their host PID, not the PID
+            // inside their namespace.
             // SAFETY: getpid has no preconditions.
-            pid: unsafe { libc::getpid() } as u32,
+            pid: vgpu_node_contract::process::outermost_pid()
+                .unwrap_or_else(|| unsafe { libc::getpid() } as u32),
         };
         if shared.header().magic.load(Ordering::Acquire) != MAGIC {
             return Err(StateError::Io(format!(

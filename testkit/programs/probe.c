@@ -593,6 +593,9 @@ static int cmd_nvml(void) {
     unsigned long long sum = 0;
     for (unsigned i = 0; i < count; i++) sum += infos[i].usedGpuMemory;
     printf("processes=%u\nprocesses_memory=%llu\n", count, sum);
+    printf("process_pids=");
+    for (unsigned i = 0; i < count; i++) printf("%s%u", i ? "," : "", infos[i].pid);
+    printf("\n");
     return 0;
 }
 #endif

@@ -91,7 +91,7 @@ fn run(root: &Path, hosts: &Path, containers: usize, gpus: usize) -> anyhow::Res
         }
         limits.priority = (index % 3) as i32;
         let region = Region::open_or_create(&dir.join("region.cache"), &limits)?;
-        let slot = region.claim_slot(index as u32 + 1)?;
+        let slot = region.claim_slot(index as u32 + 1, 0)?;
         for (device, uuid) in uuids.iter().enumerate().take(gpus) {
             region.set_device_uuid(device, uuid);
             for (kind, bytes) in [

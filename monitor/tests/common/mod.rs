@@ -199,7 +199,7 @@ impl Drop for HostDir {
 
 /// Charges memory of every kind to a fresh slot of `region`.
 pub fn charge(region: &Region, device: usize, context: u64, module: u64, data: u64) -> usize {
-    let slot = region.claim_slot(std::process::id()).expect("slot");
+    let slot = region.claim_slot(std::process::id(), 0).expect("slot");
     for (kind, bytes) in [
         (MemoryKind::Context, context),
         (MemoryKind::Module, module),

@@ -157,7 +157,7 @@ unsafe fn filter_processes<T>(
             .region
             .active_slots()
             .map(|slot| &slots[slot])
-            .find(|slot| slot.pid.load(std::sync::atomic::Ordering::Relaxed) == process_pid)
+            .find(|slot| slot.nvml_pid() == process_pid)
             .map(|slot| slot.devices[ordinal].device_bytes());
         if let Some(bytes) = charged {
             entries.swap(kept, index);
