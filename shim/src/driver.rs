@@ -83,6 +83,7 @@ driver_library! {
         fn cuLaunchCooperativeKernel(function: CUfunction, gx: u32, gy: u32, gz: u32, bx: u32, by: u32, bz: u32, shared: u32, stream: CUstream, params: *mut *mut c_void) -> CUresult; twin cuLaunchCooperativeKernel_ptsz;
         fn cuLaunchCooperativeKernelMultiDevice(launches: *mut CUDA_LAUNCH_PARAMS, count: u32, flags: u32) -> CUresult;
         fn cuGraphLaunch(exec: CUgraphExec, stream: CUstream) -> CUresult; twin cuGraphLaunch_ptsz;
+        fn cuStreamBeginCapture(stream: CUstream) -> CUresult; twin cuStreamBeginCapture_ptsz;
         fn cuStreamBeginCapture_v2(stream: CUstream, mode: i32) -> CUresult; twin cuStreamBeginCapture_v2_ptsz;
         fn cuStreamBeginCaptureToGraph(stream: CUstream, graph: CUgraph, dependencies: *const CUgraphNode, edges: *const c_void, count: usize, mode: i32) -> CUresult; twin cuStreamBeginCaptureToGraph_ptsz;
         fn cuStreamEndCapture(stream: CUstream, graph: *mut CUgraph) -> CUresult; twin cuStreamEndCapture_ptsz;

@@ -228,6 +228,19 @@ fn capture_over(code: CUresult) -> CUresult {
     code
 }
 
+/// The CUDA 10.0 form (global capture mode), still exported by CUDA 13's
+/// driver and resolved by its runtime: a capture begun through it must stop
+/// event timing like any other.
+#[allow(non_snake_case)]
+#[inline(always)]
+pub(crate) unsafe fn cuStreamBeginCapture(
+    driver: Real<signature::cuStreamBeginCapture>,
+    stream: CUstream,
+) -> CUresult {
+    // SAFETY: forwarded unchanged.
+    capture_began(unsafe { (driver.call)(stream) })
+}
+
 #[allow(non_snake_case, clippy::too_many_arguments)]
 #[inline(always)]
 pub(crate) unsafe fn cuStreamBeginCapture_v2(
