@@ -14,6 +14,7 @@ and new/old.
 """
 
 import argparse
+import os
 import re
 import shlex
 import statistics
@@ -49,8 +50,11 @@ def figures(output):
 
 
 def run(binary, args):
+    # Each build measures the libvgpu.so beside it: a VGPU_SHIM_LIBRARY left
+    # in the environment would make both builds load the same shim.
+    env = {key: value for key, value in os.environ.items() if key != "VGPU_SHIM_LIBRARY"}
     result = subprocess.run(
-        [str(binary), *args], capture_output=True, text=True, timeout=900, check=False
+        [str(binary), *args], capture_output=True, text=True, timeout=900, check=False, env=env
     )
     if result.returncode != 0:
         sys.exit(f"{binary} {' '.join(args)} failed ({result.returncode}):\n{result.stderr}")

@@ -3,6 +3,8 @@
 //!
 //! Tests need the workspace's cdylibs built first (`cargo build`), as the
 //! README's test command does; a missing library is reported with that hint.
+//! `VGPU_SHIM_LIBRARY` names another build of the shim to test (the README's
+//! test command points it at the shipped glibc-2.17 build).
 
 pub mod compute;
 pub mod extender_client;
@@ -39,9 +41,34 @@ fn built_library(name: &str) -> PathBuf {
     path
 }
 
-/// The shim under test.
+/// Names the shim under test when set: an absolute path, so that the shipped
+/// build (`cargo zigbuild` for glibc 2.17, in
+/// `target/x86_64-unknown-linux-gnu/release/`) is what the tests load rather
+/// than the host build beside them.
+pub const SHIM_LIBRARY_VARIABLE: &str = "VGPU_SHIM_LIBRARY";
+
+/// The shim under test: `$VGPU_SHIM_LIBRARY` when set, else the `libvgpu.so`
+/// built beside the running test.
 pub fn shim_library() -> PathBuf {
-    built_library("libvgpu.so")
+    match std::env::var_os(SHIM_LIBRARY_VARIABLE) {
+        Some(named) if !named.is_empty() => {
+            let path = PathBuf::from(named);
+            // Tests run from their own package's directory, so a relative
+            // path would name a different file in each package.
+            assert!(
+                path.is_absolute(),
+                "{SHIM_LIBRARY_VARIABLE}={} must be an absolute path",
+                path.display()
+            );
+            assert!(
+                path.is_file(),
+                "{SHIM_LIBRARY_VARIABLE}={} is missing: build it first (see scripts/test)",
+                path.display()
+            );
+            path
+        }
+        _ => built_library("libvgpu.so"),
+    }
 }
 
 /// The simulated GPU library.

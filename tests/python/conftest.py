@@ -24,6 +24,19 @@ def _library(name):
     return path
 
 
+def shim_library():
+    """The shim under test: $VGPU_SHIM_LIBRARY when set (scripts/test points
+    it at the shipped glibc-2.17 build), as in testkit::shim_library(); else
+    the libvgpu.so in the target directory."""
+    named = os.environ.get("VGPU_SHIM_LIBRARY")
+    if not named:
+        return _library("libvgpu.so")
+    path = pathlib.Path(named).resolve()
+    if not path.is_file():
+        pytest.fail(f"VGPU_SHIM_LIBRARY={named} is missing: build it first (see scripts/test)")
+    return path
+
+
 class Sandbox:
     def __init__(self, tmp_path, memory="16Gi"):
         self.dir = tmp_path
@@ -43,7 +56,7 @@ class Sandbox:
             "VGPU_CONTEXT_RESERVE": "0",
             "PYTHONUNBUFFERED": "1",
         }
-        self.shim = str(_library("libvgpu.so"))
+        self.shim = str(shim_library())
 
     def python(self, code, shim=True, **kwargs):
         """Runs `code` in a fresh interpreter; returns its last stdout line
