@@ -4,8 +4,10 @@
 use crate::arbitration::{arbitrate, Contender};
 use crate::cleanup::{self, Janitor, Reaper, Verdict};
 use crate::discovery::{Discovery, DiscoveryConfig};
+use crate::events::{EventRecorder, PodRef};
 use crate::metrics::{self, ContainerDevice, ContainerSummary, Snapshot};
 use crate::names::{ApiState, PodDirectory, Presence};
+use crate::unenforced::{self, Container, HostProc};
 use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -148,6 +150,12 @@ pub struct Monitor {
     tracks: HashMap<(String, usize), Track>,
     /// Region devices already reported as on a GPU their pod was not given.
     misplaced: HashSet<(String, usize)>,
+    host_proc: HostProc,
+    /// (GPU UUID, host PID) of processes without the shim already reported.
+    unenforced_reported: HashSet<(String, u32)>,
+    /// Those of them recorded as an Event on their pod.
+    unenforced_evented: HashSet<(String, u32)>,
+    events: Option<EventRecorder>,
     reaper: Reaper,
     janitor: Janitor,
     shared: Arc<Shared>,
@@ -186,12 +194,23 @@ impl Monitor {
             pods,
             tracks: HashMap::new(),
             misplaced: HashSet::new(),
+            host_proc: HostProc::default(),
+            unenforced_reported: HashSet::new(),
+            unenforced_evented: HashSet::new(),
+            events: None,
             shared,
             last_sweep: None,
             sweeps: 0,
             generation: 0,
             writes: 0,
         }
+    }
+
+    /// Records Events on pods through `events` (what a process running
+    /// without the shim is reported with).
+    pub fn with_events(mut self, events: EventRecorder) -> Self {
+        self.events = Some(events);
+        self
     }
 
     pub fn shared(&self) -> Arc<Shared> {
@@ -235,6 +254,7 @@ impl Monitor {
         let api_state = self.pods.state();
         let mut devices = Vec::new();
         let mut containers = Vec::new();
+        let mut container_index = HashMap::new();
         let mut seen = Vec::new();
         for region in self.discovery.regions() {
             let figures = region.read();
@@ -253,11 +273,13 @@ impl Monitor {
                 .as_ref()
                 .and_then(|p| p.priorities.get(&region.container).copied())
                 .unwrap_or(figures.priority);
+            container_index.insert(region.key.clone(), containers.len());
             containers.push(ContainerSummary {
                 namespace: namespace.clone(),
                 pod: pod_name.clone(),
                 container: region.container.clone(),
                 processes: figures.active_slots,
+                ..ContainerSummary::default()
             });
             let policy = UtilizationPolicy::from_u32(figures.policy);
             let granted = pod.as_ref().and_then(|p| p.grants.get(&region.container));
@@ -356,6 +378,19 @@ impl Monitor {
         if self.config.arbitration {
             self.arbitrate(&seen, &mut devices);
         }
+        let unenforced = self.find_unenforced(&gpus);
+        for process in &unenforced {
+            let summary = process
+                .container
+                .as_ref()
+                .and_then(|key| container_index.get(key))
+                .and_then(|&index| containers.get_mut(index));
+            if let Some(summary) = summary {
+                summary.unenforced_processes += 1;
+                summary.unenforced_bytes =
+                    summary.unenforced_bytes.saturating_add(process.used_bytes);
+            }
+        }
         self.sweep(started);
         self.janitor.watchdog(started);
 
@@ -371,6 +406,7 @@ impl Monitor {
             devices,
             containers,
             gpus,
+            unenforced,
             regions: self.discovery.len(),
             refused_total: self.discovery.refused_total,
             reclaimed_total: self.janitor.reclaimed.load(Ordering::Relaxed),
@@ -382,6 +418,82 @@ impl Monitor {
             loop_seconds: started.elapsed().as_secs_f64(),
         };
         self.shared.publish(snapshot);
+    }
+
+    /// GPU processes no live slot accounts for; each new one is logged
+    /// once and, when its pod is known, recorded as an Event on it.
+    fn find_unenforced(&mut self, gpus: &[GpuSample]) -> Vec<unenforced::Unenforced> {
+        let census = {
+            let containers: Vec<Container> = self
+                .discovery
+                .regions()
+                .map(|r| Container {
+                    key: &r.key,
+                    pod_uid: r.pod_uid.as_deref(),
+                    region: r.region(),
+                    file: (r.identity.device, r.identity.inode),
+                })
+                .collect();
+            unenforced::census(gpus, &containers, &self.host_proc)
+        };
+        if census.host_pids_recorded > 0 {
+            tracing::debug!(
+                "recorded the host PID of {} shim processes",
+                census.host_pids_recorded
+            );
+        }
+        let current: HashSet<(String, u32)> = census
+            .unenforced
+            .iter()
+            .map(|u| (u.gpu_uuid.clone(), u.pid))
+            .collect();
+        for process in &census.unenforced {
+            let id = (process.gpu_uuid.clone(), process.pid);
+            let message = format!(
+                "process {} uses GPU {} ({} MiB) without the vgpu shim: no memory cap or compute share holds it",
+                process.pid,
+                process.gpu_uuid,
+                process.used_bytes >> 20
+            );
+            if self.unenforced_reported.insert(id.clone()) {
+                match &process.container {
+                    Some(key) => tracing::warn!("{message}; container {key}"),
+                    None => tracing::warn!("{message}; it belongs to no container with a region"),
+                }
+            }
+            // The Event waits until the API names the pod (the first passes
+            // may come before the pod list).
+            if self.unenforced_evented.contains(&id) {
+                continue;
+            }
+            let region = process
+                .container
+                .as_ref()
+                .and_then(|key| self.discovery.get(key));
+            let Some((region, events)) = region.zip(self.events.as_ref()) else {
+                continue;
+            };
+            let Some(uid) = region.pod_uid.as_deref() else {
+                continue;
+            };
+            if let Some(pod) = self.pods.lookup(uid) {
+                events.warn(
+                    &PodRef {
+                        namespace: &pod.namespace,
+                        name: &pod.name,
+                        uid,
+                    },
+                    "UnenforcedGPUProcess",
+                    format!("{message} (container {})", region.container),
+                );
+                self.unenforced_evented.insert(id);
+            }
+        }
+        self.unenforced_reported
+            .retain(|seen| current.contains(seen));
+        self.unenforced_evented
+            .retain(|seen| current.contains(seen));
+        census.unenforced
     }
 
     fn sample_gpus(&mut self) -> Vec<GpuSample> {

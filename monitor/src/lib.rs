@@ -9,6 +9,8 @@
 //! - [`arbitration`]: the effective-share rule, a pure function.
 //! - [`cleanup`]: dead process slots and regions of deleted pods.
 //! - [`metrics`]: the Prometheus exposition.
+//! - [`unenforced`]: GPU processes no container's shim accounts for.
+//! - [`events`]: Kubernetes Events on pods.
 //! - [`daemon`]: the pass that ties them together; [`server`]: HTTP.
 //! - [`options`]: command-line flags.
 
@@ -16,8 +18,10 @@ pub mod arbitration;
 pub mod cleanup;
 pub mod daemon;
 pub mod discovery;
+pub mod events;
 pub mod guard;
 pub mod metrics;
 pub mod names;
 pub mod options;
 pub mod server;
+pub mod unenforced;

@@ -5,6 +5,7 @@ use clap::Parser;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use vgpu_monitor::daemon::Monitor;
+use vgpu_monitor::events::EventRecorder;
 use vgpu_monitor::names::{self, PodDirectory};
 use vgpu_monitor::options::Options;
 
@@ -24,29 +25,34 @@ fn main() -> anyhow::Result<()> {
 }
 
 async fn run(options: Options) -> anyhow::Result<()> {
-    let pods = match (options.api_source(), options.node_name.clone()) {
+    let (pods, events) = match (options.api_source(), options.node_name.clone()) {
         (None, _) => {
             tracing::info!("Kubernetes API not used: pods are named by their directory");
-            PodDirectory::disabled()
+            (PodDirectory::disabled(), None)
         }
         (Some(_), None) => {
             tracing::warn!(
                 "no node name (--node-name or NODE_NAME): Kubernetes API not used, pods are named by their directory"
             );
-            PodDirectory::disabled()
+            (PodDirectory::disabled(), None)
         }
         (Some(source), Some(node)) => match names::make_client(&source).await {
             Ok(client) => {
                 let directory = PodDirectory::new();
+                let events = EventRecorder::new(
+                    client.clone(),
+                    tokio::runtime::Handle::current(),
+                    node.clone(),
+                );
                 tokio::spawn(names::watch_pods(client, node, Arc::clone(&directory)));
-                directory
+                (directory, Some(events))
             }
             Err(error) => {
                 tracing::warn!(
                     error = &error as &dyn std::error::Error,
                     "no Kubernetes client: pods are named by their directory, no cleanup"
                 );
-                PodDirectory::disabled()
+                (PodDirectory::disabled(), None)
             }
         },
     };
@@ -61,7 +67,10 @@ async fn run(options: Options) -> anyhow::Result<()> {
         config.discovery.root.display(),
         config.discovery.region_file
     );
-    let monitor = Monitor::new(config, pods);
+    let mut monitor = Monitor::new(config, pods);
+    if let Some(events) = events {
+        monitor = monitor.with_events(events);
+    }
     let shared = monitor.shared();
     let stop = Arc::new(AtomicBool::new(false));
     let stop_loop = Arc::clone(&stop);

@@ -26,6 +26,7 @@
 //! | `vgpu_container_last_kernel_age_seconds` | gauge | seconds since it last launched work |
 //! | `vgpu_container_priority` | gauge | priority in force (lower is more important) |
 //! | `vgpu_container_processes` | gauge | process slots in use (per container, device labels absent) |
+//! | `vgpu_container_unenforced_processes`, `_memory_bytes` | gauge | processes of the container on a GPU without the shim, and their memory (per container) |
 //!
 //! Achieved utilization is the device time the container's launches were
 //! *granted* (the shim's token bucket charges each launch its measured
@@ -39,7 +40,9 @@
 //! `vgpu_gpu_memory_used_bytes`, `vgpu_gpu_memory_total_bytes`,
 //! `vgpu_gpu_utilization_ratio`, `vgpu_gpu_temperature_celsius`,
 //! `vgpu_gpu_power_watts`, `vgpu_gpu_healthy` (1/0), `vgpu_gpu_containers`
-//! (regions with a device on it).
+//! (regions with a device on it), `vgpu_gpu_unenforced_processes` and
+//! `vgpu_gpu_unenforced_memory_bytes` (processes NVML lists on the GPU that
+//! no live slot of any region accounts for: running without the shim).
 //!
 //! The monitor itself: `vgpu_monitor_regions`, `vgpu_monitor_regions_refused_total`,
 //! `vgpu_monitor_slots_reclaimed_total`, `vgpu_monitor_cleanup_sweeps_total`,
@@ -47,6 +50,7 @@
 //! `vgpu_monitor_loop_duration_seconds`.
 
 use crate::discovery::DeviceFigures;
+use crate::unenforced::Unenforced;
 use std::collections::BTreeMap;
 use vgpu_node_contract::region::{SHARE_FULL, SHARE_UNLIMITED};
 use vgpu_nvml_host::GpuSample;
@@ -70,6 +74,10 @@ pub struct ContainerSummary {
     pub pod: String,
     pub container: String,
     pub processes: usize,
+    /// Processes of the container on a GPU without the shim.
+    pub unenforced_processes: usize,
+    /// Device memory they hold (as far as NVML says).
+    pub unenforced_bytes: u64,
 }
 
 /// Everything one pass of the monitor learnt.
@@ -79,6 +87,8 @@ pub struct Snapshot {
     pub devices: Vec<ContainerDevice>,
     pub containers: Vec<ContainerSummary>,
     pub gpus: Vec<GpuSample>,
+    /// GPU processes no live slot accounts for.
+    pub unenforced: Vec<Unenforced>,
     pub regions: usize,
     pub refused_total: u64,
     pub reclaimed_total: u64,
@@ -308,6 +318,20 @@ pub fn render(snapshot: &Snapshot, hami_names: bool) -> Vec<u8> {
         &container_pool,
         |i| Some(snapshot.containers[i].processes as f64),
     );
+    w.family(
+        "vgpu_container_unenforced_processes",
+        "Processes of the container using a GPU without the shim (no cap or share holds them).",
+        Gauge,
+        &container_pool,
+        |i| Some(snapshot.containers[i].unenforced_processes as f64),
+    );
+    w.family(
+        "vgpu_container_unenforced_memory_bytes",
+        "Device memory held by the container's processes that run without the shim.",
+        Gauge,
+        &container_pool,
+        |i| Some(snapshot.containers[i].unenforced_bytes as f64),
+    );
 
     // Per physical GPU.
     let gpus = &snapshot.gpus;
@@ -355,6 +379,29 @@ pub fn render(snapshot: &Snapshot, hami_names: bool) -> Vec<u8> {
         Gauge,
         &gpu_pool,
         |i| Some(per_gpu.get(gpus[i].uuid.as_str()).copied().unwrap_or(0) as f64),
+    );
+    let unenforced_on = |gpu: &GpuSample| -> (f64, f64) {
+        snapshot
+            .unenforced
+            .iter()
+            .filter(|u| u.gpu_uuid == gpu.uuid)
+            .fold((0.0, 0.0), |(count, bytes), u| {
+                (count + 1.0, bytes + u.used_bytes as f64)
+            })
+    };
+    w.family(
+        "vgpu_gpu_unenforced_processes",
+        "Processes using the GPU that no container's shim accounts for.",
+        Gauge,
+        &gpu_pool,
+        |i| Some(unenforced_on(&gpus[i]).0),
+    );
+    w.family(
+        "vgpu_gpu_unenforced_memory_bytes",
+        "Device memory held by processes using the GPU without the shim.",
+        Gauge,
+        &gpu_pool,
+        |i| Some(unenforced_on(&gpus[i]).1),
     );
 
     // The monitor itself.
@@ -637,6 +684,8 @@ mod tests {
                 pod: "p".into(),
                 container: "c".into(),
                 processes: 2,
+                unenforced_processes: 1,
+                unenforced_bytes: 512,
             }],
             gpus: vec![GpuSample {
                 index: 0,
@@ -663,6 +712,9 @@ mod tests {
             format!("vgpu_container_oom_events_total{labels} 2"),
             "# TYPE vgpu_container_kernel_launches_total counter".to_string(),
             r#"vgpu_gpu_containers{device_index="0",device_uuid="GPU-a",model="Sim"} 1"#.to_string(),
+            r#"vgpu_container_unenforced_processes{namespace="ns",pod="p",container="c"} 1"#.to_string(),
+            r#"vgpu_container_unenforced_memory_bytes{namespace="ns",pod="p",container="c"} 512"#.to_string(),
+            r#"vgpu_gpu_unenforced_processes{device_index="0",device_uuid="GPU-a",model="Sim"} 0"#.to_string(),
             r#"hami_host_gpu_utilization_ratio{device_index="0",device_type="NVIDIA-Sim",device_uuid="GPU-a",zone="vGPU"} 50"#.to_string(),
             r#"hami_container_device_utilization_ratio{container="c",device_uuid="GPU-a",namespace="ns",pod="p",vdevice_index="0",zone="vGPU"} 25"#.to_string(),
         ] {

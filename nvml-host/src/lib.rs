@@ -10,6 +10,7 @@
 //!   temperature, power, per-process SM use), read every monitor pass.
 
 use nvml_wrapper::enum_wrappers::device::TemperatureSensor;
+use nvml_wrapper::enums::device::UsedGpuMemory;
 use nvml_wrapper::error::NvmlError;
 use nvml_wrapper::Device;
 use std::collections::{HashMap, HashSet};
@@ -166,6 +167,17 @@ pub struct GpuSample {
     pub healthy: bool,
     /// SM utilization per PID (0..=100) over the activity window.
     pub process_sm_percent: HashMap<u32, u32>,
+    /// The processes holding a compute context on the GPU, by host PID.
+    pub compute_processes: Vec<GpuProcess>,
+}
+
+/// A process NVML lists on a GPU.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct GpuProcess {
+    /// PID in the host's PID namespace (NVML's view).
+    pub pid: u32,
+    /// Device memory it uses, when the driver says.
+    pub used_bytes: Option<u64>,
 }
 
 /// Reads every GPU's changing figures; a failing query is logged once per
@@ -228,6 +240,7 @@ impl Sampler {
             info.temperature_celsius = device.temperature(TemperatureSensor::Gpu).ok();
             info.power_watts = device.power_usage().ok().map(|mw| f64::from(mw) / 1000.0);
             let processes = device.process_utilization_stats(since_unix_us);
+            let compute = device.running_compute_processes();
             match processes {
                 Ok(samples) => {
                     for sample in samples.into_iter().take(MAX_PROCESS_SAMPLES) {
@@ -237,6 +250,23 @@ impl Sampler {
                 }
                 Err(NvmlError::NotFound) | Err(NvmlError::NotSupported) => {}
                 Err(error) => self.log_once(index, "process utilization", &error),
+            }
+            match compute {
+                Ok(processes) => {
+                    info.compute_processes = processes
+                        .into_iter()
+                        .take(MAX_PROCESS_SAMPLES)
+                        .map(|process| GpuProcess {
+                            pid: process.pid,
+                            used_bytes: match process.used_gpu_memory {
+                                UsedGpuMemory::Used(bytes) => Some(bytes),
+                                UsedGpuMemory::Unavailable => None,
+                            },
+                        })
+                        .collect();
+                }
+                Err(NvmlError::NotSupported) => {}
+                Err(error) => self.log_once(index, "process list", &error),
             }
             out.push(info);
         }

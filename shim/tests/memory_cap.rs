@@ -2,9 +2,10 @@
 //! simulated GPU, reaching the driver each way programs do.
 
 use std::io::{BufRead, BufReader, Write};
-use std::process::{Child, Command, Stdio};
+use std::process::{Child, Stdio};
 use std::time::{Duration, Instant};
 use vgpu_node_contract::region::Region;
+use vgpu_testkit::namespaces::{forked_child, in_new_pid_namespace};
 use vgpu_testkit::*;
 
 const ACCESS_MODES: [&str; 3] = ["linked", "dlsym", "procaddr"];
@@ -193,36 +194,6 @@ fn nvml_shows_the_cap_and_the_containers_use() {
     expect("processes_rc", 0);
     expect("processes", 1);
     expect("processes_memory", 300 * MIB);
-}
-
-/// `command` as PID 1 of a new PID namespace that still sees the host's
-/// `/proc`, as a pod's processes look to NVML: their own `getpid()` is not
-/// the PID NVML lists them by.
-fn in_new_pid_namespace(command: &Command) -> Command {
-    let mut wrapped = Command::new("unshare");
-    wrapped
-        .args(["--pid", "--fork", "--kill-child"])
-        .arg(command.get_program())
-        .args(command.get_args())
-        .env_clear();
-    for (key, value) in command.get_envs() {
-        if let Some(value) = value {
-            wrapped.env(key, value);
-        }
-    }
-    wrapped
-}
-
-/// The host PID of the one process `unshare --fork` (pid `parent`) started.
-fn forked_child(parent: u32) -> u32 {
-    let children = std::fs::read_to_string(format!("/proc/{parent}/task/{parent}/children"))
-        .expect("children of unshare");
-    let pids: Vec<u32> = children
-        .split_whitespace()
-        .map(|pid| pid.parse().expect("pid"))
-        .collect();
-    assert_eq!(pids.len(), 1, "unshare --fork has one child: {pids:?}");
-    pids[0]
 }
 
 #[test]

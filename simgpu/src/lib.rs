@@ -33,4 +33,5 @@ mod config;
 mod cu;
 mod driver;
 mod nvml;
+mod pids;
 mod state;

@@ -82,8 +82,12 @@ pub struct DeviceRecord {
 /// One process's accounting.
 #[repr(C)]
 pub struct SlotRecord {
+    /// The owner's PID in its own PID namespace (`getpid()`).
     pub pid: AtomicU32,
-    _pad: u32,
+    /// The inode of the owner's PID namespace, so that a reader in another
+    /// namespace can name the process as it sees it (what the kernel does
+    /// for NVML). PID-namespace inodes fit 32 bits.
+    pub pid_namespace: AtomicU32,
     pub claimed_realtime_us: AtomicU64,
     pub used: [AtomicU64; MAX_DEVICES],
     /// Kernel time this process ever scheduled per device (ns; updated with
@@ -191,6 +195,7 @@ pub struct Shared {
     own_slot: AtomicUsize,
     reclaim: Mutex<()>,
     pid: u32,
+    pid_namespace: u32,
 }
 
 // SAFETY: `base` points to a MAP_SHARED mapping that lives as long as the
@@ -328,6 +333,8 @@ impl Shared {
         let rec = self.slot(index);
         rec.claimed_realtime_us
             .store(clock::realtime_us(), Ordering::Release);
+        rec.pid_namespace
+            .store(self.pid_namespace, Ordering::Release);
         rec.pid.store(self.pid, Ordering::Release);
         self.own_slot.store(index, Ordering::Release);
         drop(guard);
@@ -552,7 +559,8 @@ impl Shared {
             }
             let used = rec.used[device].load(Ordering::Acquire);
             if used > 0 || rec.contexts[device].load(Ordering::Acquire) > 0 {
-                out.push((pid, used));
+                let namespace = rec.pid_namespace.load(Ordering::Acquire);
+                out.push((crate::pids::as_seen_here(pid, namespace), used));
             }
         }
         out
@@ -874,11 +882,9 @@ fn open(cfg: &Config) -> Result<Shared, StateError> {
             layout,
             own_slot: AtomicUsize::new(NO_SLOT),
             reclaim: Mutex::new(()),
-            // Real NVML names processes by their host PID, not the PID
-            // inside their namespace.
             // SAFETY: getpid has no preconditions.
-            pid: vgpu_node_contract::process::outermost_pid()
-                .unwrap_or_else(|| unsafe { libc::getpid() } as u32),
+            pid: unsafe { libc::getpid() } as u32,
+            pid_namespace: crate::pids::own_namespace().unwrap_or(0),
         };
         if shared.header().magic.load(Ordering::Acquire) != MAGIC {
             return Err(StateError::Io(format!(

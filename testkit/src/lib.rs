@@ -8,6 +8,7 @@
 
 pub mod compute;
 pub mod extender_client;
+pub mod namespaces;
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};

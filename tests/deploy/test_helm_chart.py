@@ -281,9 +281,17 @@ def test_accounts_can_do_what_their_binaries_need():
     assert node["spec"]["template"]["spec"]["serviceAccountName"] == node_sa
     assert deployment["spec"]["template"]["spec"]["serviceAccountName"] == scheduler_sa
     # Plugin: list its node's pods, record allocations, publish the inventory.
-    # Monitor: watch its node's pods.
-    for resource, verb in [("pods", "list"), ("pods", "watch"), ("pods", "patch"), ("nodes", "patch")]:
+    # Monitor: watch its node's pods, record Events on them (a process
+    # without the shim), and see the host's processes to match NVML's PIDs.
+    for resource, verb in [
+        ("pods", "list"),
+        ("pods", "watch"),
+        ("pods", "patch"),
+        ("nodes", "patch"),
+        ("events", "create"),
+    ]:
         assert rules_allow(objects, node_sa, "", resource, verb), (resource, verb)
+    assert node["spec"]["template"]["spec"]["hostPID"] is True
     # Extender: watch pods and nodes, record decisions, bind.
     for resource, verb in [
         ("pods", "list"),

@@ -410,19 +410,42 @@ fn serve_api(
         if reader.read_line(&mut request_line)? == 0 {
             return Ok(());
         }
+        let mut content_length = 0usize;
         loop {
             let mut header = String::new();
             if reader.read_line(&mut header)? == 0 || header == "\r\n" {
                 break;
             }
+            if let Some((name, value)) = header.split_once(':') {
+                if name.eq_ignore_ascii_case("content-length") {
+                    content_length = value.trim().parse().unwrap_or(0);
+                }
+            }
         }
+        let mut body = vec![0u8; content_length];
+        reader.read_exact(&mut body)?;
+        let body = String::from_utf8_lossy(&body).to_string();
         let target = request_line
             .split_whitespace()
             .nth(1)
             .unwrap_or("")
             .to_string();
-        requests.lock().expect("requests").push(target.clone());
         let (path, query) = target.split_once('?').unwrap_or((&target, ""));
+        // Events are created (POST .../events) and answered with themselves.
+        if request_line.starts_with("POST ") && path.ends_with("/events") {
+            requests
+                .lock()
+                .expect("requests")
+                .push(format!("POST {path} {body}"));
+            write!(
+                stream,
+                "HTTP/1.1 201 Created\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+                body.len()
+            )?;
+            stream.flush()?;
+            continue;
+        }
+        requests.lock().expect("requests").push(target.clone());
         if path != "/api/v1/pods" {
             let body = r#"{"kind":"Status","apiVersion":"v1","status":"Failure","reason":"NotFound","code":404}"#;
             write!(

@@ -1,0 +1,211 @@
+//! A process that skips the shim while its container's region exists is
+//! seen: exported per GPU and per container, logged once, and recorded as
+//! an Event on its pod. Both processes run in a PID namespace of their own,
+//! as in a pod, on the simulated GPU (which, like NVML, lists host PIDs).
+
+mod common;
+
+use common::*;
+use std::io::{BufRead, BufReader};
+use std::process::{Child, Command, Stdio};
+use std::sync::atomic::Ordering;
+use std::time::Duration;
+use vgpu_node_contract::region::Region;
+use vgpu_testkit::namespaces::{
+    forked_child, in_new_pid_namespace, in_new_pid_namespace_with_own_proc, in_pid_namespace_of,
+};
+use vgpu_testkit::{programs_dir, Sandbox};
+
+const UID: &str = "5b2e8f0a-1c3d-4e5f-8a9b-0c1d2e3f4a5b";
+const NODE: &str = "gpu-node-7";
+
+/// Starts `command` (a probe `hold`) and waits for its "ready".
+fn holding(mut command: Command) -> Child {
+    let mut child = command
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .spawn()
+        .expect("spawn holder");
+    let mut line = String::new();
+    BufReader::new(child.stdout.as_mut().expect("stdout"))
+        .read_line(&mut line)
+        .expect("ready");
+    assert_eq!(line.trim(), "ready", "holder did not start");
+    child
+}
+
+fn release(mut child: Child) {
+    drop(child.stdin.take());
+    assert!(child.wait().expect("exit").success());
+}
+
+#[test]
+fn a_process_without_the_shim_is_exported_logged_once_and_recorded_on_its_pod() {
+    let host = HostDir::new("unenforced");
+    let key = format!("{UID}_main");
+    let mut sandbox = Sandbox::new("unenforced", 1, "16Gi");
+    sandbox
+        .set(
+            "CUDA_DEVICE_MEMORY_SHARED_CACHE",
+            &host.region_path(&key).display().to_string(),
+        )
+        .set("CUDA_DEVICE_MEMORY_LIMIT", "4Gi");
+
+    // The container's process under the shim, in its own PID namespace.
+    let enforced = holding(in_new_pid_namespace(
+        &sandbox.probe("linked", &["hold", &(256 * MIB).to_string()]),
+    ));
+    let enforced_pid = forked_child(enforced.id());
+    // Another process of the same container that skipped the preload.
+    let mut bare = sandbox.command_without_shim(&programs_dir().join("probe_linked"));
+    bare.args(["linked", "hold", &(512 * MIB).to_string()]);
+    let skipped = holding(in_pid_namespace_of(enforced_pid, &bare));
+    let skipped_pid = forked_child(skipped.id());
+
+    let api = FakeApiServer::start(pod_list(NODE, &[(UID, "team-b", "trainer-1", "{}")]));
+    let mut command = sandbox.command_without_shim(&monitor_exe());
+    command.env_remove("CUDA_DEVICE_MEMORY_SHARED_CACHE");
+    let nvml = sandbox.lib_dir.join("libnvidia-ml.so.1");
+    let monitor = MonitorProcess::start(
+        command,
+        &[
+            "--containers-dir",
+            host.root.to_str().expect("utf8"),
+            "--nvml-library",
+            nvml.to_str().expect("utf8"),
+            "--apiserver-url",
+            &api.url(),
+            "--node-name",
+            NODE,
+        ],
+    );
+    let container = [
+        ("namespace", "team-b"),
+        ("pod", "trainer-1"),
+        ("container", "main"),
+    ];
+    let samples = monitor.wait_for_metrics(Duration::from_secs(15), |samples| {
+        (value(samples, "vgpu_container_unenforced_processes", &container) == Some(1.0))
+            .then(|| samples.to_vec())
+    });
+    let gpu = [("device_index", "0")];
+    assert_eq!(
+        value(&samples, "vgpu_gpu_unenforced_processes", &gpu),
+        Some(1.0),
+        "only the process without the shim is unaccounted"
+    );
+    let held = value(&samples, "vgpu_gpu_unenforced_memory_bytes", &gpu).expect("memory");
+    assert!(held >= (512 * MIB) as f64, "{held}");
+    assert_eq!(
+        value(
+            &samples,
+            "vgpu_container_unenforced_memory_bytes",
+            &container
+        ),
+        Some(held)
+    );
+
+    // Logged once, however many passes see it; an Event on the pod.
+    let event = wait_for(Duration::from_secs(10), || {
+        api.requests
+            .lock()
+            .expect("requests")
+            .iter()
+            .find(|r| r.starts_with("POST /api/v1/namespaces/team-b/events"))
+            .cloned()
+    })
+    .unwrap_or_else(|| panic!("no Event posted:\n{}", monitor.log()));
+    let body: serde_json::Value =
+        serde_json::from_str(event.splitn(3, ' ').nth(2).expect("body")).expect("event JSON");
+    assert_eq!(body["reason"], "UnenforcedGPUProcess");
+    assert_eq!(body["type"], "Warning");
+    assert_eq!(body["involvedObject"]["name"], "trainer-1");
+    assert_eq!(body["involvedObject"]["uid"], UID);
+    let message = body["message"].as_str().expect("message");
+    assert!(
+        message.contains(&format!("process {skipped_pid} ")),
+        "{message}"
+    );
+    let generation = monitor.scrape();
+    monitor.wait_for_metrics(Duration::from_secs(10), |samples| {
+        (samples != generation.as_slice()).then_some(())
+    });
+    let log = monitor.log();
+    assert_eq!(
+        log.matches("without the vgpu shim").count(),
+        1,
+        "logged once:\n{log}"
+    );
+    assert!(!log.contains(&format!("process {enforced_pid} ")), "{log}");
+
+    // Once it is gone, nothing is unaccounted.
+    release(skipped);
+    monitor.wait_for_metrics(Duration::from_secs(10), |samples| {
+        (value(samples, "vgpu_gpu_unenforced_processes", &gpu) == Some(0.0)).then_some(())
+    });
+    release(enforced);
+}
+
+#[test]
+fn a_shim_process_that_cannot_see_its_host_pid_is_found_by_its_region_and_not_reported() {
+    let host = HostDir::new("own-proc");
+    let key = format!("{UID}_main");
+    let mut sandbox = Sandbox::new("own-proc", 1, "16Gi");
+    sandbox
+        .set(
+            "CUDA_DEVICE_MEMORY_SHARED_CACHE",
+            &host.region_path(&key).display().to_string(),
+        )
+        .set("CUDA_DEVICE_MEMORY_LIMIT", "4Gi");
+    // With its own /proc the process sees itself only as PID 1.
+    let enforced = holding(in_new_pid_namespace_with_own_proc(
+        &sandbox.probe("linked", &["hold", &(256 * MIB).to_string()]),
+    ));
+    let host_pid = forked_child(enforced.id());
+    let region = Region::open_existing(&host.region_path(&key)).expect("region");
+    let slot = region.active_slots().next().expect("the holder's slot");
+    let recorded = || region.layout().slots[slot].host_pid.load(Ordering::Relaxed);
+    assert_eq!(
+        recorded(),
+        1,
+        "the shim could only record what its /proc shows"
+    );
+
+    let mut command = sandbox.command_without_shim(&monitor_exe());
+    command.env_remove("CUDA_DEVICE_MEMORY_SHARED_CACHE");
+    let nvml = sandbox.lib_dir.join("libnvidia-ml.so.1");
+    let monitor = MonitorProcess::start(
+        command,
+        &[
+            "--containers-dir",
+            host.root.to_str().expect("utf8"),
+            "--nvml-library",
+            nvml.to_str().expect("utf8"),
+            "--no-kubernetes",
+        ],
+    );
+    // The monitor finds it by the region it maps and records its host PID.
+    assert!(
+        wait_for(Duration::from_secs(10), || (recorded() == host_pid)
+            .then_some(()))
+        .is_some(),
+        "host PID {host_pid} never recorded (slot says {}):\n{}",
+        recorded(),
+        monitor.log()
+    );
+    let samples = monitor.scrape();
+    assert_eq!(
+        value(
+            &samples,
+            "vgpu_gpu_unenforced_processes",
+            &[("device_index", "0")]
+        ),
+        Some(0.0)
+    );
+    assert!(
+        !monitor.log().contains("without the vgpu shim"),
+        "{}",
+        monitor.log()
+    );
+    release(enforced);
+}
