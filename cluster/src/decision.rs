@@ -47,6 +47,8 @@
 
 use serde::{Deserialize, Serialize};
 use thiserror::Error;
+use vgpu_node_contract::region::{RegionLimits, MAX_DEVICES};
+use vgpu_node_contract::shim_env::{share_cap, UtilizationPolicy, DEFAULT_PRIORITY};
 
 /// Node annotation holding the plugin's [`NodeInventory`].
 pub const NODE_INVENTORY_ANNOTATION: &str = "vgpu.io/node-gpus";
@@ -100,6 +102,38 @@ pub struct DeviceGrant {
     /// percent; absent: never above the share.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub burst_percent: Option<u32>,
+}
+
+/// What a node adds to every container's limits (the device plugin's and
+/// the monitor's settings, from the same chart values).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct NodeLimits {
+    pub policy: UtilizationPolicy,
+    /// Host memory each device may borrow as swap (none when absent).
+    pub swap_limit: Option<u64>,
+}
+
+/// The region limits a container's grants come to, its devices in the
+/// order given (the order CUDA numbers them in the container): the one
+/// conversion from a decision to what the shim enforces, used by the
+/// device plugin to create the region and by the monitor to restore it.
+pub fn region_limits(
+    grants: &[&DeviceGrant],
+    priority: Option<i32>,
+    node: &NodeLimits,
+) -> RegionLimits {
+    let mut limits = RegionLimits {
+        policy: node.policy as u32,
+        priority: priority.unwrap_or(DEFAULT_PRIORITY),
+        ..RegionLimits::default()
+    };
+    for (i, grant) in grants.iter().take(MAX_DEVICES).enumerate() {
+        limits.memory_limit[i] = grant.memory_bytes;
+        limits.sm_limit[i] = share_cap(grant.cores_percent);
+        limits.sm_burst[i] = grant.burst_percent.unwrap_or(0);
+        limits.swap_limit[i] = node.swap_limit.unwrap_or(0);
+    }
+    limits
 }
 
 /// What one container gets.
@@ -243,6 +277,36 @@ pub fn parse_allocated(text: &str) -> Result<Vec<String>, FormatError> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn region_limits_follow_the_grants_in_device_order() {
+        let grant = |uuid: &str, memory_bytes, cores_percent, burst_percent| DeviceGrant {
+            uuid: uuid.into(),
+            memory_bytes,
+            cores_percent,
+            burst_percent,
+        };
+        let (a, b) = (
+            grant("GPU-a", 4 << 30, 30, Some(60)),
+            grant("GPU-b", 8 << 30, 100, None),
+        );
+        let node = NodeLimits {
+            policy: UtilizationPolicy::Force,
+            swap_limit: Some(1 << 30),
+        };
+        let limits = region_limits(&[&b, &a], None, &node);
+        assert_eq!(limits.memory_limit[..3], [8 << 30, 4 << 30, 0]);
+        // A whole GPU is uncapped compute.
+        assert_eq!(limits.sm_limit[..2], [share_cap(100), 30]);
+        assert_eq!(limits.sm_burst[..2], [0, 60]);
+        assert_eq!(limits.swap_limit[..3], [1 << 30, 1 << 30, 0]);
+        assert_eq!(limits.policy, UtilizationPolicy::Force as u32);
+        assert_eq!(limits.priority, DEFAULT_PRIORITY);
+        assert_eq!(
+            region_limits(&[&a], Some(-2), &NodeLimits::default()).priority,
+            -2
+        );
+    }
 
     #[test]
     fn admission_ends_when_the_phase_moves_or_statuses_appear() {

@@ -6,6 +6,7 @@ use crate::cleanup::{self, Janitor, Reaper, Verdict};
 use crate::discovery::{Discovery, DiscoveryConfig};
 use crate::events::{EventRecorder, PodRef};
 use crate::metrics::{self, ContainerDevice, ContainerSummary, Snapshot};
+use crate::names::PodRecord;
 use crate::names::{ApiState, PodDirectory, Presence};
 use crate::unenforced::{self, Container, HostProc};
 use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
@@ -13,6 +14,7 @@ use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
 use std::time::{Duration, Instant};
+use vgpu_cluster::decision::{region_limits, DeviceGrant, NodeLimits};
 use vgpu_node_contract::region::{monotonic_ns, SHARE_FULL, SHARE_UNLIMITED};
 use vgpu_node_contract::shim_env::UtilizationPolicy;
 use vgpu_nvml_host::{GpuSample, Sampler};
@@ -40,6 +42,9 @@ pub struct MonitorConfig {
     pub hami_names: bool,
     /// Load NVML (from this path, or the default name when `None`).
     pub nvml: Option<Option<PathBuf>>,
+    /// Restore the limits a region's decision granted, with what the node
+    /// adds to them (the device plugin's policy and swap); `None`: never.
+    pub restore: Option<NodeLimits>,
 }
 
 impl MonitorConfig {
@@ -58,6 +63,7 @@ impl MonitorConfig {
             cleanup_grace: Some(Duration::from_secs(300)),
             hami_names: false,
             nvml: None,
+            restore: Some(NodeLimits::default()),
         }
     }
 }
@@ -153,6 +159,10 @@ pub struct Monitor {
     host_proc: HostProc,
     /// (GPU UUID, host PID) of processes without the shim already reported.
     unenforced_reported: HashSet<(String, u32)>,
+    /// (container, device) found holding memory above the granted cap.
+    over_cap_reported: HashSet<(String, usize)>,
+    /// Times each container's region limits were restored.
+    restored: HashMap<String, u64>,
     /// Those of them recorded as an Event on their pod.
     unenforced_evented: HashSet<(String, u32)>,
     events: Option<EventRecorder>,
@@ -197,6 +207,8 @@ impl Monitor {
             host_proc: HostProc::default(),
             unenforced_reported: HashSet::new(),
             unenforced_evented: HashSet::new(),
+            over_cap_reported: HashSet::new(),
+            restored: HashMap::new(),
             events: None,
             shared,
             last_sweep: None,
@@ -287,11 +299,18 @@ impl Monitor {
                 // The decision, not the container's own region, says which
                 // GPUs it may use and with what share.
                 let mut device = device.clone();
+                let mut over_cap_bytes = 0;
                 if let Some(grants) = granted {
                     match grants.iter().find(|g| g.uuid == device.uuid) {
                         Some(grant) => {
                             device.sm_limit = grant.cores_percent;
                             device.sm_burst = grant.burst_percent.unwrap_or(0);
+                            // Restoring a cap frees nothing: what was taken
+                            // above it while it was raised stays visible.
+                            if grant.memory_bytes > 0 {
+                                over_cap_bytes =
+                                    device.memory_used.saturating_sub(grant.memory_bytes);
+                            }
                         }
                         None => {
                             if self.misplaced.insert((region.key.clone(), device.index)) {
@@ -307,6 +326,20 @@ impl Monitor {
                     }
                 }
                 let device = &device;
+                let over_cap_key = (region.key.clone(), device.index);
+                if over_cap_bytes == 0 {
+                    self.over_cap_reported.remove(&over_cap_key);
+                } else if self.over_cap_reported.insert(over_cap_key) {
+                    let message = format!(
+                        "container {} holds {} MiB on GPU {} above the {} MiB its decision granted",
+                        region.key,
+                        over_cap_bytes >> 20,
+                        device.uuid,
+                        device.memory_used.saturating_sub(over_cap_bytes) >> 20
+                    );
+                    tracing::warn!("{message}");
+                    record_event(&self.events, &pod, region, "MemoryOverCap", message);
+                }
                 let track = self
                     .tracks
                     .entry((region.key.clone(), device.index))
@@ -358,6 +391,7 @@ impl Monitor {
                     utilization,
                     last_kernel_age_seconds: last_kernel
                         .map(|t| now.saturating_sub(t) as f64 / 1e9),
+                    over_cap_bytes,
                 });
                 seen.push(Seen {
                     key: region.key.clone(),
@@ -372,6 +406,35 @@ impl Monitor {
                         active,
                     ),
                 });
+            }
+            // The region is writable by the container it limits: put back
+            // what the decision granted if it was changed from inside.
+            if let (Some(node), Some(grants)) = (&self.config.restore, granted) {
+                let mut ordered: Vec<&DeviceGrant> = grants.iter().collect();
+                // Devices are numbered in NVML (PCI) order, as the device
+                // plugin numbered them; without NVML, the decision's order.
+                ordered.sort_by_key(|g| gpus.iter().find(|s| s.uuid == g.uuid).map(|s| s.index));
+                let priority = pod
+                    .as_ref()
+                    .and_then(|p| p.priorities.get(&region.container).copied());
+                let limits = region_limits(&ordered, priority, node);
+                if region.region().restore_limits(&limits) {
+                    let restored = self.restored.entry(region.key.clone()).or_insert(0);
+                    *restored += 1;
+                    let message = format!(
+                        "container {} changed the limits in its region; the limits its decision granted are restored",
+                        region.key
+                    );
+                    if *restored == 1 {
+                        tracing::warn!("{message}");
+                        record_event(&self.events, &pod, region, "RegionLimitsChanged", message);
+                    } else {
+                        tracing::debug!("{message} (again: {} times)", restored);
+                    }
+                }
+            }
+            if let Some(summary) = containers.last_mut() {
+                summary.limits_restored = self.restored.get(&region.key).copied().unwrap_or(0);
             }
         }
 
@@ -398,6 +461,10 @@ impl Monitor {
         let live_keys: HashSet<&str> = self.discovery.regions().map(|r| r.key.as_str()).collect();
         self.tracks
             .retain(|(key, _), _| live_keys.contains(key.as_str()));
+        self.restored
+            .retain(|key, _| live_keys.contains(key.as_str()));
+        self.over_cap_reported
+            .retain(|(key, _)| live_keys.contains(key.as_str()));
         self.reaper.retain(&live_keys);
 
         self.generation = self.generation.wrapping_add(1);
@@ -694,6 +761,28 @@ fn process_util_by_uuid(gpus: &[GpuSample]) -> HashMap<&str, &HashMap<u32, u32>>
         .filter(|g| !g.uuid.is_empty())
         .map(|g| (g.uuid.as_str(), &g.process_sm_percent))
         .collect()
+}
+
+/// A Warning Event on the pod of `region`, when the API names it.
+fn record_event(
+    events: &Option<EventRecorder>,
+    pod: &Option<PodRecord>,
+    region: &crate::discovery::ContainerRegion,
+    reason: &str,
+    message: String,
+) {
+    let (Some(events), Some(pod), Some(uid)) = (events, pod, region.pod_uid.as_deref()) else {
+        return;
+    };
+    events.warn(
+        &PodRef {
+            namespace: &pod.namespace,
+            name: &pod.name,
+            uid,
+        },
+        reason,
+        message,
+    );
 }
 
 #[cfg(test)]

@@ -14,6 +14,7 @@
 //! | `vgpu_container_memory_used_bytes` | gauge | device memory charged to the container |
 //! | `vgpu_container_memory_limit_bytes` | gauge | its cap (0 = uncapped) |
 //! | `vgpu_container_memory_peak_bytes` | gauge | highest use seen |
+//! | `vgpu_container_memory_over_cap_bytes` | gauge | use above the cap its decision granted (taken while the region's limit was raised from inside) |
 //! | `vgpu_container_memory_context_bytes`, `_module_bytes`, `_data_bytes` | gauge | use by kind, summed over the live process slots |
 //! | `vgpu_container_swap_used_bytes`, `vgpu_container_swap_limit_bytes` | gauge | host memory used as swap, and its allowance |
 //! | `vgpu_container_compute_share_ratio` | gauge | configured share (1 = uncapped) |
@@ -26,6 +27,7 @@
 //! | `vgpu_container_last_kernel_age_seconds` | gauge | seconds since it last launched work |
 //! | `vgpu_container_priority` | gauge | priority in force (lower is more important) |
 //! | `vgpu_container_processes` | gauge | process slots in use (per container, device labels absent) |
+//! | `vgpu_container_limits_restored_total` | counter | times its region's limits were changed from inside and restored (per container) |
 //! | `vgpu_container_unenforced_processes`, `_memory_bytes` | gauge | processes of the container on a GPU without the shim, and their memory (per container) |
 //!
 //! Achieved utilization is the device time the container's launches were
@@ -65,6 +67,8 @@ pub struct ContainerDevice {
     pub priority: i32,
     pub utilization: Option<f64>,
     pub last_kernel_age_seconds: Option<f64>,
+    /// Device memory held above the cap the decision granted.
+    pub over_cap_bytes: u64,
 }
 
 /// One container (for the per-container figures).
@@ -78,6 +82,9 @@ pub struct ContainerSummary {
     pub unenforced_processes: usize,
     /// Device memory they hold (as far as NVML says).
     pub unenforced_bytes: u64,
+    /// Times the monitor restored the region's limits after they were
+    /// changed from inside.
+    pub limits_restored: u64,
 }
 
 /// Everything one pass of the monitor learnt.
@@ -271,7 +278,8 @@ pub fn render(snapshot: &Snapshot, hami_names: bool) -> Vec<u8> {
     let devices = &snapshot.devices;
 
     // Per container and device.
-    let per_device: [(&str, &str, Kind, DeviceValue); 17] = [
+    let per_device: [(&str, &str, Kind, DeviceValue); 18] = [
+        ("vgpu_container_memory_over_cap_bytes", "Device memory the container holds above the cap its decision granted (taken while its region's limit was raised).", Gauge, |d| Some(d.over_cap_bytes as f64)),
         ("vgpu_container_memory_used_bytes", "Device memory charged to the container.", Gauge, |d| Some(d.figures.memory_used as f64)),
         ("vgpu_container_memory_limit_bytes", "Device memory cap of the container (0 = uncapped).", Gauge, |d| Some(d.figures.memory_limit as f64)),
         ("vgpu_container_memory_peak_bytes", "Highest device memory use of the container.", Gauge, |d| Some(d.figures.peak_used as f64)),
@@ -317,6 +325,13 @@ pub fn render(snapshot: &Snapshot, hami_names: bool) -> Vec<u8> {
         Gauge,
         &container_pool,
         |i| Some(snapshot.containers[i].processes as f64),
+    );
+    w.family(
+        "vgpu_container_limits_restored_total",
+        "Times the container's region limits were found changed from inside and restored.",
+        Counter,
+        &container_pool,
+        |i| Some(snapshot.containers[i].limits_restored as f64),
     );
     w.family(
         "vgpu_container_unenforced_processes",
@@ -669,6 +684,7 @@ mod tests {
                 oom_events: 2,
                 ..DeviceFigures::default()
             },
+            over_cap_bytes: 77,
             priority: 1,
             utilization: Some(0.25),
             last_kernel_age_seconds: Some(0.5),
@@ -686,6 +702,7 @@ mod tests {
                 processes: 2,
                 unenforced_processes: 1,
                 unenforced_bytes: 512,
+                limits_restored: 3,
             }],
             gpus: vec![GpuSample {
                 index: 0,
@@ -713,6 +730,8 @@ mod tests {
             "# TYPE vgpu_container_kernel_launches_total counter".to_string(),
             r#"vgpu_gpu_containers{device_index="0",device_uuid="GPU-a",model="Sim"} 1"#.to_string(),
             r#"vgpu_container_unenforced_processes{namespace="ns",pod="p",container="c"} 1"#.to_string(),
+            r#"vgpu_container_limits_restored_total{namespace="ns",pod="p",container="c"} 3"#.to_string(),
+            format!("vgpu_container_memory_over_cap_bytes{labels} 77"),
             r#"vgpu_container_unenforced_memory_bytes{namespace="ns",pod="p",container="c"} 512"#.to_string(),
             r#"vgpu_gpu_unenforced_processes{device_index="0",device_uuid="GPU-a",model="Sim"} 0"#.to_string(),
             r#"hami_host_gpu_utilization_ratio{device_index="0",device_type="NVIDIA-Sim",device_uuid="GPU-a",zone="vGPU"} 50"#.to_string(),

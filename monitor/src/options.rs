@@ -7,6 +7,18 @@ use clap::Parser;
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::time::Duration;
+use vgpu_cluster::decision::NodeLimits;
+use vgpu_node_contract::shim_env::UtilizationPolicy;
+use vgpu_node_contract::size::{parse_size, SizeError};
+
+fn policy(text: &str) -> Result<UtilizationPolicy, String> {
+    UtilizationPolicy::parse(text)
+        .ok_or_else(|| format!("'{text}' is not a policy: default, force or disable"))
+}
+
+fn size(text: &str) -> Result<u64, SizeError> {
+    parse_size(text)
+}
 
 /// vgpu node monitor: reads every container's vGPU region on this node,
 /// serves Prometheus metrics (`GET /metrics`, `GET /healthz`) and
@@ -57,6 +69,22 @@ pub struct Options {
     /// Only observe: never write effective shares into regions.
     #[arg(long)]
     pub no_arbitration: bool,
+
+    /// The compute policy the device plugin writes into containers (give
+    /// both its `--core-policy` value): default, force or disable. A region
+    /// whose limits or policy were changed from inside gets back what its
+    /// pod's decision granted, with this policy.
+    #[arg(long, default_value = "default", value_name = "POLICY", value_parser = policy)]
+    pub core_policy: UtilizationPolicy,
+
+    /// The host-memory swap the device plugin allows each GPU (give both
+    /// its `--swap-limit` value), restored with the limits.
+    #[arg(long, value_name = "SIZE", value_parser = size)]
+    pub swap_limit: Option<u64>,
+
+    /// Never restore a region's limits (only report its memory over the cap).
+    #[arg(long)]
+    pub no_restore: bool,
 
     /// Remove a container's region directory once its pod has been deleted
     /// for this many seconds (and none of its processes lives). Needs the
@@ -115,6 +143,10 @@ impl Options {
                 .then(|| Duration::from_secs(self.cleanup_grace_seconds)),
             hami_names: self.hami_metric_names,
             nvml: (!self.no_nvml).then(|| Some(self.nvml_library.clone())),
+            restore: (!self.no_restore).then_some(NodeLimits {
+                policy: self.core_policy,
+                swap_limit: self.swap_limit.filter(|bytes| *bytes > 0),
+            }),
         }
     }
 

@@ -7,38 +7,12 @@ mod common;
 
 use common::*;
 use std::time::Duration;
-use vgpu_cluster::decision::{ContainerDecision, Decision, DeviceGrant, DECISION_ANNOTATION};
 use vgpu_node_contract::region::RegionLimits;
 
 const NODE: &str = "gpu-node-3";
 const UID_NAMED: &str = "3f2a1b0c-9d8e-4f7a-b6c5-d4e3f2a1b0c9";
 const UID_GONE: &str = "aa11bb22-cc33-4d44-8e55-66ff77008899";
 const UID_BUSY: &str = "b0b0b0b0-1111-4222-8333-444455556666";
-
-fn decision_annotations(container: &str, priority: i32) -> String {
-    let decision = Decision {
-        version: 1,
-        node: NODE.into(),
-        decided_unix_ms: 1,
-        containers: vec![ContainerDecision {
-            name: container.into(),
-            init: false,
-            devices: vec![DeviceGrant {
-                uuid: "GPU-k8s".into(),
-                memory_bytes: 4 * GIB,
-                cores_percent: 30,
-                burst_percent: None,
-            }],
-            priority: Some(priority),
-        }],
-    };
-    let mut annotations = serde_json::Map::new();
-    annotations.insert(
-        DECISION_ANNOTATION.into(),
-        serde_json::Value::String(decision.to_json()),
-    );
-    serde_json::Value::Object(annotations).to_string()
-}
 
 fn with_uuid(host: &HostDir, key: &str) -> vgpu_node_contract::region::Region {
     let region = host.create_region(key, &RegionLimits::default());
@@ -66,7 +40,7 @@ fn monitor_with_api(host: &HostDir, api_url: &str, extra: &[&str]) -> MonitorPro
 #[test]
 fn pods_are_named_from_the_api_and_deleted_pods_cleaned_up() {
     let host = HostDir::new("k8s");
-    let annotations = decision_annotations("main", 0);
+    let annotations = decision_annotations(NODE, "main", 0);
     let api = FakeApiServer::start(pod_list(
         NODE,
         &[(UID_NAMED, "team-a", "trainer-0", &annotations)],
@@ -184,7 +158,7 @@ fn without_the_api_names_fall_back_and_nothing_is_removed() {
 #[test]
 fn the_decision_not_the_region_says_which_gpus_and_shares_a_container_has() {
     let host = HostDir::new("k8s-claims");
-    let annotations = decision_annotations("main", 1);
+    let annotations = decision_annotations(NODE, "main", 1);
     let api = FakeApiServer::start(pod_list(
         NODE,
         &[(UID_NAMED, "team-a", "trainer-0", &annotations)],

@@ -287,6 +287,26 @@ pub struct RegionLimits {
     pub priority: i32,
 }
 
+impl RegionLimits {
+    /// These limits as a region stores them: a burst share is never below
+    /// the share.
+    pub fn as_stored(&self) -> RegionLimits {
+        let mut stored = *self;
+        for (burst, share) in stored.sm_burst.iter_mut().zip(self.sm_limit) {
+            *burst = (*burst).max(share);
+        }
+        stored
+    }
+
+    /// The effective share (basis points) a region starts a device with.
+    fn initial_effective(&self, device: usize) -> u32 {
+        match self.sm_limit[device] {
+            0 => SHARE_UNLIMITED,
+            share => share * (SHARE_FULL / 100),
+        }
+    }
+}
+
 /// Why a region could not be used.
 #[derive(Debug, Error)]
 pub enum RegionError {
@@ -569,24 +589,10 @@ impl Region {
                 .refilled_at
                 .store(now_monotonic, Ordering::Relaxed);
             device
-                .memory_limit
-                .store(limits.memory_limit[index], Ordering::Relaxed);
-            device
-                .swap_limit
-                .store(limits.swap_limit[index], Ordering::Relaxed);
-            let share = limits.sm_limit[index];
-            device.sm_limit.store(share, Ordering::Relaxed);
-            let burst = limits.sm_burst[index].max(share);
-            device.sm_burst.store(burst, Ordering::Relaxed);
-            device.sm_effective.store(
-                if share == 0 {
-                    SHARE_UNLIMITED
-                } else {
-                    share * (SHARE_FULL / 100)
-                },
-                Ordering::Relaxed,
-            );
+                .sm_effective
+                .store(limits.initial_effective(index), Ordering::Relaxed);
         }
+        self.store_limits(limits);
         header.ready.store(1, Ordering::Release);
         Ok(())
     }
@@ -723,6 +729,57 @@ impl Region {
             limits.sm_burst[index] = device.sm_burst.load(Ordering::Relaxed);
         }
         limits
+    }
+
+    /// Writes `limits` (as stored) into the header and devices; the
+    /// effective shares are left to their owner (the node monitor).
+    fn store_limits(&self, limits: &RegionLimits) {
+        let layout = self.layout();
+        let stored = limits.as_stored();
+        layout.header.policy.store(stored.policy, Ordering::Relaxed);
+        layout
+            .header
+            .priority
+            .store(stored.priority, Ordering::Relaxed);
+        for (index, device) in layout.devices.iter().enumerate() {
+            device
+                .memory_limit
+                .store(stored.memory_limit[index], Ordering::Relaxed);
+            device
+                .swap_limit
+                .store(stored.swap_limit[index], Ordering::Relaxed);
+            device
+                .sm_limit
+                .store(stored.sm_limit[index], Ordering::Relaxed);
+            device
+                .sm_burst
+                .store(stored.sm_burst[index], Ordering::Relaxed);
+        }
+    }
+
+    /// Puts back `granted` where the region's limits differ from it (the
+    /// file is writable by the container it limits). An effective share
+    /// above what the granted burst allows is brought back to the granted
+    /// share. Returns whether anything had been changed.
+    pub fn restore_limits(&self, granted: &RegionLimits) -> bool {
+        let stored = granted.as_stored();
+        let mut changed = self.limits() != stored;
+        if changed {
+            self.store_limits(granted);
+        }
+        for (index, device) in self.layout().devices.iter().enumerate() {
+            let ceiling = match stored.sm_burst[index] {
+                0 => SHARE_UNLIMITED,
+                burst => burst * (SHARE_FULL / 100),
+            };
+            if device.sm_effective.load(Ordering::Relaxed) > ceiling {
+                device
+                    .sm_effective
+                    .store(granted.initial_effective(index), Ordering::Relaxed);
+                changed = true;
+            }
+        }
+        changed
     }
 
     /// Claims a free slot for process `pid` (as `getpid()` gives it), whose
@@ -1172,6 +1229,32 @@ mod tests {
         let mut limits = RegionLimits::default();
         limits.memory_limit[0] = cap;
         limits
+    }
+
+    #[test]
+    fn limits_changed_from_inside_are_restored_and_reported() {
+        let path = temp_path("restore");
+        let mut granted = limits(4 << 30);
+        granted.sm_limit[0] = 30;
+        granted.sm_burst[0] = 50;
+        granted.priority = 3;
+        let region = Region::open_or_create(&path, &granted).expect("create");
+        assert!(!region.restore_limits(&granted), "nothing to restore");
+        let device = &region.layout().devices[0];
+        // Lent up to the burst by the monitor: allowed.
+        device.sm_effective.store(5000, Ordering::Relaxed);
+        assert!(!region.restore_limits(&granted));
+        // Raised from inside.
+        device.memory_limit.store(64 << 30, Ordering::Relaxed);
+        region.layout().header.policy.store(2, Ordering::Relaxed);
+        assert!(region.restore_limits(&granted));
+        assert_eq!(region.limits(), granted.as_stored());
+        device
+            .sm_effective
+            .store(SHARE_UNLIMITED, Ordering::Relaxed);
+        assert!(region.restore_limits(&granted));
+        assert_eq!(device.sm_effective.load(Ordering::Relaxed), 3000);
+        let _ = std::fs::remove_file(&path);
     }
 
     #[test]

@@ -9,11 +9,11 @@ use std::collections::BTreeMap;
 use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 use thiserror::Error;
-use vgpu_cluster::decision::{ContainerDecision, DeviceGrant, InventoryGpu};
-use vgpu_node_contract::region::{Region, RegionLimits, MAX_DEVICES};
-use vgpu_node_contract::shim_env::{
-    share_cap, ShimConfig, UtilizationPolicy, DEFAULT_CONTEXT_RESERVE,
+use vgpu_cluster::decision::{
+    region_limits, ContainerDecision, DeviceGrant, InventoryGpu, NodeLimits,
 };
+use vgpu_node_contract::region::{Region, RegionLimits, MAX_DEVICES};
+use vgpu_node_contract::shim_env::{ShimConfig, UtilizationPolicy, DEFAULT_CONTEXT_RESERVE};
 
 /// The GPUs a container may see (NVIDIA container runtime).
 pub const ENV_VISIBLE_DEVICES: &str = "NVIDIA_VISIBLE_DEVICES";
@@ -47,6 +47,16 @@ pub struct Settings {
     pub swap_limit: Option<u64>,
     /// `VGPU_CONTEXT_RESERVE` for every container, if set.
     pub context_reserve: Option<u64>,
+}
+
+impl Settings {
+    /// What this node adds to every container's limits.
+    pub fn node_limits(&self) -> NodeLimits {
+        NodeLimits {
+            policy: self.policy,
+            swap_limit: self.swap_limit,
+        }
+    }
 }
 
 /// Path of `ld.so.preload` in a container.
@@ -190,16 +200,8 @@ pub fn plan(
         context_reserve: settings.context_reserve.unwrap_or(DEFAULT_CONTEXT_RESERVE),
         ..ShimConfig::default()
     };
-    config.limits.policy = settings.policy as u32;
-    if let Some(priority) = container.priority {
-        config.limits.priority = priority;
-    }
-    for (i, (_, grant)) in grants.iter().enumerate() {
-        config.limits.memory_limit[i] = grant.memory_bytes;
-        config.limits.sm_limit[i] = share_cap(grant.cores_percent);
-        config.limits.sm_burst[i] = grant.burst_percent.unwrap_or(0);
-        config.limits.swap_limit[i] = settings.swap_limit.unwrap_or(0);
-    }
+    let ordered: Vec<&DeviceGrant> = grants.iter().map(|(_, grant)| *grant).collect();
+    config.limits = region_limits(&ordered, container.priority, &settings.node_limits());
 
     let mut envs: BTreeMap<String, String> = config.to_env(grants.len()).into_iter().collect();
     let uuids: Vec<&str> = grants.iter().map(|(_, g)| g.uuid.as_str()).collect();
@@ -238,16 +240,6 @@ pub fn plan(
     })
 }
 
-/// Whether a stored region enforces `wanted` (the region keeps a burst
-/// share of at least the share, so bursts are not compared).
-fn same_limits(stored: &RegionLimits, wanted: &RegionLimits) -> bool {
-    stored.memory_limit == wanted.memory_limit
-        && stored.swap_limit == wanted.swap_limit
-        && stored.sm_limit == wanted.sm_limit
-        && stored.policy == wanted.policy
-        && stored.priority == wanted.priority
-}
-
 /// Creates the container's directory and its region on the host.
 /// Idempotent: a region already there with the same limits (an earlier
 /// attempt at the same container) is kept.
@@ -257,7 +249,7 @@ pub fn prepare(plan: &ContainerPlan) -> Result<(), AllocateError> {
     std::fs::set_permissions(&plan.host_dir, std::fs::Permissions::from_mode(0o755))
         .map_err(io_error(&plan.host_dir, "chmod"))?;
     let region = Region::open_or_create(&plan.region_host, &plan.limits)?;
-    if !same_limits(&region.limits(), &plan.limits) {
+    if region.limits() != plan.limits.as_stored() {
         return Err(AllocateError::RegionMismatch {
             path: plan.region_host.clone(),
         });
@@ -472,7 +464,7 @@ mod tests {
         prepare(&plan).expect("prepare");
         prepare(&plan).expect("prepare again");
         let region = Region::open_existing(&plan.region_host).expect("region");
-        assert!(same_limits(&region.limits(), &plan.limits));
+        assert_eq!(region.limits(), plan.limits.as_stored());
         assert_eq!(region.limits().sm_limit[0], 25);
         assert_eq!(region.limits().priority, 2);
         assert_eq!(region.device_limit(0), 1 << 30);

@@ -233,7 +233,7 @@ def test_https_extender_with_a_given_certificate():
 
 
 def test_node_agent_paths_agree():
-    objects = render({"hostDir": "/opt/vgpu"})
+    objects = render({"hostDir": "/opt/vgpu", "node": {"devicePlugin": {"corePolicy": "force", "swapLimit": "8Gi"}}})
     node = find(objects, "DaemonSet", "-node")
     volumes = {v["name"]: v for v in node["spec"]["template"]["spec"]["volumes"]}
     plugin = container(node, "device-plugin")
@@ -259,6 +259,9 @@ def test_node_agent_paths_agree():
     target = script.split("mv -f ")[1].split()[1]
     assert host_path(install, target) == "/opt/vgpu/libvgpu.so"
     assert host_path(plugin, pf["device-plugin-dir"]) == "/var/lib/kubelet/device-plugins"
+    # The monitor restores containers' limits with what the plugin adds.
+    for flag in ("core-policy", "swap-limit"):
+        assert mf.get(flag) == pf.get(flag), flag
     # Both read their node from the downward API.
     for c in (plugin, monitor):
         env = {e["name"]: e for e in c["env"]}

@@ -12,6 +12,7 @@ use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
+use vgpu_cluster::decision::{ContainerDecision, Decision, DeviceGrant, DECISION_ANNOTATION};
 use vgpu_node_contract::region::{MemoryKind, Region, RegionLimits};
 
 pub const MIB: u64 = 1 << 20;
@@ -526,4 +527,31 @@ pub fn pod_template() -> &'static str {
 /// Whether `path` exists.
 pub fn exists(path: &Path) -> bool {
     std::fs::symlink_metadata(path).is_ok()
+}
+
+/// Pod annotations holding the scheduler's decision for `container` on
+/// `node`: GPU `GPU-k8s`, 4 GiB, 30 %, at `priority`.
+pub fn decision_annotations(node: &str, container: &str, priority: i32) -> String {
+    let decision = Decision {
+        version: 1,
+        node: node.into(),
+        decided_unix_ms: 1,
+        containers: vec![ContainerDecision {
+            name: container.into(),
+            init: false,
+            devices: vec![DeviceGrant {
+                uuid: "GPU-k8s".into(),
+                memory_bytes: 4 * GIB,
+                cores_percent: 30,
+                burst_percent: None,
+            }],
+            priority: Some(priority),
+        }],
+    };
+    let mut annotations = serde_json::Map::new();
+    annotations.insert(
+        DECISION_ANNOTATION.into(),
+        serde_json::Value::String(decision.to_json()),
+    );
+    serde_json::Value::Object(annotations).to_string()
 }

@@ -1,0 +1,175 @@
+//! A region is writable by the container it limits. A container that raises
+//! its own cap, share and policy gets what its decision granted back within
+//! a pass; the memory it took above the granted cap meanwhile is reported
+//! (restoring the cap frees nothing), with an Event on its pod.
+
+mod common;
+
+use common::*;
+use std::sync::atomic::Ordering;
+use std::time::Duration;
+use vgpu_node_contract::region::{MemoryKind, RegionLimits, SHARE_UNLIMITED};
+use vgpu_node_contract::shim_env::UtilizationPolicy;
+
+const NODE: &str = "gpu-node-5";
+const UID: &str = "7c6b5a49-3827-4165-9f0e-d1c2b3a4f5e6";
+
+#[test]
+fn limits_changed_from_inside_are_restored_and_the_memory_over_the_cap_reported() {
+    let host = HostDir::new("tampering");
+    let key = format!("{UID}_main");
+    // Created as the device plugin creates it for the decision (4 GiB, 30 %).
+    let mut granted = RegionLimits::default();
+    granted.memory_limit[0] = 4 * GIB;
+    granted.sm_limit[0] = 30;
+    granted.priority = 2;
+    let region = host.create_region(&key, &granted);
+    region.set_device_uuid(0, "GPU-k8s");
+
+    // From inside: the cap raised to 64 GiB, no compute cap, 6 GiB taken.
+    let device = &region.layout().devices[0];
+    device.memory_limit.store(64 * GIB, Ordering::Relaxed);
+    device.sm_limit.store(0, Ordering::Relaxed);
+    device.sm_burst.store(100, Ordering::Relaxed);
+    device
+        .sm_effective
+        .store(SHARE_UNLIMITED, Ordering::Relaxed);
+    region
+        .layout()
+        .header
+        .policy
+        .store(UtilizationPolicy::Disable as u32, Ordering::Relaxed);
+    let slot = charge(&region, 0, 0, 0, 6 * GIB);
+
+    let api = FakeApiServer::start(pod_list(
+        NODE,
+        &[(
+            UID,
+            "team-c",
+            "tuner-0",
+            &decision_annotations(NODE, "main", 2),
+        )],
+    ));
+    let root = host.root.to_str().expect("utf8");
+    let monitor = MonitorProcess::start(
+        MonitorProcess::command(),
+        &[
+            "--containers-dir",
+            root,
+            "--no-nvml",
+            "--apiserver-url",
+            &api.url(),
+            "--node-name",
+            NODE,
+            "--no-arbitration",
+        ],
+    );
+    let labels = [
+        ("namespace", "team-c"),
+        ("pod", "tuner-0"),
+        ("container", "main"),
+    ];
+    let samples = monitor.wait_for_metrics(Duration::from_secs(10), |samples| {
+        (value(samples, "vgpu_container_limits_restored_total", &labels) == Some(1.0))
+            .then(|| samples.to_vec())
+    });
+    assert_eq!(
+        region.limits(),
+        granted.as_stored(),
+        "the decision's limits are back"
+    );
+    assert_eq!(device.sm_effective.load(Ordering::Relaxed), 3000);
+    let device_labels = [
+        ("namespace", "team-c"),
+        ("pod", "tuner-0"),
+        ("container", "main"),
+        ("device_index", "0"),
+    ];
+    assert_eq!(
+        value(
+            &samples,
+            "vgpu_container_memory_over_cap_bytes",
+            &device_labels
+        ),
+        Some((2 * GIB) as f64)
+    );
+    // The restored cap holds for what comes next.
+    assert!(region
+        .reserve(slot, 0, MemoryKind::Data, MIB)
+        .expect("io")
+        .is_err());
+
+    let events = wait_for(Duration::from_secs(10), || {
+        let posted: Vec<String> = api
+            .requests
+            .lock()
+            .expect("requests")
+            .iter()
+            .filter(|r| r.starts_with("POST /api/v1/namespaces/team-c/events"))
+            .cloned()
+            .collect();
+        (posted.len() >= 2).then_some(posted)
+    })
+    .unwrap_or_else(|| panic!("Events not posted:\n{}", monitor.log()));
+    for reason in ["RegionLimitsChanged", "MemoryOverCap"] {
+        assert!(
+            events
+                .iter()
+                .any(|e| e.contains(&format!("\"reason\":\"{reason}\""))),
+            "{reason}: {events:?}"
+        );
+    }
+
+    // Changed again: restored again, counted, logged once.
+    device.memory_limit.store(64 * GIB, Ordering::Relaxed);
+    monitor.wait_for_metrics(Duration::from_secs(10), |samples| {
+        (value(samples, "vgpu_container_limits_restored_total", &labels) == Some(2.0)).then_some(())
+    });
+    assert_eq!(device.memory_limit.load(Ordering::Relaxed), 4 * GIB);
+    let log = monitor.log();
+    assert_eq!(
+        log.matches("changed the limits in its region").count(),
+        1,
+        "{log}"
+    );
+
+    // Once the container frees what it took above the cap, nothing is over.
+    region
+        .release(slot, 0, MemoryKind::Data, 3 * GIB)
+        .expect("release");
+    monitor.wait_for_metrics(Duration::from_secs(10), |samples| {
+        (value(
+            samples,
+            "vgpu_container_memory_over_cap_bytes",
+            &device_labels,
+        ) == Some(0.0))
+        .then_some(())
+    });
+}
+
+#[test]
+fn without_a_decision_nothing_is_restored() {
+    let host = HostDir::new("tampering-no-decision");
+    let mut limits = RegionLimits::default();
+    limits.memory_limit[0] = 4 * GIB;
+    let region = host.create_region(&format!("{UID}_main"), &limits);
+    region.set_device_uuid(0, "GPU-k8s");
+    region.layout().devices[0]
+        .memory_limit
+        .store(8 * GIB, Ordering::Relaxed);
+    let monitor = MonitorProcess::start(
+        MonitorProcess::command(),
+        &[
+            "--containers-dir",
+            host.root.to_str().expect("utf8"),
+            "--no-nvml",
+            "--no-kubernetes",
+        ],
+    );
+    let generation = monitor.scrape();
+    monitor.wait_for_metrics(Duration::from_secs(10), |samples| {
+        (samples != generation.as_slice()).then_some(())
+    });
+    // No decision to hold it to (no API): the region is left as it is.
+    assert_eq!(region.device_limit(0), 8 * GIB);
+}
