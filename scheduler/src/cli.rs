@@ -4,6 +4,7 @@ use crate::api::ApiSource;
 use crate::policy::{GpuPolicy, NodePolicy};
 use crate::requests::{RequestDefaults, ResourceNames};
 use crate::scheduler::Config;
+use crate::webhook::AdmissionPolicy;
 use clap::Parser;
 use std::net::IpAddr;
 use std::path::PathBuf;
@@ -126,6 +127,12 @@ pub struct Cli {
     #[arg(long, default_value = crate::scheduler::DEFAULT_SCHEDULER_NAME, value_name = "NAME")]
     pub scheduler_name: String,
 
+    /// Let the admission webhook admit privileged containers that ask for
+    /// vGPUs. By default they are refused: a privileged container sees
+    /// every GPU of its node and bypasses the shim's cap and share.
+    #[arg(long)]
+    pub allow_privileged_vgpu: bool,
+
     /// Log level: error, warn, info, debug or trace (logs go to stderr).
     #[arg(long, default_value = "info", value_name = "LEVEL")]
     pub log_level: tracing::Level,
@@ -153,6 +160,9 @@ impl Cli {
             bind_wait: Duration::from_millis(self.bind_wait_ms),
             unbound_grace: Duration::from_secs(self.unbound_grace_seconds),
             scheduler_name: self.scheduler_name.clone(),
+            admission: AdmissionPolicy {
+                allow_privileged: self.allow_privileged_vgpu,
+            },
         }
     }
 

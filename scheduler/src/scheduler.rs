@@ -27,6 +27,7 @@ use crate::fit::{explain, node_load, place_pod, Scratch};
 use crate::policy::{node_score, GpuPolicy, NodePolicy};
 use crate::requests::{parse_pod, PodRequest, RequestDefaults, ResourceNames};
 use crate::state::{now_unix_ms, ClusterState, FastMap, Inventory, SharedState};
+use crate::webhook::AdmissionPolicy;
 use k8s_openapi::api::core::v1::Pod;
 use serde::Serialize;
 use std::collections::HashMap;
@@ -55,6 +56,8 @@ pub struct Config {
     pub unbound_grace: Duration,
     /// The `schedulerName` the admission webhook gives vGPU pods.
     pub scheduler_name: String,
+    /// What else the admission webhook allows.
+    pub admission: AdmissionPolicy,
 }
 
 impl Default for Config {
@@ -67,6 +70,7 @@ impl Default for Config {
             bind_wait: Duration::from_millis(3000),
             unbound_grace: Duration::from_secs(30),
             scheduler_name: DEFAULT_SCHEDULER_NAME.into(),
+            admission: AdmissionPolicy::default(),
         }
     }
 }

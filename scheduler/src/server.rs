@@ -92,7 +92,12 @@ async fn bind(State(scheduler): State<Arc<Scheduler>>, body: Bytes) -> Response 
 
 async fn mutate(State(scheduler): State<Arc<Scheduler>>, body: Bytes) -> Response {
     let config = scheduler.config();
-    let reply = crate::webhook::mutate(&body, &config.scheduler_name, &config.resources);
+    let reply = crate::webhook::mutate(
+        &body,
+        &config.scheduler_name,
+        &config.resources,
+        config.admission,
+    );
     respond(Reply {
         status: reply.status,
         body: reply.body,

@@ -7,9 +7,14 @@
 //! For a pod being created that asks for one of the vGPU resources in any
 //! container (init containers too) and names no scheduler, or the default
 //! one, the webhook answers with a JSON patch that sets
-//! `spec.schedulerName`. Everything else is allowed unchanged: the webhook
-//! never rejects a pod (a pod it cannot read is let through as it is), so
-//! a webhook outage cannot stop a cluster's other workloads.
+//! `spec.schedulerName`.
+//!
+//! A privileged container that asks for vGPUs is refused (unless the
+//! extender runs with `--allow-privileged-vgpu`): it sees every GPU of its
+//! node and can reach them bypassing the shim, so no cap or share would
+//! hold it. Everything else is allowed unchanged (a pod it cannot read is
+//! let through as it is), so a webhook outage cannot stop a cluster's
+//! other workloads.
 
 use crate::requests::ResourceNames;
 use base64::Engine;
@@ -46,6 +51,15 @@ struct ReviewResponse {
     patch: Option<String>,
     #[serde(rename = "warnings", skip_serializing_if = "Vec::is_empty")]
     warnings: Vec<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    status: Option<Value>,
+}
+
+/// What the webhook does beyond pointing pods at the vgpu scheduler.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct AdmissionPolicy {
+    /// Let privileged containers ask for vGPUs.
+    pub allow_privileged: bool,
 }
 
 /// The webhook's answer: HTTP status and JSON body.
@@ -58,7 +72,12 @@ pub struct WebhookReply {
 /// Answers one `AdmissionReview` for pods. `scheduler_name` is the name
 /// vGPU pods are given; `names` are the resources that make a pod a vGPU
 /// pod.
-pub fn mutate(body: &[u8], scheduler_name: &str, names: &ResourceNames) -> WebhookReply {
+pub fn mutate(
+    body: &[u8],
+    scheduler_name: &str,
+    names: &ResourceNames,
+    policy: AdmissionPolicy,
+) -> WebhookReply {
     let review: Review = match serde_json::from_slice(body) {
         Ok(review) => review,
         Err(error) => return bad_request(format!("not an AdmissionReview: {error}")),
@@ -82,12 +101,34 @@ pub fn mutate(body: &[u8], scheduler_name: &str, names: &ResourceNames) -> Webho
         patch_type: None,
         patch: None,
         warnings: Vec::new(),
+        status: None,
     };
     let creating = matches!(request.operation.as_deref(), None | Some("CREATE"));
     let pod = request
         .object
         .map(serde_json::from_value::<Pod>)
         .transpose();
+    let refused = match &pod {
+        Ok(Some(pod)) if creating && !policy.allow_privileged => {
+            privileged_vgpu_container(pod, names)
+        }
+        _ => None,
+    };
+    if let Some(container) = refused {
+        tracing::info!(
+            "admission review {}: refused, container {container} is privileged and asks for vGPUs",
+            response.uid
+        );
+        response.allowed = false;
+        response.status = Some(json!({
+            "code": 403,
+            "reason": "Forbidden",
+            "message": format!(
+                "container {container} asks for vGPUs and is privileged: a privileged container sees every GPU of its node and bypasses vgpu's memory cap and compute share; drop `privileged` (or install vgpu with webhook.allowPrivileged=true to accept this)"
+            ),
+        }));
+        return reply(&api_version, &response);
+    }
     match pod {
         Ok(Some(pod)) if creating && needs_vgpu_scheduler(&pod, names) => {
             let patch = json!([{
@@ -111,6 +152,10 @@ pub fn mutate(body: &[u8], scheduler_name: &str, names: &ResourceNames) -> Webho
                 .push(format!("vgpu webhook could not read the pod: {error}"));
         }
     }
+    reply(&api_version, &response)
+}
+
+fn reply(api_version: &str, response: &ReviewResponse) -> WebhookReply {
     let body = json!({
         "apiVersion": api_version,
         "kind": "AdmissionReview",
@@ -120,6 +165,38 @@ pub fn mutate(body: &[u8], scheduler_name: &str, names: &ResourceNames) -> Webho
         status: 200,
         body: body.to_string().into_bytes(),
     }
+}
+
+/// Whether `container` asks for one of the vGPU resources.
+fn asks_for_vgpu(container: &Container, names: &ResourceNames) -> bool {
+    let vgpu_resources = [&names.gpu, &names.elastic_memory, &names.elastic_cores];
+    container.resources.as_ref().is_some_and(|resources| {
+        [&resources.limits, &resources.requests]
+            .into_iter()
+            .flatten()
+            .any(|quantities| {
+                vgpu_resources
+                    .iter()
+                    .any(|name| quantities.contains_key(*name))
+            })
+    })
+}
+
+/// The name of a privileged container of `pod` that asks for vGPUs.
+fn privileged_vgpu_container(pod: &Pod, names: &ResourceNames) -> Option<String> {
+    let spec = pod.spec.as_ref()?;
+    spec.containers
+        .iter()
+        .chain(spec.init_containers.iter().flatten())
+        .find(|container| {
+            let privileged = container
+                .security_context
+                .as_ref()
+                .and_then(|context| context.privileged)
+                .unwrap_or(false);
+            privileged && asks_for_vgpu(container, names)
+        })
+        .map(|container| container.name.clone())
 }
 
 /// Whether `pod` asks for a vGPU, is not bound yet, and names no scheduler
@@ -132,19 +209,7 @@ fn needs_vgpu_scheduler(pod: &Pod, names: &ResourceNames) -> bool {
         None | Some("") | Some(DEFAULT_SCHEDULER) => true,
         Some(_) => false,
     };
-    let vgpu_resources = [&names.gpu, &names.elastic_memory, &names.elastic_cores];
-    let asks = |container: &Container| {
-        container.resources.as_ref().is_some_and(|resources| {
-            [&resources.limits, &resources.requests]
-                .into_iter()
-                .flatten()
-                .any(|quantities| {
-                    vgpu_resources
-                        .iter()
-                        .any(|name| quantities.contains_key(*name))
-                })
-        })
-    };
+    let asks = |container: &Container| asks_for_vgpu(container, names);
     spec.node_name.is_none()
         && default_scheduler
         && (spec.containers.iter().any(asks) || spec.init_containers.iter().flatten().any(asks))
@@ -188,7 +253,12 @@ mod tests {
     }
 
     fn answer(body: &[u8]) -> Value {
-        let reply = mutate(body, "vgpu-scheduler", &ResourceNames::default());
+        let reply = mutate(
+            body,
+            "vgpu-scheduler",
+            &ResourceNames::default(),
+            AdmissionPolicy::default(),
+        );
         assert_eq!(
             reply.status,
             200,
@@ -278,7 +348,7 @@ mod tests {
                 "not an AdmissionReview",
             ),
         ] {
-            let reply = mutate(body, "vgpu-scheduler", &names);
+            let reply = mutate(body, "vgpu-scheduler", &names, AdmissionPolicy::default());
             assert_eq!(reply.status, 400);
             let text = String::from_utf8_lossy(&reply.body);
             assert!(text.contains(words), "{text}");
@@ -295,6 +365,7 @@ mod tests {
             &review(pod(json!({"example.com/vgpu": "1"}), None)),
             "gpu-sched",
             &names,
+            AdmissionPolicy::default(),
         );
         let value: Value = serde_json::from_slice(&reply.body).expect("json");
         let patch = patch_of(&value["response"]).expect("patched");
@@ -303,8 +374,71 @@ mod tests {
             &review(pod(json!({"nvidia.com/gpu": "1"}), None)),
             "gpu-sched",
             &names,
+            AdmissionPolicy::default(),
         );
         let value: Value = serde_json::from_slice(&reply.body).expect("json");
         assert_eq!(patch_of(&value["response"]), None);
+    }
+
+    fn privileged(pod: &mut Value, container: usize) {
+        pod["spec"]["containers"][container]["securityContext"] = json!({"privileged": true});
+    }
+
+    fn reply_to(pod: &Value, policy: AdmissionPolicy) -> Value {
+        let reply = mutate(
+            &review(pod.clone()),
+            "vgpu-scheduler",
+            &ResourceNames::default(),
+            policy,
+        );
+        assert_eq!(reply.status, 200);
+        serde_json::from_slice(&reply.body).expect("json")
+    }
+
+    #[test]
+    fn privileged_vgpu_containers_are_refused_with_the_reason() {
+        let mut vgpu = pod(json!({"nvidia.com/gpu": "1"}), Some("vgpu-scheduler"));
+        privileged(&mut vgpu, 0);
+        let value = reply_to(&vgpu, AdmissionPolicy::default());
+        let response = &value["response"];
+        assert_eq!(response["allowed"], false);
+        assert_eq!(response["status"]["code"], 403);
+        let message = response["status"]["message"].as_str().expect("message");
+        assert!(message.contains("container main"), "{message}");
+        assert!(message.contains("bypasses"), "{message}");
+        assert_eq!(patch_of(response), None);
+
+        // Allowed (and pointed at the scheduler) when the chart says so.
+        let mut unscheduled = pod(json!({"nvidia.com/gpu": "1"}), None);
+        privileged(&mut unscheduled, 0);
+        let value = reply_to(
+            &unscheduled,
+            AdmissionPolicy {
+                allow_privileged: true,
+            },
+        );
+        assert_eq!(value["response"]["allowed"], true);
+        assert!(patch_of(&value["response"]).is_some());
+    }
+
+    #[test]
+    fn privileged_containers_without_vgpus_and_updates_pass() {
+        // A privileged sidecar beside a vGPU container: only the container
+        // that asks is judged.
+        let mut sidecar = pod(json!({"nvidia.com/gpu": "1"}), None);
+        sidecar["spec"]["containers"]
+            .as_array_mut()
+            .expect("containers")
+            .push(json!({"name": "agent", "image": "x", "securityContext": {"privileged": true}}));
+        assert_eq!(
+            reply_to(&sidecar, AdmissionPolicy::default())["response"]["allowed"],
+            true
+        );
+        let mut plain = pod(json!({"cpu": "1"}), None);
+        privileged(&mut plain, 0);
+        assert_eq!(
+            reply_to(&plain, AdmissionPolicy::default())["response"]["allowed"],
+            true
+        );
     }
 }

@@ -92,7 +92,7 @@ def test_chart_lints_without_findings():
         {
             "scheduler": {
                 "extender": {"tls": {"secretName": "vgpu-tls"}, "gpuPolicy": "binpack"},
-                "webhook": {"caBundle": "Q0E="},
+                "webhook": {"caBundle": "Q0E=", "allowPrivileged": True},
             },
             "node": {"devicePlugin": {"swapLimit": "8g", "preload": False, "corePolicy": "force"}},
         },
@@ -139,7 +139,7 @@ def _accepts(binary, arguments):
         {
             "scheduler": {
                 "extender": {"tls": {"secretName": "vgpu-tls"}, "nodePolicy": "spread"},
-                "webhook": {"caBundle": "Q0E="},
+                "webhook": {"caBundle": "Q0E=", "allowPrivileged": True},
             },
             "node": {
                 "devicePlugin": {"swapLimit": "8g", "contextReserve": "128m", "preload": False},
