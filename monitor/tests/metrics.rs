@@ -90,19 +90,10 @@ fn metrics_equal_the_region_and_simulated_driver_figures() {
     bucket.throttled_ns.store(2_500_000_000, Ordering::Relaxed);
     bucket.credited_ns.store(7_000_000_000, Ordering::Relaxed);
 
-    let mut command = sandbox.command_without_shim(&monitor_exe());
-    command.env_remove("CUDA_DEVICE_MEMORY_SHARED_CACHE");
-    let nvml = sandbox.lib_dir.join("libnvidia-ml.so.1");
-    let monitor = MonitorProcess::start(
-        command,
-        &[
-            "--containers-dir",
-            host.root.to_str().expect("utf8"),
-            "--nvml-library",
-            nvml.to_str().expect("utf8"),
-            "--no-kubernetes",
-            "--hami-metric-names",
-        ],
+    let monitor = MonitorProcess::on_simulated_gpu(
+        &sandbox,
+        &host,
+        &["--no-kubernetes", "--hami-metric-names"],
     );
     let a = [("pod", UID_A), ("container", "main"), ("device_index", "0")];
     let b = [("pod", UID_B), ("container", "side"), ("device_index", "0")];

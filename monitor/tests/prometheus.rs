@@ -169,17 +169,10 @@ fn a_real_prometheus_scrapes_the_monitor() {
 
     let host = HostDir::new("prometheus");
     let sandbox = Sandbox::new("monitor-prometheus", 1, "16Gi");
-    let nvml = sandbox.lib_dir.join("libnvidia-ml.so.1");
-    let monitor = MonitorProcess::start(
-        sandbox.command_without_shim(&monitor_exe()),
-        &[
-            "--containers-dir",
-            host.root.to_str().expect("utf8"),
-            "--nvml-library",
-            nvml.to_str().expect("utf8"),
-            "--no-kubernetes",
-            "--hami-metric-names",
-        ],
+    let monitor = MonitorProcess::on_simulated_gpu(
+        &sandbox,
+        &host,
+        &["--no-kubernetes", "--hami-metric-names"],
     );
     // The simulated GPU's UUID, as the shim would record it.
     let uuid = monitor.wait_for_metrics(Duration::from_secs(10), |s| {

@@ -34,6 +34,20 @@ fn holding(mut command: Command) -> Child {
     child
 }
 
+/// A simulated GPU and the container `<UID>_main` on `host`: its region
+/// path, a 4 GiB cap.
+fn container(host: &HostDir, name: &str) -> (Sandbox, std::path::PathBuf) {
+    let region = host.region_path(&format!("{UID}_main"));
+    let mut sandbox = Sandbox::new(name, 1, "16Gi");
+    sandbox
+        .set(
+            "CUDA_DEVICE_MEMORY_SHARED_CACHE",
+            &region.display().to_string(),
+        )
+        .set("CUDA_DEVICE_MEMORY_LIMIT", "4Gi");
+    (sandbox, region)
+}
+
 fn release(mut child: Child) {
     drop(child.stdin.take());
     assert!(child.wait().expect("exit").success());
@@ -42,14 +56,7 @@ fn release(mut child: Child) {
 #[test]
 fn a_process_without_the_shim_is_exported_logged_once_and_recorded_on_its_pod() {
     let host = HostDir::new("unenforced");
-    let key = format!("{UID}_main");
-    let mut sandbox = Sandbox::new("unenforced", 1, "16Gi");
-    sandbox
-        .set(
-            "CUDA_DEVICE_MEMORY_SHARED_CACHE",
-            &host.region_path(&key).display().to_string(),
-        )
-        .set("CUDA_DEVICE_MEMORY_LIMIT", "4Gi");
+    let (sandbox, _) = container(&host, "unenforced");
 
     // The container's process under the shim, in its own PID namespace.
     let enforced = holding(in_new_pid_namespace(
@@ -63,21 +70,10 @@ fn a_process_without_the_shim_is_exported_logged_once_and_recorded_on_its_pod() 
     let skipped_pid = forked_child(skipped.id());
 
     let api = FakeApiServer::start(pod_list(NODE, &[(UID, "team-b", "trainer-1", "{}")]));
-    let mut command = sandbox.command_without_shim(&monitor_exe());
-    command.env_remove("CUDA_DEVICE_MEMORY_SHARED_CACHE");
-    let nvml = sandbox.lib_dir.join("libnvidia-ml.so.1");
-    let monitor = MonitorProcess::start(
-        command,
-        &[
-            "--containers-dir",
-            host.root.to_str().expect("utf8"),
-            "--nvml-library",
-            nvml.to_str().expect("utf8"),
-            "--apiserver-url",
-            &api.url(),
-            "--node-name",
-            NODE,
-        ],
+    let monitor = MonitorProcess::on_simulated_gpu(
+        &sandbox,
+        &host,
+        &["--apiserver-url", &api.url(), "--node-name", NODE],
     );
     let container = [
         ("namespace", "team-b"),
@@ -149,20 +145,13 @@ fn a_process_without_the_shim_is_exported_logged_once_and_recorded_on_its_pod() 
 #[test]
 fn a_shim_process_that_cannot_see_its_host_pid_is_found_by_its_region_and_not_reported() {
     let host = HostDir::new("own-proc");
-    let key = format!("{UID}_main");
-    let mut sandbox = Sandbox::new("own-proc", 1, "16Gi");
-    sandbox
-        .set(
-            "CUDA_DEVICE_MEMORY_SHARED_CACHE",
-            &host.region_path(&key).display().to_string(),
-        )
-        .set("CUDA_DEVICE_MEMORY_LIMIT", "4Gi");
+    let (sandbox, region_path) = container(&host, "own-proc");
     // With its own /proc the process sees itself only as PID 1.
     let enforced = holding(in_new_pid_namespace_with_own_proc(
         &sandbox.probe("linked", &["hold", &(256 * MIB).to_string()]),
     ));
     let host_pid = forked_child(enforced.id());
-    let region = Region::open_existing(&host.region_path(&key)).expect("region");
+    let region = Region::open_existing(&region_path).expect("region");
     let slot = region.active_slots().next().expect("the holder's slot");
     let recorded = || region.layout().slots[slot].host_pid.load(Ordering::Relaxed);
     assert_eq!(
@@ -171,19 +160,7 @@ fn a_shim_process_that_cannot_see_its_host_pid_is_found_by_its_region_and_not_re
         "the shim could only record what its /proc shows"
     );
 
-    let mut command = sandbox.command_without_shim(&monitor_exe());
-    command.env_remove("CUDA_DEVICE_MEMORY_SHARED_CACHE");
-    let nvml = sandbox.lib_dir.join("libnvidia-ml.so.1");
-    let monitor = MonitorProcess::start(
-        command,
-        &[
-            "--containers-dir",
-            host.root.to_str().expect("utf8"),
-            "--nvml-library",
-            nvml.to_str().expect("utf8"),
-            "--no-kubernetes",
-        ],
-    );
+    let monitor = MonitorProcess::on_simulated_gpu(&sandbox, &host, &["--no-kubernetes"]);
     // The monitor finds it by the region it maps and records its host PID.
     assert!(
         wait_for(Duration::from_secs(10), || (recorded() == host_pid)

@@ -267,6 +267,27 @@ impl MonitorProcess {
         Command::new(monitor_exe())
     }
 
+    /// The monitor on `host`'s regions, reading NVML from `sandbox`'s
+    /// simulated GPU, with `extra` arguments.
+    pub fn on_simulated_gpu(
+        sandbox: &vgpu_testkit::Sandbox,
+        host: &HostDir,
+        extra: &[&str],
+    ) -> Self {
+        let mut command = sandbox.command_without_shim(&monitor_exe());
+        // The monitor is no container process: no region of its own.
+        command.env_remove("CUDA_DEVICE_MEMORY_SHARED_CACHE");
+        let nvml = sandbox.lib_dir.join("libnvidia-ml.so.1");
+        let mut args = vec![
+            "--containers-dir",
+            host.root.to_str().expect("utf8"),
+            "--nvml-library",
+            nvml.to_str().expect("utf8"),
+        ];
+        args.extend_from_slice(extra);
+        Self::start(command, &args)
+    }
+
     /// `GET /metrics`, parsed.
     pub fn scrape(&self) -> Vec<Sample> {
         parse_metrics(&self.scrape_text())
