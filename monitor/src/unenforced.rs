@@ -86,12 +86,11 @@ impl HostProc {
         pod_uid_in_cgroup(&cgroup)
     }
 
-    /// Whether the process maps the file with this device and inode.
-    fn maps(&self, pid: u32, file: (u64, u64)) -> bool {
-        let Ok(maps) = std::fs::read_to_string(self.root.join(format!("{pid}/maps"))) else {
-            return false;
-        };
-        maps.lines().any(|line| mapped_file(line) == Some(file))
+    /// `(device, inode)` of every file the process maps.
+    fn mapped_files(&self, pid: u32) -> HashSet<(u64, u64)> {
+        std::fs::read_to_string(self.root.join(format!("{pid}/maps")))
+            .map(|maps| maps.lines().filter_map(mapped_file).collect())
+            .unwrap_or_default()
     }
 }
 
@@ -142,10 +141,11 @@ pub fn census(gpus: &[GpuSample], containers: &[Container], proc: &HostProc) -> 
                 continue;
             }
             // Which region does it map? Only a shim process maps one.
+            let files = proc.mapped_files(process.pid);
             let mapped = containers
                 .iter()
                 .enumerate()
-                .find(|(_, container)| proc.maps(process.pid, container.file));
+                .find(|(_, container)| files.contains(&container.file));
             if let Some((c, _)) = mapped {
                 let inner = proc.nspid(process.pid).and_then(|l| l.last().copied());
                 let slot = slots
