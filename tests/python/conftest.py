@@ -65,7 +65,7 @@ class Sandbox:
         if shim:
             env["LD_PRELOAD"] = self.shim
         result = subprocess.run(
-            [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120, **kwargs
+            [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120, check=False, **kwargs
         )
         assert result.returncode == 0, f"exit {result.returncode}\nstdout:\n{result.stdout}\nstderr:\n{result.stderr}"
         return json.loads(result.stdout.strip().splitlines()[-1])

@@ -1,7 +1,6 @@
 """nvidia-ml-py (pynvml), the NVML client most monitoring tools use, sees
 the cap as the device's memory and the container's use as used."""
 
-import json
 
 MIB = 1 << 20
 
