@@ -1,0 +1,294 @@
+#!/usr/bin/env python3
+"""A local Kubernetes control plane of real components, for tests and by hand.
+
+Starts etcd, kube-apiserver (RBAC, admission webhooks, service-account
+tokens), kube-controller-manager and kube-scheduler from the binaries
+`tests/cluster/build` makes, all on loopback ports, waits until each is
+healthy, and writes an admin kubeconfig. Stopping it stops exactly the
+processes it started (by pid) and nothing else.
+
+    python3 tests/cluster/controlplane.py up [--dir DIR]
+        runs until Ctrl-C (or SIGTERM); prints the kubeconfig's path.
+
+From Python (the tests):
+
+    with ControlPlane(workdir) as cluster:
+        cluster.kubectl("get", "namespaces")
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import socket
+import ssl
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent.parent
+SERVICE_RANGE = "10.96.0.0/16"
+SERVICE_IP = "10.96.0.1"  # the `kubernetes` Service's address in that range
+
+
+class ControlPlaneError(Exception):
+    """A component could not be started or never became healthy."""
+
+
+def binaries() -> Path:
+    """Where `tests/cluster/build` put the binaries (it prints the folder)."""
+    done = subprocess.run([str(HERE / "build"), "--print-dir"], capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        raise ControlPlaneError(f"tests/cluster/build failed: {done.stderr.strip()[-2000:]}")
+    folder = Path(done.stdout.strip().splitlines()[-1])
+    for name in ("etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler", "kubectl", "helm"):
+        if not (folder / name).is_file():
+            raise ControlPlaneError(f"{folder / name} is missing: run tests/cluster/build")
+    return folder
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def openssl(*args: str, cwd: Path) -> None:
+    done = subprocess.run(["openssl", *args], cwd=cwd, capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        raise ControlPlaneError(f"openssl {' '.join(args)}: {done.stderr.strip()}")
+
+
+def make_certificates(pki: Path) -> None:
+    """A CA, the API server's serving certificate, an admin client
+    certificate (group system:masters) and the service-account key pair."""
+    pki.mkdir(parents=True, exist_ok=True)
+    openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", "ca.key", "-out", "ca.crt",
+            "-days", "2", "-subj", "/CN=vgpu-test-ca", cwd=pki)
+    (pki / "server.ext").write_text(
+        "subjectAltName=IP:127.0.0.1,IP:" + SERVICE_IP + ",DNS:localhost,DNS:kubernetes,"
+        "DNS:kubernetes.default,DNS:kubernetes.default.svc,DNS:kubernetes.default.svc.cluster.local\n"
+        "extendedKeyUsage=serverAuth\n"
+    )
+    (pki / "client.ext").write_text("extendedKeyUsage=clientAuth\n")
+    for name, subject, ext in (("server", "/CN=kube-apiserver", "server.ext"),
+                               ("admin", "/O=system:masters/CN=admin", "client.ext")):
+        openssl("req", "-newkey", "rsa:2048", "-nodes", "-keyout", f"{name}.key", "-out", f"{name}.csr",
+                "-subj", subject, cwd=pki)
+        openssl("x509", "-req", "-in", f"{name}.csr", "-CA", "ca.crt", "-CAkey", "ca.key", "-CAcreateserial",
+                "-out", f"{name}.crt", "-days", "2", "-extfile", ext, cwd=pki)
+    openssl("genrsa", "-out", "sa.key", "2048", cwd=pki)
+    openssl("rsa", "-in", "sa.key", "-pubout", "-out", "sa.pub", cwd=pki)
+
+
+def kubeconfig(server: str, pki: Path, user: dict) -> str:
+    return json.dumps({
+        "apiVersion": "v1",
+        "kind": "Config",
+        "clusters": [{"name": "test", "cluster": {"server": server, "certificate-authority": str(pki / "ca.crt")}}],
+        "users": [{"name": "user", "user": user}],
+        "contexts": [{"name": "test", "context": {"cluster": "test", "user": "user"}}],
+        "current-context": "test",
+    }, indent=2)
+
+
+class ControlPlane:
+    """etcd, kube-apiserver, kube-controller-manager and kube-scheduler as
+    child processes of this one."""
+
+    def __init__(self, workdir: Path | None = None):
+        self.workdir = Path(workdir or tempfile.mkdtemp(prefix="vgpu-controlplane-")).resolve()
+        self.bin = binaries()
+        self.pki = self.workdir / "pki"
+        self.processes: dict[str, subprocess.Popen] = {}
+        self.api_port = free_port()
+        self.server = f"https://127.0.0.1:{self.api_port}"
+        self.admin_kubeconfig = self.workdir / "admin.kubeconfig"
+
+    # Life cycle ----------------------------------------------------------
+
+    def __enter__(self) -> ControlPlane:
+        try:
+            self.start()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def start(self) -> None:
+        make_certificates(self.pki)
+        self.admin_kubeconfig.write_text(kubeconfig(self.server, self.pki, {
+            "client-certificate": str(self.pki / "admin.crt"),
+            "client-key": str(self.pki / "admin.key"),
+        }))
+        etcd_client, etcd_peer = free_port(), free_port()
+        self._spawn("etcd", [
+            "--data-dir", str(self.workdir / "etcd"),
+            "--listen-client-urls", f"http://127.0.0.1:{etcd_client}",
+            "--advertise-client-urls", f"http://127.0.0.1:{etcd_client}",
+            "--listen-peer-urls", f"http://127.0.0.1:{etcd_peer}",
+            "--initial-advertise-peer-urls", f"http://127.0.0.1:{etcd_peer}",
+            "--initial-cluster", f"default=http://127.0.0.1:{etcd_peer}",
+            "--listen-metrics-urls", f"http://127.0.0.1:{free_port()}",
+        ])
+        self._wait("etcd", lambda: self._http_ok(f"http://127.0.0.1:{etcd_client}/health"))
+        pki = self.pki
+        self._spawn("kube-apiserver", [
+            f"--etcd-servers=http://127.0.0.1:{etcd_client}",
+            "--bind-address=127.0.0.1",
+            f"--secure-port={self.api_port}",
+            "--advertise-address=127.0.0.1",
+            # Loopback may not be a Service endpoint: the `kubernetes`
+            # Service gets none (nothing in the tests uses it).
+            "--endpoint-reconciler-type=none",
+            f"--service-cluster-ip-range={SERVICE_RANGE}",
+            "--authorization-mode=RBAC",
+            f"--client-ca-file={pki / 'ca.crt'}",
+            f"--tls-cert-file={pki / 'server.crt'}",
+            f"--tls-private-key-file={pki / 'server.key'}",
+            "--service-account-issuer=https://kubernetes.default.svc",
+            f"--service-account-key-file={pki / 'sa.pub'}",
+            f"--service-account-signing-key-file={pki / 'sa.key'}",
+            # Webhook Services are reached through their endpoints (there is
+            # no kube-proxy).
+            "--enable-aggregator-routing=true",
+            "--allow-privileged=true",
+        ])
+        self._wait("kube-apiserver", lambda: self._api_ok("/readyz"))
+        for name, extra in (
+            ("kube-controller-manager", [
+                f"--service-account-private-key-file={pki / 'sa.key'}",
+                f"--root-ca-file={pki / 'ca.crt'}",
+                "--use-service-account-credentials=true",
+                f"--service-cluster-ip-range={SERVICE_RANGE}",
+            ]),
+            ("kube-scheduler", []),
+        ):
+            port = free_port()
+            self._spawn(name, [
+                f"--kubeconfig={self.admin_kubeconfig}",
+                "--leader-elect=false",
+                "--bind-address=127.0.0.1",
+                f"--secure-port={port}",
+                *extra,
+            ])
+            self._wait(name, lambda port=port: self._http_ok(f"https://127.0.0.1:{port}/healthz", insecure=True))
+        # The controller manager gives every namespace its `default`
+        # ServiceAccount: ready once the default namespace has one.
+        self._wait("kube-controller-manager", lambda: self._api_ok(
+            "/api/v1/namespaces/default/serviceaccounts/default"))
+
+    def stop(self) -> None:
+        """Stops, newest first, exactly the processes this object started."""
+        for process in reversed(list(self.processes.values())):
+            if process.poll() is None:
+                process.terminate()
+                try:
+                    process.wait(timeout=20)
+                except subprocess.TimeoutExpired:
+                    process.kill()
+                    process.wait()
+        self.processes.clear()
+
+    # Use -----------------------------------------------------------------
+
+    def kubectl(self, *args: str, kubeconfig: Path | None = None, input: str | None = None,
+                check: bool = True) -> subprocess.CompletedProcess:
+        done = subprocess.run([str(self.bin / "kubectl"), f"--kubeconfig={kubeconfig or self.admin_kubeconfig}",
+                               *args], capture_output=True, text=True, input=input, check=False)
+        if check and done.returncode != 0:
+            raise ControlPlaneError(f"kubectl {' '.join(args)}: {done.stderr.strip()}")
+        return done
+
+    def helm(self, *args: str, check: bool = True) -> subprocess.CompletedProcess:
+        env = dict(os.environ, HELM_CACHE_HOME=str(self.workdir / "helm-cache"),
+                   HELM_CONFIG_HOME=str(self.workdir / "helm-config"), HELM_DATA_HOME=str(self.workdir / "helm-data"))
+        done = subprocess.run([str(self.bin / "helm"), f"--kubeconfig={self.admin_kubeconfig}", *args],
+                              capture_output=True, text=True, env=env, check=False)
+        if check and done.returncode != 0:
+            raise ControlPlaneError(f"helm {' '.join(args)}: {done.stderr.strip()}")
+        return done
+
+    def token_kubeconfig(self, namespace: str, service_account: str, path: Path) -> Path:
+        """A kubeconfig that acts as `service_account`, with a token the API
+        server issues for it (as a pod of that account would have)."""
+        token = self.kubectl("create", "token", service_account, "-n", namespace, "--duration=1h").stdout.strip()
+        path.write_text(kubeconfig(self.server, self.pki, {"token": token}))
+        return path
+
+    def log(self, name: str) -> str:
+        return (self.workdir / f"{name}.log").read_text(errors="replace")
+
+    # Internals -----------------------------------------------------------
+
+    def _spawn(self, name: str, args: list[str]) -> None:
+        log = open(self.workdir / f"{name}.log", "w")  # noqa: SIM115 -- open while the process runs
+        self.processes[name] = subprocess.Popen([str(self.bin / name), *args], stdout=log, stderr=subprocess.STDOUT,
+                                                stdin=subprocess.DEVNULL)
+        log.close()
+
+    def _wait(self, name: str, healthy, timeout: float = 120) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            process = self.processes.get(name)
+            if process is not None and process.poll() is not None:
+                raise ControlPlaneError(f"{name} exited with {process.returncode}:\n{self.log(name)[-3000:]}")
+            if healthy():
+                return
+            time.sleep(0.2)
+        raise ControlPlaneError(f"{name} not healthy after {timeout:.0f} s:\n{self.log(name)[-3000:]}")
+
+    def _api_ok(self, path: str) -> bool:
+        context = ssl.create_default_context(cafile=str(self.pki / "ca.crt"))
+        context.load_cert_chain(str(self.pki / "admin.crt"), str(self.pki / "admin.key"))
+        return self._http_ok(self.server + path, context=context)
+
+    @staticmethod
+    def _http_ok(url: str, insecure: bool = False, context: ssl.SSLContext | None = None) -> bool:
+        if insecure:
+            context = ssl._create_unverified_context()  # the components' own self-signed serving certificates
+        try:
+            with urllib.request.urlopen(url, timeout=2, context=context) as response:
+                return response.status == 200
+        except OSError:
+            return False
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    commands = parser.add_subparsers(dest="command", required=True)
+    up = commands.add_parser("up", help="start the control plane and keep it running until Ctrl-C")
+    up.add_argument("--dir", help="where its data, certificates, logs and kubeconfig go "
+                    "(default: a new temporary folder)")
+    args = parser.parse_args(argv)
+    stopping = []
+    signal.signal(signal.SIGTERM, lambda *_: stopping.append(True))
+    try:
+        with ControlPlane(Path(args.dir) if args.dir else None) as cluster:
+            print(f"control plane up: export KUBECONFIG={cluster.admin_kubeconfig}", flush=True)
+            print(f"logs in {cluster.workdir}; Ctrl-C stops it", flush=True)
+            while not stopping:
+                for name, process in cluster.processes.items():
+                    if process.poll() is not None:
+                        print(f"{name} exited with {process.returncode}; stopping", file=sys.stderr)
+                        return 1
+                time.sleep(0.5)
+    except ControlPlaneError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        pass
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

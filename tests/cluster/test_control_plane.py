@@ -1,0 +1,168 @@
+"""Against a real control plane (etcd, kube-apiserver, kube-controller-manager,
+kube-scheduler built from Kubernetes' own modules): the chart installs,
+upgrades and uninstalls with the real helm and passes the server's own
+validation, and our monitor, running with a token the API server issued to
+the chart's node ServiceAccount, names pods and records Events on them, so a
+missing RBAC rule in the chart fails here."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import re
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent.parent
+CHART = REPO / "deploy/helm/vgpu"
+TARGET = Path(os.environ.get("VGPU_TARGET_DIR", REPO / "target/release")).resolve()
+sys.path.insert(0, str(HERE))
+from controlplane import ControlPlane  # noqa: E402
+
+# The simulated-GPU sandbox the Python client tests use.
+_spec = importlib.util.spec_from_file_location("python_clients", REPO / "tests/python/conftest.py")
+python_clients = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(python_clients)
+
+GIB = 1 << 30
+HOLD = r"""
+import sys
+from cuda.bindings import driver as cu
+assert cu.cuInit(0)[0] == cu.CUresult.CUDA_SUCCESS
+err, device = cu.cuDeviceGet(0)
+err, context = cu.cuCtxCreate(0, device)
+err, buffer = cu.cuMemAlloc(256 << 20)
+assert err == cu.CUresult.CUDA_SUCCESS, err
+print("ready", flush=True)
+sys.stdin.read()
+"""
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    with ControlPlane(tmp_path_factory.mktemp("control-plane")) as control_plane:
+        yield control_plane
+
+
+def objects(cluster, release: str) -> list[dict]:
+    kinds = "daemonsets,deployments,services,serviceaccounts,configmaps,secrets,clusterroles,clusterrolebindings," \
+            "mutatingwebhookconfigurations"
+    listed = cluster.kubectl("get", kinds, "-A", "-l", f"app.kubernetes.io/instance={release}", "-o", "json")
+    return json.loads(listed.stdout)["items"]
+
+
+def test_the_chart_installs_upgrades_and_uninstalls_with_the_real_helm(cluster):
+    cluster.helm("install", "vgpu", str(CHART), "-n", "vgpu-system", "--create-namespace")
+    installed = objects(cluster, "vgpu")
+    kinds = {item["kind"] for item in installed}
+    assert {"DaemonSet", "Deployment", "ServiceAccount", "ClusterRole", "ClusterRoleBinding",
+            "MutatingWebhookConfiguration", "ConfigMap", "Service"} <= kinds, kinds
+    webhook = next(item for item in installed if item["kind"] == "MutatingWebhookConfiguration")
+    assert webhook["webhooks"][0]["clientConfig"]["caBundle"], "the chart's CA reached the server"
+
+    cluster.helm("upgrade", "vgpu", str(CHART), "-n", "vgpu-system", "--set", "scheduler.webhook.allowPrivileged=true")
+    deployment = next(item for item in objects(cluster, "vgpu") if item["kind"] == "Deployment")
+    extender = next(c for c in deployment["spec"]["template"]["spec"]["containers"] if "--scheduler-name" in
+                    " ".join(c.get("args", [])))
+    assert "--allow-privileged-vgpu" in extender["args"]
+
+    cluster.helm("uninstall", "vgpu", "-n", "vgpu-system")
+    assert objects(cluster, "vgpu") == []
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def metrics(port: int) -> str:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2) as response:
+            return response.read().decode()
+    except OSError:
+        return ""
+
+
+def wait_for(what: str, check, timeout: float = 30, log=lambda: ""):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = check()
+        if value:
+            return value
+        time.sleep(0.2)
+    pytest.fail(f"{what} within {timeout:.0f} s\n{log()}")
+
+
+def test_the_monitor_names_pods_and_records_events_as_the_charts_node_account(cluster, tmp_path):
+    namespace = "vgpu-rbac"
+    cluster.helm("install", "rbac", str(CHART), "-n", namespace, "--create-namespace")
+    account = next(item["metadata"]["name"] for item in objects(cluster, "rbac")
+                   if item["kind"] == "ServiceAccount" and item["metadata"]["name"].endswith("-node"))
+    as_node_agent = cluster.token_kubeconfig(namespace, account, tmp_path / "node-agent.kubeconfig")
+
+    # A pod on node gpu-node-1 whose decision grants 2 GiB and 30 %.
+    decision = {"version": 1, "node": "gpu-node-1", "decidedUnixMs": 1, "containers": [
+        {"name": "main", "init": False, "priority": 1,
+         "devices": [{"uuid": "GPU-simulated", "memoryBytes": 2 * GIB, "coresPercent": 30}]}]}
+    cluster.kubectl("create", "namespace", "team-d")
+    pod = {"apiVersion": "v1", "kind": "Pod",
+           "metadata": {"name": "trainer", "namespace": "team-d",
+                        "annotations": {"vgpu.io/decision": json.dumps(decision)}},
+           "spec": {"nodeName": "gpu-node-1", "containers": [{"name": "main", "image": "cuda"}]}}
+    cluster.kubectl("create", "-f", "-", input=json.dumps(pod))
+    uid = cluster.kubectl("get", "pod", "trainer", "-n", "team-d", "-o", "jsonpath={.metadata.uid}").stdout
+
+    # Its container's process under the shim, created with a 4 GiB cap: the
+    # region says more than the decision granted.
+    containers = tmp_path / "containers"
+    (containers / f"{uid}_main").mkdir(parents=True)
+    (tmp_path / "gpu").mkdir()
+    sandbox = python_clients.Sandbox(tmp_path / "gpu")
+    sandbox.env["CUDA_DEVICE_MEMORY_SHARED_CACHE"] = str(containers / f"{uid}_main" / "region.cache")
+    sandbox.env["CUDA_DEVICE_MEMORY_LIMIT"] = "4Gi"
+    holder = sandbox.spawn(HOLD)
+    port = free_port()
+    monitor_log = tmp_path / "monitor.log"
+    monitor = None
+    try:
+        assert holder.stdout.readline().strip() == "ready"
+        with open(monitor_log, "w") as log:
+            monitor = subprocess.Popen(
+                [str(TARGET / "vgpu-monitor"), f"--listen=127.0.0.1:{port}", f"--containers-dir={containers}",
+                 "--no-nvml", f"--kubeconfig={as_node_agent}", "--node-name=gpu-node-1"],
+                stdout=subprocess.DEVNULL, stderr=log)
+
+        def read_log():
+            return monitor_log.read_text(errors="replace")
+
+        labels = 'namespace="team-d",pod="trainer",container="main"'
+        restored = re.compile(r"^vgpu_container_limits_restored_total\{" + re.escape(labels) + r"\} ([0-9.]+)$", re.M)
+        # Named through the API (list/watch pods as the node agent).
+        wait_for("the monitor named the pod and restored its limits",
+                 lambda: restored.search(metrics(port)), log=read_log)
+        assert "vgpu_monitor_kubernetes_api_up 1" in metrics(port)
+
+        def event():
+            listed = cluster.kubectl("get", "events", "-n", "team-d", "-o", "json").stdout
+            return [e for e in json.loads(listed)["items"] if e.get("reason") == "RegionLimitsChanged"]
+
+        # Recorded as the node agent: events/create in the chart's RBAC.
+        events = wait_for("the RegionLimitsChanged Event", event, log=read_log)
+        assert events[0]["involvedObject"]["uid"] == uid
+        assert events[0]["source"]["component"] == "vgpu-monitor"
+    finally:
+        if monitor is not None:
+            monitor.terminate()
+            monitor.wait(timeout=30)
+        holder.stdin.close()
+        holder.wait(timeout=60)
+    cluster.helm("uninstall", "rbac", "-n", namespace)
