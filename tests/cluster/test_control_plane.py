@@ -2,16 +2,19 @@
 kube-scheduler built from Kubernetes' own modules): the chart installs,
 upgrades and uninstalls with the real helm and passes the server's own
 validation, and our monitor, running with a token the API server issued to
-the chart's node ServiceAccount, names pods and records Events on them, so a
+the chart's node ServiceAccount, names pods and records Events on them, and the extender, running with the
+chart's arguments, certificate and ServiceAccount, syncs and serves, so a
 missing RBAC rule in the chart fails here."""
 
 from __future__ import annotations
 
+import base64
 import importlib.util
 import json
 import os
 import re
 import socket
+import ssl
 import subprocess
 import sys
 import time
@@ -166,3 +169,59 @@ def test_the_monitor_names_pods_and_records_events_as_the_charts_node_account(cl
         holder.stdin.close()
         holder.wait(timeout=60)
     cluster.helm("uninstall", "rbac", "-n", namespace)
+
+
+def test_the_extender_runs_as_the_chart_runs_it(cluster, tmp_path):
+    """The extender with the arguments, serving certificate and
+    ServiceAccount the installed chart gives it, against the real API: it
+    lists and watches pods and nodes (its RBAC), serves HTTPS with the
+    chart's certificate, and answers the admission webhook."""
+    namespace = "vgpu-extender"
+    cluster.helm("install", "ext", str(CHART), "-n", namespace, "--create-namespace")
+    installed = objects(cluster, "ext")
+    deployment = next(item for item in installed if item["kind"] == "Deployment")
+    pod_spec = deployment["spec"]["template"]["spec"]
+    extender = next(c for c in pod_spec["containers"] if c["command"] == ["/usr/local/bin/vgpu-scheduler"])
+    # Its mounted certificate, from the Secret the chart made.
+    secret_name = next(v["secret"]["secretName"] for v in pod_spec["volumes"] if "secret" in v)
+    secret = json.loads(cluster.kubectl("get", "secret", secret_name, "-n", namespace, "-o", "json").stdout)
+    for key in ("tls.crt", "tls.key"):
+        (tmp_path / key).write_bytes(base64.b64decode(secret["data"][key]))
+    mount = next(m["mountPath"] for m in extender["volumeMounts"] if m["name"] == "tls")
+    port = free_port()
+    args = [a.replace(mount, str(tmp_path)) for a in extender["args"] if not a.startswith("--port=")]
+    as_extender = cluster.token_kubeconfig(namespace, pod_spec["serviceAccountName"], tmp_path / "ext.kubeconfig")
+    log_path = tmp_path / "extender.log"
+    with open(log_path, "w") as log:
+        process = subprocess.Popen([str(TARGET / "vgpu-scheduler"), *args, f"--port={port}", "--address=127.0.0.1",
+                                    f"--kubeconfig={as_extender}"], stdout=subprocess.DEVNULL, stderr=log)
+    # The chart's CA (the webhook's caBundle) verifies the serving certificate.
+    webhook = next(item for item in installed if item["kind"] == "MutatingWebhookConfiguration")
+    ca = base64.b64decode(webhook["webhooks"][0]["clientConfig"]["caBundle"]).decode()
+    context = ssl.create_default_context(cadata=ca)
+    context.check_hostname = False  # issued for the Service's DNS name, reached here by address
+
+    def get(path):
+        try:
+            with urllib.request.urlopen(f"https://127.0.0.1:{port}{path}", timeout=2, context=context) as response:
+                return response.status
+        except OSError:
+            return None
+
+    try:
+        wait_for("the extender synced pods and nodes as its ServiceAccount", lambda: get("/readyz") == 200,
+                 log=lambda: log_path.read_text(errors="replace"))
+        review = {"apiVersion": "admission.k8s.io/v1", "kind": "AdmissionReview", "request": {
+            "uid": "1", "operation": "CREATE", "object": {
+                "apiVersion": "v1", "kind": "Pod", "metadata": {"name": "hami-style"},
+                "spec": {"containers": [{"name": "main", "image": "cuda",
+                                         "resources": {"limits": {"nvidia.com/gpu": "1"}}}]}}}}
+        request = urllib.request.Request(f"https://127.0.0.1:{port}/webhook/mutate", data=json.dumps(review).encode(),
+                                         headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=5, context=context) as response:
+            answer = json.loads(response.read())
+        assert answer["response"]["allowed"] is True and answer["response"]["patchType"] == "JSONPatch"
+    finally:
+        process.terminate()
+        process.wait(timeout=30)
+    cluster.helm("uninstall", "ext", "-n", namespace)
