@@ -65,14 +65,15 @@ def openssl(*args: str, cwd: Path) -> None:
         raise ControlPlaneError(f"openssl {' '.join(args)}: {done.stderr.strip()}")
 
 
-def make_certificates(pki: Path) -> None:
-    """A CA, the API server's serving certificate, an admin client
-    certificate (group system:masters) and the service-account key pair."""
+def make_certificates(pki: Path, address: str) -> None:
+    """A CA, the API server's serving certificate (for `address` too), an
+    admin client certificate (group system:masters) and the service-account
+    key pair."""
     pki.mkdir(parents=True, exist_ok=True)
     openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", "ca.key", "-out", "ca.crt",
             "-days", "2", "-subj", "/CN=vgpu-test-ca", cwd=pki)
     (pki / "server.ext").write_text(
-        "subjectAltName=IP:127.0.0.1,IP:" + SERVICE_IP + ",DNS:localhost,DNS:kubernetes,"
+        f"subjectAltName=IP:127.0.0.1,IP:{address},IP:{SERVICE_IP},DNS:localhost,DNS:kubernetes,"
         "DNS:kubernetes.default,DNS:kubernetes.default.svc,DNS:kubernetes.default.svc.cluster.local\n"
         "extendedKeyUsage=serverAuth\n"
     )
@@ -102,13 +103,20 @@ class ControlPlane:
     """etcd, kube-apiserver, kube-controller-manager and kube-scheduler as
     child processes of this one."""
 
-    def __init__(self, workdir: Path | None = None):
+    def __init__(self, workdir: Path | None = None, network=None, controllers: str | None = None):
+        """`network`: a nodenet.TestNetwork to run everything in (the API
+        server then listens on its address, which can also be a Service
+        endpoint); default: loopback of this namespace. `controllers`:
+        kube-controller-manager's `--controllers` (default: all)."""
         self.workdir = Path(workdir or tempfile.mkdtemp(prefix="vgpu-controlplane-")).resolve()
         self.bin = binaries()
         self.pki = self.workdir / "pki"
         self.processes: dict[str, subprocess.Popen] = {}
+        self.network = network
+        self.address = network.address if network else "127.0.0.1"
+        self.controllers = controllers
         self.api_port = free_port()
-        self.server = f"https://127.0.0.1:{self.api_port}"
+        self.server = f"https://{self.address}:{self.api_port}"
         self.admin_kubeconfig = self.workdir / "admin.kubeconfig"
 
     # Life cycle ----------------------------------------------------------
@@ -125,7 +133,7 @@ class ControlPlane:
         self.stop()
 
     def start(self) -> None:
-        make_certificates(self.pki)
+        make_certificates(self.pki, self.address)
         self.admin_kubeconfig.write_text(kubeconfig(self.server, self.pki, {
             "client-certificate": str(self.pki / "admin.crt"),
             "client-key": str(self.pki / "admin.key"),
@@ -140,15 +148,15 @@ class ControlPlane:
             "--initial-cluster", f"default=http://127.0.0.1:{etcd_peer}",
             "--listen-metrics-urls", f"http://127.0.0.1:{free_port()}",
         ])
-        self._wait("etcd", lambda: self._http_ok(f"http://127.0.0.1:{etcd_client}/health"))
+        self._wait("etcd", lambda: self._probe(f"http://127.0.0.1:{etcd_client}/health"))
         pki = self.pki
         self._spawn("kube-apiserver", [
             f"--etcd-servers=http://127.0.0.1:{etcd_client}",
-            "--bind-address=127.0.0.1",
+            f"--bind-address={self.address}",
             f"--secure-port={self.api_port}",
-            "--advertise-address=127.0.0.1",
-            # Loopback may not be a Service endpoint: the `kubernetes`
-            # Service gets none (nothing in the tests uses it).
+            f"--advertise-address={self.address}",
+            # The `kubernetes` Service gets no endpoints (loopback may not
+            # be one; nothing in the tests uses it).
             "--endpoint-reconciler-type=none",
             f"--service-cluster-ip-range={SERVICE_RANGE}",
             "--authorization-mode=RBAC",
@@ -170,6 +178,7 @@ class ControlPlane:
                 f"--root-ca-file={pki / 'ca.crt'}",
                 "--use-service-account-credentials=true",
                 f"--service-cluster-ip-range={SERVICE_RANGE}",
+                *([f"--controllers={self.controllers}"] if self.controllers else []),
             ]),
             ("kube-scheduler", []),
         ):
@@ -181,7 +190,7 @@ class ControlPlane:
                 f"--secure-port={port}",
                 *extra,
             ])
-            self._wait(name, lambda port=port: self._http_ok(f"https://127.0.0.1:{port}/healthz", insecure=True))
+            self._wait(name, lambda port=port: self._probe(f"https://127.0.0.1:{port}/healthz", insecure=True))
         # The controller manager gives every namespace its `default`
         # ServiceAccount: ready once the default namespace has one.
         self._wait("kube-controller-manager", lambda: self._api_ok(
@@ -203,8 +212,9 @@ class ControlPlane:
 
     def kubectl(self, *args: str, kubeconfig: Path | None = None, input: str | None = None,
                 check: bool = True) -> subprocess.CompletedProcess:
-        done = subprocess.run([str(self.bin / "kubectl"), f"--kubeconfig={kubeconfig or self.admin_kubeconfig}",
-                               *args], capture_output=True, text=True, input=input, check=False)
+        done = subprocess.run(self.command([str(self.bin / "kubectl"),
+                                            f"--kubeconfig={kubeconfig or self.admin_kubeconfig}", *args]),
+                              capture_output=True, text=True, input=input, check=False)
         if check and done.returncode != 0:
             raise ControlPlaneError(f"kubectl {' '.join(args)}: {done.stderr.strip()}")
         return done
@@ -212,7 +222,7 @@ class ControlPlane:
     def helm(self, *args: str, check: bool = True) -> subprocess.CompletedProcess:
         env = dict(os.environ, HELM_CACHE_HOME=str(self.workdir / "helm-cache"),
                    HELM_CONFIG_HOME=str(self.workdir / "helm-config"), HELM_DATA_HOME=str(self.workdir / "helm-data"))
-        done = subprocess.run([str(self.bin / "helm"), f"--kubeconfig={self.admin_kubeconfig}", *args],
+        done = subprocess.run(self.command([str(self.bin / "helm"), f"--kubeconfig={self.admin_kubeconfig}", *args]),
                               capture_output=True, text=True, env=env, check=False)
         if check and done.returncode != 0:
             raise ControlPlaneError(f"helm {' '.join(args)}: {done.stderr.strip()}")
@@ -225,6 +235,10 @@ class ControlPlane:
         path.write_text(kubeconfig(self.server, self.pki, {"token": token}))
         return path
 
+    def command(self, argv: list[str]) -> list[str]:
+        """`argv` run where the control plane runs (its test network, if any)."""
+        return self.network.command(argv) if self.network else argv
+
     def log(self, name: str) -> str:
         return (self.workdir / f"{name}.log").read_text(errors="replace")
 
@@ -232,8 +246,8 @@ class ControlPlane:
 
     def _spawn(self, name: str, args: list[str]) -> None:
         log = open(self.workdir / f"{name}.log", "w")  # noqa: SIM115 -- open while the process runs
-        self.processes[name] = subprocess.Popen([str(self.bin / name), *args], stdout=log, stderr=subprocess.STDOUT,
-                                                stdin=subprocess.DEVNULL)
+        self.processes[name] = subprocess.Popen(self.command([str(self.bin / name), *args]), stdout=log,
+                                                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
         log.close()
 
     def _wait(self, name: str, healthy, timeout: float = 120) -> None:
@@ -248,19 +262,34 @@ class ControlPlane:
         raise ControlPlaneError(f"{name} not healthy after {timeout:.0f} s:\n{self.log(name)[-3000:]}")
 
     def _api_ok(self, path: str) -> bool:
-        context = ssl.create_default_context(cafile=str(self.pki / "ca.crt"))
-        context.load_cert_chain(str(self.pki / "admin.crt"), str(self.pki / "admin.key"))
-        return self._http_ok(self.server + path, context=context)
+        return self._probe(self.server + path, client=True)
 
-    @staticmethod
-    def _http_ok(url: str, insecure: bool = False, context: ssl.SSLContext | None = None) -> bool:
-        if insecure:
-            context = ssl._create_unverified_context()  # the components' own self-signed serving certificates
-        try:
-            with urllib.request.urlopen(url, timeout=2, context=context) as response:
-                return response.status == 200
-        except OSError:
-            return False
+    def _probe(self, url: str, insecure: bool = False, client: bool = False) -> bool:
+        """Whether `url` answers 200, asked from where the control plane runs."""
+        if self.network is None:
+            return http_ok(url, insecure, self.pki if client else None)
+        code = f"import sys; sys.path.insert(0, {str(HERE)!r}); from controlplane import http_ok; " \
+               f"from pathlib import Path; sys.exit(0 if http_ok({url!r}, {insecure!r}, " \
+               f"{str(self.pki)!r} and Path({str(self.pki)!r}) if {client!r} else None) else 1)"
+        return subprocess.run(self.network.command([sys.executable, "-c", code]), capture_output=True,
+                              check=False).returncode == 0
+
+
+def http_ok(url: str, insecure: bool = False, client_pki: Path | None = None) -> bool:
+    """Whether `url` answers 200: verified against the test CA (with the
+    admin client certificate) when `client_pki` is given, unverified when
+    `insecure` (the components' own self-signed serving certificates)."""
+    context = None
+    if client_pki is not None:
+        context = ssl.create_default_context(cafile=str(client_pki / "ca.crt"))
+        context.load_cert_chain(str(client_pki / "admin.crt"), str(client_pki / "admin.key"))
+    elif insecure:
+        context = ssl._create_unverified_context()
+    try:
+        with urllib.request.urlopen(url, timeout=2, context=context) as response:
+            return response.status == 200
+    except OSError:
+        return False
 
 
 def main(argv: list[str]) -> int:

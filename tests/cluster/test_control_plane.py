@@ -29,6 +29,7 @@ CHART = REPO / "deploy/helm/vgpu"
 TARGET = Path(os.environ.get("VGPU_TARGET_DIR", REPO / "target/release")).resolve()
 sys.path.insert(0, str(HERE))
 from controlplane import ControlPlane  # noqa: E402
+from nodenet import TestNetwork  # noqa: E402
 
 # The simulated-GPU sandbox the Python client tests use.
 _spec = importlib.util.spec_from_file_location("python_clients", REPO / "tests/python/conftest.py")
@@ -225,3 +226,73 @@ def test_the_extender_runs_as_the_chart_runs_it(cluster, tmp_path):
         process.terminate()
         process.wait(timeout=30)
     cluster.helm("uninstall", "ext", "-n", namespace)
+
+
+def test_the_api_server_calls_the_charts_webhook_over_tls(tmp_path):
+    """Pods are created through the real API server, which calls our webhook
+    at the chart's Service with the chart's caBundle: a pod written for HAMi
+    gets the vgpu scheduler, a privileged vGPU pod is refused with our words.
+    Everything runs in a network namespace whose address can be a Service
+    endpoint (loopback cannot); the extender runs as the chart runs it, and
+    its Service's endpoints are written here, standing in for the endpoint
+    controllers (no kubelet runs the extender's pod)."""
+    with TestNetwork() as network, ControlPlane(
+        tmp_path / "control-plane", network=network,
+        controllers="*,-endpoints-controller,-endpointslice-controller,-endpointslice-mirroring-controller",
+    ) as cluster:
+        namespace = "vgpu-hook"
+        cluster.helm("install", "hook", str(CHART), "-n", namespace, "--create-namespace",
+                     "--set", "scheduler.webhook.failurePolicy=Fail")
+        installed = objects(cluster, "hook")
+        deployment = next(item for item in installed if item["kind"] == "Deployment")
+        pod_spec = deployment["spec"]["template"]["spec"]
+        extender = next(c for c in pod_spec["containers"] if c["command"] == ["/usr/local/bin/vgpu-scheduler"])
+        secret_name = next(v["secret"]["secretName"] for v in pod_spec["volumes"] if "secret" in v)
+        secret = json.loads(cluster.kubectl("get", "secret", secret_name, "-n", namespace, "-o", "json").stdout)
+        for key in ("tls.crt", "tls.key"):
+            (tmp_path / key).write_bytes(base64.b64decode(secret["data"][key]))
+        mount = next(m["mountPath"] for m in extender["volumeMounts"] if m["name"] == "tls")
+        port = next(p["containerPort"] for p in extender["ports"] if p["name"] == "extender")
+        as_extender = cluster.token_kubeconfig(namespace, pod_spec["serviceAccountName"], tmp_path / "ext.kubeconfig")
+        log_path = tmp_path / "extender.log"
+        with open(log_path, "w") as log:
+            process = subprocess.Popen(network.command([
+                str(TARGET / "vgpu-scheduler"), *[a.replace(mount, str(tmp_path)) for a in extender["args"]],
+                f"--address={network.address}", f"--kubeconfig={as_extender}"]),
+                stdout=subprocess.DEVNULL, stderr=log)
+        service = next(item for item in installed if item["kind"] == "Service"
+                       and item["metadata"]["name"].endswith("-scheduler"))["metadata"]["name"]
+        address = {"ip": network.address}
+        ports = [{"name": "extender", "port": port, "protocol": "TCP"}]
+        cluster.kubectl("apply", "-f", "-", input=json.dumps({"apiVersion": "v1", "kind": "List", "items": [
+            {"apiVersion": "v1", "kind": "Endpoints", "metadata": {"name": service, "namespace": namespace},
+             "subsets": [{"addresses": [address], "ports": ports}]},
+            {"apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice",
+             "metadata": {"name": f"{service}-test", "namespace": namespace,
+                          "labels": {"kubernetes.io/service-name": service,
+                                     "endpointslice.kubernetes.io/managed-by": "vgpu-tests"}},
+             "addressType": "IPv4", "endpoints": [{"addresses": [network.address]}], "ports": ports},
+        ]}))
+        try:
+            cluster.kubectl("create", "namespace", "team-e")
+            hami = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "hami-style", "namespace": "team-e"},
+                    "spec": {"containers": [{"name": "main", "image": "cuda", "resources": {"limits": {
+                        "nvidia.com/gpu": "1", "nvidia.com/gpumem": "4096", "nvidia.com/gpucores": "30"}}}]}}
+
+            def created():
+                done = cluster.kubectl("create", "-f", "-", "-o", "json", input=json.dumps(hami), check=False)
+                return json.loads(done.stdout) if done.returncode == 0 else None
+
+            pod = wait_for("the API server admitted the pod through the webhook", created,
+                           log=lambda: log_path.read_text(errors="replace") + cluster.log("kube-apiserver")[-3000:])
+            assert pod["spec"]["schedulerName"] == "vgpu-scheduler"
+
+            privileged = json.loads(json.dumps(hami))
+            privileged["metadata"]["name"] = "privileged"
+            privileged["spec"]["containers"][0]["securityContext"] = {"privileged": True}
+            refused = cluster.kubectl("create", "-f", "-", input=json.dumps(privileged), check=False)
+            assert refused.returncode != 0
+            assert "asks for vGPUs and is privileged" in refused.stderr, refused.stderr
+        finally:
+            process.terminate()
+            process.wait(timeout=30)
