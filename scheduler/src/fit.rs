@@ -498,11 +498,11 @@ pub fn describe_problem(
         ),
         GpuProblem::HeldExclusively => write!(
             out,
-            "{uuid} is taken whole by another container (100% compute)"
+            "{uuid} is taken whole by another container (100 percent compute)"
         ),
         GpuProblem::NeedsWholeGpu { tasks } => write!(
             out,
-            "{uuid} already runs {tasks} container(s), container needs it whole (100% compute)"
+            "{uuid} already runs {tasks} container(s), container needs it whole (100 percent compute)"
         ),
         GpuProblem::TasksFull { tasks } => write!(
             out,
@@ -517,19 +517,22 @@ pub fn describe_problem(
         ),
         GpuProblem::Cores { free, need } => write!(
             out,
-            "{uuid} has {free}% compute free, container needs {need}%"
+            "{uuid} has {free} percent compute free, container needs {need} percent"
         ),
     };
 }
 
-/// Explains a [`Miss`] in a sentence a user can act on.
+/// Explains a [`Miss`] in a sentence a user can act on. No `%` in it:
+/// kube-scheduler uses an extender's reasons as a format string, so `30%`
+/// reaches the pod's events as `30%!c(MISSING)` (seen against the real
+/// kube-scheduler); "percent" is written out.
 pub fn explain(node: &NodeGpus, request: &PodRequest, miss: &Miss) -> String {
     let container = &request.containers[miss.container];
     let mut out = String::new();
     let plural = |n: usize| if n == 1 { "" } else { "s" };
     let _ = write!(
         out,
-        "container {:?} needs {} GPU{} with {} and {}% compute each",
+        "container {:?} needs {} GPU{} with {} and {} percent compute each",
         container.name,
         container.count,
         plural(container.count as usize),
@@ -760,7 +763,7 @@ mod tests {
         let text = explain(&node, &req, &miss);
         assert_eq!(
             text,
-            "container \"train\" needs 1 GPU with 4096 MiB and 30% compute each; none of the node's 2 GPUs can take it: \
+            "container \"train\" needs 1 GPU with 4096 MiB and 30 percent compute each; none of the node's 2 GPUs can take it: \
              GPU-5e1f has 2048 MiB free, container needs 4096 MiB; GPU-2 is unhealthy"
         );
         assert!(!miss.permanent, "memory can be freed by eviction");

@@ -109,7 +109,7 @@ impl MemoryRequest {
     pub fn describe(self) -> String {
         match self {
             Self::Bytes(bytes) => format!("{} MiB", bytes >> 20),
-            Self::Percent(percent) => format!("{percent}% of the memory"),
+            Self::Percent(percent) => format!("{percent} percent of the memory"),
             Self::Whole => "all the memory".to_string(),
         }
     }
@@ -223,7 +223,7 @@ impl PodRequest {
             .iter()
             .map(|c| {
                 format!(
-                    "{}: {} x ({}, {}% compute)",
+                    "{}: {} x ({}, {} percent compute)",
                     c.name,
                     c.count,
                     c.memory.describe(),

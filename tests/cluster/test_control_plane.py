@@ -172,34 +172,57 @@ def test_the_monitor_names_pods_and_records_events_as_the_charts_node_account(cl
     cluster.helm("uninstall", "rbac", "-n", namespace)
 
 
+class ChartExtender:
+    """The extender as the installed chart runs it: its arguments, its
+    serving certificate (from the Secret the chart made) and a token the API
+    server issued to its ServiceAccount, started where the control plane
+    runs."""
+
+    def __init__(self, cluster, release: str, namespace: str, workdir: Path, extra: tuple[str, ...] = ()):
+        self.cluster = cluster
+        self.installed = objects(cluster, release)
+        deployment = next(item for item in self.installed if item["kind"] == "Deployment")
+        self.pod_spec = deployment["spec"]["template"]["spec"]
+        self.container = next(c for c in self.pod_spec["containers"]
+                              if c["command"] == ["/usr/local/bin/vgpu-scheduler"])
+        secret_name = next(v["secret"]["secretName"] for v in self.pod_spec["volumes"] if "secret" in v)
+        secret = json.loads(cluster.kubectl("get", "secret", secret_name, "-n", namespace, "-o", "json").stdout)
+        for key in ("tls.crt", "tls.key"):
+            (workdir / key).write_bytes(base64.b64decode(secret["data"][key]))
+        mount = next(m["mountPath"] for m in self.container["volumeMounts"] if m["name"] == "tls")
+        self.port = next(p["containerPort"] for p in self.container["ports"] if p["name"] == "extender")
+        self.kubeconfig = cluster.token_kubeconfig(namespace, self.pod_spec["serviceAccountName"],
+                                                   workdir / "scheduler-account.kubeconfig")
+        # An `extra` flag replaces the chart's value of it.
+        overridden = {flag.split("=", 1)[0] for flag in extra}
+        args = [a.replace(mount, str(workdir)) for a in self.container["args"]
+                if a.split("=", 1)[0] not in overridden]
+        self.log_path = workdir / "extender.log"
+        with open(self.log_path, "w") as log:
+            self.process = subprocess.Popen(cluster.command([str(TARGET / "vgpu-scheduler"), *args, *extra,
+                                                             f"--kubeconfig={self.kubeconfig}"]),
+                                            stdout=subprocess.DEVNULL, stderr=log)
+        # The chart's CA (the webhook's caBundle) signed the serving certificate.
+        webhook = next(item for item in self.installed if item["kind"] == "MutatingWebhookConfiguration")
+        self.ca = base64.b64decode(webhook["webhooks"][0]["clientConfig"]["caBundle"]).decode()
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def stop(self) -> None:
+        self.process.terminate()
+        self.process.wait(timeout=30)
+
+
 def test_the_extender_runs_as_the_chart_runs_it(cluster, tmp_path):
-    """The extender with the arguments, serving certificate and
-    ServiceAccount the installed chart gives it, against the real API: it
-    lists and watches pods and nodes (its RBAC), serves HTTPS with the
-    chart's certificate, and answers the admission webhook."""
+    """Against the real API it lists and watches pods and nodes as its
+    ServiceAccount (its RBAC), serves HTTPS with the chart's certificate, and
+    answers the admission webhook."""
     namespace = "vgpu-extender"
     cluster.helm("install", "ext", str(CHART), "-n", namespace, "--create-namespace")
-    installed = objects(cluster, "ext")
-    deployment = next(item for item in installed if item["kind"] == "Deployment")
-    pod_spec = deployment["spec"]["template"]["spec"]
-    extender = next(c for c in pod_spec["containers"] if c["command"] == ["/usr/local/bin/vgpu-scheduler"])
-    # Its mounted certificate, from the Secret the chart made.
-    secret_name = next(v["secret"]["secretName"] for v in pod_spec["volumes"] if "secret" in v)
-    secret = json.loads(cluster.kubectl("get", "secret", secret_name, "-n", namespace, "-o", "json").stdout)
-    for key in ("tls.crt", "tls.key"):
-        (tmp_path / key).write_bytes(base64.b64decode(secret["data"][key]))
-    mount = next(m["mountPath"] for m in extender["volumeMounts"] if m["name"] == "tls")
     port = free_port()
-    args = [a.replace(mount, str(tmp_path)) for a in extender["args"] if not a.startswith("--port=")]
-    as_extender = cluster.token_kubeconfig(namespace, pod_spec["serviceAccountName"], tmp_path / "ext.kubeconfig")
-    log_path = tmp_path / "extender.log"
-    with open(log_path, "w") as log:
-        process = subprocess.Popen([str(TARGET / "vgpu-scheduler"), *args, f"--port={port}", "--address=127.0.0.1",
-                                    f"--kubeconfig={as_extender}"], stdout=subprocess.DEVNULL, stderr=log)
-    # The chart's CA (the webhook's caBundle) verifies the serving certificate.
-    webhook = next(item for item in installed if item["kind"] == "MutatingWebhookConfiguration")
-    ca = base64.b64decode(webhook["webhooks"][0]["clientConfig"]["caBundle"]).decode()
-    context = ssl.create_default_context(cadata=ca)
+    extender = ChartExtender(cluster, "ext", namespace, tmp_path, extra=(f"--port={port}", "--address=127.0.0.1"))
+    context = ssl.create_default_context(cadata=extender.ca)
     context.check_hostname = False  # issued for the Service's DNS name, reached here by address
 
     def get(path):
@@ -211,7 +234,7 @@ def test_the_extender_runs_as_the_chart_runs_it(cluster, tmp_path):
 
     try:
         wait_for("the extender synced pods and nodes as its ServiceAccount", lambda: get("/readyz") == 200,
-                 log=lambda: log_path.read_text(errors="replace"))
+                 log=extender.log)
         review = {"apiVersion": "admission.k8s.io/v1", "kind": "AdmissionReview", "request": {
             "uid": "1", "operation": "CREATE", "object": {
                 "apiVersion": "v1", "kind": "Pod", "metadata": {"name": "hami-style"},
@@ -223,68 +246,96 @@ def test_the_extender_runs_as_the_chart_runs_it(cluster, tmp_path):
             answer = json.loads(response.read())
         assert answer["response"]["allowed"] is True and answer["response"]["patchType"] == "JSONPatch"
     finally:
-        process.terminate()
-        process.wait(timeout=30)
+        extender.stop()
     cluster.helm("uninstall", "ext", "-n", namespace)
 
 
-def test_the_api_server_calls_the_charts_webhook_over_tls(tmp_path):
-    """Pods are created through the real API server, which calls our webhook
-    at the chart's Service with the chart's caBundle: a pod written for HAMi
-    gets the vgpu scheduler, a privileged vGPU pod is refused with our words.
-    Everything runs in a network namespace whose address can be a Service
-    endpoint (loopback cannot); the extender runs as the chart runs it, and
-    its Service's endpoints are written here, standing in for the endpoint
-    controllers (no kubelet runs the extender's pod)."""
+def gpu_node(name: str, uuid: str) -> tuple[dict, dict]:
+    """A Node as a kubelet with our device plugin would register it, and
+    its status: 10 vGPUs of one 80 GiB GPU, the plugin's inventory
+    annotation with a fresh heartbeat, Ready."""
+    now = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    inventory = {"version": 1, "heartbeatUnixMs": int(time.time() * 1000), "gpus": [
+        {"uuid": uuid, "index": 0, "model": "NVIDIA H100", "memoryBytes": 80 * GIB, "smCount": 132,
+         "splitCount": 10, "numa": None, "healthy": True}]}
+    resources = {"cpu": "8", "memory": "32Gi", "pods": "110", "nvidia.com/gpu": "10"}
+    node = {"apiVersion": "v1", "kind": "Node",
+            "metadata": {"name": name, "labels": {"gpu": "on"},
+                         "annotations": {"vgpu.io/node-gpus": json.dumps(inventory)}}}
+    status = {"status": {"capacity": resources, "allocatable": resources, "conditions": [
+        {"type": "Ready", "status": "True", "reason": "KubeletReady", "message": "test node",
+         "lastHeartbeatTime": now, "lastTransitionTime": now}]}}
+    return node, status
+
+
+def test_a_hami_pod_goes_through_the_webhook_kube_scheduler_and_the_extender(tmp_path):
+    """Pods created through the real API server: it calls the chart's
+    webhook over TLS with the chart's caBundle (a pod written for HAMi gets
+    the vgpu scheduler; a privileged vGPU pod is refused with our words), and
+    the real kube-scheduler, with the chart's scheduler configuration, places
+    the pod through our extender, which binds it with its decision; a pod
+    that fits nowhere stays Pending with the extender's reason. Everything
+    runs in a network namespace whose address can be a Service endpoint
+    (loopback cannot); the Service's endpoints are written here, standing in
+    for the endpoint controllers (no kubelet runs the extender's pod)."""
     with TestNetwork() as network, ControlPlane(
         tmp_path / "control-plane", network=network,
-        controllers="*,-endpoints-controller,-endpointslice-controller,-endpointslice-mirroring-controller",
+        controllers="*,-endpoints-controller,-endpointslice-controller,-endpointslice-mirroring-controller,"
+                    "-node-lifecycle-controller",
     ) as cluster:
         namespace = "vgpu-hook"
         cluster.helm("install", "hook", str(CHART), "-n", namespace, "--create-namespace",
                      "--set", "scheduler.webhook.failurePolicy=Fail")
-        installed = objects(cluster, "hook")
-        deployment = next(item for item in installed if item["kind"] == "Deployment")
-        pod_spec = deployment["spec"]["template"]["spec"]
-        extender = next(c for c in pod_spec["containers"] if c["command"] == ["/usr/local/bin/vgpu-scheduler"])
-        secret_name = next(v["secret"]["secretName"] for v in pod_spec["volumes"] if "secret" in v)
-        secret = json.loads(cluster.kubectl("get", "secret", secret_name, "-n", namespace, "-o", "json").stdout)
-        for key in ("tls.crt", "tls.key"):
-            (tmp_path / key).write_bytes(base64.b64decode(secret["data"][key]))
-        mount = next(m["mountPath"] for m in extender["volumeMounts"] if m["name"] == "tls")
-        port = next(p["containerPort"] for p in extender["ports"] if p["name"] == "extender")
-        as_extender = cluster.token_kubeconfig(namespace, pod_spec["serviceAccountName"], tmp_path / "ext.kubeconfig")
-        log_path = tmp_path / "extender.log"
-        with open(log_path, "w") as log:
-            process = subprocess.Popen(network.command([
-                str(TARGET / "vgpu-scheduler"), *[a.replace(mount, str(tmp_path)) for a in extender["args"]],
-                f"--address={network.address}", f"--kubeconfig={as_extender}"]),
-                stdout=subprocess.DEVNULL, stderr=log)
-        service = next(item for item in installed if item["kind"] == "Service"
+        uuid = "GPU-3b1f0c2e-8d4a-4f6b-9c7e-5a2d1e0f9b8c"
+        node, status = gpu_node("gpu-node-1", uuid)
+        cluster.kubectl("create", "-f", "-", input=json.dumps(node))
+        cluster.kubectl("patch", "node", "gpu-node-1", "--subresource=status", "--type=merge", "-p", json.dumps(status))
+        # The API server taints a new node not-ready; the node lifecycle
+        # controller (off here: no kubelet renews a lease) would lift it.
+        cluster.kubectl("patch", "node", "gpu-node-1", "--type=json", "-p",
+                        json.dumps([{"op": "remove", "path": "/spec/taints"}]))
+        extender = ChartExtender(cluster, "hook", namespace, tmp_path)
+        service = next(item for item in extender.installed if item["kind"] == "Service"
                        and item["metadata"]["name"].endswith("-scheduler"))["metadata"]["name"]
-        address = {"ip": network.address}
-        ports = [{"name": "extender", "port": port, "protocol": "TCP"}]
+        ports = [{"name": "extender", "port": extender.port, "protocol": "TCP"}]
         cluster.kubectl("apply", "-f", "-", input=json.dumps({"apiVersion": "v1", "kind": "List", "items": [
             {"apiVersion": "v1", "kind": "Endpoints", "metadata": {"name": service, "namespace": namespace},
-             "subsets": [{"addresses": [address], "ports": ports}]},
+             "subsets": [{"addresses": [{"ip": network.address}], "ports": ports}]},
             {"apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice",
              "metadata": {"name": f"{service}-test", "namespace": namespace,
                           "labels": {"kubernetes.io/service-name": service,
                                      "endpointslice.kubernetes.io/managed-by": "vgpu-tests"}},
              "addressType": "IPv4", "endpoints": [{"addresses": [network.address]}], "ports": ports},
         ]}))
+        # kube-scheduler as the chart runs it: its configuration from the
+        # chart's ConfigMap, as the chart's ServiceAccount.
+        config_map = next(item for item in extender.installed if item["kind"] == "ConfigMap")
+        config = tmp_path / "kube-scheduler.yaml"
+        config.write_text(config_map["data"]["config.yaml"]
+                          + f"clientConnection:\n  kubeconfig: {extender.kubeconfig}\n")
+        scheduler_log = tmp_path / "vgpu-kube-scheduler.log"
+        with open(scheduler_log, "w") as log:
+            scheduler = subprocess.Popen(cluster.command([
+                str(cluster.bin / "kube-scheduler"), f"--config={config}", "--bind-address=127.0.0.1",
+                f"--secure-port={free_port()}"]), stdout=log, stderr=subprocess.STDOUT)
+
+        def logs():
+            events = cluster.kubectl("get", "events", "-A", check=False).stdout
+            nodes = cluster.kubectl("get", "nodes", "-o", "wide", check=False).stdout
+            return (extender.log()[-3000:] + scheduler_log.read_text(errors="replace")[-3000:]
+                    + cluster.log("kube-apiserver")[-1000:] + events[-3000:] + nodes)
+
         try:
             cluster.kubectl("create", "namespace", "team-e")
             hami = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "hami-style", "namespace": "team-e"},
                     "spec": {"containers": [{"name": "main", "image": "cuda", "resources": {"limits": {
                         "nvidia.com/gpu": "1", "nvidia.com/gpumem": "4096", "nvidia.com/gpucores": "30"}}}]}}
 
-            def created():
-                done = cluster.kubectl("create", "-f", "-", "-o", "json", input=json.dumps(hami), check=False)
+            def create(pod):
+                done = cluster.kubectl("create", "-f", "-", "-o", "json", input=json.dumps(pod), check=False)
                 return json.loads(done.stdout) if done.returncode == 0 else None
 
-            pod = wait_for("the API server admitted the pod through the webhook", created,
-                           log=lambda: log_path.read_text(errors="replace") + cluster.log("kube-apiserver")[-3000:])
+            pod = wait_for("the API server admitted the pod through the webhook", lambda: create(hami), log=logs)
             assert pod["spec"]["schedulerName"] == "vgpu-scheduler"
 
             privileged = json.loads(json.dumps(hami))
@@ -293,6 +344,35 @@ def test_the_api_server_calls_the_charts_webhook_over_tls(tmp_path):
             refused = cluster.kubectl("create", "-f", "-", input=json.dumps(privileged), check=False)
             assert refused.returncode != 0
             assert "asks for vGPUs and is privileged" in refused.stderr, refused.stderr
+
+            too_big = json.loads(json.dumps(hami))
+            too_big["metadata"]["name"] = "too-big"
+            too_big["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpumem"] = "200000"
+            assert create(too_big) is not None
+
+            def bound():
+                found = json.loads(cluster.kubectl("get", "pod", "hami-style", "-n", "team-e", "-o", "json").stdout)
+                return found if found["spec"].get("nodeName") else None
+
+            placed = wait_for("kube-scheduler bound the pod through the extender", bound, timeout=60, log=logs)
+            assert placed["spec"]["nodeName"] == "gpu-node-1"
+            decision = json.loads(placed["metadata"]["annotations"]["vgpu.io/decision"])
+            grant = decision["containers"][0]["devices"][0]
+            assert (grant["uuid"], grant["memoryBytes"], grant["coresPercent"]) == (uuid, 4096 << 20, 30)
+
+            def refusal():
+                listed = json.loads(cluster.kubectl("get", "events", "-n", "team-e", "-o", "json").stdout)
+                return [e["message"] for e in listed["items"]
+                        if e["involvedObject"]["name"] == "too-big" and e.get("reason") == "FailedScheduling"]
+
+            messages = wait_for("the unplaceable pod's FailedScheduling event", refusal, timeout=60, log=logs)
+            # The extender's reason, as kube-scheduler renders it (it reads
+            # reasons as format strings: a `%` in one came out garbled).
+            assert any("needs 1 GPU with 200000 MiB and 30 percent compute each" in m for m in messages), messages
+            assert not any("%!" in m for m in messages), messages
+            pending = json.loads(cluster.kubectl("get", "pod", "too-big", "-n", "team-e", "-o", "json").stdout)
+            assert pending["status"]["phase"] == "Pending" and not pending["spec"].get("nodeName")
         finally:
-            process.terminate()
-            process.wait(timeout=30)
+            scheduler.terminate()
+            scheduler.wait(timeout=30)
+            extender.stop()

@@ -26,6 +26,8 @@ fn rejected(
         message.contains(expected),
         "{node}: {message:?} lacks {expected:?}"
     );
+    // kube-scheduler reads a reason as a format string.
+    assert!(!message.contains('%'), "{node}: {message:?} has a %");
     assert!(!other.contains_key(node));
     assert!(
         !result
@@ -111,7 +113,7 @@ async fn node_level_reasons() {
         &result,
         "no-gpus",
         true,
-        "container \"main\" needs 1 GPU with 1024 MiB and 10% compute each; the node has no GPUs",
+        "container \"main\" needs 1 GPU with 1024 MiB and 10 percent compute each; the node has no GPUs",
     );
     // The same with full Node objects (nodeCacheCapable: false).
     let objects: Vec<serde_json::Value> = ["no-inventory", "ok"]
@@ -243,7 +245,7 @@ async fn gpu_level_reasons() {
         &h.filter(&p, &["full-mem"]).await,
         "full-mem",
         false,
-        "container \"main\" needs 1 GPU with 8192 MiB and 10% compute each; none of the node's 1 GPU can take it: \
+        "container \"main\" needs 1 GPU with 8192 MiB and 10 percent compute each; none of the node's 1 GPU can take it: \
          GPU-full-mem-0 has 4096 MiB free, container needs 8192 MiB",
     );
     let p = check("cores", vec![vgpu("main", 1, 1024, 20)], vec![]);
@@ -251,7 +253,7 @@ async fn gpu_level_reasons() {
         &h.filter(&p, &["full-cores"]).await,
         "full-cores",
         false,
-        "GPU-full-cores-0 has 10% compute free, container needs 20%",
+        "GPU-full-cores-0 has 10 percent compute free, container needs 20 percent",
     );
     let p = check("slots", vec![vgpu("main", 1, 1024, 1)], vec![]);
     rejected(
@@ -264,21 +266,21 @@ async fn gpu_level_reasons() {
         &h.filter(&p, &["exclusive"]).await,
         "exclusive",
         false,
-        "GPU-exclusive-0 is taken whole by another container (100% compute)",
+        "GPU-exclusive-0 is taken whole by another container (100 percent compute)",
     );
     let p = check("whole", vec![vgpu("main", 1, 1024, 100)], vec![]);
     rejected(
         &h.filter(&p, &["busy"]).await,
         "busy",
         false,
-        "GPU-busy-0 already runs 1 container(s), container needs it whole (100% compute)",
+        "GPU-busy-0 already runs 1 container(s), container needs it whole (100 percent compute)",
     );
     let p = check("two", vec![vgpu("main", 2, 1024, 10)], vec![]);
     rejected(
         &h.filter(&p, &["one-gpu"]).await,
         "one-gpu",
         true,
-        "container \"main\" needs 2 GPUs with 1024 MiB and 10% compute each; only 1 of the node's 1 GPU can take it",
+        "container \"main\" needs 2 GPUs with 1024 MiB and 10 percent compute each; only 1 of the node's 1 GPU can take it",
     );
     // The second container of a pod is the one that does not fit.
     let p = check(
