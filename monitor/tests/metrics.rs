@@ -5,13 +5,12 @@
 mod common;
 
 use common::*;
-use std::io::{BufRead, BufReader, Write};
-use std::process::Stdio;
+use std::io::Write;
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 use vgpu_monitor::discovery::read_figures;
 use vgpu_node_contract::region::{MemoryKind, Region, RegionLimits, SHARE_FULL};
-use vgpu_testkit::{key_values, programs_dir, run_ok, Sandbox};
+use vgpu_testkit::{key_values, programs_dir, run_ok, spawn_until_ready, Sandbox};
 
 const UID_A: &str = "6f1c0a52-4b7e-4d5e-9b1a-0c2d3e4f5a6b";
 const UID_B: &str = "0a9b8c7d-6e5f-4a3b-8c2d-1e0f9a8b7c6d";
@@ -23,17 +22,7 @@ struct Holder {
 
 impl Holder {
     fn start(sandbox: &Sandbox, bytes: u64) -> Self {
-        let mut child = sandbox
-            .probe("dlsym", &["hold", &bytes.to_string()])
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .spawn()
-            .expect("spawn probe");
-        let mut line = String::new();
-        BufReader::new(child.stdout.as_mut().expect("stdout"))
-            .read_line(&mut line)
-            .expect("ready");
-        assert_eq!(line.trim(), "ready");
+        let child = spawn_until_ready(&mut sandbox.probe("dlsym", &["hold", &bytes.to_string()]));
         Self { child }
     }
 }

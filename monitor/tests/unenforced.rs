@@ -6,33 +6,17 @@
 mod common;
 
 use common::*;
-use std::io::{BufRead, BufReader};
-use std::process::{Child, Command, Stdio};
+use std::process::Child;
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 use vgpu_node_contract::region::Region;
 use vgpu_testkit::namespaces::{
     forked_child, in_new_pid_namespace, in_new_pid_namespace_with_own_proc, in_pid_namespace_of,
 };
-use vgpu_testkit::{programs_dir, Sandbox};
+use vgpu_testkit::{programs_dir, spawn_until_ready, Sandbox};
 
 const UID: &str = "5b2e8f0a-1c3d-4e5f-8a9b-0c1d2e3f4a5b";
 const NODE: &str = "gpu-node-7";
-
-/// Starts `command` (a probe `hold`) and waits for its "ready".
-fn holding(mut command: Command) -> Child {
-    let mut child = command
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .spawn()
-        .expect("spawn holder");
-    let mut line = String::new();
-    BufReader::new(child.stdout.as_mut().expect("stdout"))
-        .read_line(&mut line)
-        .expect("ready");
-    assert_eq!(line.trim(), "ready", "holder did not start");
-    child
-}
 
 /// A simulated GPU and the container `<UID>_main` on `host`: its region
 /// path, a 4 GiB cap.
@@ -59,14 +43,14 @@ fn a_process_without_the_shim_is_exported_logged_once_and_recorded_on_its_pod() 
     let (sandbox, _) = container(&host, "unenforced");
 
     // The container's process under the shim, in its own PID namespace.
-    let enforced = holding(in_new_pid_namespace(
+    let enforced = spawn_until_ready(&mut in_new_pid_namespace(
         &sandbox.probe("linked", &["hold", &(256 * MIB).to_string()]),
     ));
     let enforced_pid = forked_child(enforced.id());
     // Another process of the same container that skipped the preload.
     let mut bare = sandbox.command_without_shim(&programs_dir().join("probe_linked"));
     bare.args(["linked", "hold", &(512 * MIB).to_string()]);
-    let skipped = holding(in_pid_namespace_of(enforced_pid, &bare));
+    let skipped = spawn_until_ready(&mut in_pid_namespace_of(enforced_pid, &bare));
     let skipped_pid = forked_child(skipped.id());
 
     let api = FakeApiServer::start(pod_list(NODE, &[(UID, "team-b", "trainer-1", "{}")]));
@@ -147,7 +131,7 @@ fn a_shim_process_that_cannot_see_its_host_pid_is_found_by_its_region_and_not_re
     let host = HostDir::new("own-proc");
     let (sandbox, region_path) = container(&host, "own-proc");
     // With its own /proc the process sees itself only as PID 1.
-    let enforced = holding(in_new_pid_namespace_with_own_proc(
+    let enforced = spawn_until_ready(&mut in_new_pid_namespace_with_own_proc(
         &sandbox.probe("linked", &["hold", &(256 * MIB).to_string()]),
     ));
     let host_pid = forked_child(enforced.id());

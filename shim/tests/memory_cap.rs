@@ -159,19 +159,7 @@ fn rtld_next_stays_correct_with_a_second_interposer() {
 
 /// Starts `probe ACCESS hold BYTES` and waits until it holds the memory.
 fn hold(sandbox: &Sandbox, bytes: &str) -> Child {
-    let mut child = sandbox
-        .probe("linked", &["hold", bytes])
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .spawn()
-        .expect("spawn holder");
-    let stdout = child.stdout.as_mut().expect("holder stdout");
-    let mut line = String::new();
-    BufReader::new(stdout)
-        .read_line(&mut line)
-        .expect("read holder");
-    assert_eq!(line.trim(), "ready", "holder did not start");
-    child
+    spawn_until_ready(&mut sandbox.probe("linked", &["hold", bytes]))
 }
 
 #[test]
@@ -200,16 +188,9 @@ fn nvml_shows_the_cap_and_the_containers_use() {
 fn nvml_lists_the_containers_processes_by_host_pid_inside_pid_namespaces() {
     let mut sandbox = Sandbox::new("pidns", 1, "16Gi");
     sandbox.set("CUDA_DEVICE_MEMORY_LIMIT", "4Gi");
-    let mut holder = in_new_pid_namespace(&sandbox.probe("linked", &["hold", "314572800"]))
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .spawn()
-        .expect("spawn holder in a PID namespace");
-    let mut line = String::new();
-    BufReader::new(holder.stdout.as_mut().expect("holder stdout"))
-        .read_line(&mut line)
-        .expect("read holder");
-    assert_eq!(line.trim(), "ready", "holder did not start");
+    let mut holder = spawn_until_ready(&mut in_new_pid_namespace(
+        &sandbox.probe("linked", &["hold", "314572800"]),
+    ));
     let holder_host_pid = forked_child(holder.id());
     assert_ne!(holder_host_pid, 1);
 

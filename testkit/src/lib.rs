@@ -186,6 +186,23 @@ impl Drop for Sandbox {
     }
 }
 
+/// Starts a test program that holds something (memory, a slot) and waits
+/// for its "ready" line; it keeps holding until its stdin closes.
+pub fn spawn_until_ready(command: &mut Command) -> std::process::Child {
+    use std::io::{BufRead, BufReader};
+    let mut child = command
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .expect("spawn test program");
+    let mut line = String::new();
+    BufReader::new(child.stdout.as_mut().expect("stdout"))
+        .read_line(&mut line)
+        .expect("read ready");
+    assert_eq!(line.trim(), "ready", "the program did not start");
+    child
+}
+
 /// Runs a command, panicking with its stderr if it fails.
 pub fn run_ok(command: &mut Command) -> Output {
     let output = command.output().expect("spawn test program");
