@@ -11,12 +11,12 @@ import argparse
 import statistics
 import time
 
-import torch
-
 from handshake import ready_then_wait_for_go, report_and_hold
 
 
 def matmul(args) -> dict:
+    import torch
+
     a = torch.randn(args.size, args.size, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(args.size, args.size, device="cuda", dtype=torch.bfloat16)
     for _ in range(10):
@@ -36,6 +36,8 @@ def matmul(args) -> dict:
 
 
 def train(args) -> dict:
+    import torch
+
     torch.manual_seed(0)
     width = 4096
     model = torch.nn.Sequential(
