@@ -47,7 +47,7 @@ def binaries() -> Path:
     if done.returncode != 0:
         raise ControlPlaneError(f"tests/cluster/build failed: {done.stderr.strip()[-2000:]}")
     folder = Path(done.stdout.strip().splitlines()[-1])
-    for name in ("etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler", "kubectl", "helm"):
+    for name in ("etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler", "kubectl", "helm", "simnode"):
         if not (folder / name).is_file():
             raise ControlPlaneError(f"{folder / name} is missing: run tests/cluster/build")
     return folder
@@ -273,6 +273,18 @@ class ControlPlane:
                f"{str(self.pki)!r} and Path({str(self.pki)!r}) if {client!r} else None) else 1)"
         return subprocess.run(self.network.command([sys.executable, "-c", code]), capture_output=True,
                               check=False).returncode == 0
+
+
+def wait_for(what: str, check, timeout: float = 30, log=lambda: ""):
+    """`check()`'s first true value, asked every 0.2 s; AssertionError
+    naming `what` (and `log()`) after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = check()
+        if value:
+            return value
+        time.sleep(0.2)
+    raise AssertionError(f"not seen: {what} within {timeout:.0f} s\n{log()}")
 
 
 def http_ok(url: str, insecure: bool = False, client_pki: Path | None = None) -> bool:

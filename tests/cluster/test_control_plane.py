@@ -28,7 +28,7 @@ REPO = HERE.parent.parent
 CHART = REPO / "deploy/helm/vgpu"
 TARGET = Path(os.environ.get("VGPU_TARGET_DIR", REPO / "target/release")).resolve()
 sys.path.insert(0, str(HERE))
-from controlplane import ControlPlane  # noqa: E402
+from controlplane import ControlPlane, wait_for  # noqa: E402
 from nodenet import TestNetwork  # noqa: E402
 
 # The simulated-GPU sandbox the Python client tests use.
@@ -94,16 +94,6 @@ def metrics(port: int) -> str:
             return response.read().decode()
     except OSError:
         return ""
-
-
-def wait_for(what: str, check, timeout: float = 30, log=lambda: ""):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = check()
-        if value:
-            return value
-        time.sleep(0.2)
-    pytest.fail(f"{what} within {timeout:.0f} s\n{log()}")
 
 
 def test_the_monitor_names_pods_and_records_events_as_the_charts_node_account(cluster, tmp_path):

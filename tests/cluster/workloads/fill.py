@@ -1,0 +1,47 @@
+"""A container's workload for the cluster tests: allocates device memory in
+chunks through the CUDA driver API until an allocation fails, prints one
+JSON line saying how far it got and with which error, then holds its memory
+until it is stopped (so the monitor sees it).
+
+    python3 fill.py [CHUNK_MIB] [--exit]
+"""
+
+import ctypes
+import json
+import signal
+import sys
+import time
+
+
+def main() -> int:
+    chunk_mib = int(sys.argv[1]) if len(sys.argv) > 1 and not sys.argv[1].startswith("-") else 256
+    cuda = ctypes.CDLL("libcuda.so.1")
+    device, context = ctypes.c_int(), ctypes.c_void_p()
+    for call, args in (("cuInit", (0,)), ("cuDeviceGet", (ctypes.byref(device), 0)),
+                       ("cuCtxCreate_v2", (ctypes.byref(context), 0, device))):
+        result = getattr(cuda, call)(*args)
+        if result != 0:
+            print(json.dumps({"failed": call, "error": result}), flush=True)
+            return 1
+    buffers = []
+    while True:
+        pointer = ctypes.c_uint64()
+        result = cuda.cuMemAlloc_v2(ctypes.byref(pointer), ctypes.c_size_t(chunk_mib << 20))
+        if result != 0:
+            break
+        buffers.append(pointer)
+        if len(buffers) * chunk_mib > 1 << 20:
+            break  # a terabyte: no cap holds
+    free, total = ctypes.c_size_t(), ctypes.c_size_t()
+    cuda.cuMemGetInfo_v2(ctypes.byref(free), ctypes.byref(total))
+    print(json.dumps({"allocated_mib": len(buffers) * chunk_mib, "error": result,
+                      "total_mib": total.value >> 20}), flush=True)
+    if "--exit" in sys.argv:
+        return 0
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    while True:
+        time.sleep(3600)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
