@@ -2,7 +2,8 @@
 //!
 //! | variable | meaning | default |
 //! | --- | --- | --- |
-//! | `SIMGPU_DEVICES` | number of devices (0..=16) | 1 |
+//! | `SIMGPU_DEVICES` | number of devices the machine has (0..=16) | 1 |
+//! | `SIMGPU_VISIBLE_DEVICES` | the ones this process sees, as a container runtime exposes them: `all`, `none`, or indices and UUIDs separated by commas | `all` |
 //! | `SIMGPU_MEMORY` | memory per device (size string) | `16Gi` |
 //! | `SIMGPU_MEMORY_<i>` | memory of device `i` | `SIMGPU_MEMORY` |
 //! | `SIMGPU_SM_COUNT` | multiprocessors per device (1..=1024) | 132 |
@@ -24,11 +25,20 @@ use vgpu_node_contract::size::parse_size;
 /// Most devices the simulation supports (and the state file lays out).
 pub const MAX_DEVICES: usize = 16;
 
-/// The simulated machine.
+/// The simulated machine, and the devices this process sees of it.
+///
+/// `devices`, `memory` and `uuids` describe the visible devices, by the
+/// process's ordinal (0..devices, in the machine's order, as CUDA and NVML
+/// number them inside a container); the shared state is laid out for the
+/// whole machine (`machine_devices`, `machine_memory`).
 #[derive(Debug, Clone)]
 pub struct Config {
     pub devices: usize,
     pub memory: Vec<u64>,
+    /// The machine's index of each visible device.
+    pub visible: Vec<usize>,
+    pub machine_devices: usize,
+    pub machine_memory: Vec<u64>,
     pub sm_count: i32,
     pub name: String,
     pub uuids: Vec<[u8; 16]>,
@@ -44,9 +54,10 @@ impl Config {
         format_uuid(&self.uuids[index])
     }
 
-    /// PCI bus number of device `index` (domain 0, device 0, function 0).
+    /// PCI bus number of device `index` (domain 0, device 0, function 0):
+    /// the machine's, so it is the same in every process.
     pub fn pci_bus(&self, index: usize) -> u32 {
-        index as u32 + 1
+        self.visible[index] as u32 + 1
     }
 }
 
@@ -119,6 +130,40 @@ fn parse_bytes(name: &str, text: &str) -> Result<u64, String> {
     parse_size(text).map_err(|e| format!("bad {name}={text:?}: {e}"))
 }
 
+/// The machine's indices `SIMGPU_VISIBLE_DEVICES` names, in the machine's
+/// order: `all`, `none` (also `void` and empty, as the NVIDIA runtime
+/// reads them), or indices and UUIDs separated by commas.
+fn parse_visible(text: &str, uuids: &[[u8; 16]]) -> Result<Vec<usize>, String> {
+    let text = text.trim();
+    match text {
+        "all" => return Ok((0..uuids.len()).collect()),
+        "" | "none" | "void" => return Ok(Vec::new()),
+        _ => {}
+    }
+    let mut visible = Vec::new();
+    for item in text.split(',').map(str::trim) {
+        let index = match item.parse::<usize>() {
+            Ok(index) if index < uuids.len() => Some(index),
+            Ok(_) => None,
+            Err(_) => uuids
+                .iter()
+                .position(|uuid| format_uuid(uuid).eq_ignore_ascii_case(item)),
+        };
+        match index {
+            Some(index) if !visible.contains(&index) => visible.push(index),
+            Some(_) => {}
+            None => {
+                return Err(format!(
+                    "bad SIMGPU_VISIBLE_DEVICES={text:?}: {item:?} is no device of this machine (it has {})",
+                    uuids.len()
+                ))
+            }
+        }
+    }
+    visible.sort_unstable();
+    Ok(visible)
+}
+
 /// Builds the configuration from a variable lookup (the environment, or a
 /// map in unit tests).
 pub fn from_env(var: impl Fn(&str) -> Option<String>) -> Result<Config, String> {
@@ -159,7 +204,7 @@ pub fn from_env(var: impl Fn(&str) -> Option<String>) -> Result<Config, String> 
         None => "vgpu Simulated GPU".to_string(),
     };
     let seed = var("SIMGPU_UUID_SEED").map(|s| fnv1a(&s)).unwrap_or(0);
-    let uuids = (0..devices).map(|i| uuid_bytes(seed, i)).collect();
+    let uuids: Vec<[u8; 16]> = (0..devices).map(|i| uuid_bytes(seed, i)).collect();
     let state_path = match var("SIMGPU_STATE") {
         Some(v) if v.trim().is_empty() => {
             return Err("bad SIMGPU_STATE=\"\": expected a file path".to_string())
@@ -188,12 +233,19 @@ pub fn from_env(var: impl Fn(&str) -> Option<String>) -> Result<Config, String> 
         Some(v) => v,
         None => "580.00.00".to_string(),
     };
+    let visible = match var("SIMGPU_VISIBLE_DEVICES") {
+        Some(v) => parse_visible(&v, &uuids)?,
+        None => (0..devices).collect(),
+    };
     Ok(Config {
-        devices,
-        memory,
+        devices: visible.len(),
+        memory: visible.iter().map(|&i| memory[i]).collect(),
+        uuids: visible.iter().map(|&i| uuids[i]).collect(),
+        visible,
+        machine_devices: devices,
+        machine_memory: memory,
         sm_count,
         name,
-        uuids,
         state_path,
         context_bytes,
         driver_version,
@@ -270,5 +322,34 @@ mod tests {
         let parts: Vec<usize> = s[4..].split('-').map(str::len).collect();
         assert_eq!(parts, vec![8, 4, 4, 4, 12]);
         assert_ne!(a.uuids[0], a.uuids[1]);
+    }
+
+    #[test]
+    fn visible_devices_pick_the_machines_devices_in_its_order() {
+        let machine = cfg(&[("SIMGPU_DEVICES", "4"), ("SIMGPU_MEMORY_2", "8Gi")]).expect("valid");
+        let third = machine.uuid_string(2);
+        let some = cfg(&[
+            ("SIMGPU_DEVICES", "4"),
+            ("SIMGPU_MEMORY_2", "8Gi"),
+            ("SIMGPU_VISIBLE_DEVICES", &format!("{},1", third.to_lowercase())),
+        ])
+        .expect("valid");
+        assert_eq!(some.visible, vec![1, 2]);
+        assert_eq!(some.devices, 2);
+        assert_eq!(some.uuid_string(1), third);
+        assert_eq!(some.memory, vec![16 << 30, 8 << 30]);
+        assert_eq!(some.machine_devices, 4);
+        assert_eq!(some.machine_memory.len(), 4);
+        assert_eq!(some.pci_bus(0), machine.pci_bus(1));
+        for none in ["none", "void", ""] {
+            let hidden = cfg(&[("SIMGPU_DEVICES", "2"), ("SIMGPU_VISIBLE_DEVICES", none)]).expect("valid");
+            assert_eq!((hidden.devices, hidden.machine_devices), (0, 2));
+        }
+        let all = cfg(&[("SIMGPU_DEVICES", "2"), ("SIMGPU_VISIBLE_DEVICES", "all")]).expect("valid");
+        assert_eq!(all.visible, vec![0, 1]);
+        for bad in ["2", "GPU-00000000-0000-0000-0000-000000000000", "0,x"] {
+            let error = cfg(&[("SIMGPU_DEVICES", "2"), ("SIMGPU_VISIBLE_DEVICES", bad)]).expect_err(bad);
+            assert!(error.contains("SIMGPU_VISIBLE_DEVICES"), "{error}");
+        }
     }
 }

@@ -196,6 +196,8 @@ pub struct Shared {
     reclaim: Mutex<()>,
     pid: u32,
     pid_namespace: u32,
+    /// The machine's device index of each of this process's devices.
+    visible: Vec<usize>,
 }
 
 // SAFETY: `base` points to a MAP_SHARED mapping that lives as long as the
@@ -231,8 +233,19 @@ impl Shared {
         unsafe { &*(self.base as *const Header) }
     }
 
-    /// Shared record of device `index` (< device_count).
-    pub fn device(&self, index: usize) -> &DeviceRecord {
+    /// The machine's device behind this process's device `ordinal` (the
+    /// process may see only some devices: `SIMGPU_VISIBLE_DEVICES`).
+    fn physical(&self, ordinal: usize) -> usize {
+        self.visible[ordinal]
+    }
+
+    /// Shared record of this process's device `ordinal`.
+    pub fn device(&self, ordinal: usize) -> &DeviceRecord {
+        self.record(self.physical(ordinal))
+    }
+
+    /// Shared record of the machine's device `index` (< device_count).
+    fn record(&self, index: usize) -> &DeviceRecord {
         assert!(index < self.layout.devices);
         // SAFETY: the device table holds MAX_DEVICES records inside the
         // mapping and index is in range; records are only accessed through
@@ -296,7 +309,7 @@ impl Shared {
         for d in 0..self.layout.devices {
             let bytes = rec.used[d].swap(0, Ordering::AcqRel);
             if bytes > 0 {
-                sat_sub(&self.device(d).used, bytes);
+                sat_sub(&self.record(d).used, bytes);
             }
             rec.contexts[d].store(0, Ordering::Release);
             rec.busy_ns[d].store(0, Ordering::Release);
@@ -362,11 +375,12 @@ impl Shared {
     /// the device does not have that much free (after reclaiming dead
     /// processes' memory).
     pub fn charge(&self, device: usize, bytes: u64) -> Result<bool, StateError> {
+        let device = self.physical(device);
         let slot = self.ensure_slot()?;
         if bytes == 0 {
             return Ok(true);
         }
-        let rec = self.device(device);
+        let rec = self.record(device);
         let total = rec.total.load(Ordering::Acquire);
         let try_add = || {
             rec.used
@@ -387,10 +401,11 @@ impl Shared {
 
     /// Gives back bytes charged earlier by this process.
     pub fn uncharge(&self, device: usize, bytes: u64) {
+        let device = self.physical(device);
         if bytes == 0 {
             return;
         }
-        sat_sub(&self.device(device).used, bytes);
+        sat_sub(&self.record(device).used, bytes);
         let own = self.own_slot.load(Ordering::Acquire);
         if own != NO_SLOT {
             sat_sub(&self.slot(own).used[device], bytes);
@@ -399,6 +414,7 @@ impl Shared {
 
     /// Counts a context of this process on `device` (delta +1 or -1).
     pub fn count_context(&self, device: usize, created: bool) -> Result<(), StateError> {
+        let device = self.physical(device);
         let slot = self.ensure_slot()?;
         let counter = &self.slot(slot).contexts[device];
         if created {
@@ -413,7 +429,12 @@ impl Shared {
 
     /// Locks a device's robust mutex, recovering it from a dead owner.
     pub fn lock_device(&self, device: usize) -> Result<DeviceGuard<'_>, StateError> {
-        let mutex = self.device(device).mutex.get();
+        self.lock_record(self.physical(device))
+    }
+
+    /// Locks the machine's device `device`.
+    fn lock_record(&self, device: usize) -> Result<DeviceGuard<'_>, StateError> {
+        let mutex = self.record(device).mutex.get();
         // SAFETY: the mutex was initialised (pshared, robust) when the file was.
         let rc = unsafe { libc::pthread_mutex_lock(mutex) };
         match rc {
@@ -441,10 +462,11 @@ impl Shared {
         not_before_ns: u64,
         duration_ns: u64,
     ) -> Result<(u64, u64), StateError> {
+        let device = self.physical(device);
         let slot = self.ensure_slot()?;
-        let rec = self.device(device);
+        let rec = self.record(device);
         let (start, end) = {
-            let _guard = self.lock_device(device)?;
+            let _guard = self.lock_record(device)?;
             let start = clock::now_ns()
                 .max(rec.busy_until_ns.load(Ordering::Acquire))
                 .max(not_before_ns);
@@ -478,11 +500,12 @@ impl Shared {
     /// only the queued tail of the ring is read. A pid without a slot (never
     /// used the device, or gone) has 0.
     pub fn elapsed_busy(&self, device: usize, pid: Option<u32>) -> Result<u64, StateError> {
+        let device = self.physical(device);
         if pid == Some(0) {
             return Ok(0);
         }
-        let rec = self.device(device);
-        let _guard = self.lock_device(device)?;
+        let rec = self.record(device);
+        let _guard = self.lock_record(device)?;
         let scheduled = match pid {
             None => rec.busy_ns.load(Ordering::Acquire),
             Some(p) => (0..MAX_SLOTS)
@@ -516,12 +539,13 @@ impl Shared {
         from_ns: u64,
         to_ns: u64,
     ) -> Result<Busy, StateError> {
+        let device = self.physical(device);
         let mut busy = Busy::default();
         if to_ns <= from_ns {
             return Ok(busy);
         }
-        let rec = self.device(device);
-        let _guard = self.lock_device(device)?;
+        let rec = self.record(device);
+        let _guard = self.lock_record(device)?;
         let head = rec.ring_head.load(Ordering::Acquire);
         let count = head.min(RING_CAPACITY);
         for k in 0..count {
@@ -549,6 +573,7 @@ impl Shared {
     /// Live processes on `device`: (pid, used bytes), after reclaiming dead
     /// ones. A process appears while it has memory or a context there.
     pub fn processes(&self, device: usize) -> Vec<(u32, u64)> {
+        let device = self.physical(device);
         self.reclaim_dead();
         let mut out = Vec::new();
         for i in 0..MAX_SLOTS {
@@ -568,8 +593,9 @@ impl Shared {
 
     /// (total, used) of a device after reclaiming dead processes' memory.
     pub fn memory(&self, device: usize) -> (u64, u64) {
+        let device = self.physical(device);
         self.reclaim_dead();
-        let rec = self.device(device);
+        let rec = self.record(device);
         (
             rec.total.load(Ordering::Acquire),
             rec.used.load(Ordering::Acquire),
@@ -650,13 +676,13 @@ fn validate(fd: libc::c_int, size: u64, layout: &Layout, cfg: &Config) -> Result
     {
         return Err("layout differs".into());
     }
-    if h.device_count as usize != cfg.devices {
+    if h.device_count as usize != cfg.machine_devices {
         return Err(format!(
             "it has {} devices, SIMGPU_DEVICES asks for {}",
-            h.device_count, cfg.devices
+            h.device_count, cfg.machine_devices
         ));
     }
-    for (i, &want) in cfg.memory.iter().enumerate() {
+    for (i, &want) in cfg.machine_memory.iter().enumerate() {
         let offset = layout.devices_offset + (i * std::mem::size_of::<DeviceRecord>()) as u64;
         let total: u64 = pread_value(fd, offset).ok_or("device table unreadable")?;
         if total != want {
@@ -732,7 +758,7 @@ fn initialise(
             .cast::<DeviceRecord>();
         for i in 0..MAX_DEVICES {
             let d = devices.add(i);
-            let total = cfg.memory.get(i).copied().unwrap_or(0);
+            let total = cfg.machine_memory.get(i).copied().unwrap_or(0);
             (*d).total.store(total, Ordering::Release);
             init_robust_mutex((*d).mutex.get());
         }
@@ -791,7 +817,7 @@ fn open_rw(path: &CString, extra: libc::c_int) -> libc::c_int {
 fn open(cfg: &Config) -> Result<Shared, StateError> {
     let path = cfg.state_path.as_path();
     let cpath = c_path(path)?;
-    let layout = Layout::for_devices(cfg.devices);
+    let layout = Layout::for_devices(cfg.machine_devices);
     for _attempt in 0..16 {
         let fd = open_rw(&cpath, libc::O_CREAT);
         if fd < 0 {
@@ -885,6 +911,7 @@ fn open(cfg: &Config) -> Result<Shared, StateError> {
             // SAFETY: getpid has no preconditions.
             pid: unsafe { libc::getpid() } as u32,
             pid_namespace: crate::pids::own_namespace().unwrap_or(0),
+            visible: cfg.visible.clone(),
         };
         if shared.header().magic.load(Ordering::Acquire) != MAGIC {
             return Err(StateError::Io(format!(

@@ -147,6 +147,10 @@ class ControlPlane:
             "--initial-advertise-peer-urls", f"http://127.0.0.1:{etcd_peer}",
             "--initial-cluster", f"default=http://127.0.0.1:{etcd_peer}",
             "--listen-metrics-urls", f"http://127.0.0.1:{free_port()}",
+            # A test cluster's data is thrown away: waiting for the disk on
+            # every write made etcd time out requests under the 300-pod
+            # burst on a 2-core machine.
+            "--unsafe-no-fsync",
         ])
         self._wait("etcd", lambda: self._probe(f"http://127.0.0.1:{etcd_client}/health"))
         pki = self.pki

@@ -142,6 +142,9 @@ class SimulatedNode:
             f"--workdir={self.workdir}", f"--api-host={self.cluster.address}", f"--api-port={self.cluster.api_port}",
             *[f"--mount={flag}" for flag in self.image.mounts()],
             *[f"--runtime-env={key}={value}" for key, value in runtime_env.items()],
+            # The NVIDIA runtime's part: a container sees the GPUs its
+            # NVIDIA_VISIBLE_DEVICES names, and no others.
+            "--gpu-visibility-env=SIMGPU_VISIBLE_DEVICES",
             *[f"--label={key}={value}" for key, value in self.labels.items()],
         ]
         log = open(self.workdir / "simnode.log", "w")  # noqa: SIM115 -- open while the process runs

@@ -52,6 +52,7 @@ type config struct {
 	labels      listFlag
 	mounts      listFlag
 	runtimeEnv  listFlag
+	visibility  string
 	statusEvery int
 }
 
@@ -83,6 +84,8 @@ func main() {
 	flags.Var(&c.labels, "label", "KEY=VALUE label of the Node (repeatable)")
 	flags.Var(&c.mounts, "mount", "the image: bind:SRC:DST[:ro] or tmpfs:DST, applied in order inside --rootfs for every container (repeatable)")
 	flags.Var(&c.runtimeEnv, "runtime-env", "KEY=VALUE given to every container, as a GPU container runtime injects its driver (repeatable)")
+	flags.StringVar(&c.visibility, "gpu-visibility-env", "", "variable set in every container to its NVIDIA_VISIBLE_DEVICES (\"none\" without one): "+
+		"how the simulated driver learns which GPUs the container may see, as the NVIDIA runtime exposes only those")
 	klog.InitFlags(flags)
 	_ = flags.Parse(os.Args[1:])
 	if err := run(&c); err != nil {

@@ -602,6 +602,13 @@ func (w *podWorker) containerSpec(ctx context.Context, pod *v1.Pod, c *container
 		}
 		env.set(variable.Name, value)
 	}
+	if cfg.visibility != "" {
+		visible, ok := env.values["NVIDIA_VISIBLE_DEVICES"]
+		if !ok {
+			visible = "none"
+		}
+		env.set(cfg.visibility, visible)
+	}
 	var argv []string
 	for _, arg := range append(append([]string{}, c.spec.Command...), c.spec.Args...) {
 		argv = append(argv, expand(arg, env.values))

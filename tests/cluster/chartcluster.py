@@ -1,0 +1,147 @@
+"""The chart installed with the real helm on simulated nodes under the real
+control plane, for the cluster tests: `ChartCluster` starts a control plane
+in a test network, `nodes` simulated nodes joined to it, creates what a GPU
+cluster's set-up provides (the `nvidia` RuntimeClass) and installs
+deploy/helm/vgpu, then waits until every node's plugin has registered and
+the extender's pod is a ready Service endpoint."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent.parent
+CHART = REPO / "deploy/helm/vgpu"
+TARGET = Path(os.environ.get("VGPU_TARGET_DIR", REPO / "target/release")).resolve()
+sys.path.insert(0, str(HERE))
+from controlplane import ControlPlane, ControlPlaneError, wait_for  # noqa: E402
+from nodenet import TestNetwork  # noqa: E402
+from simnodes import NodeImage, SimulatedNode, enable_forwarding  # noqa: E402
+
+RELEASE_NAMESPACE = "vgpu-system"
+
+
+def shim_library() -> Path:
+    named = os.environ.get("VGPU_SHIM_LIBRARY")
+    return Path(named).resolve() if named else TARGET / "libvgpu.so"
+
+
+def image(cluster: ControlPlane, root: Path, shared: list[Path]) -> NodeImage:
+    """One root for the chart's two images (ours and kube-scheduler's) and
+    the test workloads: our binaries where the Dockerfile puts them, the
+    real kube-scheduler on PATH, this Python for the workloads."""
+    binaries = {f"/usr/local/bin/{name}": TARGET / name
+                for name in ("vgpu-device-plugin", "vgpu-monitor", "vgpu-scheduler")}
+    binaries["/usr/local/lib/vgpu/libvgpu.so"] = shim_library()
+    binaries["/usr/local/bin/kube-scheduler"] = cluster.bin / "kube-scheduler"
+    for path in binaries.values():
+        if not path.is_file():
+            raise ControlPlaneError(f"{path} is missing: build the release binaries first (scripts/test does)")
+    python = Path(sys.base_prefix).resolve()
+    extra = [] if str(python).startswith("/usr") else [python]
+    return NodeImage(root, binaries, [*shared, REPO, *extra])
+
+
+def kubectl_json(cluster: ControlPlane, *args: str):
+    return json.loads(cluster.kubectl(*args, "-o", "json").stdout)
+
+
+class ChartCluster:
+    """A control plane, `nodes` simulated nodes and the chart installed
+    with the real helm, its pods running on those nodes."""
+
+    def __init__(self, workdir: Path, nodes: int, gpus: int = 2, memory: str = "16Gi", helm_args: tuple = ()):
+        self.workdir = workdir
+        self.count, self.gpus, self.memory, self.helm_args = nodes, gpus, memory, helm_args
+        self.nodes: list[SimulatedNode] = []
+
+    def __enter__(self) -> ChartCluster:
+        # Nodes live under a short path: kubelet.sock's path in it must fit
+        # a unix socket address (108 bytes).
+        self.nodes_dir = Path(tempfile.mkdtemp(prefix="vgpu-nodes-", dir="/tmp"))
+        self.network = TestNetwork().__enter__()
+        try:
+            self.cluster = ControlPlane(self.workdir / "control-plane", network=self.network).__enter__()
+            enable_forwarding(self.network)
+            shared = [self.workdir, self.nodes_dir]
+            self.image = image(self.cluster, self.workdir / "image", shared)
+            for index in range(1, self.count + 1):
+                node = SimulatedNode(self.cluster, self.network, index, self.image, self.nodes_dir / f"node-{index}",
+                                     gpus=self.gpus, memory=self.memory, labels={"gpu": "on"},
+                                     simulated_gpu=TARGET / "libsimgpu.so")
+                self.nodes.append(node)
+                node.start()
+            # What the NVIDIA container toolkit sets up on a GPU cluster;
+            # the chart's node agent runs with it.
+            self.cluster.kubectl("apply", "-f", "-", input=json.dumps({
+                "apiVersion": "node.k8s.io/v1", "kind": "RuntimeClass", "metadata": {"name": "nvidia"},
+                "handler": "nvidia"}))
+            self.cluster.helm("install", "vgpu", str(CHART), "-n", RELEASE_NAMESPACE, "--create-namespace",
+                              "--set", "image.pullPolicy=Never", *self.helm_args)
+            self.wait_until_serving()
+        except BaseException:
+            self.__exit__()
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for node in reversed(self.nodes):
+            node.stop()
+        if hasattr(self, "cluster"):
+            self.cluster.stop()
+        self.network.__exit__()
+        shutil.rmtree(self.nodes_dir, ignore_errors=True)
+
+    def logs(self) -> str:
+        parts = []
+        for node in self.nodes:
+            parts.append(f"--- {node.name} simnode\n{node.log()[-2500:]}")
+            for folder in sorted((node.workdir / "pods").glob("*")):
+                for log in sorted(folder.glob("*.log")):
+                    parts.append(f"--- {node.name} {folder.name}/{log.name}\n"
+                                 f"{log.read_text(errors='replace')[-1500:]}")
+        parts.append(self.cluster.kubectl("get", "pods", "-A", "-o", "wide", check=False).stdout)
+        parts.append(self.cluster.kubectl("get", "events", "-A", check=False).stdout[-4000:])
+        return "\n".join(parts)
+
+    def wait_until_serving(self) -> None:
+        """Every node's plugin has registered and published its GPUs, and
+        the webhook's Service has a ready endpoint."""
+        def plugins_registered():
+            nodes = kubectl_json(self.cluster, "get", "nodes")["items"]
+            counts = [int(node["status"].get("allocatable", {}).get("nvidia.com/gpu", "0")) for node in nodes]
+            published = all("vgpu.io/node-gpus" in node["metadata"].get("annotations", {}) for node in nodes)
+            return len(nodes) == self.count and all(counts) and published
+        wait_for("every node's plugin registered with its kubelet and published its GPUs", plugins_registered,
+                 timeout=120, log=self.logs)
+
+        def endpoint_ready():
+            slices = kubectl_json(self.cluster, "get", "endpointslices", "-n", RELEASE_NAMESPACE)["items"]
+            return any(endpoint.get("conditions", {}).get("ready") for item in slices
+                       if item["metadata"]["labels"].get("kubernetes.io/service-name", "").endswith("-scheduler")
+                       for endpoint in item.get("endpoints") or [])
+        wait_for("the extender's pod ready behind its Service", endpoint_ready, timeout=120, log=self.logs)
+
+    def node(self, name: str) -> SimulatedNode:
+        return next(node for node in self.nodes if node.name == name)
+
+
+
+
+def compile_workload(name: str, folder: Path) -> Path:
+    """Builds tests/cluster/workloads/<name>.c into `folder` (once)."""
+    program = folder / name
+    if not program.exists():
+        done = subprocess.run([os.environ.get("CC", "cc"), "-O2", "-Wall", "-Werror",
+                               "-I", str(REPO / "testkit/programs"), "-o", str(program),
+                               str(HERE / f"workloads/{name}.c"), "-ldl"],
+                              capture_output=True, text=True, check=False)
+        if done.returncode != 0:
+            raise ControlPlaneError(f"building {name}: {done.stderr}")
+    return program
