@@ -331,7 +331,10 @@ mod tests {
         let some = cfg(&[
             ("SIMGPU_DEVICES", "4"),
             ("SIMGPU_MEMORY_2", "8Gi"),
-            ("SIMGPU_VISIBLE_DEVICES", &format!("{},1", third.to_lowercase())),
+            (
+                "SIMGPU_VISIBLE_DEVICES",
+                &format!("{},1", third.to_lowercase()),
+            ),
         ])
         .expect("valid");
         assert_eq!(some.visible, vec![1, 2]);
@@ -342,13 +345,16 @@ mod tests {
         assert_eq!(some.machine_memory.len(), 4);
         assert_eq!(some.pci_bus(0), machine.pci_bus(1));
         for none in ["none", "void", ""] {
-            let hidden = cfg(&[("SIMGPU_DEVICES", "2"), ("SIMGPU_VISIBLE_DEVICES", none)]).expect("valid");
+            let hidden =
+                cfg(&[("SIMGPU_DEVICES", "2"), ("SIMGPU_VISIBLE_DEVICES", none)]).expect("valid");
             assert_eq!((hidden.devices, hidden.machine_devices), (0, 2));
         }
-        let all = cfg(&[("SIMGPU_DEVICES", "2"), ("SIMGPU_VISIBLE_DEVICES", "all")]).expect("valid");
+        let all =
+            cfg(&[("SIMGPU_DEVICES", "2"), ("SIMGPU_VISIBLE_DEVICES", "all")]).expect("valid");
         assert_eq!(all.visible, vec![0, 1]);
         for bad in ["2", "GPU-00000000-0000-0000-0000-000000000000", "0,x"] {
-            let error = cfg(&[("SIMGPU_DEVICES", "2"), ("SIMGPU_VISIBLE_DEVICES", bad)]).expect_err(bad);
+            let error =
+                cfg(&[("SIMGPU_DEVICES", "2"), ("SIMGPU_VISIBLE_DEVICES", bad)]).expect_err(bad);
             assert!(error.contains("SIMGPU_VISIBLE_DEVICES"), "{error}");
         }
     }

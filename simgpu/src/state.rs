@@ -427,12 +427,8 @@ impl Shared {
         Ok(())
     }
 
-    /// Locks a device's robust mutex, recovering it from a dead owner.
-    pub fn lock_device(&self, device: usize) -> Result<DeviceGuard<'_>, StateError> {
-        self.lock_record(self.physical(device))
-    }
-
-    /// Locks the machine's device `device`.
+    /// Locks the machine's device `device`'s robust mutex, recovering it
+    /// from a dead owner.
     fn lock_record(&self, device: usize) -> Result<DeviceGuard<'_>, StateError> {
         let mutex = self.record(device).mutex.get();
         // SAFETY: the mutex was initialised (pshared, robust) when the file was.
