@@ -27,6 +27,21 @@ pub enum ClusterError {
     },
 }
 
+impl ClusterError {
+    /// Whether the API server could not answer (unreachable, restarting,
+    /// overloaded, or its storage down) rather than refused: asking again
+    /// shortly may succeed.
+    pub fn is_outage(&self) -> bool {
+        match self {
+            Self::Client(_) | Self::Conflict { .. } => false,
+            Self::Api { source, .. } => match source {
+                kube::Error::Api(status) => status.code >= 500 || status.code == 429,
+                _ => true,
+            },
+        }
+    }
+}
+
 /// Builds a client for `source`.
 pub async fn make_client(source: &ApiSource) -> Result<Client, ClusterError> {
     Ok(vgpu_cluster::client::make_client(source).await?)

@@ -9,6 +9,7 @@ use crate::protocol::{self, PendingPod};
 use futures_util::Stream;
 use std::pin::Pin;
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 use tokio::sync::{watch, Mutex};
 use tonic::{Request, Response, Status};
 use vgpu_cluster::decision::InventoryGpu;
@@ -17,6 +18,38 @@ use vgpu_cluster::report::with_causes;
 /// How often an `Allocate` re-reads the pod when its record was changed
 /// by someone else in between.
 const MAX_ATTEMPTS: usize = 5;
+
+/// How long `Allocate` waits out an API server outage (a restart of the
+/// server or of etcd) before failing: kubelet fails the pod for good when
+/// `Allocate` fails, so riding out a restart is worth the wait.
+const API_OUTAGE_PATIENCE: Duration = Duration::from_secs(25);
+
+/// Calls `call` again while the API server cannot answer, for up to
+/// [`API_OUTAGE_PATIENCE`] from `since`.
+async fn through_outage<T, F, Fut>(
+    since: Instant,
+    what: &str,
+    mut call: F,
+) -> Result<T, ClusterError>
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Result<T, ClusterError>>,
+{
+    let mut delay = Duration::from_millis(100);
+    loop {
+        match call().await {
+            Err(error) if error.is_outage() && since.elapsed() + delay < API_OUTAGE_PATIENCE => {
+                tracing::warn!(
+                    error = &error as &dyn std::error::Error,
+                    "{what}: the API server did not answer; asking again"
+                );
+                tokio::time::sleep(delay).await;
+                delay = (delay * 2).min(Duration::from_secs(2));
+            }
+            result => return result,
+        }
+    }
+}
 
 /// What the service works with; shared by every server generation.
 pub struct PluginState {
@@ -38,12 +71,12 @@ impl PluginState {
         })
     }
 
-    async fn pending_pod(&self) -> Result<PendingPod, Status> {
-        let pods = self
-            .cluster
-            .pods_on_node()
-            .await
-            .map_err(|e| Status::unavailable(with_causes(&e)))?;
+    async fn pending_pod(&self, since: Instant) -> Result<PendingPod, Status> {
+        let pods = through_outage(since, "listing the node's pods", || {
+            self.cluster.pods_on_node()
+        })
+        .await
+        .map_err(|e| Status::unavailable(with_causes(&e)))?;
         protocol::pending_pod(self.cluster.node(), &pods)
             .map_err(|e| Status::failed_precondition(with_causes(&e)))
     }
@@ -59,8 +92,9 @@ impl PluginState {
             .iter()
             .map(|c| c.devices_ids.len())
             .collect();
+        let since = Instant::now();
         for attempt in 1..=MAX_ATTEMPTS {
-            let pod = self.pending_pod().await?;
+            let pod = self.pending_pod(since).await?;
             let containers = protocol::match_requests(&pod, &sizes)
                 .map_err(|e| Status::failed_precondition(with_causes(&e)))?;
             let gpus = self.gpus.borrow().clone();
@@ -89,7 +123,10 @@ impl PluginState {
 
             let mut allocated = pod.allocated.clone();
             allocated.extend(plans.iter().map(|p| p.container.clone()));
-            match self.cluster.record_allocated(&pod, &allocated).await {
+            let recorded = through_outage(since, "recording the allocation", || {
+                self.cluster.record_allocated(&pod, &allocated)
+            });
+            match recorded.await {
                 Ok(()) => {
                     for plan in &plans {
                         tracing::info!(
@@ -122,7 +159,7 @@ impl PluginState {
         &self,
         request: &api::PreferredAllocationRequest,
     ) -> api::PreferredAllocationResponse {
-        let pod = match self.pending_pod().await {
+        let pod = match self.pending_pod(Instant::now()).await {
             Ok(pod) => Some(pod),
             Err(status) => {
                 tracing::debug!(

@@ -1,6 +1,7 @@
 //! Command-line flags.
 
 use crate::api::ApiSource;
+use crate::leader::LeaderConfig;
 use crate::policy::{GpuPolicy, NodePolicy};
 use crate::requests::{RequestDefaults, ResourceNames};
 use crate::scheduler::Config;
@@ -18,7 +19,9 @@ use vgpu_cluster::resources;
 /// (http(s)://<service>:39999), filterVerb "filter", prioritizeVerb
 /// "prioritize", bindVerb "bind", nodeCacheCapable true (false works too),
 /// and the vGPU resources as managedResources with ignoredByScheduler true.
-/// Run one replica: per-node locks are kept in memory.
+/// One replica, or several with --leader-elect: per-node locks are kept in
+/// memory, so only the elected replica filters, prioritizes and binds (the
+/// others answer that they stand by; the webhook is served by all).
 ///
 /// Pod annotations: nvidia.com/use-gputype, nvidia.com/nouse-gputype
 /// (comma lists, matched as case-insensitive substrings of the GPU model),
@@ -133,6 +136,31 @@ pub struct Cli {
     #[arg(long)]
     pub allow_privileged_vgpu: bool,
 
+    /// Run as one of several replicas: elect the one that filters,
+    /// prioritizes and binds on a coordination.k8s.io Lease of the
+    /// extender's own (--leader-elect-lease in --leader-elect-namespace).
+    #[arg(long)]
+    pub leader_elect: bool,
+
+    /// Name of the extender's Lease.
+    #[arg(long, default_value = "vgpu-scheduler-extender", value_name = "NAME")]
+    pub leader_elect_lease: String,
+
+    /// Namespace of the Lease (the pod's own: POD_NAMESPACE).
+    #[arg(long, env = "POD_NAMESPACE", value_name = "NAMESPACE")]
+    pub leader_elect_namespace: Option<String>,
+
+    /// This replica's name in the Lease (the pod's name: POD_NAME).
+    #[arg(long, env = "POD_NAME", value_name = "NAME")]
+    pub leader_elect_identity: Option<String>,
+
+    /// kube-scheduler's Lease (same namespace): stand for election only
+    /// while the kube-scheduler in this pod (identity "<pod name>_...")
+    /// holds it, so the serving extender is the one the scheduling
+    /// kube-scheduler calls.
+    #[arg(long, value_name = "NAME", requires = "leader_elect")]
+    pub follow_scheduler_lease: Option<String>,
+
     /// Log level: error, warn, info, debug or trace (logs go to stderr).
     #[arg(long, default_value = "info", value_name = "LEVEL")]
     pub log_level: tracing::Level,
@@ -164,6 +192,26 @@ impl Cli {
                 allow_privileged: self.allow_privileged_vgpu,
             },
         }
+    }
+
+    /// The leader election the flags ask for, or why they are incomplete.
+    pub fn leader_config(&self) -> Result<Option<LeaderConfig>, String> {
+        if !self.leader_elect {
+            return Ok(None);
+        }
+        let namespace = self.leader_elect_namespace.clone().filter(|n| !n.is_empty()).ok_or(
+            "--leader-elect needs --leader-elect-namespace (or POD_NAMESPACE): where the Lease lives",
+        )?;
+        let identity = self
+            .leader_elect_identity
+            .clone()
+            .filter(|n| !n.is_empty())
+            .ok_or(
+                "--leader-elect needs --leader-elect-identity (or POD_NAME): this replica's name",
+            )?;
+        let mut config = LeaderConfig::new(self.leader_elect_lease.clone(), namespace, identity);
+        config.follow = self.follow_scheduler_lease.clone();
+        Ok(Some(config))
     }
 
     /// Where the API server is.

@@ -15,12 +15,14 @@
 //! - [`scheduler`]: filter, prioritize and bind.
 //! - [`server`]: the HTTP(S) server.
 //! - [`webhook`]: the admission webhook that gives vGPU pods this scheduler.
+//! - [`leader`]: leader election among replicas.
 //! - [`cli`]: command-line flags.
 
 pub mod api;
 pub mod cli;
 pub mod extender;
 pub mod fit;
+pub mod leader;
 pub mod policy;
 pub mod requests;
 pub mod scheduler;
@@ -53,6 +55,8 @@ pub struct Running {
     server: JoinHandle<()>,
     watches: Vec<JoinHandle<()>>,
     shutdown: Option<tokio::sync::oneshot::Sender<()>>,
+    /// The election, when this is one of several replicas.
+    election: Option<(kube::Client, leader::LeaderConfig)>,
 }
 
 /// Starts the extender on `listener`, with its state fed by the API at
@@ -63,14 +67,25 @@ pub async fn start(
     source: &ApiSource,
     listener: TcpListener,
     tls: Option<Arc<rustls::ServerConfig>>,
+    election: Option<leader::LeaderConfig>,
 ) -> Result<Running, StartError> {
     let client = api::make_client(source).await.map_err(StartError::Api)?;
     let state = Arc::new(SharedState::new());
-    let watches = vec![
+    let mut watches = vec![
         tokio::spawn(api::watch_pods(client.clone(), state.clone())),
         tokio::spawn(api::watch_nodes(client.clone(), state.clone())),
     ];
-    let scheduler = Arc::new(Scheduler::new(config, state, Some(KubeApi::new(client))));
+    let mut scheduler = Scheduler::new(config, state, Some(KubeApi::new(client.clone())));
+    if let Some(election) = &election {
+        let leadership = Arc::new(leader::Leadership::default());
+        scheduler = scheduler.with_leadership(leadership.clone());
+        watches.push(tokio::spawn(leader::run(
+            client.clone(),
+            election.clone(),
+            leadership,
+        )));
+    }
+    let scheduler = Arc::new(scheduler);
     let local_addr = listener.local_addr().map_err(StartError::Listener)?;
     let (shutdown, stop) = tokio::sync::oneshot::channel::<()>();
     let server = tokio::spawn(server::serve(
@@ -87,6 +102,7 @@ pub async fn start(
         server,
         watches,
         shutdown: Some(shutdown),
+        election: election.map(|e| (client, e)),
     })
 }
 
@@ -118,8 +134,13 @@ impl Running {
             let _ = shutdown.send(());
         }
         let deadline = tokio::time::Instant::now() + drain;
+        self.scheduler.stop_serving();
         while self.scheduler.binds_in_flight() > 0 && tokio::time::Instant::now() < deadline {
             tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        // Binds are done: another replica may take over at once.
+        if let Some((client, election)) = self.election.take() {
+            leader::release_lease(client, &election).await;
         }
         self.stop();
     }

@@ -23,13 +23,14 @@ async fn main() -> anyhow::Result<()> {
         .with_context(|| format!("cannot listen on {address}"))?;
     let address = listener.local_addr().unwrap_or(address);
     let config = cli.config();
+    let election = cli.leader_config().map_err(anyhow::Error::msg)?;
     tracing::info!(
         "vgpu-scheduler listening on {}://{address} (GPU policy {}, node policy {})",
         if tls.is_some() { "https" } else { "http" },
         config.gpu_policy,
         config.node_policy
     );
-    let running = vgpu_scheduler::start(config, &cli.api_source(), listener, tls).await?;
+    let running = vgpu_scheduler::start(config, &cli.api_source(), listener, tls, election).await?;
     // Binds in flight get the time kube-scheduler gives them (5 s) to finish.
     running
         .serve_until(shutdown_signal(), std::time::Duration::from_secs(5))

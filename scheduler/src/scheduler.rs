@@ -16,7 +16,8 @@
 //!    again (with the new `resourceVersion` as precondition, so a pod that
 //!    was bound after all keeps it).
 //!
-//! Run one extender replica: the node locks are in memory.
+//! The node locks are in memory: of several replicas, only the one holding
+//! the extender's Lease serves the verbs ([`crate::leader`]).
 
 use crate::api::{ApiError, KubeApi};
 use crate::extender::{
@@ -24,6 +25,7 @@ use crate::extender::{
     NodeList, MAX_EXTENDER_PRIORITY,
 };
 use crate::fit::{explain, node_load, place_pod, Scratch};
+use crate::leader::Leadership;
 use crate::policy::{node_score, GpuPolicy, NodePolicy};
 use crate::requests::{parse_pod, PodRequest, RequestDefaults, ResourceNames};
 use crate::state::{now_unix_ms, ClusterState, FastMap, Inventory, SharedState};
@@ -32,7 +34,7 @@ use k8s_openapi::api::core::v1::Pod;
 use serde::Serialize;
 use std::collections::HashMap;
 use std::hash::BuildHasher;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 use std::time::Instant;
@@ -177,6 +179,9 @@ pub struct Scheduler {
     hasher: foldhash::fast::RandomState,
     score_cache: Mutex<Vec<ScoreEntry>>,
     binds_in_flight: AtomicUsize,
+    stopping: AtomicBool,
+    /// Set when this is one of several replicas: serve only while leading.
+    leadership: Option<Arc<Leadership>>,
 }
 
 /// Counts a bind while it runs.
@@ -229,7 +234,33 @@ impl Scheduler {
             hasher: foldhash::fast::RandomState::default(),
             score_cache: Mutex::new(Vec::new()),
             binds_in_flight: AtomicUsize::new(0),
+            stopping: AtomicBool::new(false),
+            leadership: None,
         }
+    }
+
+    /// Serves the verbs only while `leadership` says this replica leads.
+    pub fn with_leadership(mut self, leadership: Arc<Leadership>) -> Self {
+        self.leadership = Some(leadership);
+        self
+    }
+
+    /// `Err(why)` when another replica serves the verbs.
+    fn check_leading(&self) -> Result<(), String> {
+        if self.stopping.load(Ordering::SeqCst) {
+            return Err(
+                "this vgpu-scheduler replica is stopping; kube-scheduler will retry".to_string(),
+            );
+        }
+        match &self.leadership {
+            Some(leadership) if !leadership.serving() => Err(leadership.standing_by()),
+            _ => Ok(()),
+        }
+    }
+
+    /// A stopping replica takes no new filter, prioritize or bind.
+    pub fn stop_serving(&self) {
+        self.stopping.store(true, Ordering::SeqCst);
     }
 
     pub fn config(&self) -> &Config {
@@ -375,6 +406,7 @@ impl Scheduler {
     /// Which candidates fit; remembers their loads for the prioritize call
     /// that follows.
     fn filter_outcome<'a>(&self, args: &'a ExtenderArgs<'a>) -> Result<FilterOutcome<'a>, String> {
+        self.check_leading()?;
         let pod = args.pod.as_ref().ok_or("ExtenderArgs has no Pod")?;
         let names = candidates(args)?;
         let request = self
@@ -489,6 +521,7 @@ impl Scheduler {
     /// version in the last seconds (the binding re-checks everything, so a
     /// score a few milliseconds old is only ever advice).
     fn prioritize_scores<'a>(&self, args: &'a ExtenderArgs<'a>) -> Result<Vec<Score<'a>>, String> {
+        self.check_leading()?;
         let pod = args.pod.as_ref().ok_or("ExtenderArgs has no Pod")?;
         let names = candidates(args)?;
         let zero = |names: Vec<&'a str>| {
@@ -618,6 +651,7 @@ impl Scheduler {
         if name.is_empty() || namespace.is_empty() || node.is_empty() {
             return Err("ExtenderBindingArgs needs PodName, PodNamespace and Node".to_string());
         }
+        self.check_leading()?;
         let api = self
             .api
             .as_ref()
@@ -670,6 +704,8 @@ impl Scheduler {
                 .wait_and_place(&key, &uid, node, &request, deadline)
                 .await?;
             let version = pod.metadata.resource_version.clone().unwrap_or_default();
+            // The lead may have passed while this bind waited.
+            self.check_leading()?;
             match api
                 .write_decision(namespace, name, &version, &decision.to_json())
                 .await

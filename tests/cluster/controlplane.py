@@ -112,6 +112,8 @@ class ControlPlane:
         self.bin = binaries()
         self.pki = self.workdir / "pki"
         self.processes: dict[str, subprocess.Popen] = {}
+        self.arguments: dict[str, list[str]] = {}
+        self.health: dict[str, object] = {}
         self.network = network
         self.address = network.address if network else "127.0.0.1"
         self.controllers = controllers
@@ -152,7 +154,8 @@ class ControlPlane:
             # burst on a 2-core machine.
             "--unsafe-no-fsync",
         ])
-        self._wait("etcd", lambda: self._probe(f"http://127.0.0.1:{etcd_client}/health"))
+        self.health["etcd"] = lambda: self._probe(f"http://127.0.0.1:{etcd_client}/health")
+        self._wait("etcd", self.health["etcd"])
         pki = self.pki
         self._spawn("kube-apiserver", [
             f"--etcd-servers=http://127.0.0.1:{etcd_client}",
@@ -175,7 +178,8 @@ class ControlPlane:
             "--enable-aggregator-routing=true",
             "--allow-privileged=true",
         ])
-        self._wait("kube-apiserver", lambda: self._api_ok("/readyz"))
+        self.health["kube-apiserver"] = lambda: self._api_ok("/readyz")
+        self._wait("kube-apiserver", self.health["kube-apiserver"])
         for name, extra in (
             ("kube-controller-manager", [
                 f"--service-account-private-key-file={pki / 'sa.key'}",
@@ -194,7 +198,8 @@ class ControlPlane:
                 f"--secure-port={port}",
                 *extra,
             ])
-            self._wait(name, lambda port=port: self._probe(f"https://127.0.0.1:{port}/healthz", insecure=True))
+            self.health[name] = lambda port=port: self._probe(f"https://127.0.0.1:{port}/healthz", insecure=True)
+            self._wait(name, self.health[name])
         # The controller manager gives every namespace its `default`
         # ServiceAccount: ready once the default namespace has one.
         self._wait("kube-controller-manager", lambda: self._api_ok(
@@ -211,6 +216,18 @@ class ControlPlane:
                     process.kill()
                     process.wait()
         self.processes.clear()
+
+    def restart(self, name: str, kill: bool = True) -> float:
+        """Stops component `name` (SIGKILL, or SIGTERM with `kill=False`),
+        starts it again with the same arguments and data, and waits until it
+        is healthy; answers the seconds that took."""
+        started = time.monotonic()
+        process = self.processes[name]
+        process.kill() if kill else process.terminate()
+        process.wait(timeout=30)
+        self._spawn(name, self.arguments[name], append=True)
+        self._wait(name, self.health[name])
+        return time.monotonic() - started
 
     # Use -----------------------------------------------------------------
 
@@ -248,8 +265,9 @@ class ControlPlane:
 
     # Internals -----------------------------------------------------------
 
-    def _spawn(self, name: str, args: list[str]) -> None:
-        log = open(self.workdir / f"{name}.log", "w")  # noqa: SIM115 -- open while the process runs
+    def _spawn(self, name: str, args: list[str], append: bool = False) -> None:
+        self.arguments[name] = args
+        log = open(self.workdir / f"{name}.log", "a" if append else "w")  # noqa: SIM115 -- open while it runs
         self.processes[name] = subprocess.Popen(self.command([str(self.bin / name), *args]), stdout=log,
                                                 stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
         log.close()

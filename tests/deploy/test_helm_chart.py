@@ -381,7 +381,11 @@ def test_webhook_reaches_the_extender_over_a_certificate_it_trusts(tmp_path):
     (webhook,) = webhook_config["webhooks"]
     assert webhook["admissionReviewVersions"] == ["v1"]
     assert webhook["sideEffects"] == "None"
-    assert webhook["failurePolicy"] == "Ignore", "an outage must not block every pod"
+    # Fail is safe because only vGPU pods are sent: an outage blocks no other pod.
+    assert webhook["failurePolicy"] == "Fail"
+    (condition,) = webhook["matchConditions"]
+    for name in ("nvidia.com/gpu", "nvidia.com/gpumem", "nvidia.com/gpucores", "elasticgpu.io/gpu-memory"):
+        assert f"'{name}'" in condition["expression"], condition
     assert webhook["rules"] == [
         {
             "operations": ["CREATE"],

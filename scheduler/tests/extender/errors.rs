@@ -220,6 +220,7 @@ async fn nothing_is_decided_before_the_first_complete_list() {
         &ApiSource::Url(format!("http://{addr}")),
         listener,
         None,
+        None,
     )
     .await
     .expect("start");
@@ -261,6 +262,7 @@ async fn an_unreachable_api_server_is_survived() {
         test_config(),
         &ApiSource::Url(format!("http://{dead_addr}")),
         listener,
+        None,
         None,
     )
     .await

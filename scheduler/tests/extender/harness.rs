@@ -223,6 +223,7 @@ impl Harness {
             &ApiSource::Url(format!("http://{api_addr}")),
             listener,
             None,
+            None,
         )
         .await
         .expect("start extender");

@@ -78,6 +78,7 @@ async fn serves_https_with_the_given_certificate() {
         &ApiSource::Url(format!("http://{api_addr}")),
         listener,
         Some(tls),
+        None,
     )
     .await
     .expect("start");

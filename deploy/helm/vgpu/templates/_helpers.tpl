@@ -44,3 +44,17 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 {{- define "vgpu.extenderTLSSecret" -}}
 {{- .Values.scheduler.extender.tls.secretName | default (printf "%s-scheduler-tls" (include "vgpu.fullname" .)) -}}
 {{- end -}}
+
+{{/*
+CEL: whether the admitted pod names one of the vGPU resources in a
+container's or init container's limits or requests.
+*/}}
+{{- define "vgpu.asksForVgpus" -}}
+{{- $r := .Values.resources -}}
+{{- $names := list $r.gpu $r.memory $r.memoryPercentage $r.cores $r.priority $r.elasticMemory $r.elasticCores -}}
+{{- $quoted := list -}}
+{{- range $names }}{{ $quoted = append $quoted (printf "'%s'" .) }}{{ end -}}
+{{- $set := printf "[%s]" (join ", " $quoted) -}}
+{{- $asks := printf "has(c.resources) && ((has(c.resources.limits) && c.resources.limits.exists(k, k in %s)) || (has(c.resources.requests) && c.resources.requests.exists(k, k in %s)))" $set $set -}}
+object.spec.containers.exists(c, {{ $asks }}) || (has(object.spec.initContainers) && object.spec.initContainers.exists(c, {{ $asks }}))
+{{- end -}}

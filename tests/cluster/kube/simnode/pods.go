@@ -651,7 +651,11 @@ func (w *podWorker) containerSpec(ctx context.Context, pod *v1.Pod, c *container
 			}
 		}
 	}
-	spec := &containerSpec{Rootfs: cfg.rootfs, Mounts: mounts, OwnProc: !pod.Spec.HostPID,
+	hostname := pod.Name
+	if pod.Spec.HostNetwork {
+		hostname = cfg.name
+	}
+	spec := &containerSpec{Rootfs: cfg.rootfs, Mounts: mounts, OwnProc: !pod.Spec.HostPID, Hostname: hostname,
 		WorkingDir: c.spec.WorkingDir, Argv: argv, Env: env.list()}
 	var uid, gid *int64
 	if pod.Spec.SecurityContext != nil {

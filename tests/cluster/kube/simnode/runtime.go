@@ -27,6 +27,7 @@ type containerSpec struct {
 	Rootfs     string       `json:"rootfs"`
 	Mounts     []imageMount `json:"mounts"`
 	OwnProc    bool         `json:"ownProc"` // mount a /proc of the new PID namespace
+	Hostname   string       `json:"hostname"`
 	WorkingDir string       `json:"workingDir"`
 	Argv       []string     `json:"argv"`
 	Env        []string     `json:"env"`
@@ -56,7 +57,7 @@ func parseMounts(flags []string) ([]imageMount, error) {
 	return mounts, nil
 }
 
-// startContainer starts container-init in new mount (and, unless
+// startContainer starts container-init in new mount and UTS (and, unless
 // hostPID, PID) namespaces with `spec`; its output goes to `log`.
 func startContainer(spec *containerSpec, specPath string, log *os.File, hostPID bool) (*exec.Cmd, error) {
 	data, err := json.Marshal(spec)
@@ -73,7 +74,7 @@ func startContainer(spec *containerSpec, specPath string, log *os.File, hostPID 
 	cmd := exec.Command(self, containerInitCommand, specPath)
 	cmd.Stdout = log
 	cmd.Stderr = log
-	flags := uintptr(syscall.CLONE_NEWNS)
+	flags := uintptr(syscall.CLONE_NEWNS | syscall.CLONE_NEWUTS)
 	if !hostPID {
 		flags |= syscall.CLONE_NEWPID
 	}
@@ -108,6 +109,9 @@ func initContainer(specPath string) error {
 	var spec containerSpec
 	if err := json.Unmarshal(data, &spec); err != nil {
 		return err
+	}
+	if err := syscall.Sethostname([]byte(spec.Hostname)); err != nil {
+		return fmt.Errorf("hostname: %w", err)
 	}
 	// Nothing mounted here propagates back to the node.
 	if err := syscall.Mount("", "/", "", syscall.MS_REC|syscall.MS_PRIVATE, ""); err != nil {

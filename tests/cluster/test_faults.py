@@ -1,0 +1,200 @@
+"""Faults during bursts of pods, on the chart running on simulated nodes:
+`kill -9` of the extender, of kube-scheduler, of a node's device plugin
+while a pod bound to its node is being admitted, and restarts of the API
+server and of etcd; and, with two scheduler replicas, `kill -9` of the
+leading pair. Afterwards every pod is Running, or Pending with the
+scheduler's reason, or (only where a plugin died under kubelet's Allocate)
+Failed with kubelet's UnexpectedAdmissionError and holding nothing; no GPU
+holds more than it has (from the nodes' own record); the time to recover
+is printed."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+from chartcluster import RELEASE_NAMESPACE, ChartCluster, compile_workload, kubectl_json, wait_for  # noqa: E402
+from placement import (  # noqa: E402
+    assert_not_overcommitted,
+    gpu_container,
+    node_holdings,
+    settle,
+    workload_reports,
+)
+
+
+def burst(hold: Path, prefix: str, namespace: str, count: int) -> list[dict]:
+    pods = []
+    for number in range(count):
+        gpus, mib = (2, 2048) if number % 4 == 3 else (1, [1024, 2048, 3072][number % 3])
+        pods.append({"apiVersion": "v1", "kind": "Pod",
+                     "metadata": {"name": f"{prefix}-{number:02d}", "namespace": namespace},
+                     "spec": {"restartPolicy": "Never", "terminationGracePeriodSeconds": 1,
+                              "containers": [gpu_container("main", hold, gpus, mib, 10)]}})
+    return pods
+
+
+def submit(cc: ChartCluster, pods: list[dict], submitters: int = 2, after: int = 0, fault=None) -> int:
+    """Creates `pods` from `submitters` threads; runs `fault()` once `after`
+    of them exist. Answers how many creations the API server refused (and
+    were tried again)."""
+    created, refused, lock, errors = [0], [0], threading.Lock(), []
+    fired = threading.Event()
+
+    def run(share):
+        for pod in share:
+            # As a controller would: a creation the API server refused (its
+            # webhook unreachable, or itself restarting) is tried again.
+            for _attempt in range(120):
+                done = cc.cluster.kubectl("create", "-f", "-", input=json.dumps(pod), check=False)
+                if done.returncode == 0 or "AlreadyExists" in done.stderr:
+                    break
+                with lock:
+                    refused[0] += 1
+                time.sleep(0.5)
+            else:
+                errors.append(done.stderr)
+            with lock:
+                created[0] += 1
+                fire = fault is not None and created[0] >= after and not fired.is_set()
+                if fire:
+                    fired.set()
+            if fire:
+                fault()
+    threads = [threading.Thread(target=run, args=(pods[i::submitters],)) for i in range(submitters)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert not errors, errors
+    return refused[0]
+
+
+def pids_of(pod: str, program: str) -> list[int]:
+    """Processes of container program `program` in pod `pod` (simulated
+    containers carry HOSTNAME=<pod name>, as kubelet's do)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            if os.path.basename(os.readlink(entry / "exe")) != program:
+                continue
+            if f"HOSTNAME={pod}".encode() in (entry / "environ").read_bytes().split(b"\0"):
+                found.append(int(entry.name))
+        except OSError:
+            continue
+    return found
+
+
+def kill_9(pod: str, program: str) -> None:
+    pids = pids_of(pod, program)
+    assert pids, f"no {program} process in pod {pod}"
+    for pid in pids:
+        os.kill(pid, signal.SIGKILL)
+
+
+def pod_names(cc: ChartCluster, selector: str) -> list[dict]:
+    return kubectl_json(cc.cluster, "get", "pods", "-n", RELEASE_NAMESPACE, "-l", selector)["items"]
+
+
+def check(cc: ChartCluster, namespace: str, allow_admission_failures: bool = False) -> dict:
+    """The invariants after a fault; answers the pods by name."""
+    if allow_admission_failures:
+        def terminal_ok():
+            pods = kubectl_json(cc.cluster, "get", "pods", "-n", namespace)["items"]
+            return all(p["status"].get("phase") != "Failed" or p["status"].get("reason") == "UnexpectedAdmissionError"
+                       for p in pods)
+        assert terminal_ok()
+    current, why = settle(cc, namespace, timeout=240, allow_failed_admission=allow_admission_failures)
+    running = [pod for pod in current.values() if pod["status"]["phase"] == "Running"]
+    held = node_holdings(cc, namespace, running)
+    assert_not_overcommitted(held)
+    wrong = workload_reports(cc, namespace, running)
+    assert not wrong, wrong
+    for name, pod in current.items():
+        if pod["status"]["phase"] == "Pending":
+            assert why[name], f"{name} is Pending with no reason"
+    return current
+
+
+def test_faults_during_bursts(tmp_path):
+    with ChartCluster(tmp_path, nodes=4) as cc:
+        hold = compile_workload("hold", tmp_path)
+        times = {}
+
+        def extender_pod() -> str:
+            return pod_names(cc, "app.kubernetes.io/component=scheduler")[0]["metadata"]["name"]
+
+        def plugin_kill():
+            # The first pod of the burst bound to a node and not yet running:
+            # its node's plugin dies while kubelet's code admits it.
+            def admitting():
+                pods = kubectl_json(cc.cluster, "get", "pods", "-n", "plugin")["items"]
+                return next((p for p in pods if p["spec"].get("nodeName")
+                             and p["status"].get("phase") == "Pending"), None)
+            pod = wait_for("a pod being admitted", admitting, timeout=30, log=cc.logs)
+            node = pod["spec"]["nodeName"]
+            agent = next(p for p in pod_names(cc, "app.kubernetes.io/component=node")
+                         if p["spec"]["nodeName"] == node)
+            kill_9(agent["metadata"]["name"], "vgpu-device-plugin")
+
+        faults = {
+            "extender": lambda: kill_9(extender_pod(), "vgpu-scheduler"),
+            "scheduler": lambda: kill_9(extender_pod(), "kube-scheduler"),
+            "plugin": plugin_kill,
+            "apiserver": lambda: cc.cluster.restart("kube-apiserver"),
+            "etcd": lambda: cc.cluster.restart("etcd"),
+        }
+        only = os.environ.get("VGPU_FAULTS")
+        for name, fault in faults.items():
+            if only and name not in only.split(","):
+                continue
+            cc.cluster.kubectl("create", "namespace", name)
+            started = time.monotonic()
+            refused = submit(cc, burst(hold, name, name, 12), after=3, fault=fault)
+            current = check(cc, name, allow_admission_failures=name == "plugin")
+            times[name] = time.monotonic() - started
+            phases = {phase: sum(p["status"]["phase"] == phase for p in current.values())
+                      for phase in ("Running", "Pending", "Failed")}
+            print(f"\nfault {name}: settled {times[name]:.1f} s after the burst began; {phases}; "
+                  f"{refused} creations refused and retried")
+        # The node agents and the scheduler came back by themselves.
+        assert all(p["status"].get("phase") == "Running" for p in pod_names(cc, "app.kubernetes.io/instance=vgpu"))
+
+
+def test_two_scheduler_replicas_hand_over_when_the_leader_dies(tmp_path):
+    with ChartCluster(tmp_path, nodes=3, helm_args=("--set", "scheduler.replicas=2")) as cc:
+        hold = compile_workload("hold", tmp_path)
+        leases = {}
+
+        def leaders():
+            items = kubectl_json(cc.cluster, "get", "leases", "-n", RELEASE_NAMESPACE)["items"]
+            holders = {item["metadata"]["name"]: item["spec"].get("holderIdentity", "") for item in items}
+            scheduler, extender = holders.get("vgpu-scheduler", ""), holders.get("vgpu-scheduler-extender", "")
+            # The serving extender is the one beside the leading scheduler.
+            return (scheduler, extender) if extender and scheduler.startswith(extender + "_") else None
+        scheduler_holder, leader = wait_for("a kube-scheduler and the extender beside it leading", leaders,
+                                            timeout=90, log=cc.logs)
+        leases["before"] = leader
+
+        killed_at = []
+
+        def kill_leader():
+            killed_at.append(time.monotonic())
+            kill_9(leader, "vgpu-scheduler")
+            kill_9(leader, "kube-scheduler")
+        cc.cluster.kubectl("create", "namespace", "handover")
+        submit(cc, burst(hold, "handover", "handover", 24), after=6, fault=kill_leader)
+        current = check(cc, "handover")
+        recovered = time.monotonic() - killed_at[0]
+        scheduler_holder, after = wait_for("leaders after the kill", leaders, timeout=60, log=cc.logs)
+        print(f"\nleader {leader} killed; leading after: {after}; all pods settled {recovered:.1f} s after the kill")
+        assert sum(pod["status"]["phase"] == "Running" for pod in current.values()) >= 12
