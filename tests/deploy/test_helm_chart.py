@@ -139,6 +139,7 @@ def _accepts(binary, arguments):
         {},
         {
             "scheduler": {
+                "replicas": 2,
                 "extender": {"tls": {"secretName": "vgpu-tls"}, "nodePolicy": "spread"},
                 "webhook": {"caBundle": "Q0E=", "allowPrivileged": True},
             },
