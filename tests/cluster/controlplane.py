@@ -223,7 +223,10 @@ class ControlPlane:
         is healthy; answers the seconds that took."""
         started = time.monotonic()
         process = self.processes[name]
-        process.kill() if kill else process.terminate()
+        if kill:
+            process.kill()
+        else:
+            process.terminate()
         process.wait(timeout=30)
         self._spawn(name, self.arguments[name], append=True)
         self._wait(name, self.health[name])

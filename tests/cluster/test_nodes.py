@@ -54,7 +54,10 @@ def test_the_chart_runs_on_simulated_nodes(chart_cluster):
         inventory = json.loads(found["metadata"]["annotations"]["vgpu.io/node-gpus"])
         assert len(inventory["gpus"]) == chart_cluster.gpus
         text = wait_for(f"{node.name}'s monitor serving", lambda node=node: _metrics(node), log=chart_cluster.logs)
-        assert "vgpu_gpu_memory_total_bytes" in text or "vgpu_" in text
+        # The monitor reports this node's own GPUs, read through its NVML.
+        totals = [line for line in text.splitlines() if line.startswith("vgpu_gpu_memory_total_bytes{")]
+        for gpu in inventory["gpus"]:
+            assert any(gpu["uuid"] in line for line in totals), (gpu["uuid"], totals)
 
 
 def _metrics(node: SimulatedNode) -> str:

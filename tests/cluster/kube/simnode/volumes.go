@@ -27,14 +27,14 @@ func volumeSources(ctx context.Context, client kubernetes.Interface, c *config, 
 		case volume.EmptyDir != nil:
 			err = os.MkdirAll(dir, 0o777)
 		case volume.ConfigMap != nil:
-			files := map[string][]byte{}
+			var files map[string][]byte
 			files, err = configMapFiles(ctx, client, pod.Namespace, volume.ConfigMap.Name, volume.ConfigMap.Items,
 				ptr.Deref(volume.ConfigMap.Optional, false))
 			if err == nil {
 				err = writeFiles(dir, files, modeOf(volume.ConfigMap.DefaultMode))
 			}
 		case volume.Secret != nil:
-			files := map[string][]byte{}
+			var files map[string][]byte
 			files, err = secretFiles(ctx, client, pod.Namespace, volume.Secret.SecretName, volume.Secret.Items,
 				ptr.Deref(volume.Secret.Optional, false))
 			if err == nil {
