@@ -14,6 +14,7 @@
 //! - [`api`]: the Kubernetes client, watches and writes.
 //! - [`scheduler`]: filter, prioritize and bind.
 //! - [`server`]: the HTTP(S) server.
+//! - [`metrics`]: the time each verb takes, for `GET /metrics`.
 //! - [`webhook`]: the admission webhook that gives vGPU pods this scheduler.
 //! - [`leader`]: leader election among replicas.
 //! - [`cli`]: command-line flags.
@@ -23,6 +24,7 @@ pub mod cli;
 pub mod extender;
 pub mod fit;
 pub mod leader;
+pub mod metrics;
 pub mod policy;
 pub mod requests;
 pub mod scheduler;
@@ -46,6 +48,8 @@ pub enum StartError {
     Api(#[from] ApiError),
     #[error("listener address")]
     Listener(#[source] std::io::Error),
+    #[error(transparent)]
+    Metrics(#[from] metrics::MetricsError),
 }
 
 /// A running extender: API watches and the server.
@@ -90,7 +94,7 @@ pub async fn start(
     let (shutdown, stop) = tokio::sync::oneshot::channel::<()>();
     let server = tokio::spawn(server::serve(
         listener,
-        server::router(scheduler.clone()),
+        server::router(scheduler.clone(), Arc::new(metrics::ServerMetrics::new()?)),
         tls,
         async move {
             let _ = stop.await;

@@ -1,8 +1,9 @@
 //! The HTTP(S) server: `POST /filter`, `/prioritize`, `/bind`,
-//! `/webhook/mutate`, `GET /healthz`, `/readyz`, `/debug/state`; also `POST /priorities` and
+//! `/webhook/mutate`, `GET /healthz`, `/readyz`, `/metrics`, `/debug/state`; also `POST /priorities` and
 //! `/scheduler/{filter,priorities,prioritize,bind}` (Elastic GPU
 //! Scheduler's URLs).
 
+use crate::metrics::{ServerMetrics, Verb};
 use crate::scheduler::{Reply, Scheduler};
 use axum::body::{Body, Bytes};
 use axum::extract::{DefaultBodyLimit, State};
@@ -17,7 +18,7 @@ use rustls::pki_types::{CertificateDer, PrivateKeyDer};
 use std::future::Future;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 use thiserror::Error;
 use tokio::net::TcpListener;
 use tokio::task::JoinSet;
@@ -46,8 +47,16 @@ pub enum ServerError {
     Tls(#[source] rustls::Error),
 }
 
-/// The routes.
-pub fn router(scheduler: Arc<Scheduler>) -> Router {
+/// What every route is served with.
+#[derive(Clone)]
+struct Served {
+    scheduler: Arc<Scheduler>,
+    metrics: Arc<ServerMetrics>,
+}
+
+/// The routes; `metrics` records each verb's time and is served at
+/// `GET /metrics`.
+pub fn router(scheduler: Arc<Scheduler>, metrics: Arc<ServerMetrics>) -> Router {
     Router::new()
         .route("/filter", post(filter))
         .route("/prioritize", post(prioritize))
@@ -63,9 +72,10 @@ pub fn router(scheduler: Arc<Scheduler>) -> Router {
         .route("/webhook/mutate", post(mutate))
         .route("/healthz", get(|| async { "ok" }))
         .route("/readyz", get(readyz))
+        .route("/metrics", get(serve_metrics))
         .route("/debug/state", get(debug_state))
         .layer(DefaultBodyLimit::max(MAX_BODY_BYTES))
-        .with_state(scheduler)
+        .with_state(Served { scheduler, metrics })
 }
 
 fn respond(reply: Reply) -> Response {
@@ -78,34 +88,45 @@ fn respond(reply: Reply) -> Response {
         .into_response()
 }
 
-async fn filter(State(scheduler): State<Arc<Scheduler>>, body: Bytes) -> Response {
-    respond(scheduler.filter(&body))
+async fn filter(State(served): State<Served>, body: Bytes) -> Response {
+    let started = Instant::now();
+    let reply = served.scheduler.filter(&body);
+    served.metrics.observe(Verb::Filter, started.elapsed());
+    respond(reply)
 }
 
-async fn prioritize(State(scheduler): State<Arc<Scheduler>>, body: Bytes) -> Response {
-    respond(scheduler.prioritize(&body))
+async fn prioritize(State(served): State<Served>, body: Bytes) -> Response {
+    let started = Instant::now();
+    let reply = served.scheduler.prioritize(&body);
+    served.metrics.observe(Verb::Prioritize, started.elapsed());
+    respond(reply)
 }
 
-async fn bind(State(scheduler): State<Arc<Scheduler>>, body: Bytes) -> Response {
-    respond(scheduler.bind(&body).await)
+async fn bind(State(served): State<Served>, body: Bytes) -> Response {
+    let started = Instant::now();
+    let reply = served.scheduler.bind(&body).await;
+    served.metrics.observe(Verb::Bind, started.elapsed());
+    respond(reply)
 }
 
-async fn mutate(State(scheduler): State<Arc<Scheduler>>, body: Bytes) -> Response {
-    let config = scheduler.config();
+async fn mutate(State(served): State<Served>, body: Bytes) -> Response {
+    let started = Instant::now();
+    let config = served.scheduler.config();
     let reply = crate::webhook::mutate(
         &body,
         &config.scheduler_name,
         &config.resources,
         config.admission,
     );
+    served.metrics.observe(Verb::Mutate, started.elapsed());
     respond(Reply {
         status: reply.status,
         body: reply.body,
     })
 }
 
-async fn readyz(State(scheduler): State<Arc<Scheduler>>) -> Response {
-    if scheduler.ready() {
+async fn readyz(State(served): State<Served>) -> Response {
+    if served.scheduler.ready() {
         (StatusCode::OK, "ok").into_response()
     } else {
         (
@@ -116,8 +137,26 @@ async fn readyz(State(scheduler): State<Arc<Scheduler>>) -> Response {
     }
 }
 
-async fn debug_state(State(scheduler): State<Arc<Scheduler>>) -> Response {
-    respond(scheduler.debug_state())
+async fn serve_metrics(State(served): State<Served>) -> Response {
+    match served.metrics.render() {
+        Ok(text) => (
+            StatusCode::OK,
+            [(header::CONTENT_TYPE, crate::metrics::content_type())],
+            Body::from(text),
+        )
+            .into_response(),
+        Err(error) => {
+            tracing::warn!(
+                error = &error as &dyn std::error::Error,
+                "rendering /metrics failed"
+            );
+            (StatusCode::INTERNAL_SERVER_ERROR, error.to_string()).into_response()
+        }
+    }
+}
+
+async fn debug_state(State(served): State<Served>) -> Response {
+    respond(served.scheduler.debug_state())
 }
 
 /// Loads a PEM certificate chain and private key for HTTPS.

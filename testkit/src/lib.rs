@@ -8,6 +8,7 @@
 
 pub mod compute;
 pub mod extender_client;
+pub mod kube;
 pub mod namespaces;
 
 use std::collections::HashMap;
@@ -90,16 +91,24 @@ pub struct Sandbox {
     env: Vec<(String, String)>,
 }
 
+/// A new empty folder `vgpu-test-<pid>-<n>-<name>` under the temporary
+/// folder, for one test's files.
+pub fn unique_temp_dir(name: &str) -> PathBuf {
+    let unique = SANDBOX_COUNTER.fetch_add(1, Ordering::Relaxed);
+    let dir = std::env::temp_dir().join(format!(
+        "vgpu-test-{}-{}-{name}",
+        std::process::id(),
+        unique
+    ));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).expect("create a test folder");
+    dir
+}
+
 impl Sandbox {
     /// A sandbox whose simulated GPU has `devices` devices of `memory` each.
     pub fn new(name: &str, devices: u32, memory: &str) -> Self {
-        let unique = SANDBOX_COUNTER.fetch_add(1, Ordering::Relaxed);
-        let dir = std::env::temp_dir().join(format!(
-            "vgpu-test-{}-{}-{name}",
-            std::process::id(),
-            unique
-        ));
-        let _ = std::fs::remove_dir_all(&dir);
+        let dir = unique_temp_dir(name);
         let lib_dir = dir.join("lib");
         std::fs::create_dir_all(&lib_dir).expect("create sandbox");
         let simulated = simulated_gpu_library();

@@ -7,8 +7,10 @@ tokens), kube-controller-manager and kube-scheduler from the binaries
 healthy, and writes an admin kubeconfig. Stopping it stops exactly the
 processes it started (by pid) and nothing else.
 
-    python3 tests/cluster/controlplane.py up [--dir DIR]
+    python3 tests/cluster/controlplane.py up [--dir DIR] [--api-only]
         runs until Ctrl-C (or SIGTERM); prints the kubeconfig's path.
+        --api-only: etcd and kube-apiserver alone (what the Rust
+        integration tests start, one per test, through vgpu-testkit).
 
 From Python (the tests):
 
@@ -103,11 +105,13 @@ class ControlPlane:
     """etcd, kube-apiserver, kube-controller-manager and kube-scheduler as
     child processes of this one."""
 
-    def __init__(self, workdir: Path | None = None, network=None, controllers: str | None = None):
+    def __init__(self, workdir: Path | None = None, network=None, controllers: str | None = None,
+                 api_only: bool = False):
         """`network`: a nodenet.TestNetwork to run everything in (the API
         server then listens on its address, which can also be a Service
         endpoint); default: loopback of this namespace. `controllers`:
-        kube-controller-manager's `--controllers` (default: all)."""
+        kube-controller-manager's `--controllers` (default: all).
+        `api_only`: no kube-controller-manager nor kube-scheduler."""
         self.workdir = Path(workdir or tempfile.mkdtemp(prefix="vgpu-controlplane-")).resolve()
         self.bin = binaries()
         self.pki = self.workdir / "pki"
@@ -117,6 +121,7 @@ class ControlPlane:
         self.network = network
         self.address = network.address if network else "127.0.0.1"
         self.controllers = controllers
+        self.api_only = api_only
         self.api_port = free_port()
         self.server = f"https://{self.address}:{self.api_port}"
         self.admin_kubeconfig = self.workdir / "admin.kubeconfig"
@@ -177,9 +182,15 @@ class ControlPlane:
             # no kube-proxy).
             "--enable-aggregator-routing=true",
             "--allow-privileged=true",
+            # Without the controller manager nothing gives namespaces their
+            # `default` ServiceAccount, which this admission plugin requires
+            # of every pod.
+            *(["--disable-admission-plugins=ServiceAccount"] if self.api_only else []),
         ])
         self.health["kube-apiserver"] = lambda: self._api_ok("/readyz")
         self._wait("kube-apiserver", self.health["kube-apiserver"])
+        if self.api_only:
+            return
         for name, extra in (
             ("kube-controller-manager", [
                 f"--service-account-private-key-file={pki / 'sa.key'}",
@@ -335,11 +346,13 @@ def main(argv: list[str]) -> int:
     up = commands.add_parser("up", help="start the control plane and keep it running until Ctrl-C")
     up.add_argument("--dir", help="where its data, certificates, logs and kubeconfig go "
                     "(default: a new temporary folder)")
+    up.add_argument("--api-only", action="store_true",
+                    help="start etcd and kube-apiserver only (no controller manager, no scheduler)")
     args = parser.parse_args(argv)
     stopping = []
     signal.signal(signal.SIGTERM, lambda *_: stopping.append(True))
     try:
-        with ControlPlane(Path(args.dir) if args.dir else None) as cluster:
+        with ControlPlane(Path(args.dir) if args.dir else None, api_only=args.api_only) as cluster:
             print(f"control plane up: export KUBECONFIG={cluster.admin_kubeconfig}", flush=True)
             print(f"logs in {cluster.workdir}; Ctrl-C stops it", flush=True)
             while not stopping:

@@ -323,7 +323,10 @@ async fn main() -> anyhow::Result<()> {
     // The same over HTTP on loopback.
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
     let addr = listener.local_addr()?;
-    let router = vgpu_scheduler::server::router(scheduler.clone());
+    let router = vgpu_scheduler::server::router(
+        scheduler.clone(),
+        Arc::new(vgpu_scheduler::metrics::ServerMetrics::new()?),
+    );
     let server = tokio::spawn(vgpu_scheduler::server::serve(
         listener,
         router,

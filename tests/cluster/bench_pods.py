@@ -1,0 +1,208 @@
+#!/usr/bin/env python3
+"""Pods per second, created to Running, on the chart installed in the real
+control plane with simulated nodes: pods that ask for a vGPU (through our
+webhook, kube-scheduler with our extender, and kubelet's device-plugin code
+calling our plugin) against pods that ask for none, placed by the same
+kube-scheduler (the chart's, by `schedulerName`; it calls no extender for
+them), in alternating rounds of one run. Also the extender's own time per
+verb from its `/metrics`, over the vGPU rounds (kube-scheduler has no
+per-extender latency figure).
+
+Prints a Markdown table of medians over the rounds. Needs root (network
+namespaces) and the control-plane binaries (tests/cluster/build)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+from chartcluster import RELEASE_NAMESPACE, ChartCluster, kubectl_json  # noqa: E402
+from placement import GPU_MIB  # noqa: E402
+
+SCHEDULER_NAME = "vgpu-scheduler"
+EXTENDER_PORT = 39999
+HISTOGRAM = "vgpu_extender_request_duration_seconds"
+VERBS = ("filter", "prioritize", "bind", "mutate")
+
+
+def pods(kind: str, namespace: str, count: int) -> list[dict]:
+    """`count` pods sleeping in their container; `vgpu` ones ask for one vGPU
+    the way a HAMi user writes it (no schedulerName: the webhook sets it),
+    `plain` ones name the chart's scheduler and ask for no vGPU."""
+    out = []
+    for number in range(count):
+        container: dict = {"name": "main", "image": "busybox", "command": ["sleep", "3600"]}
+        spec: dict = {"restartPolicy": "Never", "terminationGracePeriodSeconds": 1, "containers": [container]}
+        if kind == "vgpu":
+            container["resources"] = {"limits": {"nvidia.com/gpu": "1", "nvidia.com/gpumem": "256",
+                                                 "nvidia.com/gpucores": "5"}}
+        else:
+            spec["schedulerName"] = SCHEDULER_NAME
+        out.append({"apiVersion": "v1", "kind": "Pod",
+                    "metadata": {"name": f"{kind}-{number:04d}", "namespace": namespace}, "spec": spec})
+    return out
+
+
+def histogram(text: str) -> dict[str, dict]:
+    """Per verb: cumulative bucket counts by upper bound, sum and count."""
+    out = {verb: {"buckets": {}, "sum": 0.0, "count": 0.0} for verb in VERBS}
+    for line in text.splitlines():
+        if not line.startswith(HISTOGRAM):
+            continue
+        series, value = line.rsplit(" ", 1)
+        labels = dict(part.split("=", 1) for part in series[series.index("{") + 1:-1].split(","))
+        verb = labels.get("verb", "").strip('"')
+        if verb not in out:
+            continue
+        if series.startswith(HISTOGRAM + "_bucket"):
+            out[verb]["buckets"][float(labels["le"].strip('"'))] = float(value)
+        elif series.startswith(HISTOGRAM + "_sum"):
+            out[verb]["sum"] = float(value)
+        elif series.startswith(HISTOGRAM + "_count"):
+            out[verb]["count"] = float(value)
+    return out
+
+
+def difference(after: dict, before: dict) -> dict:
+    return {verb: {"buckets": {le: count - before[verb]["buckets"].get(le, 0.0)
+                               for le, count in after[verb]["buckets"].items()},
+                   "sum": after[verb]["sum"] - before[verb]["sum"],
+                   "count": after[verb]["count"] - before[verb]["count"]} for verb in VERBS}
+
+
+def quantile(series: dict, q: float) -> float:
+    """Linear interpolation within the bucket that holds quantile `q`, as
+    Prometheus' histogram_quantile does."""
+    total = series["count"]
+    if total <= 0:
+        return float("nan")
+    rank, lower, below = q * total, 0.0, 0.0
+    for le, cumulative in sorted(series["buckets"].items()):
+        if cumulative >= rank:
+            if le == float("inf"):
+                return lower
+            inside = cumulative - below
+            return lower + (le - lower) * ((rank - below) / inside if inside else 0.0)
+        lower, below = le, cumulative
+    return lower
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def extender_metrics_url(cc: ChartCluster) -> str:
+    pods_ = kubectl_json(cc.cluster, "get", "pods", "-n", RELEASE_NAMESPACE,
+                         "-l", "app.kubernetes.io/component=scheduler")["items"]
+    running = [pod for pod in pods_ if pod["status"].get("phase") == "Running" and pod["status"].get("podIP")]
+    if len(running) != 1:
+        raise SystemExit(f"expected one running scheduler pod, found {len(running)}")
+    return f"https://{running[0]['status']['podIP']}:{EXTENDER_PORT}/metrics"
+
+
+def run_round(cc: ChartCluster, kind: str, namespace: str, count: int, parallel: int, metrics: str | None) -> dict:
+    cc.cluster.kubectl("create", "namespace", namespace)
+    command = cc.cluster.command([sys.executable, str(HERE / "podrate.py"), "--server", cc.cluster.server,
+                                  "--pki", str(cc.cluster.pki), "--namespace", namespace,
+                                  "--parallel", str(parallel)] + (["--metrics", metrics] if metrics else []))
+    done = subprocess.run(command, input=json.dumps(pods(kind, namespace, count)), capture_output=True,
+                          text=True, check=False)
+    if done.returncode != 0:
+        raise SystemExit(f"podrate failed: {done.stderr[-2000:]}")
+    result = json.loads(done.stdout)
+    if result["errors"]:
+        raise SystemExit(f"{kind} round in {namespace}: {result['errors'][:5]}\n{cc.logs()[-6000:]}")
+    sent, running = result["sent"], result["running"]
+    latencies = [running[name] - sent[name] for name in sent]
+    elapsed = max(running.values()) - min(sent.values())
+    # Nothing from this round may hold capacity in the next.
+    cc.cluster.kubectl("delete", "namespace", namespace, "--wait=true", "--timeout=300s")
+    return {"rate": count / elapsed, "latencies": latencies,
+            "metrics": (histogram(result["metrics"]["after"]), histogram(result["metrics"]["before"]))
+            if metrics else None}
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter,
+                                     epilog="Example: sudo .venv/bin/python tests/cluster/bench_pods.py --repeats 3")
+    parser.add_argument("--nodes", type=int, default=10, help="simulated nodes, 2 GPUs each (default 10)")
+    parser.add_argument("--pods", type=int, default=100, help="pods per round (default 100)")
+    parser.add_argument("--repeats", type=int, default=3, help="rounds of each kind (default 3)")
+    parser.add_argument("--parallel", type=int, default=4, help="concurrent creators (default 4)")
+    parser.add_argument("--quick", action="store_true", help="3 nodes, 20 pods, 1 round: proves the bench runs")
+    parser.add_argument("--workdir", type=Path, help="keep the cluster's files here (default: a temporary folder)")
+    options = parser.parse_args(argv)
+    if options.quick:
+        options.nodes, options.pods, options.repeats = 3, 20, 1
+    for name in ("nodes", "pods", "repeats", "parallel"):
+        if getattr(options, name) < 1:
+            parser.error(f"--{name} must be at least 1")
+    # Two GPUs per node, 10 vGPUs each: every round's vGPU pods fit.
+    if options.pods > options.nodes * 2 * 10:
+        parser.error(f"--pods {options.pods} is more vGPU pods than {options.nodes} nodes hold "
+                     f"({options.nodes * 20})")
+    workdir = options.workdir or Path(tempfile.mkdtemp(prefix="vgpu-bench-pods-"))
+    started = time.monotonic()
+    rates: dict[str, list[float]] = {"plain": [], "vgpu": []}
+    latencies: dict[str, list[float]] = {"plain": [], "vgpu": []}
+    verbs = {verb: {"buckets": {}, "sum": 0.0, "count": 0.0} for verb in VERBS}
+    # The monitors sample once a second: the nodes' agents share this
+    # machine's cores with the control plane.
+    with ChartCluster(workdir, nodes=options.nodes, gpus=2, memory=f"{GPU_MIB}Mi",
+                      helm_args=("--set", "node.monitor.intervalMs=1000")) as cc:
+        metrics = extender_metrics_url(cc)
+        for round_ in range(options.repeats):
+            order = ("plain", "vgpu") if round_ % 2 == 0 else ("vgpu", "plain")
+            for kind in order:
+                result = run_round(cc, kind, f"rate-{kind}-{round_}", options.pods, options.parallel,
+                                   metrics if kind == "vgpu" else None)
+                rates[kind].append(result["rate"])
+                latencies[kind].extend(result["latencies"])
+                if result["metrics"]:
+                    delta = difference(*result["metrics"])
+                    for verb in VERBS:
+                        for le, count in delta[verb]["buckets"].items():
+                            verbs[verb]["buckets"][le] = verbs[verb]["buckets"].get(le, 0.0) + count
+                        verbs[verb]["sum"] += delta[verb]["sum"]
+                        verbs[verb]["count"] += delta[verb]["count"]
+                print(f"round {round_ + 1} {kind}: {result['rate']:.1f} pods/s", file=sys.stderr)
+
+    plain_rate, vgpu_rate = statistics.median(rates["plain"]), statistics.median(rates["vgpu"])
+    print(f"\n{options.pods} pods per round, {options.repeats} round(s) of each kind, {options.nodes} nodes x 2 "
+          f"simulated GPUs, {options.parallel} creators; medians over rounds ({time.monotonic() - started:.0f} s)\n")
+    print("| figure | no vGPU | one vGPU each | vGPU / no vGPU |")
+    print("|---|---:|---:|---:|")
+    print(f"| pods/s, first create to last Running | {plain_rate:.1f} | {vgpu_rate:.1f} | "
+          f"{vgpu_rate / plain_rate:.2f} |")
+    for label, q in (("p50", 0.5), ("p99", 0.99)):
+        plain, vgpu = percentile(latencies["plain"], q), percentile(latencies["vgpu"], q)
+        print(f"| one pod, create to Running, {label} | {plain * 1000:.0f} ms | {vgpu * 1000:.0f} ms | "
+              f"{vgpu / plain:.2f} |")
+    print("\n| extender verb (its own time, from its /metrics) | calls | mean | p50 | p99 |")
+    print("|---|---:|---:|---:|---:|")
+    for verb in VERBS:
+        series = verbs[verb]
+        if series["count"] <= 0:
+            print(f"| {verb} | 0 | - | - | - |")
+            continue
+        print(f"| {verb} | {series['count']:.0f} | {series['sum'] / series['count'] * 1000:.2f} ms | "
+              f"{quantile(series, 0.5) * 1000:.2f} ms | {quantile(series, 0.99) * 1000:.2f} ms |")
+    missing = [verb for verb in ("filter", "bind", "mutate") if verbs[verb]["count"] < options.pods * options.repeats]
+    if missing:
+        print(f"bench_pods: the extender counted fewer {', '.join(missing)} calls than vGPU pods", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
