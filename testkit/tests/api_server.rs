@@ -19,10 +19,7 @@ async fn the_test_api_server_validates_like_a_cluster() {
         .create(&PostParams::default(), &pod)
         .await
         .expect_err("a fractional extended resource is invalid");
-    assert!(
-        refused.to_string().contains("nvidia.com/gpu"),
-        "{refused}"
-    );
+    assert!(refused.to_string().contains("nvidia.com/gpu"), "{refused}");
     let control_plane = server.dir().to_path_buf();
     drop(server);
     assert!(!control_plane.exists(), "its files are removed with it");
