@@ -26,6 +26,79 @@ pub const ELASTIC_GPU_MEMORY: &str = "elasticgpu.io/gpu-memory";
 /// Elastic GPU's compute request, in percent of one GPU; 200 = two whole GPUs.
 pub const ELASTIC_GPU_CORE: &str = "elasticgpu.io/gpu-core";
 
+/// The extended resource names vgpu reads, each configurable (a cluster
+/// may keep HAMi's or Elastic GPU's names under another prefix).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ResourceNames {
+    pub gpu: String,
+    pub memory: String,
+    pub memory_percentage: String,
+    pub cores: String,
+    pub priority: String,
+    pub elastic_memory: String,
+    pub elastic_cores: String,
+}
+
+impl Default for ResourceNames {
+    fn default() -> Self {
+        Self {
+            gpu: GPU_COUNT.into(),
+            memory: GPU_MEMORY.into(),
+            memory_percentage: GPU_MEMORY_PERCENTAGE.into(),
+            cores: GPU_CORES.into(),
+            priority: GPU_PRIORITY.into(),
+            elastic_memory: ELASTIC_GPU_MEMORY.into(),
+            elastic_cores: ELASTIC_GPU_CORE.into(),
+        }
+    }
+}
+
+/// The command-line flags naming the resources that say how much of a GPU a
+/// container gets (all but the GPU count, which a device plugin offers),
+/// the same in every binary that reads them; the chart passes the same
+/// values to each.
+#[derive(Clone, Debug, clap::Args)]
+pub struct ShareResourceFlags {
+    /// Resource name: device memory per vGPU in MiB.
+    #[arg(long, default_value = GPU_MEMORY, value_name = "NAME")]
+    pub resource_memory: String,
+
+    /// Resource name: device memory per vGPU in percent of the GPU.
+    #[arg(long, default_value = GPU_MEMORY_PERCENTAGE, value_name = "NAME")]
+    pub resource_memory_percentage: String,
+
+    /// Resource name: compute share per vGPU in percent.
+    #[arg(long, default_value = GPU_CORES, value_name = "NAME")]
+    pub resource_cores: String,
+
+    /// Resource name: task priority of the container (lower is more important).
+    #[arg(long, default_value = GPU_PRIORITY, value_name = "NAME")]
+    pub resource_priority: String,
+
+    /// Resource name: Elastic GPU device memory in MB (read as MiB).
+    #[arg(long, default_value = ELASTIC_GPU_MEMORY, value_name = "NAME")]
+    pub resource_elastic_memory: String,
+
+    /// Resource name: Elastic GPU compute in percent (200 = two whole GPUs).
+    #[arg(long, default_value = ELASTIC_GPU_CORE, value_name = "NAME")]
+    pub resource_elastic_cores: String,
+}
+
+impl ShareResourceFlags {
+    /// All the names, with `gpu` the GPU count's.
+    pub fn names(&self, gpu: &str) -> ResourceNames {
+        ResourceNames {
+            gpu: gpu.to_string(),
+            memory: self.resource_memory.clone(),
+            memory_percentage: self.resource_memory_percentage.clone(),
+            cores: self.resource_cores.clone(),
+            priority: self.resource_priority.clone(),
+            elastic_memory: self.resource_elastic_memory.clone(),
+            elastic_cores: self.resource_elastic_cores.clone(),
+        }
+    }
+}
+
 /// Pod annotation: only GPUs whose model contains one of these
 /// (comma-separated, case-insensitive).
 pub const USE_GPU_TYPE_ANNOTATION: &str = "nvidia.com/use-gputype";

@@ -102,6 +102,28 @@ impl Cluster {
         Ok(())
     }
 
+    /// Sets, in the node's status, the capacity (and allocatable: no
+    /// reservation applies) of each resource in `amounts`, leaving every
+    /// other resource as kubelet wrote it.
+    pub async fn publish_capacity(
+        &self,
+        amounts: &std::collections::BTreeMap<String, u64>,
+    ) -> Result<(), ClusterError> {
+        let nodes: Api<Node> = Api::all(self.client.clone());
+        let quantities: serde_json::Map<String, serde_json::Value> = amounts
+            .iter()
+            .map(|(name, amount)| (name.clone(), serde_json::Value::String(amount.to_string())))
+            .collect();
+        let patch = serde_json::json!({
+            "status": { "capacity": quantities, "allocatable": quantities }
+        });
+        nodes
+            .patch_status(&self.node, &PatchParams::default(), &Patch::Merge(&patch))
+            .await
+            .map_err(api_error(format!("status of node {}", self.node)))?;
+        Ok(())
+    }
+
     /// Writes the node's inventory annotation.
     pub async fn publish_inventory(&self, inventory: &NodeInventory) -> Result<(), ClusterError> {
         let nodes: Api<Node> = Api::all(self.client.clone());

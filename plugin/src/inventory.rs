@@ -1,13 +1,16 @@
 //! Publishing the node's GPUs as the node annotation
 //! [`vgpu_cluster::decision::NODE_INVENTORY_ANNOTATION`]: at start, on every
 //! health change, and as a heartbeat, so the scheduler extender can tell a
-//! live plugin from a dead one.
+//! live plugin from a dead one; and the share resources' capacities in the
+//! node's status ([`share_capacity`]).
 
 use crate::cluster::Cluster;
 use crate::service::stopped;
+use std::collections::BTreeMap;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 use tokio::sync::watch;
 use vgpu_cluster::decision::{InventoryGpu, NodeInventory, FORMAT_VERSION};
+use vgpu_cluster::resources::ResourceNames;
 use vgpu_nvml_host::GpuFacts;
 
 /// Longest wait before retrying a failed write.
@@ -48,16 +51,73 @@ pub fn inventory(gpus: &[InventoryGpu]) -> NodeInventory {
     }
 }
 
-/// Writes the inventory until `shutdown` becomes true.
+/// What the node's status offers of each share resource (memory, memory
+/// percentage, cores, priority, Elastic GPU's memory and cores).
+///
+/// kube-scheduler is told to ignore these (the extender decides them:
+/// `ignoredByScheduler`), but the hint that decides when to retry a pod
+/// after a node's resources change does not know that: it compares every
+/// resource the pod asks for with the node's allocatable, so with these
+/// missing a pod rejected while the node's GPUs were briefly gone (the
+/// plugin restarting: kubelet counts its devices unhealthy) was not retried
+/// when they came back, but only after kube-scheduler's 5-minute flush.
+/// Each amount is the most that the containers placed on this node can ask
+/// for in total (the extender never over-commits a GPU), so kubelet's
+/// admission, which does count them, never refuses what the extender
+/// placed: memory in MiB and Elastic GPU memory: the GPUs' memory; memory
+/// percentage, cores and Elastic GPU cores: 100 per GPU; priority, which is
+/// not an amount: the most it could sum to, every slot at the largest
+/// priority.
+pub fn share_capacity(gpus: &[InventoryGpu], names: &ResourceNames) -> BTreeMap<String, u64> {
+    let count = gpus.len() as u64;
+    let memory_mib: u64 = gpus.iter().map(|gpu| gpu.memory_bytes >> 20).sum();
+    let slots: u64 = gpus.iter().map(|gpu| u64::from(gpu.split_count)).sum();
+    let mut amounts = BTreeMap::new();
+    for (name, amount) in [
+        (&names.memory, memory_mib),
+        (&names.memory_percentage, 100 * count),
+        (&names.cores, 100 * count),
+        (&names.priority, slots.saturating_mul(i32::MAX as u64)),
+        (&names.elastic_memory, memory_mib),
+        (&names.elastic_cores, 100 * count),
+    ] {
+        // The GPU count is the device plugin's own resource: kubelet
+        // reports it.
+        if *name != names.gpu {
+            amounts.insert(name.clone(), amount);
+        }
+    }
+    amounts
+}
+
+/// Writes the inventory, and the share resources' capacities, until
+/// `shutdown` becomes true.
 pub async fn publish(
     cluster: Cluster,
     mut gpus: watch::Receiver<Vec<InventoryGpu>>,
+    names: ResourceNames,
     heartbeat: Duration,
     mut shutdown: watch::Receiver<bool>,
 ) {
-    let mut failing = false;
+    let (mut failing, mut capacity_failing) = (false, false);
     loop {
         let current = inventory(&gpus.borrow_and_update());
+        // Written at every heartbeat too: a kubelet that finds its node
+        // object recreated resets extended resources it does not manage.
+        // Not needed for placing pods, only for kube-scheduler's retries:
+        // a failure is reported and does not hold the inventory back.
+        match cluster.publish_capacity(&share_capacity(&current.gpus, &names)).await {
+            Ok(()) => capacity_failing = false,
+            Err(error) => {
+                if !capacity_failing {
+                    tracing::warn!(
+                        error = &error as &dyn std::error::Error,
+                        "offering the share resources in the node's status (retrying at each heartbeat)"
+                    );
+                }
+                capacity_failing = true;
+            }
+        }
         let wait = match cluster.publish_inventory(&current).await {
             Ok(()) => {
                 if failing {
@@ -83,5 +143,55 @@ pub async fn publish(
             changed = gpus.changed() => if changed.is_err() { return },
             () = tokio::time::sleep(wait) => {}
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn gpu(index: u32, mib: u64, split_count: u32) -> InventoryGpu {
+        InventoryGpu {
+            uuid: format!("GPU-{index}"),
+            index,
+            model: "Simulated".into(),
+            memory_bytes: mib << 20,
+            sm_count: 132,
+            split_count,
+            numa: None,
+            healthy: true,
+        }
+    }
+
+    #[test]
+    fn shares_are_offered_as_the_most_the_node_can_hold() {
+        let gpus = [gpu(0, 16384, 10), gpu(1, 8192, 4)];
+        let amounts = share_capacity(&gpus, &ResourceNames::default());
+        assert_eq!(amounts["nvidia.com/gpumem"], 24576);
+        assert_eq!(amounts["elasticgpu.io/gpu-memory"], 24576);
+        assert_eq!(amounts["nvidia.com/gpumem-percentage"], 200);
+        assert_eq!(amounts["nvidia.com/gpucores"], 200);
+        assert_eq!(amounts["elasticgpu.io/gpu-core"], 200);
+        assert_eq!(amounts["nvidia.com/priority"], 14 * i32::MAX as u64);
+        // The GPU count is kubelet's to report.
+        assert!(!amounts.contains_key("nvidia.com/gpu"));
+        assert_eq!(amounts.len(), 6);
+    }
+
+    #[test]
+    fn a_share_named_like_the_gpu_count_is_left_to_kubelet() {
+        let names = ResourceNames {
+            cores: "nvidia.com/gpu".into(),
+            ..ResourceNames::default()
+        };
+        let amounts = share_capacity(&[gpu(0, 1024, 2)], &names);
+        assert!(!amounts.contains_key("nvidia.com/gpu"));
+        assert_eq!(amounts.len(), 5);
+    }
+
+    #[test]
+    fn a_node_without_gpus_offers_none() {
+        let amounts = share_capacity(&[], &ResourceNames::default());
+        assert!(amounts.values().all(|amount| *amount == 0), "{amounts:?}");
     }
 }

@@ -51,6 +51,9 @@ pub struct PluginConfig {
     pub settings: allocate::Settings,
     /// Time between inventory heartbeats.
     pub heartbeat: Duration,
+    /// The resource names; those of the shares are offered in the node's
+    /// status.
+    pub resources: vgpu_cluster::resources::ResourceNames,
 }
 
 #[derive(Debug, Error)]
@@ -138,6 +141,7 @@ pub async fn run(
     let inventory_task = tokio::spawn(inventory::publish(
         cluster,
         state.gpus.subscribe(),
+        config.resources,
         config.heartbeat,
         shutdown.clone(),
     ));

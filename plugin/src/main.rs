@@ -26,6 +26,7 @@ fn main() -> anyhow::Result<()> {
         kubelet: options.kubelet_settings(),
         settings: options.allocate_settings(),
         heartbeat: Duration::from_secs(options.heartbeat_seconds),
+        resources: options.share_resources.names(&options.resource_name),
     };
 
     let runtime = tokio::runtime::Builder::new_multi_thread()

@@ -54,6 +54,12 @@ pub struct Options {
     #[arg(long, default_value = "nvidia.com/gpu", value_name = "NAME")]
     pub resource_name: String,
 
+    /// The names of the resources that say how much of a GPU a container
+    /// gets: the plugin offers each in the node's status (see
+    /// `vgpu_device_plugin::inventory::share_capacity`).
+    #[command(flatten)]
+    pub share_resources: vgpu_cluster::resources::ShareResourceFlags,
+
     /// Devices advertised per GPU: the most containers that may share one.
     #[arg(long, default_value_t = 10, value_name = "N",
           value_parser = clap::value_parser!(u32).range(1..=1000))]

@@ -3,14 +3,14 @@
 use crate::api::ApiSource;
 use crate::leader::LeaderConfig;
 use crate::policy::{GpuPolicy, NodePolicy};
-use crate::requests::{RequestDefaults, ResourceNames};
+use crate::requests::RequestDefaults;
 use crate::scheduler::Config;
 use crate::webhook::AdmissionPolicy;
 use clap::Parser;
 use std::net::IpAddr;
 use std::path::PathBuf;
 use std::time::Duration;
-use vgpu_cluster::resources;
+use vgpu_cluster::resources::ShareResourceFlags;
 
 /// kube-scheduler HTTP extender of vgpu: places pods that ask for vGPUs on
 /// nodes and GPUs, and binds them.
@@ -97,32 +97,11 @@ pub struct Cli {
     pub unbound_grace_seconds: u64,
 
     /// Resource name: number of vGPUs per container.
-    #[arg(long, default_value = resources::GPU_COUNT, value_name = "NAME")]
+    #[arg(long, default_value = vgpu_cluster::resources::GPU_COUNT, value_name = "NAME")]
     pub resource_gpu: String,
 
-    /// Resource name: device memory per vGPU in MiB.
-    #[arg(long, default_value = resources::GPU_MEMORY, value_name = "NAME")]
-    pub resource_memory: String,
-
-    /// Resource name: device memory per vGPU in percent of the GPU.
-    #[arg(long, default_value = resources::GPU_MEMORY_PERCENTAGE, value_name = "NAME")]
-    pub resource_memory_percentage: String,
-
-    /// Resource name: compute share per vGPU in percent.
-    #[arg(long, default_value = resources::GPU_CORES, value_name = "NAME")]
-    pub resource_cores: String,
-
-    /// Resource name: task priority of the container (lower is more important).
-    #[arg(long, default_value = resources::GPU_PRIORITY, value_name = "NAME")]
-    pub resource_priority: String,
-
-    /// Resource name: Elastic GPU device memory in MB (read as MiB).
-    #[arg(long, default_value = resources::ELASTIC_GPU_MEMORY, value_name = "NAME")]
-    pub resource_elastic_memory: String,
-
-    /// Resource name: Elastic GPU compute in percent (200 = two whole GPUs).
-    #[arg(long, default_value = resources::ELASTIC_GPU_CORE, value_name = "NAME")]
-    pub resource_elastic_cores: String,
+    #[command(flatten)]
+    pub share_resources: ShareResourceFlags,
 
     /// The schedulerName the admission webhook (`POST /webhook/mutate`)
     /// gives pods that ask for vGPUs and name no scheduler; it must be the
@@ -170,15 +149,7 @@ impl Cli {
     /// The extender configuration the flags describe.
     pub fn config(&self) -> Config {
         Config {
-            resources: ResourceNames {
-                gpu: self.resource_gpu.clone(),
-                memory: self.resource_memory.clone(),
-                memory_percentage: self.resource_memory_percentage.clone(),
-                cores: self.resource_cores.clone(),
-                priority: self.resource_priority.clone(),
-                elastic_memory: self.resource_elastic_memory.clone(),
-                elastic_cores: self.resource_elastic_cores.clone(),
-            },
+            resources: self.share_resources.names(&self.resource_gpu),
             defaults: RequestDefaults {
                 memory_mib: self.default_memory_mib,
                 cores: self.default_cores,

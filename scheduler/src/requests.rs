@@ -21,38 +21,14 @@ use k8s_openapi::api::core::v1::{Container, Pod};
 use std::collections::BTreeMap;
 use thiserror::Error;
 use vgpu_cluster::resources::{
-    self, parse_whole_quantity, GPU_CORES_BURST_ANNOTATION, NOUSE_GPU_TYPE_ANNOTATION,
+    parse_whole_quantity, GPU_CORES_BURST_ANNOTATION, NOUSE_GPU_TYPE_ANNOTATION,
     NOUSE_GPU_UUID_ANNOTATION, USE_GPU_TYPE_ANNOTATION, USE_GPU_UUID_ANNOTATION,
 };
 
 /// The most GPUs one container may ask for (the shim handles 16 devices).
 pub const MAX_GPUS_PER_CONTAINER: u64 = 16;
 
-/// Extended resource names, configurable by flags.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct ResourceNames {
-    pub gpu: String,
-    pub memory: String,
-    pub memory_percentage: String,
-    pub cores: String,
-    pub priority: String,
-    pub elastic_memory: String,
-    pub elastic_cores: String,
-}
-
-impl Default for ResourceNames {
-    fn default() -> Self {
-        Self {
-            gpu: resources::GPU_COUNT.into(),
-            memory: resources::GPU_MEMORY.into(),
-            memory_percentage: resources::GPU_MEMORY_PERCENTAGE.into(),
-            cores: resources::GPU_CORES.into(),
-            priority: resources::GPU_PRIORITY.into(),
-            elastic_memory: resources::ELASTIC_GPU_MEMORY.into(),
-            elastic_cores: resources::ELASTIC_GPU_CORE.into(),
-        }
-    }
-}
+pub use vgpu_cluster::resources::ResourceNames;
 
 /// What a vGPU gets when the container does not say.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]

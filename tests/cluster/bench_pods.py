@@ -139,6 +139,8 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--pods", type=int, default=100, help="pods per round (default 100)")
     parser.add_argument("--repeats", type=int, default=3, help="rounds of each kind (default 3)")
     parser.add_argument("--parallel", type=int, default=4, help="concurrent creators (default 4)")
+    parser.add_argument("--node-policy", choices=("binpack", "spread", "random"),
+                        help="the extender's node policy (default: the chart's, binpack)")
     parser.add_argument("--quick", action="store_true", help="3 nodes, 20 pods, 1 round: proves the bench runs")
     parser.add_argument("--workdir", type=Path, help="keep the cluster's files here (default: a temporary folder)")
     options = parser.parse_args(argv)
@@ -158,8 +160,10 @@ def main(argv: list[str]) -> int:
     verbs = {verb: {"buckets": {}, "sum": 0.0, "count": 0.0} for verb in VERBS}
     # The monitors sample once a second: the nodes' agents share this
     # machine's cores with the control plane.
-    with ChartCluster(workdir, nodes=options.nodes, gpus=2, memory=f"{GPU_MIB}Mi",
-                      helm_args=("--set", "node.monitor.intervalMs=1000")) as cc:
+    helm_args = ["--set", "node.monitor.intervalMs=1000"]
+    if options.node_policy:
+        helm_args += ["--set", f"scheduler.extender.nodePolicy={options.node_policy}"]
+    with ChartCluster(workdir, nodes=options.nodes, gpus=2, memory=f"{GPU_MIB}Mi", helm_args=tuple(helm_args)) as cc:
         metrics = extender_metrics_url(cc)
         for round_ in range(options.repeats):
             order = ("plain", "vgpu") if round_ % 2 == 0 else ("vgpu", "plain")
@@ -179,7 +183,8 @@ def main(argv: list[str]) -> int:
 
     plain_rate, vgpu_rate = statistics.median(rates["plain"]), statistics.median(rates["vgpu"])
     print(f"\n{options.pods} pods per round, {options.repeats} round(s) of each kind, {options.nodes} nodes x 2 "
-          f"simulated GPUs, {options.parallel} creators; medians over rounds ({time.monotonic() - started:.0f} s)\n")
+          f"simulated GPUs, {options.parallel} creators, node policy {options.node_policy or 'binpack'}; "
+          f"medians over rounds ({time.monotonic() - started:.0f} s)\n")
     print("| figure | no vGPU | one vGPU each | vGPU / no vGPU |")
     print("|---|---:|---:|---:|")
     print(f"| pods/s, first create to last Running | {plain_rate:.1f} | {vgpu_rate:.1f} | "

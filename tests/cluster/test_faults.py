@@ -18,8 +18,6 @@ import threading
 import time
 from pathlib import Path
 
-import pytest
-
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from chartcluster import RELEASE_NAMESPACE, ChartCluster, compile_workload, kubectl_json, wait_for  # noqa: E402
@@ -161,10 +159,6 @@ def test_faults_during_bursts(tmp_path):
         assert all(p["status"].get("phase") == "Running" for p in pod_names(cc, "app.kubernetes.io/instance=vgpu"))
 
 
-@pytest.mark.xfail(strict=False, reason=(
-    "open: while a killed plugin restarts (about 1 s), kubelet's code counts its devices unhealthy, "
-    "kube-scheduler rejects pods for Insufficient nvidia.com/gpu, and they wait in its unschedulable "
-    "queue (up to 5 min) although the node's allocatable is back a second later"))
 def test_a_plugin_killed_while_pods_are_admitted(tmp_path):
     with ChartCluster(tmp_path, nodes=4) as cc:
         hold = compile_workload("hold", tmp_path)
@@ -175,8 +169,16 @@ def test_a_plugin_killed_while_pods_are_admitted(tmp_path):
             for agent in pod_names(cc, "app.kubernetes.io/component=node"):
                 kill_9(agent["metadata"]["name"], "vgpu-device-plugin")
         cc.cluster.kubectl("create", "namespace", "plugin")
+        started = time.monotonic()
         submit(cc, burst(hold, "plugin", "plugin", 12), after=3, fault=plugin_kill)
-        check(cc, "plugin", allow_admission_failures=True, timeout=90)
+        # Pods kube-scheduler rejected while the plugins were gone (their
+        # devices unhealthy) are retried when they come back: the plugins
+        # offer the share resources in the node status, without which
+        # kube-scheduler's retry hint kept them waiting up to 5 minutes.
+        current = check(cc, "plugin", allow_admission_failures=True, timeout=90)
+        phases = {phase: sum(p["status"]["phase"] == phase for p in current.values())
+                  for phase in ("Running", "Pending", "Failed")}
+        print(f"\nfault plugin: settled {time.monotonic() - started:.1f} s after the burst began; {phases}")
 
 
 def test_two_scheduler_replicas_hand_over_when_the_leader_dies(tmp_path):

@@ -21,6 +21,7 @@ import pytest
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from chartcluster import RELEASE_NAMESPACE, ChartCluster, SimulatedNode, kubectl_json, shim_library, wait_for  # noqa: E402,E501
+from placement import count  # noqa: E402
 
 
 def workload_pod(name: str, namespace: str, limits: dict[str, str], chunk_mib: int = 256) -> dict:
@@ -53,6 +54,18 @@ def test_the_chart_runs_on_simulated_nodes(chart_cluster):
         assert found["status"]["capacity"]["nvidia.com/gpu"] == str(chart_cluster.gpus * 10)
         inventory = json.loads(found["metadata"]["annotations"]["vgpu.io/node-gpus"])
         assert len(inventory["gpus"]) == chart_cluster.gpus
+        # The plugin offers the share resources in the node's status (with
+        # the chart's RBAC), so kube-scheduler's retry hint sees a node
+        # that can hold what a vGPU pod asks for.
+        gpu_mib = sum(gpu["memoryBytes"] >> 20 for gpu in inventory["gpus"])
+        shares = wait_for(f"{node.name}'s share resources in its status", lambda node=node: {
+            name: quantity for name, quantity in kubectl_json(cluster, "get", "node", node.name)
+            ["status"].get("allocatable", {}).items() if name in (
+                "nvidia.com/gpumem", "nvidia.com/gpucores", "nvidia.com/gpumem-percentage")} or None,
+            log=chart_cluster.logs)
+        assert count(shares["nvidia.com/gpumem"]) == gpu_mib, shares
+        assert count(shares["nvidia.com/gpucores"]) == 100 * chart_cluster.gpus, shares
+        assert count(shares["nvidia.com/gpumem-percentage"]) == 100 * chart_cluster.gpus, shares
         text = wait_for(f"{node.name}'s monitor serving", lambda node=node: _metrics(node), log=chart_cluster.logs)
         # The monitor reports this node's own GPUs, read through its NVML.
         totals = [line for line in text.splitlines() if line.startswith("vgpu_gpu_memory_total_bytes{")]

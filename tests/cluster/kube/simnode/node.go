@@ -114,12 +114,15 @@ func (n *nodeStatus) report(ctx context.Context) error {
 		if err != nil {
 			return err
 		}
-		// Resources a plugin no longer offers stay at zero, as kubelet
-		// keeps them until restarted.
-		for name := range node.Status.Capacity {
+		// Resources this node's device plugins do not offer (extended
+		// resources someone else advertised by patching the status) are
+		// kept as written, allocatable equal to capacity, as kubelet keeps
+		// what it does not manage. (A plugin that went away is still in
+		// the device counts, at zero healthy.)
+		for name, quantity := range node.Status.Capacity {
 			if _, ok := capacity[name]; !ok {
-				capacity[name] = resource.MustParse("0")
-				allocatable[name] = resource.MustParse("0")
+				capacity[name] = quantity
+				allocatable[name] = quantity
 			}
 		}
 		node.Status.Capacity = capacity
