@@ -339,6 +339,13 @@ impl Scheduler {
                 }
             }
         }
+        if node.offers_none_of(&self.config.resources.gpu) {
+            return Err(Rejection::permanent(format!(
+                "kubelet reports no allocatable {} on this node now (its vgpu device plugin is disconnected, \
+                 restarting, or all its GPUs are unhealthy); kube-scheduler will retry",
+                self.config.resources.gpu
+            )));
+        }
         let (uid, own_node) = own;
         let base = if own_node == Some(name) {
             state.usage_excluding(node, uid)

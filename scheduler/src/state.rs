@@ -28,6 +28,7 @@ use vgpu_cluster::decision::{
     ALLOCATED_ANNOTATION, DECISION_ANNOTATION, HEARTBEAT_STALE_MS, NODE_INVENTORY_ANNOTATION,
 };
 use vgpu_cluster::report::with_causes;
+use vgpu_cluster::resources::parse_whole_quantity;
 
 /// A record written by the extender itself and never confirmed by the
 /// watch is trusted this long.
@@ -242,6 +243,10 @@ pub struct NodeEntry {
     pub unlisted: Vec<(String, Usage)>,
     /// UIDs of the pods whose GPUs are counted here.
     pub pods: Vec<String>,
+    /// The node's allocatable extended resources (`<domain>/<name>`), as
+    /// kubelet last reported them: a device plugin's count drops to zero
+    /// while kubelet has it disconnected.
+    pub extended_allocatable: Vec<(String, u64)>,
 }
 
 impl NodeEntry {
@@ -253,7 +258,17 @@ impl NodeEntry {
             usage: Vec::new(),
             unlisted: Vec::new(),
             pods: Vec::new(),
+            extended_allocatable: Vec::new(),
         }
+    }
+
+    /// Whether kubelet reports `resource` with nothing allocatable (its
+    /// device plugin disconnected, or every device unhealthy). A node that
+    /// does not report it at all is not judged here.
+    pub fn offers_none_of(&self, resource: &str) -> bool {
+        self.extended_allocatable
+            .iter()
+            .any(|(name, amount)| name == resource && *amount == 0)
     }
 }
 
@@ -402,6 +417,22 @@ impl ClusterState {
             .entry(name.clone())
             .or_insert_with(NodeEntry::new);
         entry.in_api = true;
+        entry.extended_allocatable = node
+            .status
+            .as_ref()
+            .and_then(|status| status.allocatable.as_ref())
+            .map(|allocatable| {
+                allocatable
+                    .iter()
+                    .filter(|(name, _)| name.contains('/'))
+                    .filter_map(|(name, quantity)| {
+                        parse_whole_quantity(&quantity.0)
+                            .ok()
+                            .map(|amount| (name.clone(), amount))
+                    })
+                    .collect()
+            })
+            .unwrap_or_default();
         let (inventory, gpus) = match parsed {
             None => (Inventory::Missing, Vec::new()),
             Some(Err(error)) => {
@@ -1013,6 +1044,47 @@ mod tests {
     }
 
     const GRACE: Duration = Duration::from_secs(30);
+
+    #[test]
+    fn a_node_whose_kubelet_offers_none_of_the_gpus_is_known_as_such() {
+        use k8s_openapi::api::core::v1::NodeStatus;
+        use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
+        let mut state = synced_state();
+        let mut offline = node("n1", 2);
+        offline.status = Some(NodeStatus {
+            allocatable: Some(
+                [
+                    ("cpu".to_string(), Quantity("8".into())),
+                    ("nvidia.com/gpu".to_string(), Quantity("0".into())),
+                    ("nvidia.com/gpumem".to_string(), Quantity("48k".into())),
+                ]
+                .into(),
+            ),
+            ..NodeStatus::default()
+        });
+        state.apply_node(&offline);
+        let entry = state.node("n1").expect("n1");
+        assert!(entry.offers_none_of("nvidia.com/gpu"));
+        assert!(!entry.offers_none_of("nvidia.com/gpumem"));
+        assert_eq!(
+            entry.extended_allocatable,
+            vec![
+                ("nvidia.com/gpu".to_string(), 0),
+                ("nvidia.com/gpumem".to_string(), 48_000)
+            ],
+            "only extended resources, quantities read"
+        );
+        // Back: the plugin registered again.
+        let mut online = offline.clone();
+        if let Some(allocatable) = online.status.as_mut().and_then(|s| s.allocatable.as_mut()) {
+            allocatable.insert("nvidia.com/gpu".into(), Quantity("20".into()));
+        }
+        state.apply_node(&online);
+        assert!(!state.node("n1").expect("n1").offers_none_of("nvidia.com/gpu"));
+        // A node without a status is not judged.
+        state.apply_node(&node("n2", 1));
+        assert!(!state.node("n2").expect("n2").offers_none_of("nvidia.com/gpu"));
+    }
 
     #[test]
     fn usage_and_pending_follow_the_pods() {

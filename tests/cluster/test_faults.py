@@ -181,6 +181,71 @@ def test_a_plugin_killed_while_pods_are_admitted(tmp_path):
         print(f"\nfault plugin: settled {time.monotonic() - started:.1f} s after the burst began; {phases}")
 
 
+def test_a_plugin_killed_in_the_middle_of_allocate(tmp_path):
+    """Each node's plugin is frozen just before kubelet's code sends it an
+    Allocate (the simulated node holds the call while its hold folder
+    exists), the call is sent, and the frozen plugin is killed with it in
+    flight. kubelet fails that pod at admission, as it does; everything else
+    must then be placed as if nothing happened: the plugins come back, the
+    failed pods' GPUs are free again, nothing is double-booked."""
+    with ChartCluster(tmp_path, nodes=2) as cc:
+        hold = compile_workload("hold", tmp_path)
+        for node in cc.nodes:
+            (node.workdir / "hold-allocate").mkdir()
+        cc.cluster.kubectl("create", "namespace", "midcall")
+        pods = burst(hold, "midcall", "midcall", 8)
+        submitter = threading.Thread(target=submit, args=(cc, pods))
+        submitter.start()
+        held = {}
+        for node in cc.nodes:
+            folder = node.workdir / "hold-allocate"
+            marker = wait_for(f"{node.name} about to send an Allocate",
+                              lambda folder=folder: next(folder.iterdir(), None), timeout=120, log=cc.logs)
+            held[node.name] = marker.name.split("_")[1]
+        agents = {agent["spec"]["nodeName"]: agent["metadata"]["name"]
+                  for agent in pod_names(cc, "app.kubernetes.io/component=node")}
+        for node in cc.nodes:
+            plugins = pids_of(agents[node.name], "vgpu-device-plugin")
+            assert plugins, f"no plugin on {node.name}"
+            for pid in plugins:
+                os.kill(pid, signal.SIGSTOP)
+            # Release the call (and let later ones through): it now waits
+            # on a plugin that cannot answer.
+            folder = node.workdir / "hold-allocate"
+            for marker in folder.iterdir():
+                marker.unlink()
+            folder.rmdir()
+            wait_for(f"{node.name} sent Allocate for {held[node.name]}", lambda node=node: any(
+                '"calling Allocate"' in line and f'pod="midcall/{held[node.name]}"' in line
+                for line in node.log().splitlines()), timeout=30, log=cc.logs)
+            killed = time.monotonic()
+            for pid in plugins:
+                os.kill(pid, signal.SIGKILL)
+        submitter.join()
+        current = check(cc, "midcall", allow_admission_failures=True, timeout=120)
+        recovered = time.monotonic() - killed
+        failed = {name: pod["status"].get("message", "") for name, pod in current.items()
+                  if pod["status"]["phase"] == "Failed"}
+        report = "\n".join([f"held: {held}"] + [f"{name}: {message}" for name, message in sorted(failed.items())])
+        # The pods whose Allocate was cut failed, saying the plugin went away
+        # mid-call.
+        for name in held.values():
+            assert "Allocate of nvidia.com/gpu" in failed.get(name, ""), report
+            assert "connection reset" in failed[name] or "Unavailable" in failed[name], report
+        # Any other failure is a pod bound in the moment the plugin was
+        # gone, which kubelet fails at admission as it does for every device
+        # plugin (the extender stops binding there once the node reports
+        # no allocatable GPUs).
+        others = {name: message for name, message in failed.items() if name not in held.values()}
+        for message in others.values():
+            assert "device plugin is not connected" in message, report
+        running = sum(pod["status"]["phase"] == "Running" for pod in current.values())
+        print(f"\nplugins killed with an Allocate in flight on {len(held)} nodes: {len(held)} pods failed with the "
+              f"call, {len(others)} bound while the plugin was gone failed at admission, {running} running; "
+              f"settled {recovered:.1f} s after the last kill")
+        assert running == len(pods) - len(failed), report
+
+
 def test_two_scheduler_replicas_hand_over_when_the_leader_dies(tmp_path):
     with ChartCluster(tmp_path, nodes=3, helm_args=("--set", "scheduler.replicas=2")) as cc:
         hold = compile_workload("hold", tmp_path)

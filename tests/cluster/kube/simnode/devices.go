@@ -60,13 +60,40 @@ type deviceManager struct {
 	plugins   map[string]*registeredPlugin
 	allocated map[types.UID]map[string]*containerDevices // pod -> container -> devices
 	changed   func()
+	// holdDir: while this folder exists, every Allocate call waits, before
+	// it is sent, until the file it creates there (<namespace>_<pod>_<container>)
+	// is removed: a test's way to act (freeze or kill a plugin) at the
+	// moment a call is about to be in flight.
+	holdDir string
 }
 
-func newDeviceManager(changed func()) *deviceManager {
+func newDeviceManager(changed func(), holdDir string) *deviceManager {
 	return &deviceManager{
 		plugins:   map[string]*registeredPlugin{},
 		allocated: map[types.UID]map[string]*containerDevices{},
 		changed:   changed,
+		holdDir:   holdDir,
+	}
+}
+
+// holdBeforeAllocate waits while the test holds this call (see holdDir).
+func (m *deviceManager) holdBeforeAllocate(ctx context.Context, pod *v1.Pod, container string) error {
+	if _, err := os.Stat(m.holdDir); err != nil {
+		return nil
+	}
+	marker := filepath.Join(m.holdDir, pod.Namespace+"_"+pod.Name+"_"+container)
+	if err := os.WriteFile(marker, nil, 0o644); err != nil {
+		return fmt.Errorf("holding Allocate: %w", err)
+	}
+	for {
+		if _, err := os.Stat(marker); os.IsNotExist(err) {
+			return nil
+		}
+		select {
+		case <-ctx.Done():
+			return ctx.Err()
+		case <-time.After(20 * time.Millisecond):
+		}
 	}
 }
 
@@ -250,6 +277,10 @@ func (m *deviceManager) allocateContainer(ctx context.Context, pod *v1.Pod, cont
 		entry := m.plugins[resource]
 		m.mu.Unlock()
 
+		if err := m.holdBeforeAllocate(ctx, pod, container.Name); err != nil {
+			return err
+		}
+		logger.Info("calling Allocate", "resource", resource, "pod", klog.KObj(pod), "container", container.Name)
 		callCtx, cancel := context.WithTimeout(ctx, allocateTimeout)
 		response, err := entry.client.API().Allocate(callCtx, &api.AllocateRequest{
 			ContainerRequests: []*api.ContainerAllocateRequest{{DevicesIds: ids}},

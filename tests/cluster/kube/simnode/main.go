@@ -141,7 +141,8 @@ func run(c *config) error {
 	ctx = klog.NewContext(ctx, logger)
 
 	node := newNodeStatus(c, client)
-	devices := newDeviceManager(node.devicesChanged)
+	// A test holds Allocate calls by creating this folder.
+	devices := newDeviceManager(node.devicesChanged, filepath.Join(c.workdir, "hold-allocate"))
 	socketDir := filepath.Join(c.hostRoot, "var/lib/kubelet/device-plugins")
 	registration, err := startRegistration(logger, socketDir, devices)
 	if err != nil {
