@@ -1080,10 +1080,16 @@ mod tests {
             allocatable.insert("nvidia.com/gpu".into(), Quantity("20".into()));
         }
         state.apply_node(&online);
-        assert!(!state.node("n1").expect("n1").offers_none_of("nvidia.com/gpu"));
+        assert!(!state
+            .node("n1")
+            .expect("n1")
+            .offers_none_of("nvidia.com/gpu"));
         // A node without a status is not judged.
         state.apply_node(&node("n2", 1));
-        assert!(!state.node("n2").expect("n2").offers_none_of("nvidia.com/gpu"));
+        assert!(!state
+            .node("n2")
+            .expect("n2")
+            .offers_none_of("nvidia.com/gpu"));
     }
 
     #[test]
