@@ -1,7 +1,7 @@
 //! Names and cleanup through the Kubernetes API: the monitor binary talks
-//! to an in-repo fake API server over real HTTP (the real kube client code
-//! runs: list, then watch), serving a recorded pod list and pushing watch
-//! events.
+//! to a real API server (etcd and kube-apiserver, one per test) through the
+//! kube client (list, then watch, the pods bound to its node); the test
+//! creates, binds and deletes the pods.
 
 mod common;
 
@@ -10,7 +10,7 @@ use std::time::Duration;
 use vgpu_node_contract::region::RegionLimits;
 
 const NODE: &str = "gpu-node-3";
-const UID_NAMED: &str = "3f2a1b0c-9d8e-4f7a-b6c5-d4e3f2a1b0c9";
+/// UIDs of pods no API server knows.
 const UID_GONE: &str = "aa11bb22-cc33-4d44-8e55-66ff77008899";
 const UID_BUSY: &str = "b0b0b0b0-1111-4222-8333-444455556666";
 
@@ -20,16 +20,28 @@ fn with_uuid(host: &HostDir, key: &str) -> vgpu_node_contract::region::Region {
     region
 }
 
+/// How the monitor reaches the API server.
+enum ApiArg<'a> {
+    /// A real one, through its kubeconfig.
+    Kubeconfig(&'a str),
+    /// A URL (nothing listening there).
+    Url(&'a str),
+}
+
 /// The monitor binary on `host`'s regions, without NVML, naming pods
-/// through the API at `api_url`.
-fn monitor_with_api(host: &HostDir, api_url: &str, extra: &[&str]) -> MonitorProcess {
+/// through the API.
+fn monitor_with_api(host: &HostDir, api: ApiArg, extra: &[&str]) -> MonitorProcess {
     let root = host.root.to_str().expect("utf8");
+    let (flag, value) = match api {
+        ApiArg::Kubeconfig(path) => ("--kubeconfig", path),
+        ApiArg::Url(url) => ("--apiserver-url", url),
+    };
     let mut args = vec![
         "--containers-dir",
         root,
         "--no-nvml",
-        "--apiserver-url",
-        api_url,
+        flag,
+        value,
         "--node-name",
         NODE,
     ];
@@ -37,23 +49,59 @@ fn monitor_with_api(host: &HostDir, api_url: &str, extra: &[&str]) -> MonitorPro
     MonitorProcess::start(MonitorProcess::command(), &args)
 }
 
+/// The watches on pods across namespaces open at the API server now (its
+/// own informers have some).
+fn pod_watches(api: &KubeApi) -> f64 {
+    let labels = [
+        ("resource", "pods"),
+        ("scope", "cluster"),
+        ("verb", "WATCH"),
+    ];
+    value(
+        &api.server_metrics(),
+        "apiserver_longrunning_requests",
+        &labels,
+    )
+    .unwrap_or(0.0)
+}
+
 #[test]
 fn pods_are_named_from_the_api_and_deleted_pods_cleaned_up() {
     let host = HostDir::new("k8s");
-    let annotations = decision_annotations(NODE, "main", 0);
-    let api = FakeApiServer::start(pod_list(
+    let api = KubeApi::start();
+    api.add_namespace("team-a");
+    api.add_node(NODE);
+    api.add_node("gpu-node-4");
+    let uid_named = api.add_bound_pod(
+        "team-a",
+        "trainer-0",
         NODE,
-        &[(UID_NAMED, "team-a", "trainer-0", &annotations)],
-    ));
-    let named = with_uuid(&host, &format!("{UID_NAMED}_main"));
+        decision_annotations(NODE, "main", 0),
+    );
+    // A pod of another node, with a region here (as if left from a pod of
+    // that UID): the API knows it, but not as one of this node's pods.
+    let uid_elsewhere = api.add_bound_pod(
+        "team-a",
+        "trainer-1",
+        "gpu-node-4",
+        decision_annotations("gpu-node-4", "main", 0),
+    );
+    let named = with_uuid(&host, &format!("{uid_named}_main"));
     drop(named); // no process of its own: may go once its pod does
     let gone = with_uuid(&host, &format!("{UID_GONE}_main"));
     drop(gone);
-    // A pod the API does not list, but with a live process: kept.
+    let elsewhere = with_uuid(&host, &format!("{uid_elsewhere}_main"));
+    drop(elsewhere);
+    // A pod the API does not know, but with a live process: kept.
     let busy = with_uuid(&host, &format!("{UID_BUSY}_main"));
     let _slot = charge(&busy, 0, 0, 0, MIB);
 
-    let monitor = monitor_with_api(&host, &api.url(), &["--cleanup-grace-seconds", "1"]);
+    let watches_before = pod_watches(&api);
+    let monitor = monitor_with_api(
+        &host,
+        ApiArg::Kubeconfig(api.kubeconfig()),
+        &["--cleanup-grace-seconds", "1"],
+    );
     let labels = [
         ("namespace", "team-a"),
         ("pod", "trainer-0"),
@@ -72,43 +120,38 @@ fn pods_are_named_from_the_api_and_deleted_pods_cleaned_up() {
         Some(0.0),
         "the scheduler's decision overrides the priority in the region header"
     );
-    let requests = api.requests.lock().expect("requests").clone();
+    // The monitor follows its pods with a watch (a long-running request,
+    // across namespaces): the API server counts the watches open on pods,
+    // and has one more than its own informers' while the monitor runs.
+    // (Which node's pods it asks for is checked by what it cleans up.)
+    let monitor_watch = wait_for(Duration::from_secs(10), || {
+        (pod_watches(&api) == watches_before + 1.0).then_some(())
+    });
     assert!(
-        requests
-            .iter()
-            .any(|r| r.contains("fieldSelector=spec.nodeName%3Dgpu-node-3")),
-        "only this node's pods are asked for: {requests:?}"
-    );
-    assert!(
-        requests.iter().any(|r| r.contains("watch=true")),
-        "{requests:?}"
+        monitor_watch.is_some(),
+        "{} watches on pods, {watches_before} before the monitor",
+        pod_watches(&api)
     );
 
-    // The pod the API does not know goes after the grace period; the one
-    // with a live process stays.
-    let gone_dir = host.root.join(format!("{UID_GONE}_main"));
-    assert!(
-        wait_for(Duration::from_secs(10), || (!exists(&gone_dir))
-            .then_some(()))
-        .is_some(),
-        "{} was not removed:\n{}",
-        gone_dir.display(),
-        monitor.log()
-    );
+    // The pods the API does not know go after the grace period, and so
+    // does the one on another node (only this node's pods are asked for:
+    // a list of every pod would have it); the one with a live process
+    // stays.
+    for uid in [UID_GONE, uid_elsewhere.as_str()] {
+        let dir = host.root.join(format!("{uid}_main"));
+        assert!(
+            wait_for(Duration::from_secs(10), || (!exists(&dir)).then_some(())).is_some(),
+            "{} was not removed:\n{}",
+            dir.display(),
+            monitor.log()
+        );
+    }
     assert!(exists(&host.root.join(format!("{UID_BUSY}_main"))));
-    assert!(exists(&host.root.join(format!("{UID_NAMED}_main"))));
+    assert!(exists(&host.root.join(format!("{uid_named}_main"))));
 
     // The named pod is deleted: its directory goes too.
-    let object = pod_json(
-        pod_template(),
-        NODE,
-        UID_NAMED,
-        "team-a",
-        "trainer-0",
-        &annotations,
-    );
-    api.push_event("DELETED", &object);
-    let named_dir = host.root.join(format!("{UID_NAMED}_main"));
+    api.delete_pod("team-a", "trainer-0");
+    let named_dir = host.root.join(format!("{uid_named}_main"));
     assert!(
         wait_for(Duration::from_secs(10), || (!exists(&named_dir))
             .then_some(()))
@@ -133,7 +176,7 @@ fn without_the_api_names_fall_back_and_nothing_is_removed() {
     drop(region);
     // Nothing listens on this port.
     let url = format!("http://127.0.0.1:{}", free_port());
-    let monitor = monitor_with_api(&host, &url, &["--cleanup-grace-seconds", "1"]);
+    let monitor = monitor_with_api(&host, ApiArg::Url(&url), &["--cleanup-grace-seconds", "1"]);
     let labels = [("namespace", ""), ("pod", UID_GONE), ("container", "main")];
     monitor.wait_for_metrics(Duration::from_secs(10), |s| {
         (value(s, "vgpu_container_memory_used_bytes", &labels).is_some()
@@ -158,22 +201,26 @@ fn without_the_api_names_fall_back_and_nothing_is_removed() {
 #[test]
 fn the_decision_not_the_region_says_which_gpus_and_shares_a_container_has() {
     let host = HostDir::new("k8s-claims");
-    let annotations = decision_annotations(NODE, "main", 1);
-    let api = FakeApiServer::start(pod_list(
+    let api = KubeApi::start();
+    api.add_namespace("team-a");
+    api.add_node(NODE);
+    let uid = api.add_bound_pod(
+        "team-a",
+        "trainer-0",
         NODE,
-        &[(UID_NAMED, "team-a", "trainer-0", &annotations)],
-    ));
+        decision_annotations(NODE, "main", 1),
+    );
     // The container wrote itself a 90 % share on its GPU (decided: 30 %)
     // and claims a second GPU it was never given.
     let mut limits = RegionLimits::default();
     limits.sm_limit[0] = 90;
     limits.sm_limit[1] = 50;
-    let region = host.create_region(&format!("{UID_NAMED}_main"), &limits);
+    let region = host.create_region(&format!("{uid}_main"), &limits);
     region.set_device_uuid(0, "GPU-k8s");
     region.set_device_uuid(1, "GPU-stolen");
     let _slot = charge(&region, 0, 0, 0, MIB);
 
-    let monitor = monitor_with_api(&host, &api.url(), &[]);
+    let monitor = monitor_with_api(&host, ApiArg::Kubeconfig(api.kubeconfig()), &[]);
     let labels = [
         ("pod", "trainer-0"),
         ("container", "main"),

@@ -12,12 +12,22 @@ use vgpu_node_contract::region::{MemoryKind, RegionLimits, SHARE_UNLIMITED};
 use vgpu_node_contract::shim_env::UtilizationPolicy;
 
 const NODE: &str = "gpu-node-5";
+/// The pod of the test without an API server (no pod to name it).
 const UID: &str = "7c6b5a49-3827-4165-9f0e-d1c2b3a4f5e6";
 
 #[test]
 fn limits_changed_from_inside_are_restored_and_the_memory_over_the_cap_reported() {
     let host = HostDir::new("tampering");
-    let key = format!("{UID}_main");
+    let api = KubeApi::start();
+    api.add_namespace("team-c");
+    api.add_node(NODE);
+    let uid = api.add_bound_pod(
+        "team-c",
+        "tuner-0",
+        NODE,
+        decision_annotations(NODE, "main", 2),
+    );
+    let key = format!("{uid}_main");
     // Created as the device plugin creates it for the decision (4 GiB, 30 %).
     let mut granted = RegionLimits::default();
     granted.memory_limit[0] = 4 * GIB;
@@ -41,15 +51,6 @@ fn limits_changed_from_inside_are_restored_and_the_memory_over_the_cap_reported(
         .store(UtilizationPolicy::Disable as u32, Ordering::Relaxed);
     let slot = charge(&region, 0, 0, 0, 6 * GIB);
 
-    let api = FakeApiServer::start(pod_list(
-        NODE,
-        &[(
-            UID,
-            "team-c",
-            "tuner-0",
-            &decision_annotations(NODE, "main", 2),
-        )],
-    ));
     let root = host.root.to_str().expect("utf8");
     let monitor = MonitorProcess::start(
         MonitorProcess::command(),
@@ -57,8 +58,8 @@ fn limits_changed_from_inside_are_restored_and_the_memory_over_the_cap_reported(
             "--containers-dir",
             root,
             "--no-nvml",
-            "--apiserver-url",
-            &api.url(),
+            "--kubeconfig",
+            api.kubeconfig(),
             "--node-name",
             NODE,
             "--no-arbitration",
@@ -99,25 +100,32 @@ fn limits_changed_from_inside_are_restored_and_the_memory_over_the_cap_reported(
         .expect("io")
         .is_err());
 
+    // Both recorded on the pod: accepted by the API server, which
+    // validates an Event (its object, reason, type, source) on creation.
+    let reasons = ["RegionLimitsChanged", "MemoryOverCap"];
     let events = wait_for(Duration::from_secs(10), || {
-        let posted: Vec<String> = api
-            .requests
-            .lock()
-            .expect("requests")
+        let events = api.events("team-c");
+        reasons
             .iter()
-            .filter(|r| r.starts_with("POST /api/v1/namespaces/team-c/events"))
-            .cloned()
-            .collect();
-        (posted.len() >= 2).then_some(posted)
+            .all(|reason| events.iter().any(|e| e.reason.as_deref() == Some(reason)))
+            .then_some(events)
     })
-    .unwrap_or_else(|| panic!("Events not posted:\n{}", monitor.log()));
-    for reason in ["RegionLimitsChanged", "MemoryOverCap"] {
-        assert!(
-            events
-                .iter()
-                .any(|e| e.contains(&format!("\"reason\":\"{reason}\""))),
-            "{reason}: {events:?}"
-        );
+    .unwrap_or_else(|| {
+        panic!(
+            "Events not recorded: {:?}\n{}",
+            api.events("team-c"),
+            monitor.log()
+        )
+    });
+    for event in &events {
+        let object = &event.involved_object;
+        assert_eq!(object.kind.as_deref(), Some("Pod"), "{event:?}");
+        assert_eq!(object.name.as_deref(), Some("tuner-0"), "{event:?}");
+        assert_eq!(object.uid.as_deref(), Some(uid.as_str()), "{event:?}");
+        assert_eq!(event.type_.as_deref(), Some("Warning"), "{event:?}");
+        let source = event.source.as_ref().expect("source");
+        assert_eq!(source.component.as_deref(), Some("vgpu-monitor"));
+        assert_eq!(source.host.as_deref(), Some(NODE));
     }
 
     // Changed again: restored again, counted, logged once.

@@ -15,13 +15,14 @@ use vgpu_testkit::namespaces::{
 };
 use vgpu_testkit::{programs_dir, spawn_until_ready, Sandbox};
 
+/// The pod of the test without an API server (no pod to name it).
 const UID: &str = "5b2e8f0a-1c3d-4e5f-8a9b-0c1d2e3f4a5b";
 const NODE: &str = "gpu-node-7";
 
-/// A simulated GPU and the container `<UID>_main` on `host`: its region
+/// A simulated GPU and the container `<uid>_main` on `host`: its region
 /// path, a 4 GiB cap.
-fn container(host: &HostDir, name: &str) -> (Sandbox, std::path::PathBuf) {
-    let region = host.region_path(&format!("{UID}_main"));
+fn container(host: &HostDir, uid: &str, name: &str) -> (Sandbox, std::path::PathBuf) {
+    let region = host.region_path(&format!("{uid}_main"));
     let mut sandbox = Sandbox::new(name, 1, "16Gi");
     sandbox
         .set(
@@ -40,7 +41,11 @@ fn release(mut child: Child) {
 #[test]
 fn a_process_without_the_shim_is_exported_logged_once_and_recorded_on_its_pod() {
     let host = HostDir::new("unenforced");
-    let (sandbox, _) = container(&host, "unenforced");
+    let api = KubeApi::start();
+    api.add_namespace("team-b");
+    api.add_node(NODE);
+    let uid = api.add_bound_pod("team-b", "trainer-1", NODE, Default::default());
+    let (sandbox, _) = container(&host, &uid, "unenforced");
 
     // The container's process under the shim, in its own PID namespace.
     let enforced = spawn_until_ready(&mut in_new_pid_namespace(
@@ -53,11 +58,10 @@ fn a_process_without_the_shim_is_exported_logged_once_and_recorded_on_its_pod() 
     let skipped = spawn_until_ready(&mut in_pid_namespace_of(enforced_pid, &bare));
     let skipped_pid = forked_child(skipped.id());
 
-    let api = FakeApiServer::start(pod_list(NODE, &[(UID, "team-b", "trainer-1", "{}")]));
     let monitor = MonitorProcess::on_simulated_gpu(
         &sandbox,
         &host,
-        &["--apiserver-url", &api.url(), "--node-name", NODE],
+        &["--kubeconfig", api.kubeconfig(), "--node-name", NODE],
     );
     let container = [
         ("namespace", "team-b"),
@@ -85,23 +89,25 @@ fn a_process_without_the_shim_is_exported_logged_once_and_recorded_on_its_pod() 
         Some(held)
     );
 
-    // Logged once, however many passes see it; an Event on the pod.
+    // Logged once, however many passes see it; an Event on the pod, which
+    // the API server accepted (it validates Events on creation).
     let event = wait_for(Duration::from_secs(10), || {
-        api.requests
-            .lock()
-            .expect("requests")
-            .iter()
-            .find(|r| r.starts_with("POST /api/v1/namespaces/team-b/events"))
-            .cloned()
+        api.events("team-b")
+            .into_iter()
+            .find(|e| e.reason.as_deref() == Some("UnenforcedGPUProcess"))
     })
-    .unwrap_or_else(|| panic!("no Event posted:\n{}", monitor.log()));
-    let body: serde_json::Value =
-        serde_json::from_str(event.splitn(3, ' ').nth(2).expect("body")).expect("event JSON");
-    assert_eq!(body["reason"], "UnenforcedGPUProcess");
-    assert_eq!(body["type"], "Warning");
-    assert_eq!(body["involvedObject"]["name"], "trainer-1");
-    assert_eq!(body["involvedObject"]["uid"], UID);
-    let message = body["message"].as_str().expect("message");
+    .unwrap_or_else(|| {
+        panic!(
+            "no Event recorded: {:?}\n{}",
+            api.events("team-b"),
+            monitor.log()
+        )
+    });
+    assert_eq!(event.type_.as_deref(), Some("Warning"));
+    assert_eq!(event.involved_object.kind.as_deref(), Some("Pod"));
+    assert_eq!(event.involved_object.name.as_deref(), Some("trainer-1"));
+    assert_eq!(event.involved_object.uid.as_deref(), Some(uid.as_str()));
+    let message = event.message.as_deref().expect("message");
     assert!(
         message.contains(&format!("process {skipped_pid} ")),
         "{message}"
@@ -129,7 +135,7 @@ fn a_process_without_the_shim_is_exported_logged_once_and_recorded_on_its_pod() 
 #[test]
 fn a_shim_process_that_cannot_see_its_host_pid_is_found_by_its_region_and_not_reported() {
     let host = HostDir::new("own-proc");
-    let (sandbox, region_path) = container(&host, "own-proc");
+    let (sandbox, region_path) = container(&host, UID, "own-proc");
     // With its own /proc the process sees itself only as PID 1.
     let enforced = spawn_until_ready(&mut in_new_pid_namespace_with_own_proc(
         &sandbox.probe("linked", &["hold", &(256 * MIB).to_string()]),

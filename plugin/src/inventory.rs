@@ -106,7 +106,10 @@ pub async fn publish(
         // object recreated resets extended resources it does not manage.
         // Not needed for placing pods, only for kube-scheduler's retries:
         // a failure is reported and does not hold the inventory back.
-        match cluster.publish_capacity(&share_capacity(&current.gpus, &names)).await {
+        match cluster
+            .publish_capacity(&share_capacity(&current.gpus, &names))
+            .await
+        {
             Ok(()) => capacity_failing = false,
             Err(error) => {
                 if !capacity_failing {

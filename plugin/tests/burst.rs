@@ -1,5 +1,6 @@
 //! 50 pods bound in a burst across 5 nodes, each node a simulated GPU with
-//! the real plugin binary and a fake kubelet; the test plays the scheduler
+//! the real plugin binary and a fake kubelet, all on one real API server
+//! (etcd and kube-apiserver); the test plays the scheduler
 //! extender (decision first, then bind, one pending pod per node) and
 //! kubelet (containers admitted in order). Every container must get
 //! exactly its own GPUs and limits, in its environment and in the region
@@ -35,16 +36,16 @@ struct NodeRun {
     gpus: Vec<InventoryGpu>,
 }
 
-async fn bring_up(api: &FakeApi, name: &str) -> NodeRun {
-    api.add_node(name);
-    let mut node = PluginNode::new(name, 2, "16Gi", &api.url, &["--split-count", "20"]);
+async fn bring_up(api: &ControlPlane, name: &str) -> NodeRun {
+    api.add_node(name).await;
+    let mut node = PluginNode::new(name, 2, "16Gi", &api.source(), &["--split-count", "20"]);
     node.start();
     let mut kubelet = FakeKubelet::start(&node.plugin_dir);
     let registration = kubelet.next_registration(WAIT).await;
     let mut conn = kubelet.connect(&registration).await;
     conn.wait_devices(WAIT, |list| list.len() == 40).await;
     let gpus = eventually(WAIT, "the node inventory", || async {
-        inventory(api, name)
+        api.inventory(name).await
     })
     .await
     .gpus;
@@ -218,7 +219,7 @@ async fn reconnect(run: &mut NodeRun) {
 
 /// Schedules and admits `pods` (indices) on one node, one at a time.
 async fn run_node(
-    api: Arc<FakeApi>,
+    api: Arc<ControlPlane>,
     mut run: NodeRun,
     pods: Vec<usize>,
     disruptions: Disruptions,
@@ -232,9 +233,9 @@ async fn run_node(
             reconnect(&mut run).await;
         }
         // The extender: decision, then bind. Nothing else is pending here.
-        let unbound = api.pod(NAMESPACE, &name);
+        let unbound = api.pod(&name).await;
         let decision = decision_for(i, &unbound, &run.node.name, &run.gpus);
-        let bound = bind(&api, &name, &decision);
+        let bound = api.bind(&name, &decision).await;
         let containers = gpu_containers(&bound, RESOURCE);
         let restart_here = restarted == 0
             && containers.len() > 1
@@ -261,25 +262,29 @@ async fn run_node(
             answers.push((container.clone(), ids, answer));
         }
         let names: Vec<String> = containers.iter().map(|(n, _)| n.clone()).collect();
-        assert_eq!(allocated(&api, &name), names, "{name}: allocation record");
+        assert_eq!(
+            api.allocated(&name).await,
+            names,
+            "{name}: allocation record"
+        );
         for ((container, ids, answer), decided) in answers.iter().zip(&decision.containers) {
             assert_eq!(container, &decided.name);
             check_container(&run, &bound, decided, ids, answer, &dirs);
         }
-        mark_running(&api, &name);
+        api.mark_running(&name).await;
     }
     (run, restarted)
 }
 
 async fn burst(disrupt: impl Fn(usize) -> Disruptions) {
-    let api = Arc::new(FakeApi::start().await);
+    let api = Arc::new(ControlPlane::start().await);
     let mut runs = Vec::new();
     for n in 0..NODES {
         runs.push(bring_up(&api, &format!("node-{n}")).await);
     }
     // The burst: every pod exists before the first is bound.
     for i in 0..PODS {
-        api.add_pod(shape(i));
+        api.add_pod(shape(i)).await;
     }
     let dirs = Arc::new(Mutex::new(HashSet::new()));
     let mut tasks = Vec::new();
@@ -310,7 +315,7 @@ async fn burst(disrupt: impl Fn(usize) -> Disruptions) {
             .into_iter()
             .map(|(n, _)| n)
             .collect();
-        assert_eq!(allocated(&api, &name), expected, "{name}");
+        assert_eq!(api.allocated(&name).await, expected, "{name}");
     }
     let expected_restarts: usize = (0..NODES)
         .filter(|n| disrupt(*n).plugin_restart_from.is_some())

@@ -80,32 +80,34 @@ fn grant(uuid: &str, memory_bytes: u64, cores_percent: u32) -> DeviceGrant {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn containers_started_with_the_answer_are_held_to_their_own_limits() {
-    let api = FakeApi::start().await;
-    api.add_node("gpu-node");
-    let mut node = PluginNode::new("gpu-node", 1, "8Gi", &api.url, &[]);
+    let api = ControlPlane::start().await;
+    api.add_node("gpu-node").await;
+    let mut node = PluginNode::new("gpu-node", 1, "8Gi", &api.source(), &[]);
     node.start();
     let mut kubelet = FakeKubelet::start(&node.plugin_dir);
     let registration = kubelet.next_registration(WAIT).await;
     let mut conn = kubelet.connect(&registration).await;
     conn.wait_devices(WAIT, |list| list.len() == 10).await;
     let gpu = eventually(WAIT, "the inventory", || async {
-        inventory(&api, "gpu-node")
+        api.inventory("gpu-node").await
     })
     .await
     .gpus[0]
         .uuid
         .clone();
 
-    let p = api.add_pod(pod(
-        "app",
-        vec![],
-        vec![container("main", 1), container("side", 1)],
-    ));
+    let p = api
+        .add_pod(pod(
+            "app",
+            vec![],
+            vec![container("main", 1), container("side", 1)],
+        ))
+        .await;
     let decision = decide(&p, "gpu-node", |i, _| match i {
         0 => (vec![grant(&gpu, GIB, 30)], Some(0)),
         _ => (vec![grant(&gpu, 3000 * MIB, 50)], None),
     });
-    let p = bind(&api, "app", &decision);
+    let p = api.bind("app", &decision).await;
     let answers = conn.admit(&p, RESOURCE).await.expect("admitted");
     let main = container_sandbox(&node, &answers[0].2);
     let side = container_sandbox(&node, &answers[1].2);
@@ -196,29 +198,31 @@ impl Drop for MonitorProcess {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_decided_burst_lets_a_lone_container_use_idle_capacity() {
-    let api = FakeApi::start().await;
-    api.add_node("burst-node");
-    let mut node = PluginNode::new("burst-node", 1, "8Gi", &api.url, &[]);
+    let api = ControlPlane::start().await;
+    api.add_node("burst-node").await;
+    let mut node = PluginNode::new("burst-node", 1, "8Gi", &api.source(), &[]);
     node.start();
     let mut kubelet = FakeKubelet::start(&node.plugin_dir);
     let registration = kubelet.next_registration(WAIT).await;
     let mut conn = kubelet.connect(&registration).await;
     conn.wait_devices(WAIT, |list| list.len() == 10).await;
     let gpu = eventually(WAIT, "the inventory", || async {
-        inventory(&api, "burst-node")
+        api.inventory("burst-node").await
     })
     .await
     .gpus[0]
         .uuid
         .clone();
 
-    let p = api.add_pod(pod("bursty", vec![], vec![container("main", 1)]));
+    let p = api
+        .add_pod(pod("bursty", vec![], vec![container("main", 1)]))
+        .await;
     let decision = decide(&p, "burst-node", |_, _| {
         let mut bursting = grant(&gpu, GIB, 30);
         bursting.burst_percent = Some(80);
         (vec![bursting], None)
     });
-    let p = bind(&api, "bursty", &decision);
+    let p = api.bind("bursty", &decision).await;
     let answers = conn.admit(&p, RESOURCE).await.expect("admitted");
     assert_eq!(answers[0].2.envs["VGPU_SM_BURST_LIMIT_0"], "80");
     let main = container_sandbox(&node, &answers[0].2);

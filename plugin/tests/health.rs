@@ -45,13 +45,13 @@ fn injector(node: &PluginNode, devices: u32, memory: &str) -> Inject {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_xid_on_the_simulated_gpu_makes_its_devices_unhealthy_until_it_recovers() {
-    let api = FakeApi::start().await;
-    api.add_node("gpu-node");
+    let api = ControlPlane::start().await;
+    api.add_node("gpu-node").await;
     let mut node = PluginNode::new(
         "gpu-node",
         2,
         "8Gi",
-        &api.url,
+        &api.source(),
         &[
             "--health-probe-ms",
             "100",
@@ -68,7 +68,7 @@ async fn an_xid_on_the_simulated_gpu_makes_its_devices_unhealthy_until_it_recove
     let devices = conn.wait_devices(WAIT, |list| list.len() == 8).await;
     assert!(devices.iter().all(|d| d.health == "Healthy"));
     let listed = eventually(WAIT, "the inventory", || async {
-        inventory(&api, "gpu-node")
+        api.inventory("gpu-node").await
     })
     .await;
     assert_eq!(listed.gpus.len(), 2);
@@ -103,7 +103,9 @@ async fn an_xid_on_the_simulated_gpu_makes_its_devices_unhealthy_until_it_recove
     })
     .await;
     eventually(WAIT, "the inventory to show the fault", || async {
-        inventory(&api, "gpu-node").filter(|i| !i.gpus[1].healthy && i.gpus[0].healthy)
+        api.inventory("gpu-node")
+            .await
+            .filter(|i| !i.gpus[1].healthy && i.gpus[0].healthy)
     })
     .await;
     let log = node.log_text();
@@ -118,7 +120,9 @@ async fn an_xid_on_the_simulated_gpu_makes_its_devices_unhealthy_until_it_recove
     })
     .await;
     eventually(WAIT, "the inventory to show the recovery", || async {
-        inventory(&api, "gpu-node").filter(|i| i.gpus.iter().all(|g| g.healthy))
+        api.inventory("gpu-node")
+            .await
+            .filter(|i| i.gpus.iter().all(|g| g.healthy))
     })
     .await;
     assert!(node.running());

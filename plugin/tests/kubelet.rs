@@ -1,9 +1,11 @@
 //! The plugin run in-process on a fixed GPU list, with health injected
 //! through the health-source trait, against a fake kubelet (real gRPC over
-//! unix sockets) and a fake API server (real HTTP): registration,
-//! re-registration when kubelet restarts, health updates in
-//! `ListAndWatch` and in the node inventory, and `Allocate`'s refusals.
-//! Needs no simulated GPU.
+//! unix sockets) and a real API server (etcd and kube-apiserver, one per
+//! test): registration, re-registration when kubelet restarts, health
+//! updates in `ListAndWatch` and in the node inventory, and `Allocate`'s
+//! refusals. Needs no simulated GPU. Conflicts on the allocation record,
+//! which a real server cannot be made to produce on cue, are in
+//! `conflicts.rs`.
 
 mod support;
 
@@ -14,7 +16,7 @@ use support::*;
 use tokio::sync::watch;
 use vgpu_cluster::decision::{DeviceGrant, InventoryGpu};
 use vgpu_device_plugin::allocate::Settings;
-use vgpu_device_plugin::cluster::{make_client, ApiSource};
+use vgpu_device_plugin::cluster::make_client;
 use vgpu_device_plugin::health::{HealthTracker, ManualHealth, ManualHealthHandle, Signal};
 use vgpu_device_plugin::kubelet::KubeletSettings;
 use vgpu_device_plugin::PluginConfig;
@@ -53,7 +55,7 @@ fn gpus() -> Vec<InventoryGpu> {
         .collect()
 }
 
-async fn start_plugin(api: &FakeApi, node: &str, tag: &str) -> Harness {
+async fn start_plugin(api: &ControlPlane, node: &str, tag: &str) -> Harness {
     let dir = std::env::temp_dir().join(format!("vgpu-plugin-test-{}-{tag}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
     let plugin_dir = dir.join("device-plugins");
@@ -78,11 +80,10 @@ async fn start_plugin(api: &FakeApi, node: &str, tag: &str) -> Harness {
             context_reserve: None,
         },
         heartbeat: Duration::from_secs(1),
+        resources: Default::default(),
     };
     let (source, health) = ManualHealth::new(HealthTracker::new([13], Some(Duration::ZERO)));
-    let client = make_client(&ApiSource::Url(api.url.clone()))
-        .await
-        .expect("client");
+    let client = make_client(&api.source()).await.expect("client");
     let (stop, shutdown) = watch::channel(false);
     let task = tokio::spawn(vgpu_device_plugin::run(
         config,
@@ -112,8 +113,8 @@ fn health_of(conn: &PluginConn, uuid: &str) -> Vec<String> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn registers_reports_health_and_registers_again_after_kubelet_restarts() {
-    let api = FakeApi::start().await;
-    api.add_node("node-a");
+    let api = ControlPlane::start().await;
+    api.add_node("node-a").await;
     let harness = start_plugin(&api, "node-a", "register").await;
     let mut kubelet = FakeKubelet::start(&harness.plugin_dir);
 
@@ -139,12 +140,14 @@ async fn registers_reports_health_and_registers_again_after_kubelet_restarts() {
 
     // The inventory is published at once and refreshed by the heartbeat.
     let first = eventually(WAIT, "the node inventory", || async {
-        inventory(&api, "node-a")
+        api.inventory("node-a").await
     })
     .await;
     assert_eq!(first.gpus, gpus());
     let beat = eventually(WAIT, "a heartbeat", || async {
-        inventory(&api, "node-a").filter(|i| i.heartbeat_unix_ms > first.heartbeat_unix_ms)
+        api.inventory("node-a")
+            .await
+            .filter(|i| i.heartbeat_unix_ms > first.heartbeat_unix_ms)
     })
     .await;
     assert!(beat.is_fresh(beat.heartbeat_unix_ms));
@@ -159,7 +162,9 @@ async fn registers_reports_health_and_registers_again_after_kubelet_restarts() {
     .await;
     assert!(health_of(&conn, &gpu0).iter().all(|h| h == "Healthy"));
     eventually(WAIT, "the inventory to show the fault", || async {
-        inventory(&api, "node-a").filter(|i| !i.gpus[1].healthy && i.gpus[0].healthy)
+        api.inventory("node-a")
+            .await
+            .filter(|i| !i.gpus[1].healthy && i.gpus[0].healthy)
     })
     .await;
     // Signals are applied in order, so once the recovery below shows, this
@@ -175,7 +180,9 @@ async fn registers_reports_health_and_registers_again_after_kubelet_restarts() {
     conn.wait_devices(WAIT, |list| list.iter().all(|d| d.health == "Healthy"))
         .await;
     eventually(WAIT, "the inventory to show the recovery", || async {
-        inventory(&api, "node-a").filter(|i| i.gpus.iter().all(|g| g.healthy))
+        api.inventory("node-a")
+            .await
+            .filter(|i| i.gpus.iter().all(|g| g.healthy))
     })
     .await;
 
@@ -240,8 +247,8 @@ fn grant(uuid: &str, memory: u64, cores: u32) -> DeviceGrant {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn allocate_serves_the_pending_pod_and_refuses_what_it_cannot_match() {
-    let api = FakeApi::start().await;
-    api.add_node("node-b");
+    let api = ControlPlane::start().await;
+    api.add_node("node-b").await;
     let harness = start_plugin(&api, "node-b", "allocate").await;
     let mut kubelet = FakeKubelet::start(&harness.plugin_dir);
     let registration = kubelet.next_registration(WAIT).await;
@@ -259,11 +266,13 @@ async fn allocate_serves_the_pending_pod_and_refuses_what_it_cannot_match() {
     );
 
     // A pod with an init container (1 GPU) and a main container (2 GPUs).
-    let p = api.add_pod(pod(
-        "train",
-        vec![container("setup", 1)],
-        vec![container("main", 2), container("sidecar", 0)],
-    ));
+    let p = api
+        .add_pod(pod(
+            "train",
+            vec![container("setup", 1)],
+            vec![container("main", 2), container("sidecar", 0)],
+        ))
+        .await;
     let decision = decide(&p, "node-b", |i, _| match i {
         0 => (vec![grant(&gpu1, GIB, 10)], None),
         _ => (
@@ -271,11 +280,9 @@ async fn allocate_serves_the_pending_pod_and_refuses_what_it_cannot_match() {
             Some(0),
         ),
     });
-    let p = bind(&api, "train", &decision);
-    // Two injected conflicts: the plugin reads the pod again and succeeds.
-    api.inject_conflicts(2);
+    let p = api.bind("train", &decision).await;
     let answers = conn.admit(&p, RESOURCE).await.expect("admitted");
-    assert_eq!(allocated(&api, "train"), vec!["setup", "main"]);
+    assert_eq!(api.allocated("train").await, vec!["setup", "main"]);
     let (name, ids, setup) = &answers[0];
     assert_eq!(name, "setup");
     assert!(
@@ -329,33 +336,35 @@ async fn allocate_serves_the_pending_pod_and_refuses_what_it_cannot_match() {
         "{}",
         error.message()
     );
-    mark_running(&api, "train");
+    api.mark_running("train").await;
 
     // Kubelet asks for a different count than decided: refused by name.
-    let q = api.add_pod(pod("infer", vec![], vec![container("server", 1)]));
+    let q = api
+        .add_pod(pod("infer", vec![], vec![container("server", 1)]))
+        .await;
     let d = decide(&q, "node-b", |_, _| (vec![grant(&gpu0, GIB, 20)], None));
-    bind(&api, "infer", &d);
+    api.bind("infer", &d).await;
     let error = conn.allocate_one(2).await.expect_err("count");
     assert!(
         error.message().contains("asks for 2 device(s)") && error.message().contains("server"),
         "{}",
         error.message()
     );
-    assert!(allocated(&api, "infer").is_empty(), "nothing recorded");
+    assert!(api.allocated("infer").await.is_empty(), "nothing recorded");
 
     // Two pending pods: nothing is guessed.
-    let r = api.add_pod(pod("rogue", vec![], vec![container("x", 1)]));
+    let r = api
+        .add_pod(pod("rogue", vec![], vec![container("x", 1)]))
+        .await;
     let d = decide(&r, "node-b", |_, _| (vec![grant(&gpu0, GIB, 20)], None));
-    bind(&api, "rogue", &d);
+    api.bind("rogue", &d).await;
     let error = conn.allocate_one(1).await.expect_err("two pending");
     assert!(
         error.message().contains("default/infer") && error.message().contains("default/rogue"),
         "{}",
         error.message()
     );
-    api.update_pod(NAMESPACE, "rogue", |pod| {
-        pod.status.get_or_insert_with(Default::default).phase = Some("Failed".into());
-    });
+    api.set_phase("rogue", "Failed").await;
 
     // A decided GPU that became unhealthy is refused.
     assert!(harness.health.inject_xid(&gpu0, 79));
@@ -370,12 +379,8 @@ async fn allocate_serves_the_pending_pod_and_refuses_what_it_cannot_match() {
     conn.wait_devices(WAIT, |list| list.iter().all(|d| d.health == "Healthy"))
         .await;
 
-    // A pod whose record keeps changing under the plugin: aborted.
-    api.inject_conflicts(100);
-    let error = conn.allocate_one(1).await.expect_err("conflicts");
-    assert_eq!(error.code(), tonic::Code::Aborted);
-    api.inject_conflicts(0);
-    let (_, answer) = conn.allocate_one(1).await.expect("served after all");
+    // Healthy again, the GPU is served to the pod decided for it.
+    let (_, answer) = conn.allocate_one(1).await.expect("served once healthy");
     assert_eq!(answer.envs["NVIDIA_VISIBLE_DEVICES"], gpu0);
-    assert_eq!(allocated(&api, "infer"), vec!["server"]);
+    assert_eq!(api.allocated("infer").await, vec!["server"]);
 }

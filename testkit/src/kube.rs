@@ -57,14 +57,23 @@ impl ApiServer {
         // that the wait has a deadline.
         let (sender, receiver) = mpsc::channel();
         std::thread::spawn(move || {
+            let mut sender = Some(sender);
             for line in BufReader::new(stdout).lines() {
                 let Ok(line) = line else { break };
                 if let Some(path) = line.split("export KUBECONFIG=").nth(1) {
-                    let _ = sender.send(Some(PathBuf::from(path.trim())));
-                    return;
+                    if let Some(sender) = sender.take() {
+                        let _ = sender.send(Some(PathBuf::from(path.trim())));
+                    }
                 }
             }
-            let _ = sender.send(None);
+            // Read to the end, not just to that line: the launcher prints
+            // another right after it, and a pipe closed by then failed that
+            // print (BrokenPipeError), which made the launcher stop the
+            // control plane it had just started (seen as refused
+            // connections a moment after `start` returned).
+            if let Some(sender) = sender {
+                let _ = sender.send(None);
+            }
         });
         let errors = std::thread::spawn(move || {
             let mut text = String::new();

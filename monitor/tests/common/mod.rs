@@ -1,19 +1,24 @@
 //! Helpers for the monitor's integration tests: the monitor binary as a
 //! child process, plain HTTP over loopback, Prometheus text parsing, region
-//! set-up, and a fake Kubernetes API server.
+//! set-up, and a real Kubernetes API server with the pods the tests need.
 
 #![allow(dead_code)]
 
+use k8s_openapi::api::core::v1::{
+    Binding, Container, Event, Namespace, Node, ObjectReference, Pod, PodSpec, ResourceRequirements,
+};
+use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
+use kube::api::{Api, DeleteParams, ListParams, PostParams};
 use std::collections::BTreeMap;
-use std::io::{BufRead, BufReader, Read, Write};
+use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 use vgpu_cluster::decision::{ContainerDecision, Decision, DeviceGrant, DECISION_ANNOTATION};
 use vgpu_node_contract::region::{MemoryKind, Region, RegionLimits};
+use vgpu_testkit::kube::ApiServer;
 
 pub const MIB: u64 = 1 << 20;
 pub const GIB: u64 = 1 << 30;
@@ -349,200 +354,167 @@ impl Drop for MonitorProcess {
     }
 }
 
-/// A fake Kubernetes API server over real HTTP: answers a pod list from a
-/// recorded payload, and streams watch events the test pushes.
-pub struct FakeApiServer {
-    pub addr: SocketAddr,
-    pod_list: Arc<Mutex<String>>,
-    events: Arc<Mutex<Vec<String>>>,
-    pub requests: Arc<Mutex<Vec<String>>>,
-    stop: Arc<AtomicBool>,
+/// A real Kubernetes API server for one test (etcd and kube-apiserver,
+/// stopped on drop) and an admin client of it, driven from these blocking
+/// tests through a runtime of its own. The monitor reaches it through the
+/// admin kubeconfig.
+pub struct KubeApi {
+    server: ApiServer,
+    client: kube::Client,
+    runtime: tokio::runtime::Runtime,
 }
 
-impl FakeApiServer {
-    pub fn start(pod_list: String) -> Self {
-        let listener = TcpListener::bind("127.0.0.1:0").expect("bind fake API");
-        listener.set_nonblocking(true).expect("nonblocking");
-        let addr = listener.local_addr().expect("addr");
-        let server = Self {
-            addr,
-            pod_list: Arc::new(Mutex::new(pod_list)),
-            events: Arc::new(Mutex::new(Vec::new())),
-            requests: Arc::new(Mutex::new(Vec::new())),
-            stop: Arc::new(AtomicBool::new(false)),
+impl KubeApi {
+    pub fn start() -> Self {
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .expect("a runtime for the API client");
+        let server = ApiServer::start();
+        let client = runtime.block_on(server.client());
+        Self {
+            server,
+            client,
+            runtime,
+        }
+    }
+
+    /// The admin kubeconfig, for `--kubeconfig`.
+    pub fn kubeconfig(&self) -> &str {
+        self.server.kubeconfig().to_str().expect("utf8")
+    }
+
+    /// A namespace (only `default` and the system ones exist at first).
+    pub fn add_namespace(&self, name: &str) {
+        let namespace = Namespace {
+            metadata: ObjectMeta {
+                name: Some(name.into()),
+                ..Default::default()
+            },
+            ..Default::default()
         };
-        let (pod_list, events, requests, stop) = (
-            Arc::clone(&server.pod_list),
-            Arc::clone(&server.events),
-            Arc::clone(&server.requests),
-            Arc::clone(&server.stop),
-        );
-        std::thread::spawn(move || {
-            while !stop.load(Ordering::Acquire) {
-                match listener.accept() {
-                    Ok((stream, _)) => {
-                        let (pod_list, events, requests, stop) = (
-                            Arc::clone(&pod_list),
-                            Arc::clone(&events),
-                            Arc::clone(&requests),
-                            Arc::clone(&stop),
-                        );
-                        std::thread::spawn(move || {
-                            let _ = serve_api(stream, &pod_list, &events, &requests, &stop);
-                        });
-                    }
-                    Err(_) => std::thread::sleep(Duration::from_millis(20)),
-                }
-            }
-        });
-        server
+        self.runtime
+            .block_on(
+                Api::<Namespace>::all(self.client.clone())
+                    .create(&PostParams::default(), &namespace),
+            )
+            .unwrap_or_else(|error| panic!("create namespace {name}: {error}"));
     }
 
-    pub fn url(&self) -> String {
-        format!("http://{}", self.addr)
+    /// The node object, as its kubelet registers it.
+    pub fn add_node(&self, name: &str) {
+        let node = Node {
+            metadata: ObjectMeta {
+                name: Some(name.into()),
+                ..Default::default()
+            },
+            ..Default::default()
+        };
+        self.runtime
+            .block_on(Api::<Node>::all(self.client.clone()).create(&PostParams::default(), &node))
+            .unwrap_or_else(|error| panic!("create node {name}: {error}"));
     }
 
-    /// Sends a watch event (`ADDED`, `MODIFIED`, `DELETED`) to every watcher.
-    pub fn push_event(&self, kind: &str, object: &str) {
-        self.events
-            .lock()
-            .expect("events")
-            .push(format!(r#"{{"type":"{kind}","object":{}}}"#, object.trim()));
+    /// Creates pod `namespace/name` (one GPU container, `main`) with
+    /// `annotations` and binds it to `node` through the `binding`
+    /// subresource, as the scheduler does; answers the UID the server gave
+    /// it (what the pod's region directories are named by).
+    pub fn add_bound_pod(
+        &self,
+        namespace: &str,
+        name: &str,
+        node: &str,
+        annotations: BTreeMap<String, String>,
+    ) -> String {
+        let pod = Pod {
+            metadata: ObjectMeta {
+                name: Some(name.into()),
+                namespace: Some(namespace.into()),
+                annotations: Some(annotations),
+                ..Default::default()
+            },
+            spec: Some(PodSpec {
+                containers: vec![Container {
+                    name: "main".into(),
+                    image: Some("nvcr.io/nvidia/pytorch:24.08-py3".into()),
+                    resources: Some(ResourceRequirements {
+                        limits: Some(BTreeMap::from([(
+                            "nvidia.com/gpu".to_string(),
+                            Quantity("1".into()),
+                        )])),
+                        ..Default::default()
+                    }),
+                    ..Default::default()
+                }],
+                ..Default::default()
+            }),
+            status: None,
+        };
+        let pods: Api<Pod> = Api::namespaced(self.client.clone(), namespace);
+        let created = self
+            .runtime
+            .block_on(pods.create(&PostParams::default(), &pod))
+            .unwrap_or_else(|error| panic!("create pod {namespace}/{name}: {error}"));
+        let binding = Binding {
+            metadata: ObjectMeta {
+                name: Some(name.into()),
+                namespace: Some(namespace.into()),
+                ..Default::default()
+            },
+            target: ObjectReference {
+                api_version: Some("v1".into()),
+                kind: Some("Node".into()),
+                name: Some(node.into()),
+                ..Default::default()
+            },
+        };
+        self.runtime
+            .block_on(pods.create_subresource::<_, serde_json::Value>(
+                "binding",
+                name,
+                &PostParams::default(),
+                &binding,
+            ))
+            .unwrap_or_else(|error| panic!("bind pod {namespace}/{name} to {node}: {error}"));
+        created
+            .metadata
+            .uid
+            .expect("the server gives every pod a UID")
     }
-}
 
-impl Drop for FakeApiServer {
-    fn drop(&mut self) {
-        self.stop.store(true, Ordering::Release);
+    /// Deletes a bound pod as it happens in a cluster: the user's delete
+    /// only marks it (a bound pod waits for its kubelet), and the kubelet,
+    /// once the containers have stopped, deletes it for good (grace 0).
+    pub fn delete_pod(&self, namespace: &str, name: &str) {
+        let pods: Api<Pod> = Api::namespaced(self.client.clone(), namespace);
+        self.runtime
+            .block_on(pods.delete(name, &DeleteParams::default()))
+            .unwrap_or_else(|error| panic!("delete pod {namespace}/{name}: {error}"));
+        self.runtime
+            .block_on(pods.delete(name, &DeleteParams::default().grace_period(0)))
+            .unwrap_or_else(|error| panic!("finish deleting pod {namespace}/{name}: {error}"));
     }
-}
 
-fn serve_api(
-    mut stream: TcpStream,
-    pod_list: &Mutex<String>,
-    events: &Mutex<Vec<String>>,
-    requests: &Mutex<Vec<String>>,
-    stop: &AtomicBool,
-) -> std::io::Result<()> {
-    stream.set_nonblocking(false)?;
-    let mut reader = BufReader::new(stream.try_clone()?);
-    loop {
-        // One request per iteration (keep-alive).
-        let mut request_line = String::new();
-        if reader.read_line(&mut request_line)? == 0 {
-            return Ok(());
-        }
-        let mut content_length = 0usize;
-        loop {
-            let mut header = String::new();
-            if reader.read_line(&mut header)? == 0 || header == "\r\n" {
-                break;
-            }
-            if let Some((name, value)) = header.split_once(':') {
-                if name.eq_ignore_ascii_case("content-length") {
-                    content_length = value.trim().parse().unwrap_or(0);
-                }
-            }
-        }
-        let mut body = vec![0u8; content_length];
-        reader.read_exact(&mut body)?;
-        let body = String::from_utf8_lossy(&body).to_string();
-        let target = request_line
-            .split_whitespace()
-            .nth(1)
-            .unwrap_or("")
-            .to_string();
-        let (path, query) = target.split_once('?').unwrap_or((&target, ""));
-        // Events are created (POST .../events) and answered with themselves.
-        if request_line.starts_with("POST ") && path.ends_with("/events") {
-            requests
-                .lock()
-                .expect("requests")
-                .push(format!("POST {path} {body}"));
-            write!(
-                stream,
-                "HTTP/1.1 201 Created\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
-                body.len()
-            )?;
-            stream.flush()?;
-            continue;
-        }
-        requests.lock().expect("requests").push(target.clone());
-        if path != "/api/v1/pods" {
-            let body = r#"{"kind":"Status","apiVersion":"v1","status":"Failure","reason":"NotFound","code":404}"#;
-            write!(
-                stream,
-                "HTTP/1.1 404 Not Found\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
-                body.len()
-            )?;
-            continue;
-        }
-        if query
-            .split('&')
-            .any(|p| p == "watch=true" || p == "watch=1")
-        {
-            write!(
-                stream,
-                "HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n"
-            )?;
-            stream.flush()?;
-            let mut sent = 0;
-            let started = Instant::now();
-            while !stop.load(Ordering::Acquire) && started.elapsed() < Duration::from_secs(120) {
-                let pending: Vec<String> = events.lock().expect("events")[sent..].to_vec();
-                for event in pending {
-                    let line = format!("{event}\n");
-                    write!(stream, "{:x}\r\n{line}\r\n", line.len())?;
-                    stream.flush()?;
-                    sent += 1;
-                }
-                std::thread::sleep(Duration::from_millis(20));
-            }
-            write!(stream, "0\r\n\r\n")?;
-            return Ok(());
-        }
-        let body = pod_list.lock().expect("pod list").clone();
-        write!(
-            stream,
-            "HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
-            body.len()
-        )?;
-        stream.flush()?;
+    /// The Events recorded in `namespace`.
+    pub fn events(&self, namespace: &str) -> Vec<Event> {
+        let events: Api<Event> = Api::namespaced(self.client.clone(), namespace);
+        self.runtime
+            .block_on(events.list(&ListParams::default()))
+            .unwrap_or_else(|error| panic!("list Events in {namespace}: {error}"))
+            .items
     }
-}
 
-/// The recorded pod list with `{{...}}` placeholders filled in.
-pub fn pod_list(node: &str, pods: &[(&str, &str, &str, &str)]) -> String {
-    let template = include_str!("../data/pod.json");
-    let items: Vec<String> = pods
-        .iter()
-        .map(|(uid, namespace, name, annotations)| {
-            pod_json(template, node, uid, namespace, name, annotations)
-        })
-        .collect();
-    include_str!("../data/podlist.json").replace("{{ITEMS}}", &items.join(","))
-}
-
-/// One pod object from the recorded template.
-pub fn pod_json(
-    template: &str,
-    node: &str,
-    uid: &str,
-    namespace: &str,
-    name: &str,
-    annotations: &str,
-) -> String {
-    template
-        .replace("{{NODE}}", node)
-        .replace("{{UID}}", uid)
-        .replace("{{NAMESPACE}}", namespace)
-        .replace("{{NAME}}", name)
-        .replace("{{ANNOTATIONS}}", annotations)
-}
-
-/// The pod template.
-pub fn pod_template() -> &'static str {
-    include_str!("../data/pod.json")
+    /// The API server's own metrics (Prometheus text).
+    pub fn server_metrics(&self) -> Vec<Sample> {
+        let request = http::Request::get("/metrics")
+            .body(Vec::new())
+            .expect("request");
+        let text = self
+            .runtime
+            .block_on(self.client.request_text(request))
+            .unwrap_or_else(|error| panic!("the API server's /metrics: {error}"));
+        parse_metrics(&text)
+    }
 }
 
 /// Whether `path` exists.
@@ -552,7 +524,11 @@ pub fn exists(path: &Path) -> bool {
 
 /// Pod annotations holding the scheduler's decision for `container` on
 /// `node`: GPU `GPU-k8s`, 4 GiB, 30 %, at `priority`.
-pub fn decision_annotations(node: &str, container: &str, priority: i32) -> String {
+pub fn decision_annotations(
+    node: &str,
+    container: &str,
+    priority: i32,
+) -> BTreeMap<String, String> {
     let decision = Decision {
         version: 1,
         node: node.into(),
@@ -569,10 +545,5 @@ pub fn decision_annotations(node: &str, container: &str, priority: i32) -> Strin
             priority: Some(priority),
         }],
     };
-    let mut annotations = serde_json::Map::new();
-    annotations.insert(
-        DECISION_ANNOTATION.into(),
-        serde_json::Value::String(decision.to_json()),
-    );
-    serde_json::Value::Object(annotations).to_string()
+    BTreeMap::from([(DECISION_ANNOTATION.to_string(), decision.to_json())])
 }

@@ -1,25 +1,35 @@
-//! Shared plumbing of the plugin's integration tests: a fake API server, a
-//! fake kubelet, plugin processes on simulated GPUs, and the scheduler
-//! extender's part (decisions), played by the tests.
+//! Shared plumbing of the plugin's integration tests: a real Kubernetes API
+//! server per test (etcd and kube-apiserver, [`ControlPlane`]), a fake
+//! kubelet, plugin processes on simulated GPUs, and the scheduler
+//! extender's part (decisions, binding), played by the tests.
+//!
+//! The API server is the real one, so what the tests do to it is what a
+//! cluster allows: the node object exists before the plugin annotates it
+//! (kubelet registers it), a pod is bound only through its `binding`
+//! subresource, its phase changes only through `status`, and UIDs and
+//! resource versions are the server's.
 
 #![allow(dead_code)]
 
-pub mod apiserver;
 pub mod kubelet;
 pub mod node;
 
-use k8s_openapi::api::core::v1::{Container, Pod, PodSpec, PodStatus, ResourceRequirements};
+use k8s_openapi::api::core::v1::{
+    Binding, Container, Node, ObjectReference, Pod, PodSpec, PodStatus, ResourceRequirements,
+};
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
+use kube::api::{Api, Patch, PatchParams, PostParams};
+use kube::Client;
 use std::collections::BTreeMap;
 use std::future::Future;
 use std::time::{Duration, Instant};
+use vgpu_cluster::client::ApiSource;
 use vgpu_cluster::decision::{
     parse_allocated, ContainerDecision, Decision, DeviceGrant, NodeInventory, ALLOCATED_ANNOTATION,
     DECISION_ANNOTATION, FORMAT_VERSION, NODE_INVENTORY_ANNOTATION,
 };
-
-pub use apiserver::FakeApi;
+use vgpu_testkit::kube::ApiServer;
 
 pub const RESOURCE: &str = "nvidia.com/gpu";
 pub const NAMESPACE: &str = "default";
@@ -40,7 +50,8 @@ pub fn container(name: &str, gpus: usize) -> Container {
     }
 }
 
-/// An unbound pod with the given init and regular containers.
+/// An unbound pod with the given init and regular containers. The status
+/// is what the API server gives a new pod anyway (it ignores a client's).
 pub fn pod(name: &str, init: Vec<Container>, containers: Vec<Container>) -> Pod {
     Pod {
         metadata: ObjectMeta {
@@ -96,38 +107,136 @@ pub fn decide(
     }
 }
 
-/// The extender's bind: the decision first, then the node.
-pub fn bind(api: &FakeApi, name: &str, decision: &Decision) -> Pod {
-    api.update_pod(NAMESPACE, name, |pod| {
-        pod.metadata
-            .annotations
-            .get_or_insert_with(Default::default)
-            .insert(DECISION_ANNOTATION.into(), decision.to_json());
-        pod.spec.as_mut().expect("spec").node_name = Some(decision.node.clone());
-    })
+/// A real API server for one test and an admin client of it.
+pub struct ControlPlane {
+    pub server: ApiServer,
+    pub client: Client,
 }
 
-/// Kubelet started the pod's containers.
-pub fn mark_running(api: &FakeApi, name: &str) {
-    api.update_pod(NAMESPACE, name, |pod| {
-        pod.status = Some(PodStatus {
-            phase: Some("Running".into()),
+impl ControlPlane {
+    /// Starts etcd and kube-apiserver (seconds; on a blocking thread, so
+    /// the test's runtime keeps serving meanwhile).
+    pub async fn start() -> Self {
+        let server = tokio::task::spawn_blocking(ApiServer::start)
+            .await
+            .expect("start the test API server");
+        let client = server.client().await;
+        Self { server, client }
+    }
+
+    /// How a plugin reaches it: the admin kubeconfig.
+    pub fn source(&self) -> ApiSource {
+        ApiSource::Kubeconfig(self.server.kubeconfig().to_path_buf())
+    }
+
+    fn pods(&self) -> Api<Pod> {
+        Api::namespaced(self.client.clone(), NAMESPACE)
+    }
+
+    /// The node object, as kubelet registers it before any plugin runs
+    /// there (the plugin only patches it).
+    pub async fn add_node(&self, name: &str) {
+        let node = Node {
+            metadata: ObjectMeta {
+                name: Some(name.into()),
+                ..Default::default()
+            },
             ..Default::default()
+        };
+        Api::<Node>::all(self.client.clone())
+            .create(&PostParams::default(), &node)
+            .await
+            .unwrap_or_else(|error| panic!("create node {name}: {error}"));
+    }
+
+    /// Creates `pod`; the answer carries the UID and resource version the
+    /// server gave it.
+    pub async fn add_pod(&self, pod: Pod) -> Pod {
+        let name = pod.metadata.name.clone().unwrap_or_default();
+        self.pods()
+            .create(&PostParams::default(), &pod)
+            .await
+            .unwrap_or_else(|error| panic!("create pod {name}: {error}"))
+    }
+
+    /// The pod as the server has it now.
+    pub async fn pod(&self, name: &str) -> Pod {
+        self.pods()
+            .get(name)
+            .await
+            .unwrap_or_else(|error| panic!("get pod {name}: {error}"))
+    }
+
+    /// The extender's bind: the decision first, then the node, through the
+    /// `binding` subresource (the only way to set `spec.nodeName`).
+    pub async fn bind(&self, name: &str, decision: &Decision) -> Pod {
+        let pods = self.pods();
+        let annotate = serde_json::json!({
+            "metadata": { "annotations": { DECISION_ANNOTATION: decision.to_json() } }
         });
-    });
-}
+        pods.patch(name, &PatchParams::default(), &Patch::Merge(&annotate))
+            .await
+            .unwrap_or_else(|error| panic!("annotate pod {name} with its decision: {error}"));
+        let binding = Binding {
+            metadata: ObjectMeta {
+                name: Some(name.into()),
+                namespace: Some(NAMESPACE.into()),
+                ..Default::default()
+            },
+            target: ObjectReference {
+                api_version: Some("v1".into()),
+                kind: Some("Node".into()),
+                name: Some(decision.node.clone()),
+                ..Default::default()
+            },
+        };
+        pods.create_subresource::<_, serde_json::Value>(
+            "binding",
+            name,
+            &PostParams::default(),
+            &binding,
+        )
+        .await
+        .unwrap_or_else(|error| panic!("bind pod {name} to {}: {error}", decision.node));
+        self.pod(name).await
+    }
 
-/// The containers the plugin recorded as allocated.
-pub fn allocated(api: &FakeApi, name: &str) -> Vec<String> {
-    api.pod_annotation(NAMESPACE, name, ALLOCATED_ANNOTATION)
-        .map(|text| parse_allocated(&text).expect("allocated record parses"))
-        .unwrap_or_default()
-}
+    /// Sets the pod's phase as kubelet does, through `status`.
+    pub async fn set_phase(&self, name: &str, phase: &str) {
+        let patch = serde_json::json!({ "status": { "phase": phase } });
+        self.pods()
+            .patch_status(name, &PatchParams::default(), &Patch::Merge(&patch))
+            .await
+            .unwrap_or_else(|error| panic!("set pod {name} {phase}: {error}"));
+    }
 
-/// The node's published inventory, if any.
-pub fn inventory(api: &FakeApi, node: &str) -> Option<NodeInventory> {
-    api.node_annotation(node, NODE_INVENTORY_ANNOTATION)
-        .map(|text| NodeInventory::parse(&text).expect("inventory parses"))
+    /// Kubelet started the pod's containers.
+    pub async fn mark_running(&self, name: &str) {
+        self.set_phase(name, "Running").await;
+    }
+
+    /// The containers the plugin recorded as allocated.
+    pub async fn allocated(&self, name: &str) -> Vec<String> {
+        self.pod(name)
+            .await
+            .metadata
+            .annotations
+            .and_then(|a| a.get(ALLOCATED_ANNOTATION).cloned())
+            .map(|text| parse_allocated(&text).expect("allocated record parses"))
+            .unwrap_or_default()
+    }
+
+    /// The node's published inventory, if any.
+    pub async fn inventory(&self, node: &str) -> Option<NodeInventory> {
+        Api::<Node>::all(self.client.clone())
+            .get(node)
+            .await
+            .unwrap_or_else(|error| panic!("get node {node}: {error}"))
+            .metadata
+            .annotations
+            .and_then(|a| a.get(NODE_INVENTORY_ANNOTATION).cloned())
+            .map(|text| NodeInventory::parse(&text).expect("inventory parses"))
+    }
 }
 
 /// Polls `check` until it gives `Some`, or panics after `timeout`.

@@ -1,11 +1,12 @@
 //! A node: a simulated GPU (its own state file and UUIDs) and the real
 //! `vgpu-device-plugin` binary running on it as a separate process, as the
-//! DaemonSet runs it, pointed at the fake API server and a private device
-//! plugin directory.
+//! DaemonSet runs it, pointed at an API server and a private device plugin
+//! directory.
 
 use std::fs::File;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Stdio};
+use vgpu_cluster::client::ApiSource;
 use vgpu_testkit::{shim_library, Sandbox};
 
 pub const PLUGIN: &str = env!("CARGO_BIN_EXE_vgpu-device-plugin");
@@ -22,8 +23,9 @@ pub struct PluginNode {
 }
 
 impl PluginNode {
-    /// A node named `name` with `gpus` simulated GPUs of `memory` each.
-    pub fn new(name: &str, gpus: u32, memory: &str, api_url: &str, extra: &[&str]) -> Self {
+    /// A node named `name` with `gpus` simulated GPUs of `memory` each,
+    /// its plugin reaching the API server through `api`.
+    pub fn new(name: &str, gpus: u32, memory: &str, api: &ApiSource, extra: &[&str]) -> Self {
         let mut sandbox = Sandbox::new(name, gpus, memory);
         sandbox.set("SIMGPU_UUID_SEED", name);
         let plugin_dir = sandbox.dir.join("device-plugins");
@@ -32,11 +34,16 @@ impl PluginNode {
         let log = sandbox.dir.join("plugin.log");
         std::fs::create_dir_all(&plugin_dir).expect("plugin dir");
         let path = |p: &Path| p.display().to_string();
+        let (api_flag, api_value) = match api {
+            ApiSource::Url(url) => ("--apiserver-url", url.clone()),
+            ApiSource::Kubeconfig(kubeconfig) => ("--kubeconfig", path(kubeconfig)),
+            other => panic!("a test plugin is given its API server explicitly, not {other:?}"),
+        };
         let mut args: Vec<String> = [
             "--node-name",
             name,
-            "--apiserver-url",
-            api_url,
+            api_flag,
+            &api_value,
             "--kubelet-poll-ms",
             "50",
             "--heartbeat-seconds",
