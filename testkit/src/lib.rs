@@ -7,7 +7,9 @@
 //! test command points it at the shipped glibc-2.17 build).
 
 pub mod compute;
+pub mod decisions;
 pub mod extender_client;
+pub mod fake_api;
 pub mod kube;
 pub mod namespaces;
 

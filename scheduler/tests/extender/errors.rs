@@ -108,30 +108,42 @@ async fn incomplete_arguments_are_explained() {
 async fn absurd_requests_are_refused_in_words() {
     let h = Harness::start(test_config()).await;
     h.put_node(node("n1", &[gpu("NVIDIA A10", 24)])).await;
-    let cases: &[(&[(&'static str, &str)], &str)] = &[
+    // The last field: whether the API server itself refuses such a pod.
+    // Those the API accepts are also created and bound, so that bind's
+    // refusal (it reads the pod from the API) is checked too; those it
+    // refuses can never be bound, and reach the extender only in a filter
+    // or prioritize body (which carries the whole pod).
+    type Limits = &'static [(&'static str, &'static str)];
+    let cases: &[(Limits, &str, bool)] = &[
         (
             &[("nvidia.com/gpu", "-1")],
             "container \"main\": nvidia.com/gpu \"-1\": must not be negative",
+            true,
         ),
         (
             &[("nvidia.com/gpu", "1"), ("nvidia.com/gpumem", "-1")],
             "nvidia.com/gpumem \"-1\": must not be negative",
+            true,
         ),
         (
             &[("nvidia.com/gpu", "1"), ("nvidia.com/gpumem", "20E")],
             "nvidia.com/gpumem \"20E\": \"20E\" is too large",
+            false,
         ),
         (
             &[("nvidia.com/gpu", "1000")],
             "nvidia.com/gpu \"1000\": at most 16 GPUs per container",
+            false,
         ),
         (
             &[("nvidia.com/gpu", "1"), ("nvidia.com/gpucores", "150")],
             "must be from 0 to 100 (percent of one GPU)",
+            false,
         ),
         (
             &[("nvidia.com/gpu", "0.5")],
             "nvidia.com/gpu \"0.5\": must be a whole number",
+            true,
         ),
         (
             &[
@@ -139,13 +151,15 @@ async fn absurd_requests_are_refused_in_words() {
                 ("nvidia.com/priority", "99999999999"),
             ],
             "nvidia.com/priority \"99999999999\": too large",
+            false,
         ),
         (
             &[("nvidia.com/gpumem", "1024")],
             "sets nvidia.com/gpumem (1024) without nvidia.com/gpu",
+            false,
         ),
     ];
-    for (limits, expected) in cases {
+    for (limits, expected, api_refuses) in cases {
         let p = pod("absurd", &[ctr("main", limits)], &[]);
         let result = h.filter(&p, &["n1"]).await;
         assert!(
@@ -157,10 +171,19 @@ async fn absurd_requests_are_refused_in_words() {
         // Prioritize answers zeros; bind refuses with the same words.
         let scores = h.prioritize(&p, &["n1"]).await;
         assert_eq!(scores[0].score, 0);
-        let created = h.create_pod(p).await;
-        let bound = h.bind(&created, "n1").await;
-        assert!(bound.error.contains(expected), "{:?}", bound.error);
-        h.delete_pod(&created).await;
+        match h.api.try_create_pod(p).await {
+            Ok(created) => {
+                assert!(!api_refuses, "{limits:?}: the API server took it");
+                h.caught_up(version_of(&created), 0).await;
+                let bound = h.bind(&created, "n1").await;
+                assert!(bound.error.contains(expected), "{:?}", bound.error);
+                h.delete_pod(&created).await;
+            }
+            Err(refused) => assert!(
+                *api_refuses && refused.contains(limits[limits.len() - 1].0),
+                "{limits:?}: the API server refused it: {refused}"
+            ),
+        }
     }
     // 10^12 MiB parses, and no GPU is that large.
     let p = pod(
@@ -202,28 +225,18 @@ async fn unknown_nodes_in_bind_are_refused() {
         ),
         "{result:?}"
     );
-    assert!(h.decision(&p).is_none());
-    assert!(h.api.pod("ml-team", "p").expect("pod")["spec"]["nodeName"].is_null());
+    assert!(h.decision(&p).await.is_none());
+    assert!(h.api.pod("p").await.expect("pod")["spec"]["nodeName"].is_null());
 }
 
+/// On the fake: a list held back long enough to be asked while it is
+/// missing is a fault a real API server does not produce on demand.
 #[tokio::test]
 async fn nothing_is_decided_before_the_first_complete_list() {
-    let api = crate::fake_api::FakeApi::new();
-    let addr = api.serve().await;
+    let api = FakeApi::start().await;
     api.put_node(node("n1", &[gpu("NVIDIA A10", 24)]));
     api.set_list_delay(Duration::from_millis(700));
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
-        .await
-        .expect("bind");
-    let running = vgpu_scheduler::start(
-        test_config(),
-        &ApiSource::Url(format!("http://{addr}")),
-        listener,
-        None,
-        None,
-    )
-    .await
-    .expect("start");
+    let running = start_extender(&test_config(), &ApiSource::Url(api.url.clone()), None).await;
     let client = ExtenderClient::new(running.local_addr);
     let (status, _) = client.get("/readyz").await.expect("readyz");
     assert_eq!(status, 503);
@@ -250,23 +263,17 @@ async fn nothing_is_decided_before_the_first_complete_list() {
 #[tokio::test]
 async fn an_unreachable_api_server_is_survived() {
     // Nothing listens there: the extender starts, stays unready, answers.
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
-        .await
-        .expect("bind");
     let dead = tokio::net::TcpListener::bind("127.0.0.1:0")
         .await
         .expect("bind");
     let dead_addr = dead.local_addr().expect("addr");
     drop(dead);
-    let running = vgpu_scheduler::start(
-        test_config(),
+    let running = start_extender(
+        &test_config(),
         &ApiSource::Url(format!("http://{dead_addr}")),
-        listener,
-        None,
         None,
     )
-    .await
-    .expect("start");
+    .await;
     assert!(!running.wait_ready(Duration::from_millis(300)).await);
     let client = ExtenderClient::new(running.local_addr);
     let (status, _) = client.get("/readyz").await.expect("readyz");

@@ -1,10 +1,11 @@
-//! Test clusters: the fake API, an extender fed by it over HTTP, pods and
+//! Test clusters: a real Kubernetes API server (or, for the faults only it
+//! can inject, the shared fake), an extender fed by it over HTTP, pods and
 //! nodes made from the recorded fixtures, and kube-scheduler's side of the
 //! extender protocol.
 
-use crate::fake_api::{decision_of, FakeApi};
+use k8s_openapi::api::core::v1::{Namespace, Node, Pod};
+use kube::api::{DeleteParams, ListParams, Patch, PatchParams, PostParams};
 use serde_json::{json, Value};
-use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 use vgpu_cluster::decision::{
@@ -18,7 +19,13 @@ use vgpu_scheduler::extender::{
 use vgpu_scheduler::scheduler::Config;
 use vgpu_scheduler::state::now_unix_ms;
 use vgpu_scheduler::Running;
+pub use vgpu_testkit::decisions::{allocated_of, decision_of, node_name_of};
 use vgpu_testkit::extender_client::ExtenderClient;
+pub use vgpu_testkit::fake_api::FakeApi;
+use vgpu_testkit::kube::ApiServer;
+
+/// The namespace of every test pod.
+pub const NAMESPACE: &str = "ml-team";
 
 pub const GIB: u64 = 1 << 30;
 pub const MIB: u64 = 1 << 20;
@@ -133,11 +140,11 @@ pub fn vgpu(name: &'static str, count: u32, memory_mib: u64, cores: u32) -> Ctr 
 }
 
 /// A pod object (from the recorded fixture) with these containers and
-/// annotations, not scheduled yet, without UID (the fake API assigns one).
+/// annotations, not scheduled yet, without UID (the API server assigns one).
 pub fn pod(name: &str, containers: &[Ctr], annotations: &[(&str, &str)]) -> Value {
     let mut pod = fixture("pod.json");
     pod["metadata"]["name"] = json!(name);
-    pod["metadata"]["namespace"] = json!("ml-team");
+    pod["metadata"]["namespace"] = json!(NAMESPACE);
     if let Some(map) = pod["metadata"].as_object_mut() {
         map.remove("uid");
         map.remove("resourceVersion");
@@ -184,13 +191,298 @@ pub fn version_of(pod: &Value) -> u64 {
         .unwrap_or(0)
 }
 
-/// A fake API with an extender watching it.
+/// The API the extender watches, as the test reads and writes it: the
+/// real API server (through a client) or the shared fake (in memory).
+/// Cheap to clone, for tasks that play the device plugin or heartbeats.
+#[derive(Clone)]
+pub enum Api {
+    Real(kube::Client),
+    Fake(Arc<FakeApi>),
+}
+
+/// An object as the API server would want it created or applied: the
+/// fields only the server sets are removed.
+fn for_create(mut object: Value) -> Value {
+    if let Some(metadata) = object["metadata"].as_object_mut() {
+        for field in [
+            "uid",
+            "resourceVersion",
+            "creationTimestamp",
+            "managedFields",
+        ] {
+            metadata.remove(field);
+        }
+    }
+    object
+}
+
+fn version_of_object<K: serde::Serialize>(object: &K) -> u64 {
+    version_of(&serde_json::to_value(object).expect("object JSON"))
+}
+
+fn to_value<K: serde::Serialize>(object: &K) -> Value {
+    serde_json::to_value(object).expect("object JSON")
+}
+
+fn is_not_found(error: &kube::Error) -> bool {
+    matches!(error, kube::Error::Api(status) if status.code == 404)
+}
+
+impl Api {
+    fn pod_api(client: &kube::Client) -> kube::Api<Pod> {
+        kube::Api::namespaced(client.clone(), NAMESPACE)
+    }
+
+    /// The fake, for the tests that inject its faults.
+    pub fn fake(&self) -> &Arc<FakeApi> {
+        match self {
+            Self::Fake(fake) => fake,
+            Self::Real(_) => panic!("this test runs on the real API server, which has no faults"),
+        }
+    }
+
+    /// Creates or replaces a node (server-side apply: annotations the new
+    /// object lacks are removed), then its status as kubelet reports it
+    /// (a real server takes a node's status only through the status
+    /// subresource); returns its new resource version.
+    pub async fn put_node(&self, node: Value) -> u64 {
+        match self {
+            Self::Fake(fake) => fake.put_node(node),
+            Self::Real(client) => {
+                let name = node["metadata"]["name"]
+                    .as_str()
+                    .expect("node name")
+                    .to_string();
+                let mut node = for_create(node);
+                node["apiVersion"] = json!("v1");
+                node["kind"] = json!("Node");
+                let status = node
+                    .as_object_mut()
+                    .and_then(|fields| fields.remove("status"));
+                let nodes = kube::Api::<Node>::all(client.clone());
+                let apply = PatchParams::apply("vgpu-test").force();
+                let mut applied = nodes
+                    .patch(&name, &apply, &Patch::Apply(&node))
+                    .await
+                    .unwrap_or_else(|e| panic!("apply node {name}: {e}"));
+                if let Some(status) = status {
+                    let status = json!({
+                        "apiVersion": "v1", "kind": "Node",
+                        "metadata": { "name": name }, "status": status
+                    });
+                    applied = nodes
+                        .patch_status(&name, &apply, &Patch::Apply(&status))
+                        .await
+                        .unwrap_or_else(|e| panic!("apply the status of node {name}: {e}"));
+                }
+                version_of_object(&applied)
+            }
+        }
+    }
+
+    /// Deletes a node; says whether it was there. (A real server answers
+    /// a node's deletion with a `Status`, not the object and its last
+    /// resource version.)
+    pub async fn delete_node(&self, name: &str) -> bool {
+        match self {
+            Self::Fake(fake) => fake.delete_node(name).is_some(),
+            Self::Real(client) => {
+                match kube::Api::<Node>::all(client.clone())
+                    .delete(name, &DeleteParams::default())
+                    .await
+                {
+                    Ok(_) => true,
+                    Err(e) if is_not_found(&e) => false,
+                    Err(e) => panic!("delete node {name}: {e}"),
+                }
+            }
+        }
+    }
+
+    /// Creates a pod, or says why the API server refuses it.
+    pub async fn try_create_pod(&self, pod: Value) -> Result<Value, String> {
+        match self {
+            Self::Fake(fake) => Ok(fake.create_pod(pod)),
+            Self::Real(client) => {
+                let pod: Pod = serde_json::from_value(for_create(pod)).expect("a Pod");
+                Self::pod_api(client)
+                    .create(&PostParams::default(), &pod)
+                    .await
+                    .map(|created| to_value(&created))
+                    .map_err(|e| e.to_string())
+            }
+        }
+    }
+
+    /// Creates a pod; returns it as the API server stored it (its UID and
+    /// resource version).
+    pub async fn create_pod(&self, pod: Value) -> Value {
+        let name = name_of(&pod);
+        self.try_create_pod(pod)
+            .await
+            .unwrap_or_else(|e| panic!("create pod {name}: {e}"))
+    }
+
+    /// Deletes a pod at once (no kubelet is there to finish a graceful
+    /// deletion); returns the resource version of the deletion.
+    pub async fn delete_pod(&self, name: &str) -> Option<u64> {
+        match self {
+            Self::Fake(fake) => fake.delete_pod(NAMESPACE, name),
+            Self::Real(client) => {
+                let now = DeleteParams {
+                    grace_period_seconds: Some(0),
+                    ..DeleteParams::default()
+                };
+                match Self::pod_api(client).delete(name, &now).await {
+                    Ok(deleted) => deleted.left().map(|pod| version_of_object(&pod)),
+                    Err(e) if is_not_found(&e) => None,
+                    Err(e) => panic!("delete pod {name}: {e}"),
+                }
+            }
+        }
+    }
+
+    /// What the device plugin does once it has served every GPU container
+    /// (the allocation record), then kubelet (the pod runs; a real server
+    /// takes the phase only through the status subresource). Returns the
+    /// new resource version, `None` for a pod without a decision.
+    pub async fn mark_allocated(&self, name: &str) -> Option<u64> {
+        match self {
+            Self::Fake(fake) => fake.mark_allocated(NAMESPACE, name),
+            Self::Real(client) => {
+                let pod = self.pod(name).await?;
+                let decision = decision_of(&pod)?;
+                let names: Vec<String> =
+                    decision.containers.iter().map(|c| c.name.clone()).collect();
+                let record = json!({ "metadata": { "annotations": {
+                    ALLOCATED_ANNOTATION: serde_json::to_string(&names).expect("names"),
+                } } });
+                let pods = Self::pod_api(client);
+                pods.patch(name, &PatchParams::default(), &Patch::Merge(&record))
+                    .await
+                    .unwrap_or_else(|e| panic!("record the allocation of {name}: {e}"));
+                Some(self.set_phase(name, "Running").await)
+            }
+        }
+    }
+
+    /// Sets the pod's `status.phase` as kubelet would; returns the new
+    /// resource version.
+    pub async fn set_phase(&self, name: &str, phase: &str) -> u64 {
+        match self {
+            Self::Fake(fake) => {
+                let pod = fake
+                    .update_pod(NAMESPACE, name, |pod| pod["status"]["phase"] = json!(phase))
+                    .expect("pod exists");
+                version_of(&pod)
+            }
+            Self::Real(client) => {
+                let status = json!({ "status": { "phase": phase } });
+                let pod = Self::pod_api(client)
+                    .patch_status(name, &PatchParams::default(), &Patch::Merge(&status))
+                    .await
+                    .unwrap_or_else(|e| panic!("set the phase of {name}: {e}"));
+                version_of_object(&pod)
+            }
+        }
+    }
+
+    /// Binds a pod as kube-scheduler would without the extender (the
+    /// binding subresource: a real server sets `spec.nodeName` no other
+    /// way once the pod exists).
+    pub async fn bind_directly(&self, name: &str, node: &str) {
+        match self {
+            Self::Fake(fake) => {
+                fake.update_pod(NAMESPACE, name, |pod| pod["spec"]["nodeName"] = json!(node))
+                    .expect("pod exists");
+            }
+            Self::Real(client) => {
+                let binding = json!({
+                    "apiVersion": "v1", "kind": "Binding",
+                    "metadata": { "name": name, "namespace": NAMESPACE },
+                    "target": { "apiVersion": "v1", "kind": "Node", "name": node }
+                });
+                let _: Value = Self::pod_api(client)
+                    .create_subresource("binding", name, &PostParams::default(), &binding)
+                    .await
+                    .unwrap_or_else(|e| panic!("bind {name} to {node}: {e}"));
+            }
+        }
+    }
+
+    pub async fn pod(&self, name: &str) -> Option<Value> {
+        match self {
+            Self::Fake(fake) => fake.pod(NAMESPACE, name),
+            Self::Real(client) => match Self::pod_api(client).get(name).await {
+                Ok(pod) => Some(to_value(&pod)),
+                Err(e) if is_not_found(&e) => None,
+                Err(e) => panic!("read pod {name}: {e}"),
+            },
+        }
+    }
+
+    /// Every test pod.
+    pub async fn pods(&self) -> Vec<Value> {
+        match self {
+            Self::Fake(fake) => fake.pods(),
+            Self::Real(client) => Self::pod_api(client)
+                .list(&ListParams::default())
+                .await
+                .expect("list pods")
+                .items
+                .iter()
+                .map(to_value)
+                .collect(),
+        }
+    }
+
+    pub async fn node(&self, name: &str) -> Option<Value> {
+        match self {
+            Self::Fake(fake) => fake.node(name),
+            Self::Real(client) => match kube::Api::<Node>::all(client.clone()).get(name).await {
+                Ok(node) => Some(to_value(&node)),
+                Err(e) if is_not_found(&e) => None,
+                Err(e) => panic!("read node {name}: {e}"),
+            },
+        }
+    }
+
+    pub async fn nodes(&self) -> Vec<Value> {
+        match self {
+            Self::Fake(fake) => fake
+                .node_names()
+                .iter()
+                .filter_map(|name| fake.node(name))
+                .collect(),
+            Self::Real(client) => kube::Api::<Node>::all(client.clone())
+                .list(&ListParams::default())
+                .await
+                .expect("list nodes")
+                .items
+                .iter()
+                .map(to_value)
+                .collect(),
+        }
+    }
+
+    pub async fn node_names(&self) -> Vec<String> {
+        self.nodes()
+            .await
+            .iter()
+            .filter_map(|node| node["metadata"]["name"].as_str().map(str::to_string))
+            .collect()
+    }
+}
+
+/// An extender watching an API: a real API server of its own, or the fake.
 pub struct Harness {
-    pub api: Arc<FakeApi>,
-    pub api_addr: SocketAddr,
+    pub api: Api,
     pub config: Config,
     pub running: Option<Running>,
     pub client: Arc<ExtenderClient>,
+    source: ApiSource,
+    /// Dropped last: the extender is stopped before its API server.
+    _server: Option<RealServer>,
 }
 
 pub fn test_config() -> Config {
@@ -200,39 +492,113 @@ pub fn test_config() -> Config {
     }
 }
 
+/// A real API server that is stopped, when dropped, on a thread of the
+/// blocking pool. Its clients' connections (the extender's watches) are
+/// served by tasks of the test's runtime, and kube-apiserver does not stop
+/// while they are open: stopped from the runtime's own thread, which then
+/// cannot close them, it took the launcher's 20 s timeout (and a kill) per
+/// test. The test's runtime, as it shuts down, drops its tasks (closing
+/// their connections) and then waits for the blocking pool, so the server
+/// is gone before the test ends.
+pub struct RealServer(Option<ApiServer>);
+
+impl std::ops::Deref for RealServer {
+    type Target = ApiServer;
+
+    fn deref(&self) -> &ApiServer {
+        self.0.as_ref().expect("running until dropped")
+    }
+}
+
+impl Drop for RealServer {
+    fn drop(&mut self) {
+        let Some(server) = self.0.take() else { return };
+        match tokio::runtime::Handle::try_current() {
+            Ok(runtime) => {
+                runtime.spawn_blocking(move || drop(server));
+            }
+            Err(_) => drop(server),
+        }
+    }
+}
+
+/// Starts a real API server (etcd and kube-apiserver; blocking, so on a
+/// thread of its own) with the test namespace in it.
+pub async fn real_api_server() -> (RealServer, kube::Client) {
+    let server = tokio::task::spawn_blocking(ApiServer::start)
+        .await
+        .expect("start the API server");
+    let server = RealServer(Some(server));
+    let client = server.client().await;
+    let namespace: Namespace =
+        serde_json::from_value(json!({ "metadata": { "name": NAMESPACE } })).expect("namespace");
+    kube::Api::<Namespace>::all(client.clone())
+        .create(&PostParams::default(), &namespace)
+        .await
+        .expect("create the test namespace");
+    (server, client)
+}
+
+/// An extender started on `source` without waiting for it to be ready.
+pub async fn start_extender(
+    config: &Config,
+    source: &ApiSource,
+    tls: Option<Arc<rustls::ServerConfig>>,
+) -> Running {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind extender");
+    vgpu_scheduler::start(config.clone(), source, listener, tls, None)
+        .await
+        .expect("start extender")
+}
+
 impl Harness {
+    /// An extender on a real API server of its own.
     pub async fn start(config: Config) -> Self {
-        let api = FakeApi::new();
-        let api_addr = api.serve().await;
-        let (running, client) = Self::launch(&config, api_addr).await;
+        let (server, client) = real_api_server().await;
+        let source = ApiSource::Kubeconfig(server.kubeconfig().to_path_buf());
+        Self::launch_on(config, Api::Real(client), source, Some(server)).await
+    }
+
+    /// An extender on the shared fake, for a test that injects one of its
+    /// faults.
+    pub async fn start_on_fake(config: Config) -> Self {
+        let fake = FakeApi::start().await;
+        let source = ApiSource::Url(fake.url.clone());
+        Self::launch_on(config, Api::Fake(fake), source, None).await
+    }
+
+    async fn launch_on(
+        config: Config,
+        api: Api,
+        source: ApiSource,
+        server: Option<RealServer>,
+    ) -> Self {
+        let (running, client) = Self::launch(&config, &source).await;
         Self {
             api,
-            api_addr,
             config,
             running: Some(running),
             client,
+            source,
+            _server: server,
         }
     }
 
-    async fn launch(config: &Config, api_addr: SocketAddr) -> (Running, Arc<ExtenderClient>) {
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
-            .await
-            .expect("bind extender");
-        let running = vgpu_scheduler::start(
-            config.clone(),
-            &ApiSource::Url(format!("http://{api_addr}")),
-            listener,
-            None,
-            None,
-        )
-        .await
-        .expect("start extender");
+    async fn launch(config: &Config, source: &ApiSource) -> (Running, Arc<ExtenderClient>) {
+        let running = start_extender(config, source, None).await;
         assert!(
-            running.wait_ready(Duration::from_secs(10)).await,
+            running.wait_ready(Duration::from_secs(20)).await,
             "extender never synced"
         );
         let client = Arc::new(ExtenderClient::new(running.local_addr));
         (running, client)
+    }
+
+    /// The shared fake (for a fault test).
+    pub fn fake(&self) -> &Arc<FakeApi> {
+        self.api.fake()
     }
 
     /// Stops the extender as a crash would and starts a fresh one (new
@@ -241,7 +607,7 @@ impl Harness {
         if let Some(running) = self.running.take() {
             running.stop();
         }
-        let (running, client) = Self::launch(&self.config, self.api_addr).await;
+        let (running, client) = Self::launch(&self.config, &self.source).await;
         self.running = Some(running);
         self.client = client;
     }
@@ -253,38 +619,57 @@ impl Harness {
     /// Waits until the extender's watches have seen versions `pods` and `nodes`.
     pub async fn caught_up(&self, pods: u64, nodes: u64) {
         let state = self.running().scheduler.state().clone();
-        for _ in 0..5000 {
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+        loop {
             let (seen_pods, seen_nodes) = state.read().seen_versions();
             if seen_pods >= pods && seen_nodes >= nodes {
                 return;
             }
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "extender did not catch up with the API (pods {pods}, nodes {nodes}; \
+                 seen {seen_pods}, {seen_nodes})"
+            );
             tokio::time::sleep(Duration::from_millis(1)).await;
         }
-        panic!("extender did not catch up with the API (pods {pods}, nodes {nodes})");
     }
 
     pub async fn put_node(&self, node: Value) {
-        let rv = self.api.put_node(node);
+        let rv = self.api.put_node(node).await;
         self.caught_up(0, rv).await;
     }
 
     pub async fn add_nodes(&self, nodes: Vec<Value>) {
         let mut rv = 0;
         for node in nodes {
-            rv = self.api.put_node(node);
+            rv = self.api.put_node(node).await;
         }
         self.caught_up(0, rv).await;
     }
 
+    /// Deletes a node and waits until the extender no longer knows it.
+    pub async fn delete_node(&self, name: &str) {
+        assert!(self.api.delete_node(name).await, "node {name} existed");
+        let state = self.running().scheduler.state().clone();
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+        while state.read().node(name).is_some() {
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "the extender still knows the deleted node {name}"
+            );
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+    }
+
     /// Creates a pod in the API and waits until the extender saw it.
     pub async fn create_pod(&self, pod: Value) -> Value {
-        let created = self.api.create_pod(pod);
+        let created = self.api.create_pod(pod).await;
         self.caught_up(version_of(&created), 0).await;
         created
     }
 
     pub async fn delete_pod(&self, pod: &Value) {
-        if let Some(rv) = self.api.delete_pod("ml-team", &name_of(pod)) {
+        if let Some(rv) = self.api.delete_pod(&name_of(pod)).await {
             self.caught_up(rv, 0).await;
         }
     }
@@ -293,7 +678,8 @@ impl Harness {
     pub async fn allocate(&self, pod: &Value) {
         let rv = self
             .api
-            .mark_allocated("ml-team", &name_of(pod))
+            .mark_allocated(&name_of(pod))
+            .await
             .expect("decided pod");
         self.caught_up(rv, 0).await;
     }
@@ -344,24 +730,22 @@ impl Harness {
     /// kube-scheduler's side for one pod, as it is in the API now: filter
     /// over every node, prioritize the survivors, bind to the best.
     pub async fn schedule(&self, pod: &Value) -> Result<String, String> {
-        let pod = self
-            .api
-            .pod("ml-team", &name_of(pod))
-            .ok_or("pod is gone")?;
-        schedule_with(&self.client, &pod, &self.api.node_names()).await
+        let pod = self.api.pod(&name_of(pod)).await.ok_or("pod is gone")?;
+        schedule_with(&self.client, &pod, &self.api.node_names().await).await
     }
 
     /// Schedules, and lets the plugin allocate; returns the decision.
     pub async fn schedule_and_allocate(&self, pod: &Value) -> Decision {
         let node = self.schedule(pod).await.expect("scheduled");
-        let decision = self.decision(pod).expect("decision");
+        let decision = self.decision(pod).await.expect("decision");
         assert_eq!(decision.node, node);
         self.allocate(pod).await;
         decision
     }
 
     /// A running pod, bound to `node` and fully allocated, holding one
-    /// container per `(gpu index, GiB, cores)`.
+    /// container per `(gpu index, GiB, cores)`: created with its decision
+    /// and allocation record, bound, then running.
     pub async fn occupy(&self, name: &str, node: &str, grants: &[(usize, u64, u32)]) -> Value {
         let decision = Decision {
             version: FORMAT_VERSION,
@@ -388,16 +772,28 @@ impl Harness {
         p["metadata"]["annotations"][DECISION_ANNOTATION] = json!(decision.to_json());
         p["metadata"]["annotations"][ALLOCATED_ANNOTATION] =
             json!(serde_json::to_string(&names).expect("names"));
-        p["spec"]["nodeName"] = json!(node);
-        p["status"]["phase"] = json!("Running");
-        self.create_pod(p).await
+        self.api.create_pod(p).await;
+        self.api.bind_directly(name, node).await;
+        let rv = self.api.set_phase(name, "Running").await;
+        self.caught_up(rv, 0).await;
+        self.api.pod(name).await.expect("occupying pod")
     }
 
-    pub fn decision(&self, pod: &Value) -> Option<Decision> {
+    pub async fn decision(&self, pod: &Value) -> Option<Decision> {
         self.api
-            .pod("ml-team", &name_of(pod))
+            .pod(&name_of(pod))
+            .await
             .as_ref()
             .and_then(decision_of)
+    }
+}
+
+impl Drop for Harness {
+    fn drop(&mut self) {
+        if let Some(running) = self.running.take() {
+            running.stop();
+        }
+        // The API server (if any) stops when `server` drops, after this.
     }
 }
 

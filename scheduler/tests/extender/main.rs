@@ -1,8 +1,8 @@
-//! The extender over real HTTP against a fake Kubernetes API server.
+//! The extender over real HTTP against a real Kubernetes API server (one
+//! per test), and against the shared fake for the faults only it injects.
 
 mod burst;
 mod errors;
-mod fake_api;
 mod harness;
 mod policies;
 mod rejections;

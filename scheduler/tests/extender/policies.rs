@@ -207,7 +207,7 @@ async fn nodes_with_more_gpus_of_the_wanted_model_score_higher() {
         "{scores:?}"
     );
     assert_eq!(h.schedule(&p).await.expect("bound"), "a100s");
-    let decision = h.decision(&p).expect("decision");
+    let decision = h.decision(&p).await.expect("decision");
     assert!(decision.containers[0].devices[0]
         .uuid
         .starts_with("GPU-a100s-"));
@@ -299,7 +299,7 @@ async fn init_sidecar_and_regular_containers_get_one_decision_in_admission_order
         .await;
     let node = h.schedule(&p).await.expect("bound");
     assert_eq!(node, "n1");
-    let decision = h.decision(&p).expect("decision");
+    let decision = h.decision(&p).await.expect("decision");
     let names: Vec<(&str, bool)> = decision
         .containers
         .iter()
@@ -430,15 +430,20 @@ async fn recorded_kube_scheduler_bodies_work_in_both_node_modes() {
         .await;
     assert_eq!(status, 200);
 
-    // The recorded pod, created in the API, bound with the recorded bind body.
+    // The recorded pod, created in the API, bound with the recorded bind
+    // body; the API server gave the pod a UID of its own, which replaces
+    // the recorded one (the extender refuses a pod whose UID differs).
     let recorded = fixture("pod.json");
-    h.create_pod(recorded.clone()).await;
-    let (status, body) = h.post("/bind", fixture_bytes("bind_args.json")).await;
+    let created = h.create_pod(recorded.clone()).await;
+    let mut bind_args = fixture("bind_args.json");
+    assert_eq!(bind_args["PodUID"], recorded["metadata"]["uid"]);
+    bind_args["PodUID"] = json!(uid_of(&created));
+    let (status, body) = h.post("/bind", bind_args.to_string().into_bytes()).await;
     assert_eq!(status, 200);
     assert_eq!(String::from_utf8_lossy(&body), r#"{"Error":""}"#);
-    let bound = h.api.pod("ml-team", &name_of(&recorded)).expect("pod");
+    let bound = h.api.pod(&name_of(&recorded)).await.expect("pod");
     assert_eq!(bound["spec"]["nodeName"], "gpu-node-1");
-    let decision = crate::fake_api::decision_of(&bound).expect("decision");
+    let decision = decision_of(&bound).expect("decision");
     assert_eq!(decision.node, "gpu-node-1");
     assert_eq!(decision.containers[0].name, "train");
     assert_eq!(
@@ -472,9 +477,9 @@ async fn pods_without_gpus_pass_everywhere_and_bind_without_a_decision() {
         .iter()
         .all(|s| s.score == 0));
     assert!(h.bind(&p, "plain").await.error.is_empty());
-    let bound = h.api.pod("ml-team", "web").expect("pod");
+    let bound = h.api.pod("web").await.expect("pod");
     assert_eq!(bound["spec"]["nodeName"], "plain");
-    assert!(h.decision(&p).is_none());
+    assert!(h.decision(&p).await.is_none());
 }
 
 #[tokio::test]

@@ -116,10 +116,10 @@ async fn node_level_reasons() {
         "container \"main\" needs 1 GPU with 1024 MiB and 10 percent compute each; the node has no GPUs",
     );
     // The same with full Node objects (nodeCacheCapable: false).
-    let objects: Vec<serde_json::Value> = ["no-inventory", "ok"]
-        .iter()
-        .map(|n| h.api.node(n).expect("node"))
-        .collect();
+    let mut objects = Vec::new();
+    for n in ["no-inventory", "ok"] {
+        objects.push(h.api.node(n).await.expect("node"));
+    }
     let result = h.filter_objects(&p, &objects).await;
     let items = result
         .nodes
@@ -138,8 +138,7 @@ async fn node_level_reasons() {
     let result = h.filter(&p, &["stale"]).await;
     assert_eq!(result.node_names, Some(vec!["stale".to_string()]));
     // A deleted node is unknown.
-    let rv = h.api.delete_node("ok").expect("deleted");
-    h.caught_up(0, rv).await;
+    h.delete_node("ok").await;
     rejected(
         &h.filter(&p, &["ok"]).await,
         "ok",
@@ -340,17 +339,18 @@ async fn bind_waits_for_the_pending_pod_and_says_who_it_is() {
         ),
         "{refused:?}"
     );
-    assert!(h.decision(&second).is_none(), "nothing recorded");
-    // Allocated while the bind waits: the bind goes through.
+    assert!(h.decision(&second).await.is_none(), "nothing recorded");
+    // Allocated while the bind waits (100 ms into its 400): the bind goes
+    // through.
     let api = h.api.clone();
     let allocator = tokio::spawn(async move {
         tokio::time::sleep(Duration::from_millis(100)).await;
-        api.mark_allocated("ml-team", "first")
+        api.mark_allocated("first").await
     });
     let result = h.bind(&second, "n1").await;
     assert!(result.error.is_empty(), "{result:?}");
     assert!(allocator.await.expect("allocator").is_some());
-    assert_eq!(h.decision(&second).expect("decision").node, "n1");
+    assert_eq!(h.decision(&second).await.expect("decision").node, "n1");
 }
 
 #[tokio::test]
@@ -414,10 +414,16 @@ async fn bind_refusals() {
             .contains("reading pod ml-team/ghost failed: not found"),
         "{result:?}"
     );
+}
 
-    // The API refuses the binding: the decision is taken back and the node
-    // is free at once.
-    h.api.fail_binding("refused");
+/// On the fake: an API server that refuses a binding (500) is a fault a
+/// real one does not produce on demand.
+#[tokio::test]
+async fn a_binding_the_api_refuses_takes_the_decision_back() {
+    let h = Harness::start_on_fake(test_config()).await;
+    h.put_node(node("n2", &[gpu("NVIDIA A10", 24)])).await;
+    // The decision is taken back and the node is free at once.
+    h.fake().fail_binding("refused");
     let refused = h
         .create_pod(pod("refused", &[vgpu("main", 1, 1024, 10)], &[]))
         .await;
@@ -428,7 +434,8 @@ async fn bind_refusals() {
             .contains("binding pod ml-team/refused to node n2 failed"),
         "{result:?}"
     );
-    assert!(h.decision(&refused).is_none(), "decision removed");
+    assert_eq!(h.fake().counters().bindings, 1, "the binding was tried");
+    assert!(h.decision(&refused).await.is_none(), "decision removed");
     let next = h
         .create_pod(pod("next", &[vgpu("main", 1, 1024, 10)], &[]))
         .await;
@@ -440,9 +447,11 @@ async fn bind_refusals() {
     );
 }
 
+/// On the fake: a write between the extender's read and its conditional
+/// write is a race a real API server shows only by chance.
 #[tokio::test]
 async fn a_pod_changed_before_the_decision_is_written_is_decided_again() {
-    let h = Harness::start(test_config()).await;
+    let h = Harness::start_on_fake(test_config()).await;
     h.put_node(node("n1", &[gpu("NVIDIA A10", 24), gpu("NVIDIA A10", 24)]))
         .await;
     let p = h
@@ -450,12 +459,16 @@ async fn a_pod_changed_before_the_decision_is_written_is_decided_again() {
         .await;
     // Between the extender's read and its write, someone pins the pod to GPU 1.
     let pinned = uuid("n1", 1);
-    h.api
+    h.fake()
         .touch_before_next_patch("moving", &[("nvidia.com/use-gpuuuid", pinned.as_str())]);
     let result = h.bind(&p, "n1").await;
     assert!(result.error.is_empty(), "{result:?}");
-    assert_eq!(h.api.counters().conflicts, 1, "the first write was refused");
-    let decision = h.decision(&p).expect("decision");
+    assert_eq!(
+        h.fake().counters().conflicts,
+        1,
+        "the first write was refused"
+    );
+    let decision = h.decision(&p).await.expect("decision");
     assert_eq!(
         decision.containers[0].devices[0].uuid, pinned,
         "decided again from the new pod"

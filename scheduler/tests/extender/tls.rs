@@ -61,28 +61,25 @@ async fn https(
 
 #[tokio::test]
 async fn serves_https_with_the_given_certificate() {
-    let api = crate::fake_api::FakeApi::new();
-    let api_addr = api.serve().await;
-    api.put_node(node("gpu-node-1", &[gpu("NVIDIA A10", 24)]));
-    api.put_node(node("gpu-node-2", &[gpu("NVIDIA A10", 24)]));
+    let (server, client) = real_api_server().await;
+    let api = Api::Real(client);
+    api.put_node(node("gpu-node-1", &[gpu("NVIDIA A10", 24)]))
+        .await;
+    api.put_node(node("gpu-node-2", &[gpu("NVIDIA A10", 24)]))
+        .await;
     let tls = tls_config(
         &fixture_path("tls/server.pem"),
         &fixture_path("tls/server.key"),
     )
     .expect("TLS config");
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
-        .await
-        .expect("bind");
-    let running = vgpu_scheduler::start(
-        test_config(),
-        &ApiSource::Url(format!("http://{api_addr}")),
-        listener,
+    let running = start_extender(
+        &test_config(),
+        &ApiSource::Kubeconfig(server.kubeconfig().to_path_buf()),
         Some(tls),
-        None,
     )
-    .await
-    .expect("start");
-    assert!(running.wait_ready(Duration::from_secs(10)).await);
+    .await;
+    // Ready means both nodes, written before, are in its first list.
+    assert!(running.wait_ready(Duration::from_secs(20)).await);
     let addr = running.local_addr;
 
     let (status, health) = https(addr, "GET", "/healthz", Vec::new()).await;

@@ -1,27 +1,47 @@
-//! A fake Kubernetes API server over real HTTP, enough for the extender's
-//! client (kube-rs) to run unchanged: paginated lists and watch streams of
-//! pods and nodes, GET and merge PATCH of pods (with the `resourceVersion`
-//! precondition), and the binding subresource. State lives in memory; every
-//! write gets the next resource version and a watch event.
+//! A fake Kubernetes API server over real HTTP, for the few faults a real
+//! kube-apiserver cannot produce on demand. Everything else is tested
+//! against the real one ([`crate::kube::ApiServer`]).
 //!
-//! It also checks the protocol's invariant after every write: at most one
-//! vGPU pod per node is decided but not fully allocated.
+//! The faults, each a knob on [`FakeApi`]:
+//!
+//! - [`FakeApi::set_list_delay`]: lists answer late, so a client is seen
+//!   before its first complete list (the extender decides nothing then);
+//! - [`FakeApi::fail_binding`]: the binding subresource refuses a pod with
+//!   500 (the extender takes its decision back);
+//! - [`FakeApi::set_binding_delay`]: bindings are held, so a client can be
+//!   stopped or crashed while one is in flight;
+//! - [`FakeApi::touch_before_next_patch`]: another writer changes a pod
+//!   between a client's read and its conditional write (a race a real
+//!   server only shows by chance);
+//! - [`FakeApi::inject_conflicts`]: the next pod patches get 409 Conflict
+//!   however current they are (the device plugin retries, then gives up).
+//!
+//! It serves what the extender and the device plugin use: lists (with a
+//! `spec.nodeName` field selector) and watch streams of pods and nodes; GET
+//! and JSON merge PATCH of one pod (`application/merge-patch+json` only,
+//! with the `metadata.resourceVersion` precondition) and of one node and
+//! its status (unconditional); and the binding subresource. State lives in memory;
+//! every write gets the next resource version and a watch event. Lists are
+//! never paginated.
+//!
+//! After every pod write it also checks the protocol's invariant: at most
+//! one vGPU pod per node is decided but not fully allocated.
 
+use crate::decisions::{decision_of, node_name_of, pending_entry};
 use axum::body::{Body, Bytes};
 use axum::extract::{Path, State};
-use axum::http::{StatusCode, Uri};
+use axum::http::{HeaderMap, StatusCode, Uri};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::Router;
 use serde_json::{json, Value};
 use std::collections::{BTreeMap, HashMap, HashSet};
-use std::net::SocketAddr;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
-use vgpu_cluster::decision::{Decision, ALLOCATED_ANNOTATION, DECISION_ANNOTATION};
+use vgpu_cluster::decision::ALLOCATED_ANNOTATION;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Kind {
+enum Kind {
     Pod,
     Node,
 }
@@ -39,20 +59,14 @@ struct Store {
     pods: BTreeMap<(String, String), Value>,
     nodes: BTreeMap<String, Value>,
     events: Vec<WatchEvent>,
-    /// Lists being paged through: id → (resource version, objects).
-    snapshots: HashMap<u64, (u64, Vec<Value>)>,
-    next_snapshot: u64,
     next_uid: u64,
     /// Pod → (node of its decision, pending), kept up to date on every write.
     pending_index: HashMap<(String, String), (String, bool)>,
 }
 
-/// Counters of what the fake served.
+/// Counts of what the fake served.
 #[derive(Clone, Debug, Default)]
 pub struct Counters {
-    pub lists: u64,
-    pub watches: u64,
-    pub gets: u64,
     pub patches: u64,
     pub conflicts: u64,
     pub bindings: u64,
@@ -69,32 +83,45 @@ struct Faults {
     /// Pods that another client changes (these annotations) just before
     /// the next patch arrives.
     touch_before_patch: HashMap<String, Vec<(String, String)>>,
+    /// Pod patches still to refuse with 409.
+    conflicts: usize,
 }
 
+/// The fake; it serves until the test's runtime ends.
 pub struct FakeApi {
+    /// `http://127.0.0.1:<port>`.
+    pub url: String,
     store: Mutex<Store>,
     changed: tokio::sync::watch::Sender<u64>,
     violations: Mutex<Vec<String>>,
     counters: Mutex<Counters>,
     faults: Mutex<Faults>,
-    max_pending_seen: Mutex<usize>,
 }
 
 fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
     mutex.lock().unwrap_or_else(|p| p.into_inner())
 }
 
-fn status(code: u16, reason: &str, message: &str) -> Response {
+/// A `Status` object as the real API server sends it with an error.
+fn status(code: StatusCode, reason: &str, message: &str) -> Response {
     let body = json!({
         "kind": "Status", "apiVersion": "v1", "metadata": {},
-        "status": "Failure", "message": message, "reason": reason, "code": code
+        "status": "Failure", "message": message, "reason": reason, "code": code.as_u16()
     });
     (
-        StatusCode::from_u16(code).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR),
+        code,
         [("content-type", "application/json")],
         body.to_string(),
     )
         .into_response()
+}
+
+fn not_found(what: &str, name: &str) -> Response {
+    status(
+        StatusCode::NOT_FOUND,
+        "NotFound",
+        &format!("{what} \"{name}\" not found"),
+    )
 }
 
 fn ok_json(value: &Value) -> Response {
@@ -122,7 +149,7 @@ fn with_type(object: &Value, kind: Kind) -> Value {
 }
 
 /// RFC 7386 JSON merge patch.
-pub fn merge_patch(target: &mut Value, patch: &Value) {
+fn merge_patch(target: &mut Value, patch: &Value) {
     match patch {
         Value::Object(entries) => {
             if !target.is_object() {
@@ -142,6 +169,33 @@ pub fn merge_patch(target: &mut Value, patch: &Value) {
     }
 }
 
+fn percent_decode(text: &str) -> String {
+    let bytes = text.as_bytes();
+    let mut out = Vec::with_capacity(bytes.len());
+    let mut i = 0;
+    while i < bytes.len() {
+        let hex = bytes
+            .get(i + 1..i + 3)
+            .and_then(|h| std::str::from_utf8(h).ok())
+            .and_then(|h| u8::from_str_radix(h, 16).ok());
+        match (bytes[i], hex) {
+            (b'%', Some(byte)) => {
+                out.push(byte);
+                i += 3;
+            }
+            (b'+', _) => {
+                out.push(b' ');
+                i += 1;
+            }
+            (byte, _) => {
+                out.push(byte);
+                i += 1;
+            }
+        }
+    }
+    String::from_utf8_lossy(&out).into_owned()
+}
+
 fn query(uri: &Uri) -> HashMap<String, String> {
     uri.query()
         .unwrap_or("")
@@ -149,26 +203,9 @@ fn query(uri: &Uri) -> HashMap<String, String> {
         .filter(|p| !p.is_empty())
         .map(|p| {
             let (k, v) = p.split_once('=').unwrap_or((p, ""));
-            (k.to_string(), v.replace("%3A", ":").replace("%3a", ":"))
+            (percent_decode(k), percent_decode(v))
         })
         .collect()
-}
-
-pub fn decision_of(pod: &Value) -> Option<Decision> {
-    pod["metadata"]["annotations"][DECISION_ANNOTATION]
-        .as_str()
-        .and_then(|t| Decision::parse(t).ok())
-}
-
-pub fn allocated_of(pod: &Value) -> Vec<String> {
-    pod["metadata"]["annotations"][ALLOCATED_ANNOTATION]
-        .as_str()
-        .and_then(|t| serde_json::from_str(t).ok())
-        .unwrap_or_default()
-}
-
-pub fn node_name_of(pod: &Value) -> Option<String> {
-    pod["spec"]["nodeName"].as_str().map(str::to_string)
 }
 
 fn key_of(pod: &Value) -> (String, String) {
@@ -182,8 +219,14 @@ fn key_of(pod: &Value) -> (String, String) {
 }
 
 impl FakeApi {
-    pub fn new() -> Arc<Self> {
-        Arc::new(Self {
+    /// Starts serving on an ephemeral port of 127.0.0.1.
+    pub async fn start() -> Arc<Self> {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("bind the fake API");
+        let addr = listener.local_addr().expect("address");
+        let api = Arc::new(Self {
+            url: format!("http://{addr}"),
             store: Mutex::new(Store {
                 rv: 1000,
                 ..Store::default()
@@ -192,15 +235,15 @@ impl FakeApi {
             violations: Mutex::new(Vec::new()),
             counters: Mutex::new(Counters::default()),
             faults: Mutex::new(Faults::default()),
-            max_pending_seen: Mutex::new(0),
-        })
-    }
-
-    /// Serves on an ephemeral port of 127.0.0.1.
-    pub async fn serve(self: &Arc<Self>) -> SocketAddr {
+        });
         let router = Router::new()
             .route("/api/v1/pods", get(list_or_watch_pods))
             .route("/api/v1/nodes", get(list_or_watch_nodes))
+            .route("/api/v1/nodes/{name}", get(get_node).patch(patch_node))
+            .route(
+                "/api/v1/nodes/{name}/status",
+                axum::routing::patch(patch_node),
+            )
             .route(
                 "/api/v1/namespaces/{namespace}/pods/{name}",
                 get(get_pod).patch(patch_pod),
@@ -209,15 +252,14 @@ impl FakeApi {
                 "/api/v1/namespaces/{namespace}/pods/{name}/binding",
                 post(bind_pod),
             )
-            .with_state(self.clone());
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
-            .await
-            .expect("bind fake API");
-        let addr = listener.local_addr().expect("address");
+            .fallback(|uri: Uri| async move {
+                not_found("path", &format!("{uri} (not served by the fake API)"))
+            })
+            .with_state(api.clone());
         tokio::spawn(async move {
             let _ = axum::serve(listener, router).await;
         });
-        addr
+        api
     }
 
     fn record(&self, store: &mut Store, kind: Kind, kind_text: &'static str, object: Value) {
@@ -237,27 +279,21 @@ impl FakeApi {
         store.rv
     }
 
-    // ---- test-side API ----
+    // ---- faults ----
 
-    pub fn counters(&self) -> Counters {
-        lock(&self.counters).clone()
-    }
-
-    pub fn violations(&self) -> Vec<String> {
-        lock(&self.violations).clone()
-    }
-
-    /// The most pods seen pending on one node at once.
-    pub fn max_pending_seen(&self) -> usize {
-        *lock(&self.max_pending_seen)
-    }
-
+    /// Bindings of the pod named `pod` fail with 500.
     pub fn fail_binding(&self, pod: &str) {
         lock(&self.faults).failing_bindings.insert(pod.to_string());
     }
 
+    /// Every binding waits `delay` before it is carried out.
     pub fn set_binding_delay(&self, delay: Duration) {
         lock(&self.faults).binding_delay = delay;
+    }
+
+    /// Every list waits `delay` before it answers.
+    pub fn set_list_delay(&self, delay: Duration) {
+        lock(&self.faults).list_delay = delay;
     }
 
     /// Makes another client change `pod`'s annotations just before the
@@ -273,9 +309,23 @@ impl FakeApi {
         );
     }
 
-    pub fn set_list_delay(&self, delay: Duration) {
-        lock(&self.faults).list_delay = delay;
+    /// Refuses the next `count` pod patches with 409 Conflict (0: none).
+    pub fn inject_conflicts(&self, count: usize) {
+        lock(&self.faults).conflicts = count;
     }
+
+    // ---- what was served ----
+
+    pub fn counters(&self) -> Counters {
+        lock(&self.counters).clone()
+    }
+
+    /// Breaches of "one pending pod per node", one line each.
+    pub fn violations(&self) -> Vec<String> {
+        lock(&self.violations).clone()
+    }
+
+    // ---- the test's own reads and writes ----
 
     /// Creates or replaces a node; returns its new resource version.
     pub fn put_node(&self, mut node: Value) -> u64 {
@@ -293,6 +343,12 @@ impl FakeApi {
         rv
     }
 
+    /// A node with nothing but its name.
+    pub fn add_node(&self, name: &str) -> u64 {
+        self.put_node(json!({ "metadata": { "name": name } }))
+    }
+
+    /// Deletes a node; returns the resource version of the deletion.
     pub fn delete_node(&self, name: &str) -> Option<u64> {
         let mut store = lock(&self.store);
         let mut node = store.nodes.remove(name)?;
@@ -301,7 +357,16 @@ impl FakeApi {
         Some(rv)
     }
 
-    /// Creates a pod (a UID is assigned when it has none); returns it.
+    pub fn node(&self, name: &str) -> Option<Value> {
+        lock(&self.store).nodes.get(name).cloned()
+    }
+
+    pub fn node_names(&self) -> Vec<String> {
+        lock(&self.store).nodes.keys().cloned().collect()
+    }
+
+    /// Creates a pod (in `default` when it names no namespace), giving it
+    /// a UID when it has none; returns it as stored.
     pub fn create_pod(&self, mut pod: Value) -> Value {
         let mut store = lock(&self.store);
         store.next_uid += 1;
@@ -322,7 +387,7 @@ impl FakeApi {
         pod
     }
 
-    /// Changes a pod in place (as another client would).
+    /// Changes a pod in place (as another client would); returns it.
     pub fn update_pod(
         &self,
         namespace: &str,
@@ -340,6 +405,7 @@ impl FakeApi {
         Some(pod)
     }
 
+    /// Deletes a pod; returns the resource version of the deletion.
     pub fn delete_pod(&self, namespace: &str, name: &str) -> Option<u64> {
         let mut store = lock(&self.store);
         let key = (namespace.to_string(), name.to_string());
@@ -361,20 +427,9 @@ impl FakeApi {
         lock(&self.store).pods.values().cloned().collect()
     }
 
-    pub fn node(&self, name: &str) -> Option<Value> {
-        lock(&self.store).nodes.get(name).cloned()
-    }
-
-    pub fn nodes(&self) -> Vec<Value> {
-        lock(&self.store).nodes.values().cloned().collect()
-    }
-
-    pub fn node_names(&self) -> Vec<String> {
-        lock(&self.store).nodes.keys().cloned().collect()
-    }
-
-    /// What the device plugin does once it has served every GPU container
-    /// (the pod then runs); returns the new resource version.
+    /// What the device plugin and kubelet do once every GPU container is
+    /// served: the allocation record, and the pod runs. Returns the new
+    /// resource version.
     pub fn mark_allocated(&self, namespace: &str, name: &str) -> Option<u64> {
         let pod = self.pod(namespace, name)?;
         let decision = decision_of(&pod)?;
@@ -387,17 +442,10 @@ impl FakeApi {
         .and_then(|pod| pod["metadata"]["resourceVersion"].as_str()?.parse().ok())
     }
 
-    /// At most one pod per node decided and not fully allocated (bound or
-    /// not: an unbound one is a bind in flight). Called after every write
-    /// of pod `key`.
+    /// At most one pod per node decided and not fully allocated. Called
+    /// after every write of pod `key`.
     fn check_invariant(&self, store: &mut Store, key: &(String, String)) {
-        let entry = store.pods.get(key).and_then(|pod| {
-            let decision = decision_of(pod)?;
-            let deleting = pod["metadata"]["deletionTimestamp"].is_string();
-            let elsewhere = node_name_of(pod).is_some_and(|bound| bound != decision.node);
-            let pending = !deleting && !elsewhere && !decision.is_complete(&allocated_of(pod));
-            Some((decision.node, pending))
-        });
+        let entry = store.pods.get(key).and_then(pending_entry);
         let node = match entry {
             Some(entry) => {
                 let node = entry.0.clone();
@@ -415,10 +463,6 @@ impl FakeApi {
             .filter(|(_, (n, pending))| *pending && *n == node)
             .map(|((_, name), _)| name.as_str())
             .collect();
-        {
-            let mut max = lock(&self.max_pending_seen);
-            *max = (*max).max(pending.len());
-        }
         if pending.len() > 1 {
             lock(&self.violations).push(format!(
                 "node {node} has {} pending pods: {pending:?}",
@@ -436,100 +480,81 @@ async fn list_or_watch_nodes(State(api): State<Arc<FakeApi>>, uri: Uri) -> Respo
     list_or_watch(api, Kind::Node, uri).await
 }
 
+/// The node a `spec.nodeName=<node>` field selector asks for, if any.
+fn node_selector(params: &HashMap<String, String>) -> Option<String> {
+    params
+        .get("fieldSelector")?
+        .strip_prefix("spec.nodeName=")
+        .map(str::to_string)
+}
+
 async fn list_or_watch(api: Arc<FakeApi>, kind: Kind, uri: Uri) -> Response {
     let params = query(&uri);
+    let on_node = node_selector(&params);
     if params.get("watch").map(String::as_str) == Some("true") {
-        lock(&api.counters).watches += 1;
         let from: u64 = params
             .get("resourceVersion")
             .and_then(|v| v.parse().ok())
             .unwrap_or_else(|| lock(&api.store).rv);
-        return watch(api, kind, from);
+        return watch(api, kind, from, on_node);
     }
     let delay = lock(&api.faults).list_delay;
     if !delay.is_zero() {
         tokio::time::sleep(delay).await;
     }
-    lock(&api.counters).lists += 1;
-    let limit: usize = params
-        .get("limit")
-        .and_then(|v| v.parse().ok())
-        .filter(|&l| l > 0)
-        .unwrap_or(usize::MAX);
-    let mut store = lock(&api.store);
-    let (snapshot_id, offset) = match params.get("continue").filter(|c| !c.is_empty()) {
-        Some(token) => {
-            let parsed = token.split_once('-').and_then(|(id, offset)| {
-                Some((id.parse::<u64>().ok()?, offset.parse::<usize>().ok()?))
-            });
-            match parsed {
-                Some(parsed) if store.snapshots.contains_key(&parsed.0) => parsed,
-                _ => return status(410, "Expired", "continue token expired"),
-            }
-        }
-        None => {
-            let items: Vec<Value> = match kind {
-                Kind::Pod => store.pods.values().cloned().collect(),
-                Kind::Node => store.nodes.values().cloned().collect(),
-            };
-            let rv = store.rv;
-            store.next_snapshot += 1;
-            let id = store.next_snapshot;
-            store.snapshots.insert(id, (rv, items));
-            (id, 0)
-        }
+    let store = lock(&api.store);
+    let items: Vec<Value> = match kind {
+        Kind::Pod => store
+            .pods
+            .values()
+            .filter(|pod| on_node.is_none() || node_name_of(pod) == on_node)
+            .cloned()
+            .collect(),
+        Kind::Node => store.nodes.values().cloned().collect(),
     };
-    let (rv, objects) = store
-        .snapshots
-        .get(&snapshot_id)
-        .cloned()
-        .unwrap_or_default();
-    let end = offset.saturating_add(limit).min(objects.len());
-    let items: Vec<Value> = objects[offset.min(end)..end].to_vec();
-    let mut metadata = json!({ "resourceVersion": rv.to_string() });
-    if end < objects.len() {
-        metadata["continue"] = json!(format!("{snapshot_id}-{end}"));
-    } else {
-        store.snapshots.remove(&snapshot_id);
-    }
     ok_json(&json!({
         "kind": match kind { Kind::Pod => "PodList", Kind::Node => "NodeList" },
         "apiVersion": "v1",
-        "metadata": metadata,
+        "metadata": { "resourceVersion": store.rv.to_string() },
         "items": items,
     }))
 }
 
-fn watch(api: Arc<FakeApi>, kind: Kind, from: u64) -> Response {
+fn watch(api: Arc<FakeApi>, kind: Kind, from: u64, on_node: Option<String>) -> Response {
     let receiver = api.changed.subscribe();
     let stream = futures_util::stream::unfold(
         (api, receiver, from),
-        move |(api, mut receiver, mut last)| async move {
-            loop {
-                receiver.borrow_and_update();
-                let mut chunk = String::new();
-                {
-                    let store = lock(&api.store);
-                    let start = store.events.partition_point(|e| e.rv <= last);
-                    for event in &store.events[start..] {
-                        if event.kind == kind {
-                            chunk.push_str(
-                                &json!({ "type": event.kind_text, "object": &*event.object })
-                                    .to_string(),
-                            );
-                            chunk.push('\n');
+        move |(api, mut receiver, mut last)| {
+            let on_node = on_node.clone();
+            async move {
+                loop {
+                    receiver.borrow_and_update();
+                    let mut chunk = String::new();
+                    {
+                        let store = lock(&api.store);
+                        let start = store.events.partition_point(|e| e.rv <= last);
+                        for event in &store.events[start..] {
+                            let selected =
+                                on_node.is_none() || node_name_of(&event.object) == on_node;
+                            if event.kind == kind && selected {
+                                chunk.push_str(
+                                    &json!({ "type": event.kind_text, "object": &*event.object })
+                                        .to_string(),
+                                );
+                                chunk.push('\n');
+                            }
+                            last = event.rv;
                         }
-                        last = event.rv;
                     }
-                }
-                if !chunk.is_empty() {
-                    return Some((
-                        Ok::<Bytes, std::io::Error>(Bytes::from(chunk)),
-                        (api, receiver, last),
-                    ));
-                }
-                if receiver.changed().await.is_err() {
-                    return None;
+                    if !chunk.is_empty() {
+                        return Some((
+                            Ok::<Bytes, std::io::Error>(Bytes::from(chunk)),
+                            (api, receiver, last),
+                        ));
+                    }
+                    if receiver.changed().await.is_err() {
+                        return None;
+                    }
                 }
             }
         },
@@ -546,18 +571,44 @@ async fn get_pod(
     State(api): State<Arc<FakeApi>>,
     Path((namespace, name)): Path<(String, String)>,
 ) -> Response {
-    lock(&api.counters).gets += 1;
     match api.pod(&namespace, &name) {
         Some(pod) => ok_json(&with_type(&pod, Kind::Pod)),
-        None => status(404, "NotFound", &format!("pods \"{name}\" not found")),
+        None => not_found("pods", &name),
     }
+}
+
+/// The refusal of a patch that is not a JSON merge patch, if it is not.
+fn unless_merge_patch(headers: &HeaderMap) -> Option<Response> {
+    let content_type = headers
+        .get("content-type")
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or("");
+    (content_type != "application/merge-patch+json").then(|| {
+        status(
+            StatusCode::UNSUPPORTED_MEDIA_TYPE,
+            "UnsupportedMediaType",
+            &format!("the fake API takes merge patches only, not {content_type:?}"),
+        )
+    })
+}
+
+fn invalid_patch(error: serde_json::Error) -> Response {
+    status(
+        StatusCode::BAD_REQUEST,
+        "BadRequest",
+        &format!("invalid patch: {error}"),
+    )
 }
 
 async fn patch_pod(
     State(api): State<Arc<FakeApi>>,
     Path((namespace, name)): Path<(String, String)>,
+    headers: HeaderMap,
     body: Bytes,
 ) -> Response {
+    if let Some(refused) = unless_merge_patch(&headers) {
+        return refused;
+    }
     lock(&api.counters).patches += 1;
     let touch = lock(&api.faults).touch_before_patch.remove(&name);
     if let Some(annotations) = touch {
@@ -569,26 +620,32 @@ async fn patch_pod(
     }
     let mut patch: Value = match serde_json::from_slice(&body) {
         Ok(patch) => patch,
-        Err(error) => return status(400, "BadRequest", &format!("invalid patch: {error}")),
+        Err(error) => return invalid_patch(error),
     };
     let mut store = lock(&api.store);
     let key = (namespace.clone(), name.clone());
     let mut pod = match store.pods.get(&key) {
         Some(pod) => pod.clone(),
-        None => return status(404, "NotFound", &format!("pods \"{name}\" not found")),
+        None => return not_found("pods", &name),
     };
-    if let Some(wanted) = patch["metadata"]["resourceVersion"].as_str() {
-        let current = pod["metadata"]["resourceVersion"].as_str().unwrap_or("");
-        if wanted != current {
-            lock(&api.counters).conflicts += 1;
-            return status(
-                409,
-                "Conflict",
-                &format!(
-                    "Operation cannot be fulfilled on pods \"{name}\": the object has been modified; please apply your changes to the latest version and try again"
-                ),
-            );
-        }
+    let injected = {
+        let mut faults = lock(&api.faults);
+        let injected = faults.conflicts > 0;
+        faults.conflicts = faults.conflicts.saturating_sub(1);
+        injected
+    };
+    let stale = patch["metadata"]["resourceVersion"]
+        .as_str()
+        .is_some_and(|wanted| Some(wanted) != pod["metadata"]["resourceVersion"].as_str());
+    if injected || stale {
+        lock(&api.counters).conflicts += 1;
+        return status(
+            StatusCode::CONFLICT,
+            "Conflict",
+            &format!(
+                "Operation cannot be fulfilled on pods \"{name}\": the object has been modified; please apply your changes to the latest version and try again"
+            ),
+        );
     }
     if let Some(metadata) = patch.get_mut("metadata").and_then(Value::as_object_mut) {
         metadata.remove("resourceVersion");
@@ -599,6 +656,43 @@ async fn patch_pod(
     api.record(&mut store, Kind::Pod, "MODIFIED", pod.clone());
     api.check_invariant(&mut store, &key);
     ok_json(&with_type(&pod, Kind::Pod))
+}
+
+async fn get_node(State(api): State<Arc<FakeApi>>, Path(name): Path<String>) -> Response {
+    match api.node(&name) {
+        Some(node) => ok_json(&with_type(&node, Kind::Node)),
+        None => not_found("nodes", &name),
+    }
+}
+
+async fn patch_node(
+    State(api): State<Arc<FakeApi>>,
+    Path(name): Path<String>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Response {
+    if let Some(refused) = unless_merge_patch(&headers) {
+        return refused;
+    }
+    let mut patch: Value = match serde_json::from_slice(&body) {
+        Ok(patch) => patch,
+        Err(error) => return invalid_patch(error),
+    };
+    // Unconditional: what the device plugin sends carries no precondition.
+    // The status subresource lands here too: the fake keeps one object.
+    if let Some(metadata) = patch.get_mut("metadata").and_then(Value::as_object_mut) {
+        metadata.remove("resourceVersion");
+    }
+    let mut store = lock(&api.store);
+    let mut node = match store.nodes.get(&name) {
+        Some(node) => node.clone(),
+        None => return not_found("nodes", &name),
+    };
+    merge_patch(&mut node, &patch);
+    FakeApi::bump(&mut store, &mut node);
+    store.nodes.insert(name, node.clone());
+    api.record(&mut store, Kind::Node, "MODIFIED", node.clone());
+    ok_json(&with_type(&node, Kind::Node))
 }
 
 async fn bind_pod(
@@ -618,29 +712,46 @@ async fn bind_pod(
     }
     lock(&api.counters).bindings += 1;
     if fail {
-        return status(500, "InternalError", "injected binding failure");
+        return status(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            "InternalError",
+            "injected binding failure",
+        );
     }
     let binding: Value = match serde_json::from_slice(&body) {
         Ok(binding) => binding,
-        Err(error) => return status(400, "BadRequest", &format!("invalid binding: {error}")),
+        Err(error) => {
+            return status(
+                StatusCode::BAD_REQUEST,
+                "BadRequest",
+                &format!("invalid binding: {error}"),
+            )
+        }
     };
     if binding["kind"] != "Binding" || binding["target"]["kind"] != "Node" {
-        return status(400, "BadRequest", "not a Binding to a Node");
+        return status(
+            StatusCode::BAD_REQUEST,
+            "BadRequest",
+            "not a Binding to a Node",
+        );
     }
-    let target = match binding["target"]["name"].as_str() {
-        Some(target) => target.to_string(),
-        None => return status(400, "BadRequest", "binding without target"),
+    let Some(target) = binding["target"]["name"].as_str() else {
+        return status(
+            StatusCode::BAD_REQUEST,
+            "BadRequest",
+            "binding without target",
+        );
     };
     let mut store = lock(&api.store);
     let key = (namespace, name.clone());
     let mut pod = match store.pods.get(&key) {
         Some(pod) => pod.clone(),
-        None => return status(404, "NotFound", &format!("pods \"{name}\" not found")),
+        None => return not_found("pods", &name),
     };
     if let Some(uid) = binding["metadata"]["uid"].as_str() {
         if pod["metadata"]["uid"].as_str() != Some(uid) {
             return status(
-                409,
+                StatusCode::CONFLICT,
                 "Conflict",
                 "Precondition failed: UID in precondition does not match",
             );
@@ -648,7 +759,7 @@ async fn bind_pod(
     }
     if let Some(bound) = node_name_of(&pod) {
         return status(
-            409,
+            StatusCode::CONFLICT,
             "Conflict",
             &format!("pod {name} is already assigned to node \"{bound}\""),
         );
