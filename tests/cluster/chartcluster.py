@@ -134,13 +134,14 @@ class ChartCluster:
 
 
 
-def compile_workload(name: str, folder: Path) -> Path:
-    """Builds tests/cluster/workloads/<name>.c into `folder` (once)."""
+def compile_workload(name: str, folder: Path, source: Path | None = None) -> Path:
+    """Builds tests/cluster/workloads/<name>.c (or `source`) into `folder`
+    (once)."""
     program = folder / name
     if not program.exists():
         done = subprocess.run([os.environ.get("CC", "cc"), "-O2", "-Wall", "-Werror",
                                "-I", str(REPO / "testkit/programs"), "-o", str(program),
-                               str(HERE / f"workloads/{name}.c"), "-ldl"],
+                               str(source or HERE / f"workloads/{name}.c"), "-ldl", "-lpthread"],
                               capture_output=True, text=True, check=False)
         if done.returncode != 0:
             raise ControlPlaneError(f"building {name}: {done.stderr}")

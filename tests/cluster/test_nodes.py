@@ -13,14 +13,25 @@ its memory cap; the monitor names it in /metrics."""
 from __future__ import annotations
 
 import json
+import statistics
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from chartcluster import RELEASE_NAMESPACE, ChartCluster, SimulatedNode, kubectl_json, shim_library, wait_for  # noqa: E402,E501
+from chartcluster import (  # noqa: E402
+    RELEASE_NAMESPACE,
+    REPO,
+    ChartCluster,
+    SimulatedNode,
+    compile_workload,
+    kubectl_json,
+    shim_library,
+    wait_for,
+)
 from placement import count  # noqa: E402
 
 
@@ -113,3 +124,49 @@ def test_a_hami_pod_runs_under_the_shim_at_its_cap(chart_cluster):
     assert lines
 
     cluster.kubectl("delete", "pod", "hami", "-n", "team-a", "--wait=true", "--timeout=60s")
+
+
+def test_a_hami_pod_is_held_at_its_compute_share(chart_cluster):
+    """A pod asking for `gpucores: 30` launches 1 ms kernels back to back
+    (the project's launch-pattern workload); the device time it gets, as
+    the node's monitor measures it from the simulated GPU through NVML
+    (not from the shim), is held near 30 % of the device."""
+    cluster = chart_cluster.cluster
+    workload = compile_workload("workload", chart_cluster.workdir, source=REPO / "testkit/programs/workload.c")
+    cluster.kubectl("create", "namespace", "team-b")
+    pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "share", "namespace": "team-b"},
+           "spec": {"restartPolicy": "Never", "terminationGracePeriodSeconds": 1, "containers": [{
+               "name": "main", "image": "cuda:test", "command": [str(workload), "sync", "k1ms", "60"],
+               "resources": {"limits": {"nvidia.com/gpu": "1", "nvidia.com/gpumem": "1024",
+                                        "nvidia.com/gpucores": "30"}}}]}}
+    cluster.kubectl("create", "-f", "-", input=json.dumps(pod))
+    found = wait_for("the share pod running", lambda: (lambda p: p if p["status"].get("phase") == "Running" else None)(
+        kubectl_json(cluster, "get", "pod", "share", "-n", "team-b")), timeout=90, log=chart_cluster.logs)
+    node = chart_cluster.node(found["spec"]["nodeName"])
+    wait_for("the workload ready", lambda: "ready" in node.container_log("team-b", "share", "main"),
+             timeout=30, log=chart_cluster.logs)
+
+    def figure(name: str):
+        for line in _metrics(node).splitlines():
+            if line.startswith(name + "{") and 'namespace="team-b"' in line and 'pod="share"' in line:
+                return float(line.rsplit(" ", 1)[1])
+        return None
+    assert wait_for("the configured share", lambda: figure("vgpu_container_compute_share_ratio"),
+                    log=chart_cluster.logs) == pytest.approx(0.30)
+    # The monitor's window is one second; take readings until five full
+    # windows have passed since the first, after two seconds of warm-up.
+    first = wait_for("a utilization reading", lambda: figure("vgpu_container_utilization_ratio") is not None,
+                     log=chart_cluster.logs)
+    assert first
+    started = time.monotonic()
+    readings = []
+    while time.monotonic() - started < 7:
+        value = figure("vgpu_container_utilization_ratio")
+        if time.monotonic() - started >= 2 and value is not None:
+            readings.append(value)
+        time.sleep(0.5)  # a sampling interval, not a wait for anything
+    achieved = statistics.median(readings)
+    print(f"\ngpucores 30: achieved {achieved:.3f} of the device (median of {len(readings)} monitor readings)")
+    assert 0.22 <= achieved <= 0.38, readings
+    cluster.kubectl("delete", "pod", "share", "-n", "team-b", "--wait=true", "--timeout=60s")
+
