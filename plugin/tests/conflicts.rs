@@ -24,12 +24,8 @@ use vgpu_cluster::decision::{
     parse_allocated, ContainerDecision, Decision, DeviceGrant, InventoryGpu, ALLOCATED_ANNOTATION,
     DECISION_ANNOTATION, FORMAT_VERSION,
 };
-use vgpu_device_plugin::allocate::Settings;
 use vgpu_device_plugin::cluster::{make_client, ApiSource};
 use vgpu_device_plugin::health::{HealthTracker, ManualHealth};
-use vgpu_device_plugin::kubelet::KubeletSettings;
-use vgpu_device_plugin::PluginConfig;
-use vgpu_node_contract::shim_env::UtilizationPolicy;
 use vgpu_testkit::fake_api::FakeApi;
 
 const WAIT: Duration = Duration::from_secs(10);
@@ -83,28 +79,7 @@ impl Node {
         let dir = vgpu_testkit::unique_temp_dir(name);
         let plugin_dir = dir.join("device-plugins");
         std::fs::create_dir_all(&plugin_dir).expect("dirs");
-        let config = PluginConfig {
-            node: NODE.into(),
-            kubelet: KubeletSettings {
-                dir: plugin_dir.clone(),
-                endpoint: "vgpu.sock".into(),
-                resource_name: RESOURCE.into(),
-                poll: Duration::from_millis(50),
-            },
-            settings: Settings {
-                containers_dir: dir.join("containers"),
-                region_file: "region.cache".into(),
-                container_dir: "/usr/local/vgpu/container".into(),
-                library_host: dir.join("libvgpu.so"),
-                library_container: "/usr/local/vgpu/libvgpu.so".into(),
-                preload_host: Some(dir.join("ld.so.preload")),
-                policy: UtilizationPolicy::Default,
-                swap_limit: None,
-                context_reserve: None,
-            },
-            heartbeat: Duration::from_secs(1),
-            resources: Default::default(),
-        };
+        let config = kubelet::in_process_config(NODE, &dir, RESOURCE);
         let (source, _health) = ManualHealth::new(HealthTracker::new([13], Some(Duration::ZERO)));
         let client = make_client(&ApiSource::Url(api.url.clone()))
             .await

@@ -15,12 +15,8 @@ use support::kubelet::{FakeKubelet, PluginConn};
 use support::*;
 use tokio::sync::watch;
 use vgpu_cluster::decision::{DeviceGrant, InventoryGpu};
-use vgpu_device_plugin::allocate::Settings;
 use vgpu_device_plugin::cluster::make_client;
 use vgpu_device_plugin::health::{HealthTracker, ManualHealth, ManualHealthHandle, Signal};
-use vgpu_device_plugin::kubelet::KubeletSettings;
-use vgpu_device_plugin::PluginConfig;
-use vgpu_node_contract::shim_env::UtilizationPolicy;
 
 const WAIT: Duration = Duration::from_secs(10);
 
@@ -60,28 +56,7 @@ async fn start_plugin(api: &ControlPlane, node: &str, tag: &str) -> Harness {
     let _ = std::fs::remove_dir_all(&dir);
     let plugin_dir = dir.join("device-plugins");
     std::fs::create_dir_all(&plugin_dir).expect("dirs");
-    let config = PluginConfig {
-        node: node.into(),
-        kubelet: KubeletSettings {
-            dir: plugin_dir.clone(),
-            endpoint: "vgpu.sock".into(),
-            resource_name: RESOURCE.into(),
-            poll: Duration::from_millis(50),
-        },
-        settings: Settings {
-            containers_dir: dir.join("containers"),
-            region_file: "region.cache".into(),
-            container_dir: "/usr/local/vgpu/container".into(),
-            library_host: dir.join("libvgpu.so"),
-            library_container: "/usr/local/vgpu/libvgpu.so".into(),
-            preload_host: Some(dir.join("ld.so.preload")),
-            policy: UtilizationPolicy::Default,
-            swap_limit: None,
-            context_reserve: None,
-        },
-        heartbeat: Duration::from_secs(1),
-        resources: Default::default(),
-    };
+    let config = support::kubelet::in_process_config(node, &dir, RESOURCE);
     let (source, health) = ManualHealth::new(HealthTracker::new([13], Some(Duration::ZERO)));
     let client = make_client(&api.source()).await.expect("client");
     let (stop, shutdown) = watch::channel(false);

@@ -138,3 +138,51 @@ impl Drop for ApiServer {
         let _ = std::fs::remove_dir_all(&self.dir);
     }
 }
+
+/// Binds pod `namespace/name` to `node` as kube-scheduler does: through the
+/// `binding` subresource, the only way a real server lets `spec.nodeName`
+/// be set on an existing pod.
+pub async fn bind_pod(client: &kube::Client, namespace: &str, name: &str, node: &str) {
+    use k8s_openapi::api::core::v1::{Binding, ObjectReference, Pod};
+    use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
+    let binding = Binding {
+        metadata: ObjectMeta {
+            name: Some(name.into()),
+            namespace: Some(namespace.into()),
+            ..ObjectMeta::default()
+        },
+        target: ObjectReference {
+            api_version: Some("v1".into()),
+            kind: Some("Node".into()),
+            name: Some(node.into()),
+            ..ObjectReference::default()
+        },
+    };
+    let pods: kube::Api<Pod> = kube::Api::namespaced(client.clone(), namespace);
+    pods.create_subresource::<_, serde_json::Value>(
+        "binding",
+        name,
+        &kube::api::PostParams::default(),
+        &binding,
+    )
+    .await
+    .unwrap_or_else(|error| panic!("bind pod {namespace}/{name} to {node}: {error}"));
+}
+
+/// Sets the phase of pod `namespace/name` as kubelet does, through the
+/// `status` subresource (a patch of the pod itself leaves it unchanged);
+/// answers the pod as written.
+pub async fn set_pod_phase(
+    client: &kube::Client,
+    namespace: &str,
+    name: &str,
+    phase: &str,
+) -> k8s_openapi::api::core::v1::Pod {
+    use kube::api::{Patch, PatchParams};
+    let pods: kube::Api<k8s_openapi::api::core::v1::Pod> =
+        kube::Api::namespaced(client.clone(), namespace);
+    let status = serde_json::json!({ "status": { "phase": phase } });
+    pods.patch_status(name, &PatchParams::default(), &Patch::Merge(&status))
+        .await
+        .unwrap_or_else(|error| panic!("set pod {namespace}/{name} {phase}: {error}"))
+}

@@ -5,7 +5,7 @@
 #![allow(dead_code)]
 
 use k8s_openapi::api::core::v1::{
-    Binding, Container, Event, Namespace, Node, ObjectReference, Pod, PodSpec, ResourceRequirements,
+    Container, Event, Namespace, Node, Pod, PodSpec, ResourceRequirements,
 };
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
@@ -455,27 +455,12 @@ impl KubeApi {
             .runtime
             .block_on(pods.create(&PostParams::default(), &pod))
             .unwrap_or_else(|error| panic!("create pod {namespace}/{name}: {error}"));
-        let binding = Binding {
-            metadata: ObjectMeta {
-                name: Some(name.into()),
-                namespace: Some(namespace.into()),
-                ..Default::default()
-            },
-            target: ObjectReference {
-                api_version: Some("v1".into()),
-                kind: Some("Node".into()),
-                name: Some(node.into()),
-                ..Default::default()
-            },
-        };
-        self.runtime
-            .block_on(pods.create_subresource::<_, serde_json::Value>(
-                "binding",
-                name,
-                &PostParams::default(),
-                &binding,
-            ))
-            .unwrap_or_else(|error| panic!("bind pod {namespace}/{name} to {node}: {error}"));
+        self.runtime.block_on(vgpu_testkit::kube::bind_pod(
+            &self.client,
+            namespace,
+            name,
+            node,
+        ));
         created
             .metadata
             .uid

@@ -308,3 +308,37 @@ impl PluginConn {
         Ok(out)
     }
 }
+
+/// The plugin's configuration for running in-process on `node` in the test
+/// folder `dir` (its device-plugin directory is `dir/device-plugins`,
+/// where the fake kubelet listens too).
+pub fn in_process_config(
+    node: &str,
+    dir: &Path,
+    resource: &str,
+) -> vgpu_device_plugin::PluginConfig {
+    use vgpu_device_plugin::allocate::Settings;
+    use vgpu_device_plugin::kubelet::KubeletSettings;
+    vgpu_device_plugin::PluginConfig {
+        node: node.into(),
+        kubelet: KubeletSettings {
+            dir: dir.join("device-plugins"),
+            endpoint: "vgpu.sock".into(),
+            resource_name: resource.into(),
+            poll: Duration::from_millis(50),
+        },
+        settings: Settings {
+            containers_dir: dir.join("containers"),
+            region_file: "region.cache".into(),
+            container_dir: "/usr/local/vgpu/container".into(),
+            library_host: dir.join("libvgpu.so"),
+            library_container: "/usr/local/vgpu/libvgpu.so".into(),
+            preload_host: Some(dir.join("ld.so.preload")),
+            policy: vgpu_node_contract::shim_env::UtilizationPolicy::Default,
+            swap_limit: None,
+            context_reserve: None,
+        },
+        heartbeat: Duration::from_secs(1),
+        resources: Default::default(),
+    }
+}

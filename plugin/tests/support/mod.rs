@@ -14,9 +14,7 @@
 pub mod kubelet;
 pub mod node;
 
-use k8s_openapi::api::core::v1::{
-    Binding, Container, Node, ObjectReference, Pod, PodSpec, PodStatus, ResourceRequirements,
-};
+use k8s_openapi::api::core::v1::{Container, Node, Pod, PodSpec, PodStatus, ResourceRequirements};
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use kube::api::{Api, Patch, PatchParams, PostParams};
@@ -177,37 +175,13 @@ impl ControlPlane {
         pods.patch(name, &PatchParams::default(), &Patch::Merge(&annotate))
             .await
             .unwrap_or_else(|error| panic!("annotate pod {name} with its decision: {error}"));
-        let binding = Binding {
-            metadata: ObjectMeta {
-                name: Some(name.into()),
-                namespace: Some(NAMESPACE.into()),
-                ..Default::default()
-            },
-            target: ObjectReference {
-                api_version: Some("v1".into()),
-                kind: Some("Node".into()),
-                name: Some(decision.node.clone()),
-                ..Default::default()
-            },
-        };
-        pods.create_subresource::<_, serde_json::Value>(
-            "binding",
-            name,
-            &PostParams::default(),
-            &binding,
-        )
-        .await
-        .unwrap_or_else(|error| panic!("bind pod {name} to {}: {error}", decision.node));
+        vgpu_testkit::kube::bind_pod(&self.client, NAMESPACE, name, &decision.node).await;
         self.pod(name).await
     }
 
     /// Sets the pod's phase as kubelet does, through `status`.
     pub async fn set_phase(&self, name: &str, phase: &str) {
-        let patch = serde_json::json!({ "status": { "phase": phase } });
-        self.pods()
-            .patch_status(name, &PatchParams::default(), &Patch::Merge(&patch))
-            .await
-            .unwrap_or_else(|error| panic!("set pod {name} {phase}: {error}"));
+        vgpu_testkit::kube::set_pod_phase(&self.client, NAMESPACE, name, phase).await;
     }
 
     /// Kubelet started the pod's containers.

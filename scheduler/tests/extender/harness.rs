@@ -377,11 +377,7 @@ impl Api {
                 version_of(&pod)
             }
             Self::Real(client) => {
-                let status = json!({ "status": { "phase": phase } });
-                let pod = Self::pod_api(client)
-                    .patch_status(name, &PatchParams::default(), &Patch::Merge(&status))
-                    .await
-                    .unwrap_or_else(|e| panic!("set the phase of {name}: {e}"));
+                let pod = vgpu_testkit::kube::set_pod_phase(client, NAMESPACE, name, phase).await;
                 version_of_object(&pod)
             }
         }
@@ -397,15 +393,7 @@ impl Api {
                     .expect("pod exists");
             }
             Self::Real(client) => {
-                let binding = json!({
-                    "apiVersion": "v1", "kind": "Binding",
-                    "metadata": { "name": name, "namespace": NAMESPACE },
-                    "target": { "apiVersion": "v1", "kind": "Node", "name": node }
-                });
-                let _: Value = Self::pod_api(client)
-                    .create_subresource("binding", name, &PostParams::default(), &binding)
-                    .await
-                    .unwrap_or_else(|e| panic!("bind {name} to {node}: {e}"));
+                vgpu_testkit::kube::bind_pod(client, NAMESPACE, name, node).await;
             }
         }
     }
