@@ -30,12 +30,17 @@ pub enum ClusterError {
 impl ClusterError {
     /// Whether the API server could not answer (unreachable, restarting,
     /// overloaded, or its storage down) rather than refused: asking again
-    /// shortly may succeed.
+    /// shortly may succeed. 401 and 403 count too: an API server that has
+    /// just restarted serves requests before its token and RBAC caches are
+    /// filled and refuses them meanwhile; a refusal that lasts is reported
+    /// once the wait is over.
     pub fn is_outage(&self) -> bool {
         match self {
             Self::Client(_) | Self::Conflict { .. } => false,
             Self::Api { source, .. } => match source {
-                kube::Error::Api(status) => status.code >= 500 || status.code == 429,
+                kube::Error::Api(status) => {
+                    status.code >= 500 || matches!(status.code, 401 | 403 | 429)
+                }
                 _ => true,
             },
         }
