@@ -14,14 +14,14 @@
 mod kubelet;
 
 use k8s_openapi::api::core::v1::Pod;
-use kubelet::{FakeKubelet, PluginConn};
+use kubelet::{gpus, FakeKubelet, PluginConn};
 use serde_json::{json, Value};
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 use tokio::sync::watch;
 use vgpu_cluster::decision::{
-    parse_allocated, ContainerDecision, Decision, DeviceGrant, InventoryGpu, ALLOCATED_ANNOTATION,
+    parse_allocated, ContainerDecision, Decision, DeviceGrant, ALLOCATED_ANNOTATION,
     DECISION_ANNOTATION, FORMAT_VERSION,
 };
 use vgpu_device_plugin::cluster::{make_client, ApiSource};
@@ -36,21 +36,6 @@ const GIB: u64 = 1 << 30;
 /// The plugin's attempts at recording one allocation (`MAX_ATTEMPTS` in
 /// its service).
 const ATTEMPTS: u64 = 5;
-
-fn gpus() -> Vec<InventoryGpu> {
-    (0..2)
-        .map(|index| InventoryGpu {
-            uuid: format!("GPU-0000000{index}-aaaa-bbbb-cccc-dddddddddddd"),
-            index,
-            model: "Test GPU".into(),
-            memory_bytes: 16 * GIB,
-            sm_count: 132,
-            split_count: 10,
-            numa: Some(index),
-            healthy: true,
-        })
-        .collect()
-}
 
 /// The plugin on `NODE`, a fake kubelet it registered with, and a
 /// connection from that kubelet with the full device list in.

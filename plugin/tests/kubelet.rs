@@ -11,10 +11,10 @@ mod support;
 
 use std::path::PathBuf;
 use std::time::Duration;
-use support::kubelet::{FakeKubelet, PluginConn};
+use support::kubelet::{gpus, FakeKubelet, PluginConn};
 use support::*;
 use tokio::sync::watch;
-use vgpu_cluster::decision::{DeviceGrant, InventoryGpu};
+use vgpu_cluster::decision::DeviceGrant;
 use vgpu_device_plugin::cluster::make_client;
 use vgpu_device_plugin::health::{HealthTracker, ManualHealth, ManualHealthHandle, Signal};
 
@@ -34,21 +34,6 @@ impl Drop for Harness {
         self.task.abort();
         let _ = std::fs::remove_dir_all(&self.dir);
     }
-}
-
-fn gpus() -> Vec<InventoryGpu> {
-    (0..2)
-        .map(|index| InventoryGpu {
-            uuid: format!("GPU-0000000{index}-aaaa-bbbb-cccc-dddddddddddd"),
-            index,
-            model: "Test GPU".into(),
-            memory_bytes: 16 * GIB,
-            sm_count: 132,
-            split_count: 10,
-            numa: Some(index),
-            healthy: true,
-        })
-        .collect()
 }
 
 async fn start_plugin(api: &ControlPlane, node: &str, tag: &str) -> Harness {

@@ -342,3 +342,19 @@ pub fn in_process_config(
         resources: Default::default(),
     }
 }
+
+/// The two 16 GiB GPUs the in-process plugin is given.
+pub fn gpus() -> Vec<vgpu_cluster::decision::InventoryGpu> {
+    (0..2)
+        .map(|index| vgpu_cluster::decision::InventoryGpu {
+            uuid: format!("GPU-0000000{index}-aaaa-bbbb-cccc-dddddddddddd"),
+            index,
+            model: "Test GPU".into(),
+            memory_bytes: 16 << 30,
+            sm_count: 132,
+            split_count: 10,
+            numa: Some(index),
+            healthy: true,
+        })
+        .collect()
+}
