@@ -144,6 +144,18 @@ fn read_pending(pod: &Pod, node: &str) -> Result<Option<PendingPod>, ProtocolErr
     }))
 }
 
+/// Whether `pods` hold the pod with UID `uid` with every one of
+/// `containers` recorded as allocated: a write whose answer was lost (the
+/// API server went down after storing it) shows up this way when the pod
+/// is read again.
+pub fn records_allocated(pods: &[Pod], uid: &str, containers: &[String]) -> bool {
+    pods.iter()
+        .filter(|pod| pod.metadata.uid.as_deref() == Some(uid))
+        .filter_map(|pod| annotation(pod, ALLOCATED_ANNOTATION))
+        .filter_map(|text| parse_allocated(text).ok())
+        .any(|recorded| containers.iter().all(|c| recorded.contains(c)))
+}
+
 /// The one pod pending on `node` among `pods`.
 pub fn pending_pod(node: &str, pods: &[Pod]) -> Result<PendingPod, ProtocolError> {
     let mut pending = Vec::new();

@@ -7,6 +7,7 @@ use crate::cluster::{Cluster, ClusterError};
 use crate::devices;
 use crate::protocol::{self, PendingPod};
 use futures_util::Stream;
+use k8s_openapi::api::core::v1::Pod;
 use std::pin::Pin;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -72,13 +73,17 @@ impl PluginState {
     }
 
     async fn pending_pod(&self, since: Instant) -> Result<PendingPod, Status> {
-        let pods = through_outage(since, "listing the node's pods", || {
+        let pods = self.pods_on_node(since).await?;
+        protocol::pending_pod(self.cluster.node(), &pods)
+            .map_err(|e| Status::failed_precondition(with_causes(&e)))
+    }
+
+    async fn pods_on_node(&self, since: Instant) -> Result<Vec<Pod>, Status> {
+        through_outage(since, "listing the node's pods", || {
             self.cluster.pods_on_node()
         })
         .await
-        .map_err(|e| Status::unavailable(with_causes(&e)))?;
-        protocol::pending_pod(self.cluster.node(), &pods)
-            .map_err(|e| Status::failed_precondition(with_causes(&e)))
+        .map_err(|e| Status::unavailable(with_causes(&e)))
     }
 
     /// Serves one `Allocate` call (see [`vgpu_cluster::decision`], step 4).
@@ -93,8 +98,24 @@ impl PluginState {
             .map(|c| c.devices_ids.len())
             .collect();
         let since = Instant::now();
+        // The last write that may have been stored although its answer
+        // never came (the API server stopped in between): its pod UID and
+        // plans.
+        let mut unanswered: Option<(PendingPod, Vec<allocate::ContainerPlan>)> = None;
         for attempt in 1..=MAX_ATTEMPTS {
-            let pod = self.pending_pod(since).await?;
+            let pods = self.pods_on_node(since).await?;
+            if let Some((earlier, plans)) = unanswered.take() {
+                let containers: Vec<String> = plans.iter().map(|p| p.container.clone()).collect();
+                if protocol::records_allocated(&pods, &earlier.uid, &containers) {
+                    tracing::info!(
+                        pod = %earlier.display(),
+                        "the allocation record was stored although its answer was lost"
+                    );
+                    return Ok(self.allocated(&earlier.display(), &plans));
+                }
+            }
+            let pod = protocol::pending_pod(self.cluster.node(), &pods)
+                .map_err(|e| Status::failed_precondition(with_causes(&e)))?;
             let containers = protocol::match_requests(&pod, &sizes)
                 .map_err(|e| Status::failed_precondition(with_causes(&e)))?;
             let gpus = self.gpus.borrow().clone();
@@ -125,24 +146,19 @@ impl PluginState {
             allocated.extend(plans.iter().map(|p| p.container.clone()));
             let recorded = through_outage(since, "recording the allocation", || {
                 self.cluster.record_allocated(&pod, &allocated)
-            });
-            match recorded.await {
-                Ok(()) => {
-                    for plan in &plans {
-                        tracing::info!(
-                            pod = %pod.display(),
-                            container = %plan.container,
-                            gpus = %plan.envs.get(allocate::ENV_VISIBLE_DEVICES).map(String::as_str).unwrap_or_default(),
-                            dir = %plan.host_dir.display(),
-                            "allocated"
-                        );
-                    }
-                    return Ok(api::AllocateResponse {
-                        container_responses: plans.iter().map(|p| p.response()).collect(),
-                    });
-                }
+            })
+            .await;
+            match recorded {
+                Ok(()) => return Ok(self.allocated(&pod.display(), &plans)),
                 Err(ClusterError::Conflict { .. }) => {
                     tracing::debug!(pod = %pod.display(), attempt, "pod changed while allocating; reading it again");
+                    // The conflict may be with our own write: after an
+                    // answer lost to an outage, a retry's precondition
+                    // fails on the write it repeats (by us or by the
+                    // client's own retries). Only this plugin records a
+                    // node's allocations, so if the next read shows these
+                    // containers recorded, the write was ours.
+                    unanswered = Some((pod, plans));
                 }
                 Err(error) => return Err(Status::unavailable(with_causes(&error))),
             }
@@ -150,6 +166,22 @@ impl PluginState {
         Err(Status::aborted(format!(
             "the pod kept changing during {MAX_ATTEMPTS} attempts to record its allocation"
         )))
+    }
+
+    /// The answer for containers whose allocation is recorded; logs them.
+    fn allocated(&self, pod: &str, plans: &[allocate::ContainerPlan]) -> api::AllocateResponse {
+        for plan in plans {
+            tracing::info!(
+                pod = %pod,
+                container = %plan.container,
+                gpus = %plan.envs.get(allocate::ENV_VISIBLE_DEVICES).map(String::as_str).unwrap_or_default(),
+                dir = %plan.host_dir.display(),
+                "allocated"
+            );
+        }
+        api::AllocateResponse {
+            container_responses: plans.iter().map(|p| p.response()).collect(),
+        }
     }
 
     /// Answers `GetPreferredAllocation`: replicas of the GPUs the pending

@@ -4,7 +4,9 @@
 //! with `Aborted` after its attempts. A real API server answers 409 only
 //! when another writer happens to get in between, so these tests run on
 //! the shared fake, which refuses the next patches on cue
-//! ([`FakeApi::inject_conflicts`]). The plugin runs in-process on a fixed
+//! ([`FakeApi::inject_conflicts`]); the same holds for a write stored while
+//! its answer was lost to a stopping server ([`FakeApi::lose_patch_answers`]),
+//! which the plugin must recognise as its own. The plugin runs in-process on a fixed
 //! GPU list against a fake kubelet (real gRPC over unix sockets).
 
 // Only the fake kubelet of the shared test support: the rest of it is
@@ -168,6 +170,28 @@ async fn allocate_reads_the_pod_again_after_a_conflict_and_succeeds() {
     assert_eq!(answer.envs["NVIDIA_VISIBLE_DEVICES"], *gpu0);
     assert_eq!(answer.envs["CUDA_DEVICE_MEMORY_LIMIT_0"], "1024m");
     assert_eq!(answer.envs["CUDA_DEVICE_SM_LIMIT_0"], "20");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_record_stored_while_its_answer_was_lost_counts_as_written() {
+    let mut node = Node::start("plugin-conflicts-lost-answer").await;
+    let pod = node.pending_pod("serve", "main");
+    let before = node.api.counters();
+    // The write is stored, but the answer is a 503 (the API server going
+    // down); the plugin asks again with the same precondition, which now
+    // conflicts with its own stored write.
+    node.api.lose_patch_answers(1);
+    let answers = node.conn.admit(&pod, RESOURCE).await.expect("admitted");
+    let counters = node.api.counters();
+    assert_eq!(
+        counters.patches - before.patches,
+        2,
+        "the write and its retry"
+    );
+    assert_eq!(counters.conflicts - before.conflicts, 1);
+    assert_eq!(node.allocated("serve"), vec!["main"]);
+    assert_eq!(answers[0].2.envs["NVIDIA_VISIBLE_DEVICES"], gpus()[0].uuid);
+    assert_eq!(answers[0].2.envs["CUDA_DEVICE_MEMORY_LIMIT_0"], "1024m");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -14,7 +14,10 @@
 //!   between a client's read and its conditional write (a race a real
 //!   server only shows by chance);
 //! - [`FakeApi::inject_conflicts`]: the next pod patches get 409 Conflict
-//!   however current they are (the device plugin retries, then gives up).
+//!   however current they are (the device plugin retries, then gives up);
+//! - [`FakeApi::lose_patch_answers`]: the next pod patches are stored but
+//!   answered 503, as by a server stopped between storing and answering
+//!   (a real restart hits that moment only by chance).
 //!
 //! It serves what the extender and the device plugin use: lists (with a
 //! `spec.nodeName` field selector) and watch streams of pods and nodes; GET
@@ -85,6 +88,8 @@ struct Faults {
     touch_before_patch: HashMap<String, Vec<(String, String)>>,
     /// Pod patches still to refuse with 409.
     conflicts: usize,
+    /// Pod patches still to store but answer with 503.
+    lost_answers: usize,
 }
 
 /// The fake; it serves until the test's runtime ends.
@@ -312,6 +317,12 @@ impl FakeApi {
     /// Refuses the next `count` pod patches with 409 Conflict (0: none).
     pub fn inject_conflicts(&self, count: usize) {
         lock(&self.faults).conflicts = count;
+    }
+
+    /// Stores the next `count` pod patches but answers them 503 Service
+    /// Unavailable.
+    pub fn lose_patch_answers(&self, count: usize) {
+        lock(&self.faults).lost_answers = count;
     }
 
     // ---- what was served ----
@@ -655,6 +666,19 @@ async fn patch_pod(
     store.pods.insert(key.clone(), pod.clone());
     api.record(&mut store, Kind::Pod, "MODIFIED", pod.clone());
     api.check_invariant(&mut store, &key);
+    let lost = {
+        let mut faults = lock(&api.faults);
+        let lost = faults.lost_answers > 0;
+        faults.lost_answers = faults.lost_answers.saturating_sub(1);
+        lost
+    };
+    if lost {
+        return status(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "ServiceUnavailable",
+            "the server is shutting down",
+        );
+    }
     ok_json(&with_type(&pod, Kind::Pod))
 }
 

@@ -110,6 +110,23 @@ class ChartCluster:
         parts.append(self.cluster.kubectl("get", "events", "-A", check=False).stdout[-4000:])
         return "\n".join(parts)
 
+    def troubles(self) -> str:
+        """What the nodes said went wrong, whole: kubelet's admission
+        refusals and the node agents' warnings and errors (the tail of
+        `logs()` is mostly events and would cut them off)."""
+        parts = []
+        for node in self.nodes:
+            refusals = [line for line in node.log().splitlines() if "refused at admission" in line]
+            if refusals:
+                parts.append(f"--- {node.name} admission refusals\n" + "\n".join(refusals))
+            for folder in sorted((node.workdir / "pods").glob(f"{RELEASE_NAMESPACE}_*")):
+                for log in sorted(folder.glob("*.log")):
+                    bad = [line for line in log.read_text(errors="replace").splitlines()
+                           if " WARN " in line or " ERROR " in line]
+                    if bad:
+                        parts.append(f"--- {node.name} {folder.name}/{log.name} warnings\n" + "\n".join(bad[-40:]))
+        return "\n".join(parts)
+
     def wait_until_serving(self) -> None:
         """Every node's plugin has registered and published its GPUs, and
         the webhook's Service has a ready endpoint."""

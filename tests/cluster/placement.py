@@ -158,7 +158,8 @@ def settle(cc: ChartCluster, namespace: str, timeout: float = 600,
     def log():
         pods = cc.cluster.kubectl("get", "pods", "-n", namespace, "-o", "wide", check=False).stdout
         events = cc.cluster.kubectl("get", "events", "-n", namespace, check=False).stdout
-        return cc.logs()[-4000:] + f"\n--- pods of {namespace}\n{pods}\n--- events\n{events[-4000:]}"
+        return (cc.logs()[-4000:] + f"\n--- pods of {namespace}\n{pods}\n--- events\n{events[-4000:]}\n"
+                + cc.troubles())
     return wait_for(f"every pod of {namespace} Running, or Pending with the scheduler's reason and no room",
                     settled, timeout=timeout, log=log)
 
