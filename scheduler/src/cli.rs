@@ -31,9 +31,17 @@ use vgpu_cluster::resources::ShareResourceFlags;
 /// vgpu.io/gpucores-burst (percent up to which the pod's capped vGPUs may
 /// borrow idle capacity).
 ///
+/// The Elastic GPU Scheduler's extender stanza works unchanged: urlPrefix
+/// http://<service>:39999/scheduler, prioritizeVerb "priorities", its
+/// Elastic GPU resources as managedResources without ignoredByScheduler
+/// (the device plugin publishes their capacity in the node's status).
+///
 /// With --tls-cert/--tls-key it can also serve as a mutating admission
 /// webhook (POST /webhook/mutate) that gives new vGPU pods naming no
-/// scheduler the --scheduler-name.
+/// scheduler the --scheduler-name, and adds the GPU count to containers
+/// that ask only for Elastic GPU resources. The API server calls webhooks
+/// over HTTPS only: with --secure-port, HTTPS is served there and --port
+/// stays plain HTTP for kube-scheduler; without it, --port serves HTTPS.
 #[derive(Debug, Parser)]
 #[command(name = "vgpu-scheduler", version, about, long_about)]
 pub struct Cli {
@@ -41,9 +49,15 @@ pub struct Cli {
     #[arg(long, default_value = "0.0.0.0", value_name = "IP")]
     pub address: IpAddr,
 
-    /// Port to listen on.
+    /// Port to listen on: plain HTTP, or HTTPS with --tls-cert/--tls-key
+    /// and no --secure-port.
     #[arg(long, default_value_t = 39999)]
     pub port: u16,
+
+    /// A second port, serving HTTPS with --tls-cert/--tls-key (which it
+    /// needs), while --port serves plain HTTP.
+    #[arg(long, value_name = "PORT", requires = "tls_cert")]
+    pub secure_port: Option<u16>,
 
     /// PEM certificate (chain) for HTTPS; needs --tls-key. Without both, plain HTTP.
     #[arg(long, value_name = "PATH", requires = "tls_key")]
@@ -227,6 +241,10 @@ mod tests {
             ApiSource::Url("http://127.0.0.1:8001".into())
         );
         assert!(Cli::try_parse_from(["vgpu-scheduler", "--tls-cert", "c.pem"]).is_err());
+        assert!(
+            Cli::try_parse_from(["vgpu-scheduler", "--secure-port", "39443"]).is_err(),
+            "a secure port needs a certificate"
+        );
         assert!(Cli::try_parse_from(["vgpu-scheduler", "--gpu-policy", "random"]).is_err());
         assert!(Cli::try_parse_from(["vgpu-scheduler", "--default-cores", "101"]).is_err());
         let help = Cli::command().render_long_help().to_string();

@@ -57,8 +57,12 @@ pub struct Running {
     pub local_addr: SocketAddr,
     pub scheduler: Arc<Scheduler>,
     server: JoinHandle<()>,
+    /// Servers on further listeners ([`Running::serve_also`]).
+    more_servers: Vec<JoinHandle<()>>,
+    router: axum::Router,
     watches: Vec<JoinHandle<()>>,
-    shutdown: Option<tokio::sync::oneshot::Sender<()>>,
+    /// Set once: every server stops accepting.
+    shutdown: tokio::sync::watch::Sender<bool>,
     /// The election, when this is one of several replicas.
     election: Option<(kube::Client, leader::LeaderConfig)>,
 }
@@ -91,26 +95,53 @@ pub async fn start(
     }
     let scheduler = Arc::new(scheduler);
     let local_addr = listener.local_addr().map_err(StartError::Listener)?;
-    let (shutdown, stop) = tokio::sync::oneshot::channel::<()>();
+    let (shutdown, _) = tokio::sync::watch::channel(false);
+    let router = server::router(scheduler.clone(), Arc::new(metrics::ServerMetrics::new()?));
     let server = tokio::spawn(server::serve(
         listener,
-        server::router(scheduler.clone(), Arc::new(metrics::ServerMetrics::new()?)),
+        router.clone(),
         tls,
-        async move {
-            let _ = stop.await;
-        },
+        stopped(&shutdown),
     ));
     Ok(Running {
         local_addr,
         scheduler,
         server,
+        more_servers: Vec::new(),
+        router,
         watches,
-        shutdown: Some(shutdown),
+        shutdown,
         election: election.map(|e| (client, e)),
     })
 }
 
+/// Completes once `shutdown` is set.
+fn stopped(shutdown: &tokio::sync::watch::Sender<bool>) -> impl std::future::Future<Output = ()> {
+    let mut receiver = shutdown.subscribe();
+    async move {
+        let _ = receiver.wait_for(|stop| *stop).await;
+    }
+}
+
 impl Running {
+    /// Serves the same routes on `listener` too (HTTPS when `tls` is
+    /// given), e.g. plain HTTP for kube-scheduler beside HTTPS for the
+    /// API server's webhooks; answers the address it listens on.
+    pub fn serve_also(
+        &mut self,
+        listener: TcpListener,
+        tls: Option<Arc<rustls::ServerConfig>>,
+    ) -> Result<SocketAddr, StartError> {
+        let address = listener.local_addr().map_err(StartError::Listener)?;
+        self.more_servers.push(tokio::spawn(server::serve(
+            listener,
+            self.router.clone(),
+            tls,
+            stopped(&self.shutdown),
+        )));
+        Ok(address)
+    }
+
     /// Waits until the state is synced, up to `timeout`.
     pub async fn wait_ready(&self, timeout: Duration) -> bool {
         let deadline = tokio::time::Instant::now() + timeout;
@@ -134,9 +165,7 @@ impl Running {
             _ = signal => {}
             _ = &mut self.server => {}
         }
-        if let Some(shutdown) = self.shutdown.take() {
-            let _ = shutdown.send(());
-        }
+        self.shutdown.send_replace(true);
         let deadline = tokio::time::Instant::now() + drain;
         self.scheduler.stop_serving();
         while self.scheduler.binds_in_flight() > 0 && tokio::time::Instant::now() < deadline {
@@ -151,11 +180,12 @@ impl Running {
 
     /// Stops everything at once, as a crash would: open connections and
     /// binds in flight are dropped wherever they are.
-    pub fn stop(mut self) {
-        if let Some(shutdown) = self.shutdown.take() {
-            let _ = shutdown.send(());
-        }
+    pub fn stop(self) {
+        self.shutdown.send_replace(true);
         self.server.abort();
+        for server in &self.more_servers {
+            server.abort();
+        }
         for watch in &self.watches {
             watch.abort();
         }

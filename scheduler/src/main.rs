@@ -17,26 +17,40 @@ async fn main() -> anyhow::Result<()> {
         (Some(cert), Some(key)) => Some(vgpu_scheduler::server::tls_config(cert, key)?),
         _ => None,
     };
-    let address = SocketAddr::new(cli.address, cli.port);
-    let listener = tokio::net::TcpListener::bind(address)
-        .await
-        .with_context(|| format!("cannot listen on {address}"))?;
-    let address = listener.local_addr().unwrap_or(address);
+    // With a secure port, the main port is plain HTTP and TLS goes there.
+    let (main_tls, secure) = match cli.secure_port {
+        Some(port) => (None, Some((port, tls))),
+        None => (tls, None),
+    };
+    let listener = listen(cli.address, cli.port).await?;
+    let address = listener.local_addr()?;
     let config = cli.config();
     let election = cli.leader_config().map_err(anyhow::Error::msg)?;
     tracing::info!(
         "vgpu-scheduler listening on {}://{address} (GPU policy {}, node policy {})",
-        if tls.is_some() { "https" } else { "http" },
+        if main_tls.is_some() { "https" } else { "http" },
         config.gpu_policy,
         config.node_policy
     );
-    let running = vgpu_scheduler::start(config, &cli.api_source(), listener, tls, election).await?;
+    let mut running =
+        vgpu_scheduler::start(config, &cli.api_source(), listener, main_tls, election).await?;
+    if let Some((port, tls)) = secure {
+        let address = running.serve_also(listen(cli.address, port).await?, tls)?;
+        tracing::info!("vgpu-scheduler listening on https://{address} too");
+    }
     // Binds in flight get the time kube-scheduler gives them (5 s) to finish.
     running
         .serve_until(shutdown_signal(), std::time::Duration::from_secs(5))
         .await;
     tracing::info!("vgpu-scheduler stopped");
     Ok(())
+}
+
+async fn listen(ip: std::net::IpAddr, port: u16) -> anyhow::Result<tokio::net::TcpListener> {
+    let address = SocketAddr::new(ip, port);
+    tokio::net::TcpListener::bind(address)
+        .await
+        .with_context(|| format!("cannot listen on {address}"))
 }
 
 async fn shutdown_signal() {

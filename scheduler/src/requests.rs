@@ -363,6 +363,31 @@ fn quantity(container: &Container, resource: &str) -> Result<Option<u64>, Reques
     }
 }
 
+/// How many GPUs an Elastic GPU request comes to: `gpu-core` above 100
+/// asks for whole GPUs (200 = two), anything else for a share of one. (A
+/// count that is not a whole multiple is refused when the request is read.)
+pub fn elastic_gpu_count(elastic_cores: Option<u64>) -> u64 {
+    match elastic_cores {
+        Some(cores) if cores > 100 => cores / 100,
+        _ => 1,
+    }
+}
+
+/// The GPU count the webhook adds to `container` so that kubelet calls the
+/// device plugin for it: `Some` for a container that asks for Elastic GPU
+/// resources and names no GPU count; `None` otherwise, and for requests
+/// that cannot be read (the extender explains those when it places the
+/// pod).
+pub fn elastic_count_to_add(container: &Container, names: &ResourceNames) -> Option<u64> {
+    let read = |resource: &str| quantity(container, resource).ok().flatten();
+    if quantity(container, &names.gpu).ok()?.is_some() {
+        return None;
+    }
+    let cores = read(&names.elastic_cores).filter(|&v| v > 0);
+    let memory = read(&names.elastic_memory).filter(|&v| v > 0);
+    (cores.is_some() || memory.is_some()).then(|| elastic_gpu_count(cores))
+}
+
 fn parse_container(
     container: &Container,
     kind: ContainerKind,
@@ -407,7 +432,7 @@ fn parse_container(
     let wants_nvidia = gpu.is_some_and(|g| g > 0);
     let nvidia_extras = memory.is_some() || percentage.is_some() || cores.is_some();
     let wants_elastic = elastic_memory.is_some() || elastic_cores.is_some();
-    if wants_elastic && (wants_nvidia || nvidia_extras) {
+    if wants_elastic && nvidia_extras {
         return Err(container_error(format!(
             "asks for both {} resources and {}/{}; use one kind",
             names.gpu, names.elastic_memory, names.elastic_cores
@@ -415,6 +440,16 @@ fn parse_container(
     }
 
     if wants_elastic {
+        // The webhook adds the GPU count an Elastic GPU request implies
+        // (kubelet calls the device plugin only for a device resource); a
+        // count that says something else is a contradiction.
+        let implied = elastic_gpu_count(elastic_cores);
+        if let Some(count) = gpu.filter(|&g| g != implied) {
+            return Err(container_error(format!(
+                "asks for {count} {} beside {}/{}, which come to {implied} GPU(s); leave {} out (vgpu's webhook adds it) or use one kind",
+                names.gpu, names.elastic_memory, names.elastic_cores, names.gpu
+            )));
+        }
         let (count, cores, memory) = match (elastic_cores, elastic_memory) {
             (Some(c), Some(_)) if c > 100 => {
                 return Err(container_error(format!(
@@ -676,6 +711,52 @@ mod tests {
         assert!(error.to_string().contains("multiple of 100"), "{error}");
     }
 
+    type CountCase<'a> = (&'a [(&'a str, &'a str)], Option<u64>);
+
+    #[test]
+    fn the_gpu_count_the_webhook_adds_for_elastic_requests() {
+        let names = ResourceNames::default();
+        let cases: &[CountCase] = &[
+            (&[("elasticgpu.io/gpu-memory", "256")], Some(1)),
+            (&[("elasticgpu.io/gpu-core", "30")], Some(1)),
+            (&[("elasticgpu.io/gpu-core", "200")], Some(2)),
+            (
+                &[
+                    ("elasticgpu.io/gpu-core", "100"),
+                    ("elasticgpu.io/gpu-memory", "1k"),
+                ],
+                Some(1),
+            ),
+            // Already counted, nothing Elastic, or nothing at all.
+            (
+                &[("elasticgpu.io/gpu-core", "200"), ("nvidia.com/gpu", "2")],
+                None,
+            ),
+            (&[("nvidia.com/gpu", "1")], None),
+            (&[("elasticgpu.io/gpu-memory", "0")], None),
+            (&[], None),
+        ];
+        for (limits, expected) in cases {
+            let container = container("c", limits);
+            assert_eq!(
+                elastic_count_to_add(&container, &names),
+                *expected,
+                "{limits:?}"
+            );
+        }
+        // With the count added, the request reads as before.
+        let request = parse(&pod(
+            vec![container(
+                "c",
+                &[("elasticgpu.io/gpu-core", "200"), ("nvidia.com/gpu", "2")],
+            )],
+            vec![],
+        ))
+        .expect("parse");
+        let c = &request.containers[0];
+        assert_eq!((c.count, c.cores, c.memory), (2, 100, MemoryRequest::Whole));
+    }
+
     #[test]
     fn bad_requests_say_what_is_wrong() {
         let cases: &[(&[(&str, &str)], &str)] = &[
@@ -715,8 +796,16 @@ mod tests {
                 "use one",
             ),
             (
-                &[("nvidia.com/gpu", "1"), ("elasticgpu.io/gpu-core", "10")],
+                &[("nvidia.com/gpumem", "1"), ("elasticgpu.io/gpu-core", "10")],
                 "use one kind",
+            ),
+            (
+                &[("nvidia.com/gpu", "2"), ("elasticgpu.io/gpu-core", "10")],
+                "come to 1 GPU(s)",
+            ),
+            (
+                &[("nvidia.com/gpu", "1"), ("elasticgpu.io/gpu-core", "300")],
+                "come to 3 GPU(s)",
             ),
             (&[("nvidia.com/gpu", "abc")], "not a Kubernetes quantity"),
         ];

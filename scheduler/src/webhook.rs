@@ -16,7 +16,7 @@
 //! let through as it is), so a webhook outage cannot stop a cluster's
 //! other workloads.
 
-use crate::requests::ResourceNames;
+use crate::requests::{elastic_count_to_add, ResourceNames};
 use base64::Engine;
 use k8s_openapi::api::core::v1::{Container, Pod};
 use serde::{Deserialize, Serialize};
@@ -130,15 +130,22 @@ pub fn mutate(
         return reply(&api_version, &response);
     }
     match pod {
-        Ok(Some(pod)) if creating && needs_vgpu_scheduler(&pod, names) => {
-            let patch = json!([{
-                "op": "add",
-                "path": "/spec/schedulerName",
-                "value": scheduler_name,
-            }]);
-            response.patch_type = Some("JSONPatch");
-            response.patch =
-                Some(base64::engine::general_purpose::STANDARD.encode(patch.to_string()));
+        Ok(Some(pod)) if creating => {
+            let mut patch = elastic_device_counts(&pod, names);
+            if needs_vgpu_scheduler(&pod, names) {
+                patch.push(json!({
+                    "op": "add",
+                    "path": "/spec/schedulerName",
+                    "value": scheduler_name,
+                }));
+            }
+            if !patch.is_empty() {
+                response.patch_type = Some("JSONPatch");
+                response.patch = Some(
+                    base64::engine::general_purpose::STANDARD
+                        .encode(Value::from(patch).to_string()),
+                );
+            }
         }
         Ok(_) => {}
         Err(error) => {
@@ -165,6 +172,58 @@ fn reply(api_version: &str, response: &ReviewResponse) -> WebhookReply {
         status: 200,
         body: body.to_string().into_bytes(),
     }
+}
+
+/// JSON patch operations adding the GPU count to every container that asks
+/// only for Elastic GPU resources: kubelet calls a device plugin's
+/// `Allocate` only for a resource the plugin offers, and vgpu's plugin
+/// offers the GPU count. The count goes into limits and requests alike
+/// (an extended resource's request must equal its limit).
+fn elastic_device_counts(pod: &Pod, names: &ResourceNames) -> Vec<Value> {
+    let Some(spec) = &pod.spec else {
+        return Vec::new();
+    };
+    let key = json_pointer_token(&names.gpu);
+    let mut patch = Vec::new();
+    let lists = [
+        ("containers", spec.containers.as_slice()),
+        (
+            "initContainers",
+            spec.init_containers.as_deref().unwrap_or_default(),
+        ),
+    ];
+    for (list, containers) in lists {
+        for (index, container) in containers.iter().enumerate() {
+            let Some(count) = elastic_count_to_add(container, names) else {
+                continue;
+            };
+            let value = Value::String(count.to_string());
+            let resources = container.resources.as_ref();
+            let base = format!("/spec/{list}/{index}/resources");
+            for (field, present) in [
+                (
+                    "limits",
+                    resources.and_then(|r| r.limits.as_ref()).is_some(),
+                ),
+                (
+                    "requests",
+                    resources.and_then(|r| r.requests.as_ref()).is_some(),
+                ),
+            ] {
+                patch.push(if present {
+                    json!({"op": "add", "path": format!("{base}/{field}/{key}"), "value": value})
+                } else {
+                    json!({"op": "add", "path": format!("{base}/{field}"), "value": {names.gpu.as_str(): value}})
+                });
+            }
+        }
+    }
+    patch
+}
+
+/// `name` as one token of a JSON pointer (RFC 6901).
+fn json_pointer_token(name: &str) -> String {
+    name.replace('~', "~0").replace('/', "~1")
 }
 
 /// Whether `container` asks for one of the vGPU resources.
@@ -304,6 +363,42 @@ mod tests {
             {"name": "warm", "image": "cuda", "resources": {"requests": {"nvidia.com/gpu": "1"}}}
         ]);
         assert!(patch_of(&answer(&review(init_only))).is_some());
+    }
+
+    #[test]
+    fn elastic_requests_get_the_gpu_count_kubelet_allocates_by() {
+        let mut elastic = pod(json!({"elasticgpu.io/gpu-core": "200"}), None);
+        elastic["spec"]["containers"][0]["resources"]["requests"] =
+            json!({"elasticgpu.io/gpu-core": "200"});
+        elastic["spec"]["initContainers"] = json!([
+            {"name": "warm", "image": "cuda", "resources": {"limits": {"elasticgpu.io/gpu-memory": "256"}}},
+            {"name": "plain", "image": "busybox"}
+        ]);
+        assert_eq!(
+            patch_of(&answer(&review(elastic))),
+            Some(json!([
+                {"op": "add", "path": "/spec/containers/0/resources/limits/nvidia.com~1gpu", "value": "2"},
+                {"op": "add", "path": "/spec/containers/0/resources/requests/nvidia.com~1gpu", "value": "2"},
+                {"op": "add", "path": "/spec/initContainers/0/resources/limits/nvidia.com~1gpu", "value": "1"},
+                {"op": "add", "path": "/spec/initContainers/0/resources/requests", "value": {"nvidia.com/gpu": "1"}},
+                {"op": "add", "path": "/spec/schedulerName", "value": "vgpu-scheduler"},
+            ]))
+        );
+        // A pod for another scheduler still needs kubelet to call the plugin.
+        let other = pod(json!({"elasticgpu.io/gpu-memory": "256"}), Some("elastic"));
+        assert_eq!(
+            patch_of(&answer(&review(other))),
+            Some(json!([
+                {"op": "add", "path": "/spec/containers/0/resources/limits/nvidia.com~1gpu", "value": "1"},
+                {"op": "add", "path": "/spec/containers/0/resources/requests", "value": {"nvidia.com/gpu": "1"}},
+            ]))
+        );
+        // A count already there is left as it is.
+        let counted = pod(
+            json!({"elasticgpu.io/gpu-core": "200", "nvidia.com/gpu": "2"}),
+            Some("elastic"),
+        );
+        assert_eq!(patch_of(&answer(&review(counted))), None);
     }
 
     #[test]

@@ -97,6 +97,54 @@ async fn serves_https_with_the_given_certificate() {
     running.stop();
 }
 
+#[tokio::test]
+async fn plain_http_for_kube_scheduler_beside_https_for_webhooks() {
+    let (server, client) = real_api_server().await;
+    let api = Api::Real(client);
+    api.put_node(node("gpu-node-1", &[gpu("NVIDIA A10", 24)]))
+        .await;
+    let tls = tls_config(
+        &fixture_path("tls/server.pem"),
+        &fixture_path("tls/server.key"),
+    )
+    .expect("TLS config");
+    let mut running = start_extender(
+        &test_config(),
+        &ApiSource::Kubeconfig(server.kubeconfig().to_path_buf()),
+        None,
+    )
+    .await;
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("listen");
+    let secure = running
+        .serve_also(listener, Some(tls))
+        .expect("second port");
+    assert!(running.wait_ready(Duration::from_secs(20)).await);
+
+    // The Elastic GPU Scheduler's routes over plain HTTP on the main port.
+    let plain = ExtenderClient::new(running.local_addr);
+    let (status, filter) = plain
+        .post("/scheduler/filter", fixture_bytes("filter_args.json"))
+        .await
+        .expect("plain filter");
+    let filter = String::from_utf8_lossy(&filter);
+    assert_eq!(status, 200, "{filter}");
+    assert!(filter.contains(r#""NodeNames":["gpu-node-1"]"#), "{filter}");
+    // The webhook over HTTPS on the other.
+    let (status, review) = https(
+        secure,
+        "POST",
+        "/webhook/mutate",
+        fixture_bytes("admission_review.json"),
+    )
+    .await;
+    assert_eq!(status, 200, "{review}");
+    assert!(review.contains(r#""allowed":true"#), "{review}");
+    assert!(ExtenderClient::new(secure).get("/healthz").await.is_err());
+    running.stop();
+}
+
 #[test]
 fn bad_certificate_files_are_named() {
     let missing = fixture_path("tls/missing.pem");
