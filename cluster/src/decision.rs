@@ -76,6 +76,11 @@ pub struct InventoryGpu {
     /// NUMA node, if known.
     pub numa: Option<u32>,
     pub healthy: bool,
+    /// SM utilization the node agent measures, smoothed, in percent
+    /// (0-100): what the `load-aware` policies place by. `None` until
+    /// measured, or from an agent that does not measure it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub utilization_percent: Option<u32>,
 }
 
 /// A node's GPUs, as published by its plugin.
@@ -411,6 +416,7 @@ mod tests {
             version: FORMAT_VERSION,
             heartbeat_unix_ms: 1_000_000,
             gpus: vec![InventoryGpu {
+                utilization_percent: None,
                 uuid: "GPU-a".into(),
                 index: 0,
                 model: "NVIDIA H100".into(),

@@ -306,6 +306,7 @@ mod tests {
     fn gpus() -> Vec<InventoryGpu> {
         (0..3)
             .map(|index| InventoryGpu {
+                utilization_percent: None,
                 uuid: format!("GPU-{index}"),
                 index,
                 model: "m".into(),

@@ -1,10 +1,12 @@
 //! Publishing the node's GPUs as the node annotation
 //! [`vgpu_cluster::decision::NODE_INVENTORY_ANNOTATION`]: at start, on every
 //! health change, and as a heartbeat, so the scheduler extender can tell a
-//! live plugin from a dead one; and the share resources' capacities in the
-//! node's status ([`share_capacity`]).
+//! live plugin from a dead one, and when the GPUs' measured load moved
+//! ([`crate::load`]); and the share resources' capacities in the node's
+//! status ([`share_capacity`]).
 
 use crate::cluster::Cluster;
+use crate::load::LoadFigures;
 use crate::service::stopped;
 use std::collections::BTreeMap;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
@@ -30,6 +32,7 @@ pub fn inventory_gpus(facts: Vec<GpuFacts>, split_count: u32) -> Vec<InventoryGp
     facts
         .into_iter()
         .map(|gpu| InventoryGpu {
+            utilization_percent: None,
             uuid: gpu.uuid,
             index: gpu.index,
             model: gpu.model,
@@ -42,12 +45,18 @@ pub fn inventory_gpus(facts: Vec<GpuFacts>, split_count: u32) -> Vec<InventoryGp
         .collect()
 }
 
-/// The inventory for `gpus`, stamped now.
-pub fn inventory(gpus: &[InventoryGpu]) -> NodeInventory {
+/// The inventory for `gpus` with their measured `load`, stamped now.
+pub fn inventory(gpus: &[InventoryGpu], load: &LoadFigures) -> NodeInventory {
     NodeInventory {
         version: FORMAT_VERSION,
         heartbeat_unix_ms: now_unix_ms(),
-        gpus: gpus.to_vec(),
+        gpus: gpus
+            .iter()
+            .map(|gpu| InventoryGpu {
+                utilization_percent: load.get(&gpu.uuid).copied(),
+                ..gpu.clone()
+            })
+            .collect(),
     }
 }
 
@@ -91,34 +100,43 @@ pub fn share_capacity(gpus: &[InventoryGpu], names: &ResourceNames) -> BTreeMap<
 }
 
 /// Writes the inventory, and the share resources' capacities, until
-/// `shutdown` becomes true.
+/// `shutdown` becomes true; `load`, when measured, rides in the inventory.
 pub async fn publish(
     cluster: Cluster,
     mut gpus: watch::Receiver<Vec<InventoryGpu>>,
+    mut load: Option<watch::Receiver<LoadFigures>>,
     names: ResourceNames,
     heartbeat: Duration,
     mut shutdown: watch::Receiver<bool>,
 ) {
     let (mut failing, mut capacity_failing) = (false, false);
+    let mut load_moved = false;
     loop {
-        let current = inventory(&gpus.borrow_and_update());
+        let figures = load
+            .as_mut()
+            .map(|load| load.borrow_and_update().clone())
+            .unwrap_or_default();
+        let current = inventory(&gpus.borrow_and_update(), &figures);
         // Written at every heartbeat too: a kubelet that finds its node
         // object recreated resets extended resources it does not manage.
         // Not needed for placing pods, only for kube-scheduler's retries:
-        // a failure is reported and does not hold the inventory back.
-        match cluster
-            .publish_capacity(&share_capacity(&current.gpus, &names))
-            .await
-        {
-            Ok(()) => capacity_failing = false,
-            Err(error) => {
-                if !capacity_failing {
-                    tracing::warn!(
-                        error = &error as &dyn std::error::Error,
-                        "offering the share resources in the node's status (retrying at each heartbeat)"
-                    );
+        // a failure is reported and does not hold the inventory back. A
+        // change of load alone changes no capacity.
+        if !load_moved {
+            match cluster
+                .publish_capacity(&share_capacity(&current.gpus, &names))
+                .await
+            {
+                Ok(()) => capacity_failing = false,
+                Err(error) => {
+                    if !capacity_failing {
+                        tracing::warn!(
+                            error = &error as &dyn std::error::Error,
+                            "offering the share resources in the node's status (retrying at each heartbeat)"
+                        );
+                    }
+                    capacity_failing = true;
                 }
-                capacity_failing = true;
             }
         }
         let wait = match cluster.publish_inventory(&current).await {
@@ -141,9 +159,15 @@ pub async fn publish(
                 heartbeat.min(RETRY)
             }
         };
+        load_moved = false;
         tokio::select! {
             () = stopped(&mut shutdown) => return,
             changed = gpus.changed() => if changed.is_err() { return },
+            // A sampler that stopped leaves the last figures in place.
+            Ok(()) = async { match load.as_mut() {
+                Some(load) => load.changed().await,
+                None => std::future::pending().await,
+            } } => load_moved = true,
             () = tokio::time::sleep(wait) => {}
         }
     }
@@ -155,6 +179,7 @@ mod tests {
 
     fn gpu(index: u32, mib: u64, split_count: u32) -> InventoryGpu {
         InventoryGpu {
+            utilization_percent: None,
             uuid: format!("GPU-{index}"),
             index,
             model: "Simulated".into(),

@@ -13,6 +13,7 @@
 //! - [`service`]: the `DevicePlugin` gRPC service.
 //! - [`kubelet`]: the plugin socket, registration, kubelet restarts.
 //! - [`inventory`]: the node annotation and its heartbeat.
+//! - [`load`]: the GPUs' measured, smoothed utilization.
 //! - [`options`]: the command line.
 
 pub mod allocate;
@@ -21,6 +22,7 @@ pub mod devices;
 pub mod health;
 pub mod inventory;
 pub mod kubelet;
+pub mod load;
 pub mod options;
 pub mod protocol;
 pub mod service;
@@ -54,6 +56,9 @@ pub struct PluginConfig {
     /// The resource names; those of the shares are offered in the node's
     /// status.
     pub resources: vgpu_cluster::resources::ResourceNames,
+    /// The GPUs' measured load ([`load::spawn`]), published in the
+    /// inventory; `None`: not measured.
+    pub load: Option<watch::Receiver<load::LoadFigures>>,
 }
 
 #[derive(Debug, Error)]
@@ -141,6 +146,7 @@ pub async fn run(
     let inventory_task = tokio::spawn(inventory::publish(
         cluster,
         state.gpus.subscribe(),
+        config.load,
         config.resources,
         config.heartbeat,
         shutdown.clone(),

@@ -6,6 +6,7 @@ use std::sync::Arc;
 use std::time::Duration;
 use vgpu_device_plugin::health::{HealthTracker, NvmlHealth};
 use vgpu_device_plugin::inventory::inventory_gpus;
+use vgpu_device_plugin::load::{self, NvmlLoad};
 use vgpu_device_plugin::options::Options;
 use vgpu_device_plugin::{cluster, PluginConfig};
 
@@ -21,12 +22,26 @@ fn main() -> anyhow::Result<()> {
         HealthTracker::new(options.ignored_xids.iter().copied(), options.recovery()),
         Duration::from_millis(options.health_probe_ms),
     );
+    let load = match options.load_sample_seconds {
+        0 => None,
+        seconds => {
+            let source = NvmlLoad::new(
+                Arc::clone(&nvml),
+                gpus.iter().map(|g| g.uuid.clone()).collect(),
+            );
+            Some(
+                load::spawn(Box::new(source), Duration::from_secs(seconds))
+                    .context("starting the GPU load sampler")?,
+            )
+        }
+    };
     let config = PluginConfig {
         node: options.node_name.clone(),
         kubelet: options.kubelet_settings(),
         settings: options.allocate_settings(),
         heartbeat: Duration::from_secs(options.heartbeat_seconds),
         resources: options.share_resources.names(&options.resource_name),
+        load,
     };
 
     let runtime = tokio::runtime::Builder::new_multi_thread()

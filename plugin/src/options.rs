@@ -152,6 +152,13 @@ pub struct Options {
           value_parser = clap::value_parser!(u64).range(1..))]
     pub heartbeat_seconds: u64,
 
+    /// Seconds between samples of each GPU's utilization, which is
+    /// smoothed and published in the node inventory (when it moved by 5
+    /// points or more, at most every 10 s) for the extender's load-aware
+    /// policies; 0: not measured.
+    #[arg(long, default_value_t = 5, value_name = "SECONDS")]
+    pub load_sample_seconds: u64,
+
     /// XIDs that do not make a GPU unhealthy (application errors), comma
     /// separated.
     #[arg(long, value_delimiter = ',', value_name = "LIST",

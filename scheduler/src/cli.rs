@@ -78,13 +78,16 @@ pub struct Cli {
     pub api_server: Option<String>,
 
     /// How a container's GPUs are chosen on a node: fewest-tasks (the GPUs
-    /// running the fewest containers), binpack (the fullest GPUs that fit) or
-    /// spread (the emptiest). Per pod: annotation vgpu.io/gpu-scheduler-policy.
+    /// running the fewest containers), binpack (the fullest GPUs that fit),
+    /// spread (the emptiest), random, or load-aware (the least busy as the
+    /// node agent measures them). Per pod: annotation
+    /// vgpu.io/gpu-scheduler-policy.
     #[arg(long, default_value = "fewest-tasks", value_name = "POLICY")]
     pub gpu_policy: GpuPolicy,
 
-    /// How nodes are scored: binpack (fullest first), spread (emptiest first)
-    /// or random. Per pod: annotation vgpu.io/node-scheduler-policy.
+    /// How nodes are scored: binpack (fullest first), spread (emptiest
+    /// first), random, or load-aware (the GPUs measured least busy first).
+    /// Per pod: annotation vgpu.io/node-scheduler-policy.
     #[arg(long, default_value = "binpack", value_name = "POLICY")]
     pub node_policy: NodePolicy,
 
@@ -245,7 +248,7 @@ mod tests {
             Cli::try_parse_from(["vgpu-scheduler", "--secure-port", "39443"]).is_err(),
             "a secure port needs a certificate"
         );
-        assert!(Cli::try_parse_from(["vgpu-scheduler", "--gpu-policy", "random"]).is_err());
+        assert!(Cli::try_parse_from(["vgpu-scheduler", "--gpu-policy", "busiest"]).is_err());
         assert!(Cli::try_parse_from(["vgpu-scheduler", "--default-cores", "101"]).is_err());
         let help = Cli::command().render_long_help().to_string();
         for argument in Cli::command().get_arguments() {

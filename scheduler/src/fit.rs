@@ -72,6 +72,8 @@ pub struct HotGpu {
     pub memory_bytes: u64,
     pub split_count: u32,
     pub healthy: bool,
+    /// Measured, smoothed utilization in percent, when the agent sent it.
+    pub utilization_percent: Option<u32>,
     /// The model in lower case, shared between all GPUs of that model, so a
     /// request's verdict on it is computed once.
     pub model: Arc<str>,
@@ -97,6 +99,7 @@ impl NodeGpus {
                 memory_bytes: g.memory_bytes,
                 split_count: g.split_count,
                 healthy: g.healthy,
+                utilization_percent: g.utilization_percent,
                 model: intern(&g.model.to_ascii_lowercase()),
             })
             .collect();
@@ -370,7 +373,7 @@ fn place_container(
         let verdict = models.get(&gpu.model, &request.selectors);
         matching += u32::from(gpu.healthy && verdict.is_ok());
         if let Ok(need) = check_gpu(node, i, verdict, &usage[i], container, &request.selectors) {
-            let (primary, secondary) = preference(policy, gpu, &usage[i]);
+            let (primary, secondary) = preference(policy, gpu, i, &usage[i], request.seed);
             candidates.push((primary, secondary, i, need));
         }
     }
@@ -416,9 +419,15 @@ fn place_container(
     Ok(matching)
 }
 
-/// Sort key of a GPU under `policy` (smaller is preferred; ties go to the
-/// lower index).
-fn preference(policy: GpuPolicy, gpu: &HotGpu, usage: &Usage) -> (u64, u64) {
+/// Sort key of GPU `index` under `policy` (smaller is preferred; ties go
+/// to the lower index); `seed` is the pod's, for `random`.
+fn preference(
+    policy: GpuPolicy,
+    gpu: &HotGpu,
+    index: usize,
+    usage: &Usage,
+    seed: u64,
+) -> (u64, u64) {
     // In MiB, so that the product stays far below 2^64.
     let total = (gpu.memory_bytes >> 20).max(1);
     let used = (usage.memory_bytes.min(gpu.memory_bytes)) >> 20;
@@ -428,7 +437,39 @@ fn preference(policy: GpuPolicy, gpu: &HotGpu, usage: &Usage) -> (u64, u64) {
         GpuPolicy::FewestTasks => (u64::from(usage.tasks), load),
         GpuPolicy::Binpack => (2000 - load, u64::MAX - u64::from(usage.tasks)),
         GpuPolicy::Spread => (load, u64::from(usage.tasks)),
+        GpuPolicy::Random => (mix(seed ^ index as u64), 0),
+        GpuPolicy::LoadAware => (u64::from(measured_percent(gpu, usage)), load),
     }
+}
+
+/// A GPU's busyness in percent as measured, or, before it is measured, its
+/// granted compute.
+fn measured_percent(gpu: &HotGpu, usage: &Usage) -> u32 {
+    gpu.utilization_percent.unwrap_or(usage.cores).min(100)
+}
+
+/// How busy a node's healthy GPUs are measured to be, 0.0 to 1.0 (see
+/// [`measured_percent`]); what the load-aware node policy scores by.
+pub fn measured_load(node: &NodeGpus, usage: &[Usage]) -> f64 {
+    let busy: Vec<u32> = node
+        .hot
+        .iter()
+        .zip(usage)
+        .filter(|(gpu, _)| gpu.healthy)
+        .map(|(gpu, usage)| measured_percent(gpu, usage))
+        .collect();
+    if busy.is_empty() {
+        return 1.0;
+    }
+    f64::from(busy.iter().sum::<u32>()) / (100.0 * busy.len() as f64)
+}
+
+/// A well-spread 64-bit hash of `value` (splitmix64's finaliser).
+fn mix(value: u64) -> u64 {
+    let mut z = value.wrapping_add(0x9e37_79b9_7f4a_7c15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    z ^ (z >> 31)
 }
 
 /// How full a node is, 0.0 to 1.0: the mean of its memory and compute in
@@ -578,6 +619,7 @@ mod tests {
 
     fn gpu(index: u32, model: &str, memory_gib: u64) -> InventoryGpu {
         InventoryGpu {
+            utilization_percent: None,
             uuid: format!("GPU-{index}"),
             index,
             model: model.into(),
@@ -652,6 +694,56 @@ mod tests {
         );
         place_pod(&node, &base, &req, GpuPolicy::Spread, &mut scratch).expect("fits");
         assert_eq!(chosen(&scratch), vec![2], "least memory and compute");
+    }
+
+    #[test]
+    fn load_aware_takes_the_gpu_measured_least_busy() {
+        let mut gpus = vec![gpu(0, "A10", 24), gpu(1, "A10", 24), gpu(2, "A10", 24)];
+        // Equal grants everywhere; GPU 0 measured busy, GPU 2 not yet measured.
+        gpus[0].utilization_percent = Some(90);
+        gpus[1].utilization_percent = Some(12);
+        let node = NodeGpus::new(gpus);
+        let base = vec![used(4, 30, 1), used(4, 30, 1), used(4, 30, 1)];
+        let req = request(vec![container("c", ContainerKind::App, 1, 4, 10)]);
+        let mut scratch = Scratch::default();
+        place_pod(&node, &base, &req, GpuPolicy::FewestTasks, &mut scratch).expect("fits");
+        assert_eq!(
+            chosen(&scratch),
+            vec![0],
+            "the grants alone tie: lowest index"
+        );
+        place_pod(&node, &base, &req, GpuPolicy::LoadAware, &mut scratch).expect("fits");
+        assert_eq!(
+            chosen(&scratch),
+            vec![1],
+            "12 % measured beats 30 % granted, 90 % measured"
+        );
+        // The node as a whole: unmeasured GPUs count at their grants.
+        let measured = measured_load(&node, &base);
+        assert!(
+            (measured - (90.0 + 12.0 + 30.0) / 300.0).abs() < 1e-9,
+            "{measured}"
+        );
+    }
+
+    #[test]
+    fn random_draws_per_pod_and_keeps_the_draw() {
+        let node = NodeGpus::new((0..4).map(|i| gpu(i, "A10", 24)).collect());
+        let base = vec![Usage::default(); 4];
+        let mut scratch = Scratch::default();
+        let mut seen = std::collections::BTreeSet::new();
+        for seed in 0..64u64 {
+            let req = PodRequest {
+                seed,
+                ..request(vec![container("c", ContainerKind::App, 1, 4, 10)])
+            };
+            place_pod(&node, &base, &req, GpuPolicy::Random, &mut scratch).expect("fits");
+            let first = chosen(&scratch);
+            place_pod(&node, &base, &req, GpuPolicy::Random, &mut scratch).expect("fits");
+            assert_eq!(chosen(&scratch), first, "the same pod draws the same GPU");
+            seen.insert(first[0]);
+        }
+        assert_eq!(seen.len(), 4, "every GPU drawn by some pod: {seen:?}");
     }
 
     #[test]

@@ -28,6 +28,12 @@ pub enum GpuPolicy {
     Binpack,
     /// The least used GPUs (memory and compute).
     Spread,
+    /// Any GPUs that fit, at random (drawn per pod, so every verb agrees).
+    Random,
+    /// The GPUs the node agent measures as least busy (smoothed SM
+    /// utilization; a GPU not measured counts at its granted compute),
+    /// ties to the least granted.
+    LoadAware,
 }
 
 /// How nodes are scored among those that fit.
@@ -40,6 +46,8 @@ pub enum NodePolicy {
     Spread,
     /// Any node that fits, at random.
     Random,
+    /// Prefer the nodes whose GPUs the node agents measure as least busy.
+    LoadAware,
 }
 
 /// A policy name that is not known.
@@ -52,25 +60,28 @@ pub struct UnknownPolicy {
 }
 
 impl GpuPolicy {
-    pub const NAMES: &'static str = "fewest-tasks, binpack, spread";
+    pub const NAMES: &'static str = "fewest-tasks, binpack, spread, random, load-aware";
 
     pub fn name(self) -> &'static str {
         match self {
             Self::FewestTasks => "fewest-tasks",
             Self::Binpack => "binpack",
             Self::Spread => "spread",
+            Self::Random => "random",
+            Self::LoadAware => "load-aware",
         }
     }
 }
 
 impl NodePolicy {
-    pub const NAMES: &'static str = "binpack, spread, random";
+    pub const NAMES: &'static str = "binpack, spread, random, load-aware";
 
     pub fn name(self) -> &'static str {
         match self {
             Self::Binpack => "binpack",
             Self::Spread => "spread",
             Self::Random => "random",
+            Self::LoadAware => "load-aware",
         }
     }
 }
@@ -83,6 +94,8 @@ impl FromStr for GpuPolicy {
             "fewest-tasks" | "fewesttasks" | "least-tasks" => Ok(Self::FewestTasks),
             "binpack" => Ok(Self::Binpack),
             "spread" => Ok(Self::Spread),
+            "random" => Ok(Self::Random),
+            "load-aware" | "loadaware" => Ok(Self::LoadAware),
             _ => Err(UnknownPolicy {
                 kind: "GPU",
                 value: text.to_string(),
@@ -100,6 +113,7 @@ impl FromStr for NodePolicy {
             "binpack" => Ok(Self::Binpack),
             "spread" => Ok(Self::Spread),
             "random" => Ok(Self::Random),
+            "load-aware" | "loadaware" => Ok(Self::LoadAware),
             _ => Err(UnknownPolicy {
                 kind: "node",
                 value: text.to_string(),
@@ -121,13 +135,14 @@ impl fmt::Display for NodePolicy {
     }
 }
 
-/// A node's score from its load after placing the pod (0.0 empty to 1.0
-/// full), in `0.0..=1.0`; `random` is a number derived from `seed`.
-pub fn node_score(policy: NodePolicy, load_after: f64, seed: u64) -> f64 {
-    let load = load_after.clamp(0.0, 1.0);
+/// A node's score from its load (0.0 empty to 1.0 full), in `0.0..=1.0`:
+/// for binpack and spread the granted load after placing the pod, for
+/// load-aware the measured one; `random` is a number derived from `seed`.
+pub fn node_score(policy: NodePolicy, load: f64, seed: u64) -> f64 {
+    let load = load.clamp(0.0, 1.0);
     match policy {
         NodePolicy::Binpack => load,
-        NodePolicy::Spread => 1.0 - load,
+        NodePolicy::Spread | NodePolicy::LoadAware => 1.0 - load,
         NodePolicy::Random => (seed % 1001) as f64 / 1000.0,
     }
 }
@@ -142,10 +157,17 @@ mod tests {
             GpuPolicy::FewestTasks,
             GpuPolicy::Binpack,
             GpuPolicy::Spread,
+            GpuPolicy::Random,
+            GpuPolicy::LoadAware,
         ] {
             assert_eq!(policy.name().parse::<GpuPolicy>(), Ok(policy));
         }
-        for policy in [NodePolicy::Binpack, NodePolicy::Spread, NodePolicy::Random] {
+        for policy in [
+            NodePolicy::Binpack,
+            NodePolicy::Spread,
+            NodePolicy::Random,
+            NodePolicy::LoadAware,
+        ] {
             assert_eq!(policy.name().parse::<NodePolicy>(), Ok(policy));
         }
         assert_eq!(" Binpack ".parse::<NodePolicy>(), Ok(NodePolicy::Binpack));
@@ -154,7 +176,7 @@ mod tests {
             error.to_string().contains("fewest-tasks, binpack, spread"),
             "{error}"
         );
-        assert!("random".parse::<GpuPolicy>().is_err());
+        assert_eq!("LoadAware".parse::<GpuPolicy>(), Ok(GpuPolicy::LoadAware));
     }
 
     #[test]

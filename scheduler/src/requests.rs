@@ -184,6 +184,9 @@ pub struct PodRequest {
     pub node_policy: Option<NodePolicy>,
     /// Burst share in percent for every capped vGPU of the pod.
     pub burst_percent: Option<u32>,
+    /// Drawn from the pod's identity: what the `random` GPU policy draws
+    /// by, the same in every verb for the same pod.
+    pub seed: u64,
 }
 
 impl PodRequest {
@@ -236,13 +239,28 @@ pub enum RequestError {
     },
 }
 
+/// A number fixed for a pod: a hash of its UID (or, before it has one, its
+/// namespace and name).
+fn identity_seed(pod: &Pod) -> u64 {
+    use std::hash::{Hash, Hasher};
+    let mut hasher = std::hash::DefaultHasher::new();
+    match pod.metadata.uid.as_deref() {
+        Some(uid) => uid.hash(&mut hasher),
+        None => (&pod.metadata.namespace, &pod.metadata.name).hash(&mut hasher),
+    }
+    hasher.finish()
+}
+
 /// Reads a pod's GPU request.
 pub fn parse_pod(
     pod: &Pod,
     names: &ResourceNames,
     defaults: &RequestDefaults,
 ) -> Result<PodRequest, RequestError> {
-    let mut request = PodRequest::default();
+    let mut request = PodRequest {
+        seed: identity_seed(pod),
+        ..PodRequest::default()
+    };
     if let Some(spec) = &pod.spec {
         for container in spec.init_containers.iter().flatten() {
             let kind = if container.restart_policy.as_deref() == Some("Always") {

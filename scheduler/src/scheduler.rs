@@ -24,7 +24,7 @@ use crate::extender::{
     ExtenderArgs, ExtenderBindingArgs, ExtenderBindingResult, ExtenderFilterResult, FailedNodesMap,
     NodeList, MAX_EXTENDER_PRIORITY,
 };
-use crate::fit::{explain, node_load, place_pod, Scratch};
+use crate::fit::{explain, measured_load, node_load, place_pod, Scratch};
 use crate::leader::Leadership;
 use crate::policy::{node_score, GpuPolicy, NodePolicy};
 use crate::requests::{parse_pod, PodRequest, RequestDefaults, ResourceNames};
@@ -572,6 +572,19 @@ impl Scheduler {
             };
             evaluated.push(result);
         }
+        // The load-aware node policy scores by what the nodes measure.
+        let measured: Vec<Option<f64>> = if node_policy == NodePolicy::LoadAware {
+            names
+                .iter()
+                .map(|name| {
+                    state
+                        .node(name)
+                        .map(|node| measured_load(&node.gpus, &node.usage))
+                })
+                .collect()
+        } else {
+            Vec::new()
+        };
         drop(state);
         let most_matching = evaluated
             .iter()
@@ -582,10 +595,12 @@ impl Scheduler {
         Ok(names
             .into_iter()
             .zip(evaluated)
-            .map(|(host, result)| {
+            .enumerate()
+            .map(|(index, (host, result))| {
                 let score = match result {
                     None => 0,
                     Some((load, matching)) => {
+                        let load = measured.get(index).copied().flatten().unwrap_or(load);
                         let seed = if node_policy == NodePolicy::Random {
                             self.random(uid, host)
                         } else {

@@ -950,6 +950,7 @@ mod tests {
             heartbeat_unix_ms: now_unix_ms(),
             gpus: (0..gpus)
                 .map(|i| InventoryGpu {
+                    utilization_percent: None,
                     uuid: format!("GPU-{name}-{i}"),
                     index: i,
                     model: "A10".into(),

@@ -340,6 +340,7 @@ pub fn in_process_config(
         },
         heartbeat: Duration::from_secs(1),
         resources: Default::default(),
+        load: None,
     }
 }
 
@@ -347,6 +348,7 @@ pub fn in_process_config(
 pub fn gpus() -> Vec<vgpu_cluster::decision::InventoryGpu> {
     (0..2)
         .map(|index| vgpu_cluster::decision::InventoryGpu {
+            utilization_percent: None,
             uuid: format!("GPU-0000000{index}-aaaa-bbbb-cccc-dddddddddddd"),
             index,
             model: "Test GPU".into(),
