@@ -63,7 +63,9 @@ pub fn inventory(gpus: &[InventoryGpu], load: &LoadFigures) -> NodeInventory {
 /// What the node's status offers of each share resource (memory, memory
 /// percentage, cores, priority, Elastic GPU's memory and cores).
 ///
-/// kube-scheduler is told to ignore these (the extender decides them:
+/// kube-scheduler configured with the Elastic GPU Scheduler's stanza
+/// counts the Elastic GPU ones against these. The chart's kube-scheduler is
+/// told to ignore all of them (the extender decides them:
 /// `ignoredByScheduler`), but the hint that decides when to retry a pod
 /// after a node's resources change does not know that: it compares every
 /// resource the pod asks for with the node's allocatable, so with these

@@ -16,11 +16,14 @@
 //! - [`server`]: the HTTP(S) server.
 //! - [`metrics`]: the time each verb takes, for `GET /metrics`.
 //! - [`webhook`]: the admission webhook that gives vGPU pods this scheduler.
+//! - [`elastic_crd`]: Elastic GPU's custom resources and their conversion
+//!   webhook.
 //! - [`leader`]: leader election among replicas.
 //! - [`cli`]: command-line flags.
 
 pub mod api;
 pub mod cli;
+pub mod elastic_crd;
 pub mod extender;
 pub mod fit;
 pub mod leader;

@@ -30,6 +30,7 @@ pub enum Verb {
     Prioritize,
     Bind,
     Mutate,
+    Convert,
 }
 
 impl Verb {
@@ -40,6 +41,7 @@ impl Verb {
             Verb::Prioritize => "prioritize",
             Verb::Bind => "bind",
             Verb::Mutate => "mutate",
+            Verb::Convert => "convert",
         }
     }
 }
@@ -53,6 +55,7 @@ pub struct ServerMetrics {
     prioritize: Histogram,
     bind: Histogram,
     mutate: Histogram,
+    convert: Histogram,
 }
 
 impl ServerMetrics {
@@ -62,7 +65,8 @@ impl ServerMetrics {
             HistogramOpts::new(
                 REQUEST_DURATION,
                 "Time the extender took to answer a request, from its arrival to the reply, by verb \
-                 (filter, prioritize, bind, mutate for the admission webhook).",
+                 (filter, prioritize, bind, mutate for the admission webhook, convert for Elastic GPU's \
+                 conversion webhook).",
             )
             .buckets(BUCKETS.to_vec()),
             &["verb"],
@@ -81,6 +85,7 @@ impl ServerMetrics {
             prioritize: handle(Verb::Prioritize)?,
             bind: handle(Verb::Bind)?,
             mutate: handle(Verb::Mutate)?,
+            convert: handle(Verb::Convert)?,
             registry,
         })
     }
@@ -92,6 +97,7 @@ impl ServerMetrics {
             Verb::Prioritize => &self.prioritize,
             Verb::Bind => &self.bind,
             Verb::Mutate => &self.mutate,
+            Verb::Convert => &self.convert,
         };
         histogram.observe(elapsed.as_secs_f64());
     }

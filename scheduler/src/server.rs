@@ -70,6 +70,7 @@ pub fn router(scheduler: Arc<Scheduler>, metrics: Arc<ServerMetrics>) -> Router 
         .route("/scheduler/prioritize", post(prioritize))
         .route("/scheduler/bind", post(bind))
         .route("/webhook/mutate", post(mutate))
+        .route("/convert", post(convert))
         .route("/healthz", get(|| async { "ok" }))
         .route("/readyz", get(readyz))
         .route("/metrics", get(serve_metrics))
@@ -119,6 +120,16 @@ async fn mutate(State(served): State<Served>, body: Bytes) -> Response {
         config.admission,
     );
     served.metrics.observe(Verb::Mutate, started.elapsed());
+    respond(Reply {
+        status: reply.status,
+        body: reply.body,
+    })
+}
+
+async fn convert(State(served): State<Served>, body: Bytes) -> Response {
+    let started = Instant::now();
+    let reply = crate::elastic_crd::convert(&body);
+    served.metrics.observe(Verb::Convert, started.elapsed());
     respond(Reply {
         status: reply.status,
         body: reply.body,

@@ -24,11 +24,10 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from chartcluster import RELEASE_NAMESPACE, ChartCluster, kubectl_json  # noqa: E402
+from chartcluster import EXTENDER_PORT, ChartCluster, extender_address  # noqa: E402
 from placement import GPU_MIB  # noqa: E402
 
 SCHEDULER_NAME = "vgpu-scheduler"
-EXTENDER_PORT = 39999
 HISTOGRAM = "vgpu_extender_request_duration_seconds"
 VERBS = ("filter", "prioritize", "bind", "mutate")
 
@@ -101,12 +100,7 @@ def percentile(values: list[float], q: float) -> float:
 
 
 def extender_metrics_url(cc: ChartCluster) -> str:
-    pods_ = kubectl_json(cc.cluster, "get", "pods", "-n", RELEASE_NAMESPACE,
-                         "-l", "app.kubernetes.io/component=scheduler")["items"]
-    running = [pod for pod in pods_ if pod["status"].get("phase") == "Running" and pod["status"].get("podIP")]
-    if len(running) != 1:
-        raise SystemExit(f"expected one running scheduler pod, found {len(running)}")
-    return f"https://{running[0]['status']['podIP']}:{EXTENDER_PORT}/metrics"
+    return f"http://{extender_address(cc)}:{EXTENDER_PORT}/metrics"
 
 
 def run_round(cc: ChartCluster, kind: str, namespace: str, count: int, parallel: int, metrics: str | None) -> dict:

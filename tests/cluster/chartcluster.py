@@ -48,6 +48,23 @@ def image(cluster: ControlPlane, root: Path, shared: list[Path]) -> NodeImage:
     return NodeImage(root, binaries, [*shared, REPO, *extra])
 
 
+# The extender's ports (the chart's defaults): plain HTTP for kube-scheduler
+# and metrics, HTTPS for the API server's webhooks.
+EXTENDER_PORT = 39999
+EXTENDER_SECURE_PORT = 39443
+
+
+def extender_address(cc: ChartCluster) -> str:
+    """The pod IP of the one running extender (reachable from the test
+    network)."""
+    pods = kubectl_json(cc.cluster, "get", "pods", "-n", RELEASE_NAMESPACE,
+                        "-l", "app.kubernetes.io/component=scheduler")["items"]
+    running = [pod for pod in pods if pod["status"].get("phase") == "Running" and pod["status"].get("podIP")]
+    if len(running) != 1:
+        raise AssertionError(f"expected one running scheduler pod, found {len(running)}")
+    return running[0]["status"]["podIP"]
+
+
 def kubectl_json(cluster: ControlPlane, *args: str):
     return json.loads(cluster.kubectl(*args, "-o", "json").stdout)
 

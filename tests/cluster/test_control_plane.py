@@ -180,7 +180,7 @@ class ChartExtender:
         for key in ("tls.crt", "tls.key"):
             (workdir / key).write_bytes(base64.b64decode(secret["data"][key]))
         mount = next(m["mountPath"] for m in self.container["volumeMounts"] if m["name"] == "tls")
-        self.port = next(p["containerPort"] for p in self.container["ports"] if p["name"] == "extender")
+        self.ports = {p["name"]: p["containerPort"] for p in self.container["ports"]}
         self.kubeconfig = cluster.token_kubeconfig(namespace, self.pod_spec["serviceAccountName"],
                                                    workdir / "scheduler-account.kubeconfig")
         # An `extra` flag replaces the chart's value of it.
@@ -206,12 +206,14 @@ class ChartExtender:
 
 def test_the_extender_runs_as_the_chart_runs_it(cluster, tmp_path):
     """Against the real API it lists and watches pods and nodes as its
-    ServiceAccount (its RBAC), serves HTTPS with the chart's certificate, and
-    answers the admission webhook."""
+    ServiceAccount (its RBAC), serves plain HTTP for kube-scheduler and HTTPS
+    with the chart's certificate for the API server, and answers the
+    admission webhook there."""
     namespace = "vgpu-extender"
     cluster.helm("install", "ext", str(CHART), "-n", namespace, "--create-namespace")
-    port = free_port()
-    extender = ChartExtender(cluster, "ext", namespace, tmp_path, extra=(f"--port={port}", "--address=127.0.0.1"))
+    plain, port = free_port(), free_port()
+    extender = ChartExtender(cluster, "ext", namespace, tmp_path,
+                             extra=(f"--port={plain}", f"--secure-port={port}", "--address=127.0.0.1"))
     context = ssl.create_default_context(cadata=extender.ca)
     context.check_hostname = False  # issued for the Service's DNS name, reached here by address
 
@@ -222,9 +224,17 @@ def test_the_extender_runs_as_the_chart_runs_it(cluster, tmp_path):
         except OSError:
             return None
 
+    def get_plain(path):
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{plain}{path}", timeout=2) as response:
+                return response.status
+        except OSError:
+            return None
+
     try:
         wait_for("the extender synced pods and nodes as its ServiceAccount", lambda: get("/readyz") == 200,
                  log=extender.log)
+        assert get_plain("/readyz") == 200
         review = {"apiVersion": "admission.k8s.io/v1", "kind": "AdmissionReview", "request": {
             "uid": "1", "operation": "CREATE", "object": {
                 "apiVersion": "v1", "kind": "Pod", "metadata": {"name": "hami-style"},
@@ -287,7 +297,7 @@ def test_a_hami_pod_goes_through_the_webhook_kube_scheduler_and_the_extender(tmp
         extender = ChartExtender(cluster, "hook", namespace, tmp_path)
         service = next(item for item in extender.installed if item["kind"] == "Service"
                        and item["metadata"]["name"].endswith("-scheduler"))["metadata"]["name"]
-        ports = [{"name": "extender", "port": extender.port, "protocol": "TCP"}]
+        ports = [{"name": name, "port": port, "protocol": "TCP"} for name, port in extender.ports.items()]
         cluster.kubectl("apply", "-f", "-", input=json.dumps({"apiVersion": "v1", "kind": "List", "items": [
             {"apiVersion": "v1", "kind": "Endpoints", "metadata": {"name": service, "namespace": namespace},
              "subsets": [{"addresses": [{"ip": network.address}], "ports": ports}]},

@@ -219,19 +219,36 @@ def test_kube_scheduler_reaches_the_extender_with_the_same_names_and_port():
 
 
 def test_https_extender_with_a_given_certificate():
-    objects = render({"scheduler": {"extender": {"tls": {"secretName": "vgpu-tls"}}, "webhook": {"enabled": False}}})
+    """HTTPS (for the API server's webhooks) on the secure port with the
+    given certificate; kube-scheduler keeps plain HTTP on loopback, and the
+    Service offers both (the Elastic GPU Scheduler's stanza calls the plain
+    one)."""
+    objects = render({"scheduler": {"extender": {"tls": {"secretName": "vgpu-tls"}, "securePort": 40443},
+                                    "webhook": {"enabled": False}}})
     (extender,) = scheduler_config(objects)["extenders"]
-    assert extender["urlPrefix"].startswith("https://")
-    assert extender["enableHTTPS"] is True
+    assert extender["urlPrefix"] == "http://127.0.0.1:39999"
+    assert extender["enableHTTPS"] is False
     deployment = find(objects, "Deployment", "-scheduler")
     c = container(deployment, "extender")
     f = flags(c)
+    assert (f["port"], f["secure-port"]) == ("39999", "40443")
     mount = next(m for m in c["volumeMounts"] if m["name"] == "tls")
     assert f["tls-cert"] == f"{mount['mountPath']}/tls.crt"
     assert f["tls-key"] == f"{mount['mountPath']}/tls.key"
     volume = next(v for v in deployment["spec"]["template"]["spec"]["volumes"] if v["name"] == "tls")
     assert volume["secret"]["secretName"] == "vgpu-tls"
-    assert c["readinessProbe"]["httpGet"]["scheme"] == "HTTPS"
+    assert {p["name"]: p["containerPort"] for p in c["ports"]} == {"extender": 39999, "webhook": 40443}
+    assert c["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "extender", "scheme": "HTTP"}
+    service = find(objects, "Service", "-scheduler")
+    assert {p["name"]: (p["port"], p["targetPort"]) for p in service["spec"]["ports"]} == {
+        "extender": (39999, "extender"), "webhook": (40443, "webhook")}
+
+
+def test_the_webhook_is_called_on_the_secure_port():
+    objects = render({"scheduler": {"extender": {"securePort": 40443}}})
+    (webhook,) = find(objects, "MutatingWebhookConfiguration", "-webhook")["webhooks"]
+    assert webhook["clientConfig"]["service"]["port"] == 40443
+    assert flags(container(find(objects, "Deployment", "-scheduler"), "extender"))["secure-port"] == "40443"
 
 
 def test_node_agent_paths_agree():
@@ -400,11 +417,13 @@ def test_webhook_reaches_the_extender_over_a_certificate_it_trusts(tmp_path):
     service = find(objects, "Service", "-scheduler")
     assert client["name"] == service["metadata"]["name"]
     assert client["namespace"] == service["metadata"]["namespace"] == "gpu-system"
-    assert client["port"] == service["spec"]["ports"][0]["port"]
+    webhook_port = next(p for p in service["spec"]["ports"] if p["name"] == "webhook")
+    assert client["port"] == webhook_port["port"]
     assert client["path"] == "/webhook/mutate"
 
-    # The extender serves HTTPS with the secret's certificate, and gives
-    # pods the name of the profile that calls it.
+    # The extender serves HTTPS with the secret's certificate on the port
+    # the Service forwards there, and gives pods the name of the profile
+    # that calls it.
     deployment = find(objects, "Deployment", "-scheduler")
     extender = container(deployment, "extender")
     f = flags(extender)
@@ -414,9 +433,10 @@ def test_webhook_reaches_the_extender_over_a_certificate_it_trusts(tmp_path):
     volume = next(v for v in deployment["spec"]["template"]["spec"]["volumes"] if v["name"] == "tls")
     secret = find(objects, "Secret", "-scheduler-tls")
     assert volume["secret"]["secretName"] == secret["metadata"]["name"]
-    assert extender["readinessProbe"]["httpGet"]["scheme"] == "HTTPS"
+    secure = next(p for p in extender["ports"] if p["name"] == webhook_port["targetPort"])
+    assert f["secure-port"] == str(secure["containerPort"])
     (ext,) = scheduler_config(objects)["extenders"]
-    assert ext["urlPrefix"].startswith("https://127.0.0.1:")
+    assert ext["urlPrefix"].startswith("http://127.0.0.1:")
 
     # The API server trusts caBundle; the serving certificate must be signed
     # by it, name the service's DNS name, and match its key.
@@ -483,3 +503,86 @@ def test_service_monitor_scrapes_the_monitor_service():
     with pytest.raises(Exception) as error:
         render(values)
     assert "serviceMonitor" in str(error.value)
+
+
+ELASTIC_GPU_CRDS = {
+    "elasticgpuclaims.elasticgpu.io": ("ElasticGPUClaim", "Namespaced", True),
+    "elasticgpuclasses.elasticgpu.io": ("ElasticGPUClass", "Cluster", True),
+    "elasticgpus.elasticgpu.io": ("ElasticGPU", "Cluster", False),
+    "gpus.elasticgpu.io": ("GPU", "Cluster", False),
+}
+
+
+def elastic_gpu_crds(objects):
+    return {o["metadata"]["name"]: o for o in objects if o["kind"] == "CustomResourceDefinition"}
+
+
+def test_elastic_gpu_crds_convert_through_the_extender_with_the_webhooks_ca():
+    objects = render(namespace="gpu-system")
+    crds = elastic_gpu_crds(objects)
+    assert set(crds) == set(ELASTIC_GPU_CRDS)
+    (webhook,) = find(objects, "MutatingWebhookConfiguration", "-webhook")["webhooks"]
+    secret = find(objects, "Secret", "-scheduler-tls")
+    for name, (kind, scope, converted) in ELASTIC_GPU_CRDS.items():
+        crd = crds[name]
+        assert crd["spec"]["group"] == "elasticgpu.io"
+        assert crd["spec"]["names"]["kind"] == kind and crd["spec"]["scope"] == scope
+        # Uninstalling the chart leaves users' objects alone.
+        assert crd["metadata"]["annotations"]["helm.sh/resource-policy"] == "keep"
+        versions = {v["name"]: v for v in crd["spec"]["versions"]}
+        assert [v["name"] for v in crd["spec"]["versions"] if v["storage"]] == ["v1alpha1"]
+        assert all(v["served"] for v in versions.values())
+        if not converted:
+            assert list(versions) == ["v1alpha1"] and "conversion" not in crd["spec"]
+            continue
+        assert set(versions) == {"v1alpha1", "v1alpha"}
+        conversion = crd["spec"]["conversion"]
+        assert conversion["strategy"] == "Webhook"
+        assert conversion["webhook"]["conversionReviewVersions"] == ["v1"]
+        client = conversion["webhook"]["clientConfig"]
+        # The admission webhook's service, port and CA: one certificate serves both.
+        assert client["service"] == dict(webhook["clientConfig"]["service"], path="/convert")
+        assert client["caBundle"] == webhook["clientConfig"]["caBundle"] == secret["data"]["ca.crt"]
+
+    def schemas(crd: str) -> dict:
+        return {v["name"]: v["schema"]["openAPIV3Schema"] for v in crds[crd]["spec"]["versions"]}
+    claim = schemas("elasticgpuclaims.elasticgpu.io")
+    assert "elasticGPUClassName" in claim["v1alpha1"]["properties"]["spec"]["properties"]
+    assert "egpuClassName" in claim["v1alpha"]["properties"]["spec"]["properties"]
+    requests = claim["v1alpha1"]["properties"]["spec"]["properties"]["resources"]["properties"]["requests"]
+    assert requests["additionalProperties"]["x-kubernetes-int-or-string"] is True
+    cls = schemas("elasticgpuclasses.elasticgpu.io")
+    assert {"reclaimPolicy", "egpuBindingMode"} <= set(cls["v1alpha"]["properties"])
+    assert not {"reclaimPolicy", "egpuBindingMode"} & set(cls["v1alpha1"]["properties"])
+
+
+@pytest.mark.parametrize(
+    "values, served",
+    [
+        # No HTTPS on the extender: v1alpha cannot be converted, so only v1alpha1.
+        ({"scheduler": {"webhook": {"enabled": False}}}, ["v1alpha1"]),
+        # A given certificate without its CA: the API server could not trust it.
+        ({"scheduler": {"extender": {"tls": {"secretName": "mine"}}, "webhook": {"enabled": False}}}, ["v1alpha1"]),
+        (
+            {
+                "scheduler": {
+                    "extender": {"tls": {"secretName": "mine"}},
+                    "webhook": {"enabled": False, "caBundle": "Q0E="},
+                }
+            },
+            ["v1alpha1", "v1alpha"],
+        ),
+    ],
+    ids=["plain-http", "own-cert-no-ca", "own-cert-with-ca"],
+)
+def test_elastic_gpu_v1alpha_is_served_only_where_it_can_be_converted(values, served):
+    crds = elastic_gpu_crds(render(values))
+    claims = crds["elasticgpuclaims.elasticgpu.io"]
+    assert [v["name"] for v in claims["spec"]["versions"]] == served
+    assert ("conversion" in claims["spec"]) == (len(served) > 1)
+    if len(served) > 1:
+        assert claims["spec"]["conversion"]["webhook"]["clientConfig"]["caBundle"] == "Q0E="
+
+
+def test_elastic_gpu_crds_can_be_left_out():
+    assert not elastic_gpu_crds(render({"elasticGPU": {"crds": {"enabled": False}}}))

@@ -1,6 +1,7 @@
 """A container's workload for the cluster tests: allocates device memory in
 chunks through the CUDA driver API until an allocation fails, prints one
-JSON line saying how far it got and with which error, then holds its memory
+JSON line saying how far it got and with which error (and the memory each
+device it sees reports), then holds its memory
 until it is stopped (so the monitor sees it).
 
     python3 fill.py [CHUNK_MIB] [--exit]
@@ -34,8 +35,16 @@ def main() -> int:
             break  # a terabyte: no cap holds
     free, total = ctypes.c_size_t(), ctypes.c_size_t()
     cuda.cuMemGetInfo_v2(ctypes.byref(free), ctypes.byref(total))
+    # Every device the container sees, with the memory each reports.
+    count, totals = ctypes.c_int(), []
+    cuda.cuDeviceGetCount(ctypes.byref(count))
+    for ordinal in range(count.value):
+        other, size = ctypes.c_int(), ctypes.c_size_t()
+        cuda.cuDeviceGet(ctypes.byref(other), ordinal)
+        cuda.cuDeviceTotalMem_v2(ctypes.byref(size), other)
+        totals.append(size.value >> 20)
     print(json.dumps({"allocated_mib": len(buffers) * chunk_mib, "error": result,
-                      "total_mib": total.value >> 20}), flush=True)
+                      "total_mib": total.value >> 20, "device_totals_mib": totals}), flush=True)
     if "--exit" in sys.argv:
         return 0
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))

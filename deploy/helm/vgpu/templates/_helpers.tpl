@@ -35,14 +35,58 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 {{- printf "%s/containers" (.Values.hostDir | trimSuffix "/") -}}
 {{- end -}}
 
-{{/* Whether the extender serves HTTPS: a given certificate, or the webhook's. */}}
+{{/* Whether the extender serves HTTPS (on its securePort): a given
+certificate, or the webhook's. */}}
 {{- define "vgpu.extenderTLS" -}}
 {{- if or .Values.scheduler.extender.tls.secretName .Values.scheduler.webhook.enabled -}}true{{- end -}}
+{{- end -}}
+
+{{/* The service port on which API servers reach the extender's webhooks
+(admission and Elastic GPU conversion). */}}
+{{- define "vgpu.webhookPort" -}}
+{{- .Values.scheduler.extender.securePort -}}
 {{- end -}}
 
 {{/* The secret holding the extender's certificate. */}}
 {{- define "vgpu.extenderTLSSecret" -}}
 {{- .Values.scheduler.extender.tls.secretName | default (printf "%s-scheduler-tls" (include "vgpu.fullname" .)) -}}
+{{- end -}}
+
+{{/*
+The extender's certificate material, as JSON: caBundle (base64 PEM of the CA
+that API servers trust when calling the extender: the admission webhook and
+the Elastic GPU conversion webhook), and, where the chart makes the secret
+itself (webhook on, no scheduler.extender.tls.secretName), crt and key with
+chartSecret true. The chart's own CA is reused from an earlier install's
+secret, so an upgrade does not leave running extenders with a certificate the
+API server no longer trusts; otherwise a new one is made. genCA gives a new
+CA on every call, so the first result is kept in a private key of .Values
+(one map shared by every template of the release) and every caller gets that
+same CA.
+*/}}
+{{- define "vgpu.extenderCerts" -}}
+{{- if not (hasKey .Values "__vgpuExtenderCerts") -}}
+{{- $certs := dict "caBundle" (.Values.scheduler.webhook.caBundle | default "") "crt" "" "key" "" "chartSecret" false -}}
+{{- if and .Values.scheduler.webhook.enabled (not .Values.scheduler.extender.tls.secretName) -}}
+{{- $service := printf "%s-scheduler" (include "vgpu.fullname" .) -}}
+{{- $existing := lookup "v1" "Secret" .Release.Namespace (include "vgpu.extenderTLSSecret" .) -}}
+{{- if and $existing (index ($existing.data | default dict) "ca.crt") -}}
+{{- $_ := set $certs "caBundle" (index $existing.data "ca.crt") -}}
+{{- $_ := set $certs "crt" (index $existing.data "tls.crt") -}}
+{{- $_ := set $certs "key" (index $existing.data "tls.key") -}}
+{{- else -}}
+{{- $ca := genCA (printf "%s-webhook-ca" (include "vgpu.fullname" .)) 3650 -}}
+{{- $names := list $service (printf "%s.%s" $service .Release.Namespace) (printf "%s.%s.svc" $service .Release.Namespace) "localhost" -}}
+{{- $cert := genSignedCert $service (list "127.0.0.1") $names 3650 $ca -}}
+{{- $_ := set $certs "caBundle" ($ca.Cert | b64enc) -}}
+{{- $_ := set $certs "crt" ($cert.Cert | b64enc) -}}
+{{- $_ := set $certs "key" ($cert.Key | b64enc) -}}
+{{- end -}}
+{{- $_ := set $certs "chartSecret" true -}}
+{{- end -}}
+{{- $_ := set .Values "__vgpuExtenderCerts" $certs -}}
+{{- end -}}
+{{- index .Values "__vgpuExtenderCerts" | toJson -}}
 {{- end -}}
 
 {{/*

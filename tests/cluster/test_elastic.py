@@ -1,0 +1,310 @@
+"""Elastic GPU's resources end to end, on the chart running on simulated
+nodes under the real control plane: the Elastic GPU Scheduler's own pod
+examples (Deployments asking for `elasticgpu.io/gpu-memory: 256` and for
+`elasticgpu.io/gpu-core: 200`) run under the shim at their caps; a
+kube-scheduler configured with that project's extender stanza (plain HTTP
+to port 39999 under `/scheduler`, `priorities`, its resources as
+managedResources without ignoredByScheduler, in a v1
+KubeSchedulerConfiguration) places pods through our extender; bad
+requests get clear errors. The README's claims and classes, in its own
+`v1alpha` form, are stored through the extender's conversion webhook. And
+the Elastic GPU Scheduler's roadmap item: the `load-aware` policy places a
+pod on the GPU measured least busy."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+from chartcluster import (  # noqa: E402
+    EXTENDER_PORT,
+    REPO,
+    ChartCluster,
+    compile_workload,
+    extender_address,
+    kubectl_json,
+    wait_for,
+)
+from controlplane import free_port  # noqa: E402
+
+NAMESPACE = "elastic"
+FILL = HERE / "workloads/fill.py"
+# Device memory charged to the cap for each CUDA context (the shim's
+# VGPU_CONTEXT_RESERVE default): what a workload can allocate is the cap less
+# this.
+CONTEXT_RESERVE_MIB = 256
+
+
+@pytest.fixture(scope="module")
+def chart_cluster(tmp_path_factory):
+    with ChartCluster(tmp_path_factory.mktemp("elastic-cluster"), nodes=2) as running:
+        running.cluster.kubectl("create", "namespace", NAMESPACE)
+        yield running
+
+
+def seed_deployment(name: str, limits: dict[str, str], chunk_mib: int) -> dict:
+    """The Elastic GPU Scheduler's example Deployment, with our workload as
+    its command."""
+    return {"apiVersion": "apps/v1", "kind": "Deployment",
+            "metadata": {"name": name, "namespace": NAMESPACE, "labels": {"app": name}},
+            "spec": {"replicas": 1, "selector": {"matchLabels": {"app": name}},
+                     "template": {"metadata": {"labels": {"app": name}}, "spec": {
+                         "terminationGracePeriodSeconds": 1,
+                         "containers": [{"name": "cuda", "image": "nvidia/cuda:10.0-base",
+                                         "command": [sys.executable, str(FILL), str(chunk_mib)],
+                                         "resources": {"limits": limits}}]}}}}
+
+
+def running_pod(cc: ChartCluster, selector: str) -> dict:
+    def found():
+        pods = kubectl_json(cc.cluster, "get", "pods", "-n", NAMESPACE, "-l", selector)["items"]
+        return pods[0] if len(pods) == 1 and pods[0]["status"].get("phase") == "Running" else None
+    return wait_for(f"a Running pod {selector}", found, timeout=90, log=cc.logs)
+
+
+def report(cc: ChartCluster, pod: dict, container: str) -> dict:
+    node = cc.node(pod["spec"]["nodeName"])
+    name = pod["metadata"]["name"]
+    line = wait_for(f"{name}'s report", lambda: node.container_log(NAMESPACE, name, container).strip(),
+                    timeout=30, log=cc.logs)
+    return json.loads(line.splitlines()[-1])
+
+
+def test_the_seed_examples_run_at_their_caps(chart_cluster):
+    cc = chart_cluster
+    for deployment in (seed_deployment("memory-256", {"elasticgpu.io/gpu-memory": "256"}, 64),
+                       seed_deployment("cores-200", {"elasticgpu.io/gpu-core": "200"}, 256)):
+        cc.cluster.kubectl("create", "-f", "-", input=json.dumps(deployment))
+
+    pod = running_pod(cc, "app=memory-256")
+    # The webhook gave the container the GPU count kubelet allocates by.
+    assert pod["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == "1"
+    assert pod["spec"]["schedulerName"] == "vgpu-scheduler"
+    got = report(cc, pod, "cuda")
+    # The one device shows the 256 MiB cap; its context takes all of it, so
+    # the first 64 MiB allocation is refused with CUDA_ERROR_OUT_OF_MEMORY (2).
+    assert got["device_totals_mib"] == [256], got
+    assert (got["error"], got["allocated_mib"]) == (2, 256 - CONTEXT_RESERVE_MIB), got
+
+    pod = running_pod(cc, "app=cores-200")
+    assert pod["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == "2"
+    got = report(cc, pod, "cuda")
+    # Two whole GPUs of the node (16 GiB each), all their memory usable.
+    assert got["device_totals_mib"] == [16384, 16384], got
+    assert got["allocated_mib"] == 16384 - CONTEXT_RESERVE_MIB and got["error"] == 2, got
+    for name in ("memory-256", "cores-200"):
+        cc.cluster.kubectl("delete", "deployment", name, "-n", NAMESPACE, "--wait=true", "--timeout=60s")
+
+
+def test_the_elastic_gpu_scheduler_stanza_places_pods(chart_cluster):
+    """A kube-scheduler of the cluster's own, configured as the Elastic GPU
+    Scheduler's README says (in today's v1 configuration format: the Policy
+    file it names is gone since Kubernetes 1.23), schedules through our
+    extender over plain HTTP while the webhook is served over HTTPS."""
+    cc = chart_cluster
+    workdir = cc.workdir / "elastic-scheduler"
+    workdir.mkdir(exist_ok=True)
+    config = workdir / "config.yaml"
+    config.write_text(json.dumps({
+        "apiVersion": "kubescheduler.config.k8s.io/v1", "kind": "KubeSchedulerConfiguration",
+        "clientConnection": {"kubeconfig": str(cc.cluster.admin_kubeconfig)},
+        "leaderElection": {"leaderElect": False},
+        "profiles": [{"schedulerName": "elastic-gpu-scheduler"}],
+        "extenders": [{
+            "urlPrefix": f"http://{extender_address(cc)}:{EXTENDER_PORT}/scheduler",
+            "filterVerb": "filter", "prioritizeVerb": "priorities", "bindVerb": "bind",
+            "weight": 1, "enableHTTPS": False, "nodeCacheCapable": True,
+            "managedResources": [{"name": "elasticgpu.io/gpu-memory"}, {"name": "elasticgpu.io/gpu-core"}],
+        }],
+    }))
+    log = open(workdir / "kube-scheduler.log", "w")  # noqa: SIM115 -- open while it runs
+    scheduler = subprocess.Popen(cc.cluster.command([
+        str(cc.cluster.bin / "kube-scheduler"), f"--config={config}", "--bind-address=127.0.0.1",
+        f"--secure-port={free_port()}", "--v=2"]), stdout=log, stderr=subprocess.STDOUT)
+    log.close()
+    try:
+        pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "stanza", "namespace": NAMESPACE},
+               "spec": {"schedulerName": "elastic-gpu-scheduler", "restartPolicy": "Never",
+                        "terminationGracePeriodSeconds": 1,
+                        "containers": [{"name": "main", "image": "nvidia/cuda:10.0-base",
+                                        "command": [sys.executable, str(FILL), "128"],
+                                        "resources": {"limits": {"elasticgpu.io/gpu-memory": "512",
+                                                                 "elasticgpu.io/gpu-core": "30"}}}]}}
+        created = json.loads(cc.cluster.kubectl("create", "-f", "-", "-o", "json", input=json.dumps(pod)).stdout)
+        # Named scheduler kept; the GPU count added all the same.
+        assert created["spec"]["schedulerName"] == "elastic-gpu-scheduler"
+        assert created["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == "1"
+
+        def running():
+            found = kubectl_json(cc.cluster, "get", "pod", "stanza", "-n", NAMESPACE)
+            return found if found["status"].get("phase") == "Running" else None
+        found = wait_for("the pod placed by the Elastic stanza running", running, timeout=90,
+                         log=lambda: cc.logs() + "\n--- elastic kube-scheduler\n"
+                         + (workdir / "kube-scheduler.log").read_text(errors="replace")[-3000:])
+        # Our extender decided it (its record is on the pod) and kube-scheduler's
+        # profile reported the placement.
+        assert "vgpu.io/decision" in found["metadata"]["annotations"]
+        events = kubectl_json(cc.cluster, "get", "events", "-n", NAMESPACE,
+                              "--field-selector", "involvedObject.name=stanza")["items"]
+        assert any(e["reason"] == "Scheduled" and e.get("reportingComponent") == "elastic-gpu-scheduler"
+                   for e in events), events
+        got = report(cc, found, "main")
+        assert got["device_totals_mib"] == [512], got
+        assert (got["error"], got["allocated_mib"]) == (2, 512 - CONTEXT_RESERVE_MIB), got
+        cc.cluster.kubectl("delete", "pod", "stanza", "-n", NAMESPACE, "--wait=true", "--timeout=60s")
+    finally:
+        scheduler.terminate()
+        scheduler.wait(timeout=30)
+
+
+def test_bad_elastic_requests_get_clear_errors(chart_cluster):
+    cc = chart_cluster
+
+    def create(name: str, limits: dict[str, str]):
+        pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name, "namespace": NAMESPACE},
+               "spec": {"containers": [{"name": "main", "image": "cuda", "resources": {"limits": limits}}]}}
+        return cc.cluster.kubectl("create", "-f", "-", input=json.dumps(pod), check=False)
+
+    # The API server refuses what is no quantity, or a negative one, itself.
+    refused = create("words", {"elasticgpu.io/gpu-memory": "lots"})
+    assert refused.returncode != 0 and "quantities must match the regular expression" in refused.stderr, refused
+    refused = create("negative", {"elasticgpu.io/gpu-core": "-10"})
+    assert refused.returncode != 0 and "must be greater than or equal to 0" in refused.stderr, refused
+    # What only vgpu knows is wrong is said in the pod's scheduling event.
+    for name, limits, words in (
+        ("odd-cores", {"elasticgpu.io/gpu-core": "150"}, "above 100 it must be a multiple of 100"),
+        ("both-kinds", {"elasticgpu.io/gpu-core": "50", "nvidia.com/gpumem": "1024"}, "use one kind"),
+    ):
+        assert create(name, limits).returncode == 0
+
+        def said(name=name, words=words):
+            events = kubectl_json(cc.cluster, "get", "events", "-n", NAMESPACE,
+                                  "--field-selector", f"involvedObject.name={name}")["items"]
+            return [e["message"] for e in events if e["reason"] == "FailedScheduling" and words in e["message"]]
+        assert wait_for(f"{name}: FailedScheduling saying {words!r}", said, timeout=60, log=cc.logs)
+        pod = kubectl_json(cc.cluster, "get", "pod", name, "-n", NAMESPACE)
+        assert pod["status"]["phase"] == "Pending" and not pod["spec"].get("nodeName")
+        cc.cluster.kubectl("delete", "pod", name, "-n", NAMESPACE, "--wait=false")
+
+
+# The Elastic GPU README's example, in its own v1alpha form (with its YAML
+# mistakes corrected: the pods' `metadata:` had the name on its own line and
+# `annotations` outside metadata, and one container line was indented with
+# a tab).
+README_CLASS_AND_CLAIMS = """
+apiVersion: elasticgpu.io/v1alpha
+kind: ElasticGPUClass
+metadata:
+  name: gpushare-egpuclass
+provisioner: gpushare.provisioner.elasticgpu.io
+reclaimPolicy: Retain
+egpuBindingMode: Immediate
+---
+apiVersion: elasticgpu.io/v1alpha
+kind: ElasticGPUClaim
+metadata:
+  name: gpushare-egpuc-1
+  namespace: elastic
+spec:
+  egpuClassName: gpushare-egpuclass
+  resources:
+    requests:
+      gpushare.provisioner.elasticgpu.io/gpu-core: 10
+      gpushare.provisioner.elasticgpu.io/gpu-memory: 4
+---
+apiVersion: elasticgpu.io/v1alpha
+kind: ElasticGPUClaim
+metadata:
+  name: gpushare-egpuc-2
+  namespace: elastic
+spec:
+  egpuClassName: gpushare-egpuclass
+  resources:
+    requests:
+      gpushare.provisioner.elasticgpu.io/gpu-core: 10
+      gpushare.provisioner.elasticgpu.io/gpu-memory: 4
+"""
+
+
+def test_the_readme_claims_are_stored_through_the_conversion_webhook(chart_cluster):
+    """The API server converts the README's v1alpha objects to the stored
+    v1alpha1 through the extender's /convert (HTTPS, the chart's CA), and
+    back: both forms read the same objects, nothing lost."""
+    cluster = chart_cluster.cluster
+    applied = cluster.kubectl("apply", "-f", "-", input=README_CLASS_AND_CLAIMS, check=False)
+    assert applied.returncode == 0, applied.stderr
+    stored = kubectl_json(cluster, "get", "elasticgpuclaims.v1alpha1.elasticgpu.io", "gpushare-egpuc-1",
+                          "-n", NAMESPACE)
+    assert stored["apiVersion"] == "elasticgpu.io/v1alpha1"
+    assert stored["spec"]["elasticGPUClassName"] == "gpushare-egpuclass"
+    assert stored["spec"]["resources"]["requests"]["gpushare.provisioner.elasticgpu.io/gpu-core"] in (10, "10")
+    stored_class = kubectl_json(cluster, "get", "elasticgpuclasses.v1alpha1.elasticgpu.io", "gpushare-egpuclass")
+    annotations = stored_class["metadata"]["annotations"]
+    assert annotations["vgpu.io/elasticgpu-reclaim-policy"] == "Retain"
+    assert annotations["vgpu.io/elasticgpu-binding-mode"] == "Immediate"
+    readme_class = kubectl_json(cluster, "get", "elasticgpuclasses.v1alpha.elasticgpu.io", "gpushare-egpuclass")
+    assert (readme_class["reclaimPolicy"], readme_class["egpuBindingMode"]) == ("Retain", "Immediate")
+    assert "vgpu.io/elasticgpu-reclaim-policy" not in readme_class["metadata"].get("annotations", {})
+    claims = kubectl_json(cluster, "get", "elasticgpuclaims.v1alpha.elasticgpu.io", "-n", NAMESPACE)["items"]
+    assert sorted(c["spec"]["egpuClassName"] for c in claims) == ["gpushare-egpuclass"] * 2
+    cluster.kubectl("delete", "-f", "-", input=README_CLASS_AND_CLAIMS)
+
+
+def test_load_aware_takes_the_gpu_measured_least_busy(chart_cluster):
+    """Two pods hold equal grants (1024 MiB, 40 %) on the two GPUs of one
+    node; one keeps its GPU busy, the other idles. Once the device plugin's
+    measurement (NVML of the simulated GPU, smoothed) reaches the node
+    inventory, a pod with the load-aware policy lands on the idle GPU, where
+    fewest-tasks would have taken the first of the tied GPUs."""
+    cc = chart_cluster
+    cluster = cc.cluster
+    workload = compile_workload("workload", cc.workdir, source=REPO / "testkit/programs/workload.c")
+    node = kubectl_json(cluster, "get", "nodes")["items"][0]
+    name = node["metadata"]["name"]
+
+    def inventory() -> list[dict]:
+        current = kubectl_json(cluster, "get", "node", name)
+        return json.loads(current["metadata"]["annotations"]["vgpu.io/node-gpus"])["gpus"]
+    busy_gpu, idle_gpu = (gpu["uuid"] for gpu in sorted(inventory(), key=lambda g: g["index"]))
+
+    def pod(pod_name: str, gpus: str, command: list[str], policy: str | None = None) -> dict:
+        annotations = {"nvidia.com/use-gpuuuid": gpus}
+        if policy:
+            annotations["vgpu.io/gpu-scheduler-policy"] = policy
+        return {"apiVersion": "v1", "kind": "Pod",
+                "metadata": {"name": pod_name, "namespace": NAMESPACE, "annotations": annotations},
+                "spec": {"restartPolicy": "Never", "terminationGracePeriodSeconds": 1,
+                         "containers": [{"name": "main", "image": "cuda:test", "command": command,
+                                         "resources": {"limits": {"nvidia.com/gpu": "1", "nvidia.com/gpumem": "1024",
+                                                                  "nvidia.com/gpucores": "40"}}}]}}
+    for created in (pod("busy", busy_gpu, [str(workload), "sync", "k1ms", "600"]),
+                    pod("idle", idle_gpu, [sys.executable, str(FILL), "64"])):
+        cluster.kubectl("create", "-f", "-", input=json.dumps(created))
+    for pod_name in ("busy", "idle"):
+        wait_for(f"{pod_name} running", lambda pod_name=pod_name: kubectl_json(
+            cluster, "get", "pod", pod_name, "-n", NAMESPACE)["status"].get("phase") == "Running",
+            timeout=90, log=cc.logs)
+
+    def measured():
+        figures = {gpu["uuid"]: gpu.get("utilizationPercent") for gpu in inventory()}
+        busy, idle = figures[busy_gpu], figures[idle_gpu]
+        return (busy, idle) if busy is not None and idle is not None and busy >= 20 and idle < 10 else None
+    busy, idle = wait_for("the node inventory showing the busy GPU busy and the idle one idle", measured,
+                          timeout=90, log=lambda: json.dumps(inventory()) + cc.troubles())
+    print(f"\nmeasured: busy GPU {busy} %, idle GPU {idle} % (both granted 40 %)")
+
+    cluster.kubectl("create", "-f", "-", input=json.dumps(
+        pod("placed", f"{busy_gpu},{idle_gpu}", [sys.executable, str(FILL), "64"], policy="load-aware")))
+    placed = wait_for("the load-aware pod decided", lambda: kubectl_json(
+        cluster, "get", "pod", "placed", "-n", NAMESPACE)["metadata"].get("annotations", {}).get("vgpu.io/decision"),
+        timeout=60, log=cc.logs)
+    decision = json.loads(placed)
+    assert [d["uuid"] for d in decision["containers"][0]["devices"]] == [idle_gpu], decision
+    for pod_name in ("placed", "busy", "idle"):
+        cluster.kubectl("delete", "pod", pod_name, "-n", NAMESPACE, "--wait=false")
