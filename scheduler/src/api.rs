@@ -5,7 +5,9 @@
 use crate::state::SharedState;
 use futures_util::StreamExt;
 use k8s_openapi::api::core::v1::{Node, Pod};
-use kube::api::{Patch, PatchParams, PostParams};
+use kube::api::{
+    ApiResource, DynamicObject, GroupVersionKind, ListParams, Patch, PatchParams, PostParams,
+};
 use kube::runtime::watcher::{self, Event, ListSemantic};
 use kube::runtime::WatchStreamExt;
 use kube::{Api, Client};
@@ -34,6 +36,8 @@ pub enum ApiError {
     },
     #[error("Kubernetes API call")]
     Other(#[source] kube::Error),
+    #[error("unreadable object: {0}")]
+    Decode(#[source] serde_json::Error),
 }
 
 impl From<kube::Error> for ApiError {
@@ -53,6 +57,14 @@ impl From<kube::Error> for ApiError {
             _ => Self::Other(error),
         }
     }
+}
+
+/// Elastic GPU's resource `kind` (plural `plural`) in its stored version.
+fn elastic_resource(kind: &str, plural: &str) -> ApiResource {
+    ApiResource::from_gvk_with_plural(
+        &GroupVersionKind::gvk("elasticgpu.io", "v1alpha1", kind),
+        plural,
+    )
 }
 
 /// Builds a client for `source`.
@@ -81,6 +93,34 @@ impl KubeApi {
 
     pub async fn get_pod(&self, namespace: &str, name: &str) -> Result<Pod, ApiError> {
         Ok(self.pods(namespace).get(name).await?)
+    }
+
+    /// The pods of `namespace`.
+    pub async fn pods_in(&self, namespace: &str) -> Result<Vec<Pod>, ApiError> {
+        Ok(self
+            .pods(namespace)
+            .list(&ListParams::default())
+            .await?
+            .items)
+    }
+
+    /// An `ElasticGPUClaim` as the API stores it (`elasticgpu.io/v1alpha1`).
+    pub async fn get_elastic_claim(
+        &self,
+        namespace: &str,
+        name: &str,
+    ) -> Result<serde_json::Value, ApiError> {
+        let resource = elastic_resource("ElasticGPUClaim", "elasticgpuclaims");
+        let api: Api<DynamicObject> =
+            Api::namespaced_with(self.client.clone(), namespace, &resource);
+        serde_json::to_value(api.get(name).await?).map_err(ApiError::Decode)
+    }
+
+    /// An `ElasticGPUClass` as the API stores it (`elasticgpu.io/v1alpha1`).
+    pub async fn get_elastic_class(&self, name: &str) -> Result<serde_json::Value, ApiError> {
+        let resource = elastic_resource("ElasticGPUClass", "elasticgpuclasses");
+        let api: Api<DynamicObject> = Api::all_with(self.client.clone(), &resource);
+        serde_json::to_value(api.get(name).await?).map_err(ApiError::Decode)
     }
 
     /// Writes `decision` (JSON) as the pod's decision annotation, clearing

@@ -438,25 +438,37 @@ fn preference(
         GpuPolicy::Binpack => (2000 - load, u64::MAX - u64::from(usage.tasks)),
         GpuPolicy::Spread => (load, u64::from(usage.tasks)),
         GpuPolicy::Random => (mix(seed ^ index as u64), 0),
-        GpuPolicy::LoadAware => (u64::from(measured_percent(gpu, usage)), load),
+        GpuPolicy::LoadAware => {
+            let measured = gpu.utilization_percent.unwrap_or(0).min(100);
+            // Ties of expected load go to the GPU measured least busy.
+            (
+                u64::from(expected_percent(gpu, usage)) * 1000 + u64::from(measured),
+                load,
+            )
+        }
     }
 }
 
-/// A GPU's busyness in percent as measured, or, before it is measured, its
-/// granted compute.
-fn measured_percent(gpu: &HotGpu, usage: &Usage) -> u32 {
-    gpu.utilization_percent.unwrap_or(usage.cores).min(100)
+/// How busy a GPU is expected to be, in percent: its measured utilization
+/// or its granted compute, whichever is higher. The measurement lags (it
+/// is smoothed and published every 10 s at most), so grants made since
+/// count through the grant; a GPU not measured yet counts at its grant.
+fn expected_percent(gpu: &HotGpu, usage: &Usage) -> u32 {
+    gpu.utilization_percent
+        .unwrap_or(0)
+        .max(usage.cores)
+        .min(100)
 }
 
-/// How busy a node's healthy GPUs are measured to be, 0.0 to 1.0 (see
-/// [`measured_percent`]); what the load-aware node policy scores by.
+/// How busy a node's healthy GPUs are expected to be, 0.0 to 1.0 (see
+/// [`expected_percent`]); what the load-aware node policy scores by.
 pub fn measured_load(node: &NodeGpus, usage: &[Usage]) -> f64 {
     let busy: Vec<u32> = node
         .hot
         .iter()
         .zip(usage)
         .filter(|(gpu, _)| gpu.healthy)
-        .map(|(gpu, usage)| measured_percent(gpu, usage))
+        .map(|(gpu, usage)| expected_percent(gpu, usage))
         .collect();
     if busy.is_empty() {
         return 1.0;
@@ -699,7 +711,8 @@ mod tests {
     #[test]
     fn load_aware_takes_the_gpu_measured_least_busy() {
         let mut gpus = vec![gpu(0, "A10", 24), gpu(1, "A10", 24), gpu(2, "A10", 24)];
-        // Equal grants everywhere; GPU 0 measured busy, GPU 2 not yet measured.
+        // Equal grants everywhere; GPU 0 measured busy, GPU 1 measured at
+        // less than its grant, GPU 2 not yet measured.
         gpus[0].utilization_percent = Some(90);
         gpus[1].utilization_percent = Some(12);
         let node = NodeGpus::new(gpus);
@@ -715,14 +728,19 @@ mod tests {
         place_pod(&node, &base, &req, GpuPolicy::LoadAware, &mut scratch).expect("fits");
         assert_eq!(
             chosen(&scratch),
-            vec![1],
-            "12 % measured beats 30 % granted, 90 % measured"
+            vec![2],
+            "expected 30 % (granted) on GPUs 1 and 2; GPU 2 measured 0"
         );
-        // The node as a whole: unmeasured GPUs count at their grants.
-        let measured = measured_load(&node, &base);
+        // A grant made since the last measurement counts: GPU 2 now carries
+        // more than the others are measured or granted at.
+        let base = vec![used(4, 30, 1), used(4, 30, 1), used(8, 60, 2)];
+        place_pod(&node, &base, &req, GpuPolicy::LoadAware, &mut scratch).expect("fits");
+        assert_eq!(chosen(&scratch), vec![1], "30 % expected, 12 % measured");
+        // The node as a whole: each GPU at the higher of measured and granted.
+        let expected = measured_load(&node, &base);
         assert!(
-            (measured - (90.0 + 12.0 + 30.0) / 300.0).abs() < 1e-9,
-            "{measured}"
+            (expected - (90.0 + 30.0 + 60.0) / 300.0).abs() < 1e-9,
+            "{expected}"
         );
     }
 

@@ -18,10 +18,12 @@
 //! - [`webhook`]: the admission webhook that gives vGPU pods this scheduler.
 //! - [`elastic_crd`]: Elastic GPU's custom resources and their conversion
 //!   webhook.
+//! - [`claims`]: Elastic GPU claims given to pods by the webhook.
 //! - [`leader`]: leader election among replicas.
 //! - [`cli`]: command-line flags.
 
 pub mod api;
+pub mod claims;
 pub mod cli;
 pub mod elastic_crd;
 pub mod extender;

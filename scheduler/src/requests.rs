@@ -462,11 +462,23 @@ fn parse_container(
         // (kubelet calls the device plugin only for a device resource); a
         // count that says something else is a contradiction.
         let implied = elastic_gpu_count(elastic_cores);
-        if let Some(count) = gpu.filter(|&g| g != implied) {
-            return Err(container_error(format!(
-                "asks for {count} {} beside {}/{}, which come to {implied} GPU(s); leave {} out (vgpu's webhook adds it) or use one kind",
-                names.gpu, names.elastic_memory, names.elastic_cores, names.gpu
-            )));
+        match gpu {
+            Some(count) if count != implied => {
+                return Err(container_error(format!(
+                    "asks for {count} {} beside {}/{}, which come to {implied} GPU(s); leave {} out (vgpu's webhook adds it) or use one kind",
+                    names.gpu, names.elastic_memory, names.elastic_cores, names.gpu
+                )))
+            }
+            Some(_) => {}
+            // Without the count kubelet would hand the container no GPU
+            // (or, under a runtime that exposes every GPU, all of them
+            // uncapped): placing it would give nothing that holds.
+            None => {
+                return Err(container_error(format!(
+                    "asks for {}/{} without {}: {implied}, which vgpu's admission webhook adds and kubelet allocates by; was the pod created while the webhook was off, or in a namespace labelled vgpu.io/webhook=ignore? Create it again (or add {}: {implied})",
+                    names.elastic_memory, names.elastic_cores, names.gpu, names.gpu
+                )))
+            }
         }
         let (count, cores, memory) = match (elastic_cores, elastic_memory) {
             (Some(c), Some(_)) if c > 100 => {
@@ -713,16 +725,31 @@ mod tests {
             ),
         ];
         for (limits, count, cores, memory) in cases {
-            let request = parse(&pod(vec![container("c", limits)], vec![])).expect("parse");
+            // With the GPU count the webhook adds.
+            let gpus = count.to_string();
+            let mut with_count = limits.to_vec();
+            with_count.push(("nvidia.com/gpu", &gpus));
+            let request = parse(&pod(vec![container("c", &with_count)], vec![])).expect("parse");
             let c = &request.containers[0];
             assert_eq!(
                 (c.count, c.cores, c.memory),
                 (*count, *cores, *memory),
                 "{limits:?}"
             );
+            // Without it, the pod did not pass the webhook: refused.
+            let error = parse(&pod(vec![container("c", limits)], vec![])).expect_err("no count");
+            assert!(
+                error
+                    .to_string()
+                    .contains("which vgpu's admission webhook adds"),
+                "{error}"
+            );
         }
         let error = parse(&pod(
-            vec![container("c", &[("elasticgpu.io/gpu-core", "150")])],
+            vec![container(
+                "c",
+                &[("elasticgpu.io/gpu-core", "150"), ("nvidia.com/gpu", "1")],
+            )],
             vec![],
         ))
         .expect_err("150");

@@ -263,6 +263,11 @@ impl Scheduler {
         self.stopping.store(true, Ordering::SeqCst);
     }
 
+    /// The API client, when the extender has one.
+    pub fn api(&self) -> Option<&KubeApi> {
+        self.api.as_ref()
+    }
+
     pub fn config(&self) -> &Config {
         &self.config
     }

@@ -113,11 +113,28 @@ async fn bind(State(served): State<Served>, body: Bytes) -> Response {
 async fn mutate(State(served): State<Served>, body: Bytes) -> Response {
     let started = Instant::now();
     let config = served.scheduler.config();
+    let claims = match (
+        crate::webhook::claims_to_look_up(&body),
+        served.scheduler.api(),
+    ) {
+        (Some((namespace, names)), Some(api)) => {
+            crate::claims::look_up(api, &namespace, &names).await
+        }
+        (Some((_, names)), None) => names
+            .into_iter()
+            .map(|name| {
+                let why = "this extender runs without the Kubernetes API".to_string();
+                (name, Err(why))
+            })
+            .collect(),
+        (None, _) => crate::claims::ClaimAnswers::new(),
+    };
     let reply = crate::webhook::mutate(
         &body,
         &config.scheduler_name,
         &config.resources,
         config.admission,
+        &claims,
     );
     served.metrics.observe(Verb::Mutate, started.elapsed());
     respond(Reply {

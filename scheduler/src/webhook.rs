@@ -9,6 +9,11 @@
 //! one, the webhook answers with a JSON patch that sets
 //! `spec.schedulerName`.
 //!
+//! A container that asks only for Elastic GPU resources is given the GPU
+//! count they come to, and one named by an Elastic GPU claim annotation the
+//! claim's share ([`crate::claims`]); a pod whose claims cannot be given is
+//! refused, saying why.
+//!
 //! A privileged container that asks for vGPUs is refused (unless the
 //! extender runs with `--allow-privileged-vgpu`): it sees every GPU of its
 //! node and can reach them bypassing the shim, so no cap or share would
@@ -16,6 +21,7 @@
 //! let through as it is), so a webhook outage cannot stop a cluster's
 //! other workloads.
 
+use crate::claims::{claim_patch, claim_uses, ClaimAnswers, ClaimShare, CLAIM_ANNOTATION_PREFIX};
 use crate::requests::{elastic_count_to_add, ResourceNames};
 use base64::Engine;
 use k8s_openapi::api::core::v1::{Container, Pod};
@@ -38,6 +44,7 @@ struct Review {
 struct ReviewRequest {
     uid: String,
     operation: Option<String>,
+    namespace: Option<String>,
     object: Option<Value>,
 }
 
@@ -69,14 +76,45 @@ pub struct WebhookReply {
     pub body: Vec<u8>,
 }
 
+/// The namespace and the Elastic GPU claims a pod being created names in
+/// its `egpuc.elasticgpu.io/<container>` annotations, for the caller to
+/// look up before [`mutate`]; `None` when it names none (or the body is no
+/// pod creation).
+pub fn claims_to_look_up(body: &[u8]) -> Option<(String, Vec<String>)> {
+    let review: Review = serde_json::from_slice(body).ok()?;
+    let request = review.request?;
+    if !matches!(request.operation.as_deref(), None | Some("CREATE")) {
+        return None;
+    }
+    let pod: Pod = serde_json::from_value(request.object?).ok()?;
+    let mut claims: Vec<String> = pod
+        .metadata
+        .annotations
+        .iter()
+        .flatten()
+        .filter(|(key, _)| key.starts_with(CLAIM_ANNOTATION_PREFIX))
+        .map(|(_, claim)| claim.trim().to_string())
+        .filter(|claim| !claim.is_empty())
+        .collect();
+    claims.sort();
+    claims.dedup();
+    let namespace = request
+        .namespace
+        .or(pod.metadata.namespace)
+        .unwrap_or_else(|| "default".into());
+    (!claims.is_empty()).then_some((namespace, claims))
+}
+
 /// Answers one `AdmissionReview` for pods. `scheduler_name` is the name
 /// vGPU pods are given; `names` are the resources that make a pod a vGPU
-/// pod.
+/// pod; `claims` what was learnt of the Elastic GPU claims the pod names
+/// ([`claims_to_look_up`]).
 pub fn mutate(
     body: &[u8],
     scheduler_name: &str,
     names: &ResourceNames,
     policy: AdmissionPolicy,
+    claims: &ClaimAnswers,
 ) -> WebhookReply {
     let review: Review = match serde_json::from_slice(body) {
         Ok(review) => review,
@@ -131,8 +169,23 @@ pub fn mutate(
     }
     match pod {
         Ok(Some(pod)) if creating => {
+            let claimed = match claimed_shares(&pod, names, claims) {
+                Ok(claimed) => claimed,
+                Err(message) => {
+                    tracing::info!("admission review {}: refused: {message}", response.uid);
+                    response.allowed = false;
+                    response.status = Some(json!({
+                        "code": 422,
+                        "reason": "Invalid",
+                        "message": message,
+                    }));
+                    return reply(&api_version, &response);
+                }
+            };
             let mut patch = elastic_device_counts(&pod, names);
-            if needs_vgpu_scheduler(&pod, names) {
+            let uses_claims = !claimed.is_empty();
+            patch.extend(claimed);
+            if needs_vgpu_scheduler(&pod, names) || (uses_claims && unscheduled_for_default(&pod)) {
                 patch.push(json!({
                     "op": "add",
                     "path": "/spec/schedulerName",
@@ -172,6 +225,39 @@ fn reply(api_version: &str, response: &ReviewResponse) -> WebhookReply {
         status: 200,
         body: body.to_string().into_bytes(),
     }
+}
+
+/// The patch giving the pod's claimed containers their claims' shares
+/// (empty when it names no claim), or why the pod cannot have them.
+fn claimed_shares(
+    pod: &Pod,
+    names: &ResourceNames,
+    claims: &ClaimAnswers,
+) -> Result<Vec<Value>, String> {
+    let uses = claim_uses(pod).map_err(|e| e.to_string())?;
+    // Claims of classes another provisioner serves are left to it.
+    let mut ours = Vec::with_capacity(uses.len());
+    let mut shares: Vec<ClaimShare> = Vec::with_capacity(uses.len());
+    for claim_use in uses {
+        match claims.get(&claim_use.claim) {
+            Some(Ok(Some(share))) => {
+                shares.push(*share);
+                ours.push(claim_use);
+            }
+            Some(Ok(None)) => {}
+            Some(Err(why)) => return Err(why.clone()),
+            None => {
+                return Err(format!(
+                    "ElasticGPUClaim {} was not looked up",
+                    claim_use.claim
+                ))
+            }
+        }
+    }
+    if ours.is_empty() {
+        return Ok(Vec::new());
+    }
+    claim_patch(pod, &ours, &shares, names).map_err(|e| e.to_string())
 }
 
 /// JSON patch operations adding the GPU count to every container that asks
@@ -222,7 +308,7 @@ fn elastic_device_counts(pod: &Pod, names: &ResourceNames) -> Vec<Value> {
 }
 
 /// `name` as one token of a JSON pointer (RFC 6901).
-fn json_pointer_token(name: &str) -> String {
+pub fn json_pointer_token(name: &str) -> String {
     name.replace('~', "~0").replace('/', "~1")
 }
 
@@ -244,6 +330,10 @@ fn asks_for_vgpu(container: &Container, names: &ResourceNames) -> bool {
 /// The name of a privileged container of `pod` that asks for vGPUs.
 fn privileged_vgpu_container(pod: &Pod, names: &ResourceNames) -> Option<String> {
     let spec = pod.spec.as_ref()?;
+    // A container named by a claim annotation is given vGPUs too.
+    let claimed: Vec<String> = claim_uses(pod)
+        .map(|uses| uses.into_iter().map(|u| u.container).collect())
+        .unwrap_or_default();
     spec.containers
         .iter()
         .chain(spec.init_containers.iter().flatten())
@@ -253,7 +343,7 @@ fn privileged_vgpu_container(pod: &Pod, names: &ResourceNames) -> Option<String>
                 .as_ref()
                 .and_then(|context| context.privileged)
                 .unwrap_or(false);
-            privileged && asks_for_vgpu(container, names)
+            privileged && (asks_for_vgpu(container, names) || claimed.contains(&container.name))
         })
         .map(|container| container.name.clone())
 }
@@ -264,14 +354,21 @@ fn needs_vgpu_scheduler(pod: &Pod, names: &ResourceNames) -> bool {
     let Some(spec) = &pod.spec else {
         return false;
     };
+    let asks = |container: &Container| asks_for_vgpu(container, names);
+    unscheduled_for_default(pod)
+        && (spec.containers.iter().any(asks) || spec.init_containers.iter().flatten().any(asks))
+}
+
+/// Whether `pod` is not bound yet and names no scheduler or the default one.
+fn unscheduled_for_default(pod: &Pod) -> bool {
+    let Some(spec) = &pod.spec else {
+        return false;
+    };
     let default_scheduler = match spec.scheduler_name.as_deref() {
         None | Some("") | Some(DEFAULT_SCHEDULER) => true,
         Some(_) => false,
     };
-    let asks = |container: &Container| asks_for_vgpu(container, names);
-    spec.node_name.is_none()
-        && default_scheduler
-        && (spec.containers.iter().any(asks) || spec.init_containers.iter().flatten().any(asks))
+    spec.node_name.is_none() && default_scheduler
 }
 
 fn bad_request(message: String) -> WebhookReply {
@@ -284,6 +381,7 @@ fn bad_request(message: String) -> WebhookReply {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::claims::ClaimShare;
 
     fn review(pod: Value) -> Vec<u8> {
         json!({
@@ -317,6 +415,7 @@ mod tests {
             "vgpu-scheduler",
             &ResourceNames::default(),
             AdmissionPolicy::default(),
+            &ClaimAnswers::new(),
         );
         assert_eq!(
             reply.status,
@@ -401,6 +500,81 @@ mod tests {
         assert_eq!(patch_of(&answer(&review(counted))), None);
     }
 
+    fn claimed_pod(privileged_container: bool) -> Value {
+        let mut claimed = pod(json!({}), None);
+        claimed["metadata"]["annotations"] =
+            json!({"egpuc.elasticgpu.io/test1": "gpushare-egpuc-1"});
+        if privileged_container {
+            privileged(&mut claimed, 0);
+        }
+        claimed
+    }
+
+    fn answer_with(pod: &Value, claims: &ClaimAnswers) -> Value {
+        let reply = mutate(
+            &review(pod.clone()),
+            "vgpu-scheduler",
+            &ResourceNames::default(),
+            AdmissionPolicy::default(),
+            claims,
+        );
+        serde_json::from_slice(&reply.body).expect("json")
+    }
+
+    #[test]
+    fn claimed_containers_get_the_share_or_the_reason() {
+        let share = ClaimShare {
+            count: 1,
+            cores: Some(10),
+            memory_mib: Some(4096),
+        };
+        let body = review(claimed_pod(false));
+        assert_eq!(
+            claims_to_look_up(&body),
+            Some(("default".to_string(), vec!["gpushare-egpuc-1".to_string()]))
+        );
+        let ours = ClaimAnswers::from([("gpushare-egpuc-1".to_string(), Ok(Some(share)))]);
+        let answered = answer_with(&claimed_pod(false), &ours);
+        let patch = patch_of(&answered["response"]).expect("patched");
+        let paths: Vec<&str> = patch
+            .as_array()
+            .expect("ops")
+            .iter()
+            .map(|op| op["path"].as_str().expect("path"))
+            .collect();
+        assert_eq!(
+            paths,
+            vec![
+                "/spec/containers/0/resources/limits/nvidia.com~1gpu",
+                "/spec/containers/0/resources/limits/nvidia.com~1gpucores",
+                "/spec/containers/0/resources/limits/nvidia.com~1gpumem",
+                "/spec/containers/0/resources/requests",
+                "/metadata/annotations/vgpu.io~1elasticgpu-claims",
+                "/spec/schedulerName",
+            ]
+        );
+        // A claim another provisioner serves: the pod passes unchanged.
+        let theirs = ClaimAnswers::from([("gpushare-egpuc-1".to_string(), Ok(None))]);
+        let answered = answer_with(&claimed_pod(false), &theirs);
+        assert_eq!(answered["response"]["allowed"], true);
+        assert_eq!(patch_of(&answered["response"]), None);
+        // A claim that cannot be given: refused with the reason.
+        let taken = ClaimAnswers::from([(
+            "gpushare-egpuc-1".to_string(),
+            Err("ElasticGPUClaim gpushare-egpuc-1 is in use by pod default/a".to_string()),
+        )]);
+        let answered = answer_with(&claimed_pod(false), &taken);
+        assert_eq!(answered["response"]["allowed"], false);
+        assert_eq!(answered["response"]["status"]["code"], 422);
+        assert!(answered["response"]["status"]["message"]
+            .as_str()
+            .is_some_and(|m| m.contains("in use by pod default/a")));
+        // A privileged container named by a claim is refused as one asking
+        // for vGPUs.
+        let answered = answer_with(&claimed_pod(true), &ours);
+        assert_eq!(answered["response"]["status"]["code"], 403);
+    }
+
     #[test]
     fn everything_else_passes_unchanged() {
         let cases = [
@@ -443,7 +617,13 @@ mod tests {
                 "not an AdmissionReview",
             ),
         ] {
-            let reply = mutate(body, "vgpu-scheduler", &names, AdmissionPolicy::default());
+            let reply = mutate(
+                body,
+                "vgpu-scheduler",
+                &names,
+                AdmissionPolicy::default(),
+                &ClaimAnswers::new(),
+            );
             assert_eq!(reply.status, 400);
             let text = String::from_utf8_lossy(&reply.body);
             assert!(text.contains(words), "{text}");
@@ -461,6 +641,7 @@ mod tests {
             "gpu-sched",
             &names,
             AdmissionPolicy::default(),
+            &ClaimAnswers::new(),
         );
         let value: Value = serde_json::from_slice(&reply.body).expect("json");
         let patch = patch_of(&value["response"]).expect("patched");
@@ -470,6 +651,7 @@ mod tests {
             "gpu-sched",
             &names,
             AdmissionPolicy::default(),
+            &ClaimAnswers::new(),
         );
         let value: Value = serde_json::from_slice(&reply.body).expect("json");
         assert_eq!(patch_of(&value["response"]), None);
@@ -485,6 +667,7 @@ mod tests {
             "vgpu-scheduler",
             &ResourceNames::default(),
             policy,
+            &ClaimAnswers::new(),
         );
         assert_eq!(reply.status, 200);
         serde_json::from_slice(&reply.body).expect("json")

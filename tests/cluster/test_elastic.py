@@ -308,3 +308,63 @@ def test_load_aware_takes_the_gpu_measured_least_busy(chart_cluster):
     assert [d["uuid"] for d in decision["containers"][0]["devices"]] == [idle_gpu], decision
     for pod_name in ("placed", "busy", "idle"):
         cluster.kubectl("delete", "pod", pod_name, "-n", NAMESPACE, "--wait=false")
+
+
+# The README's two pods, corrected (the name under metadata, annotations
+# inside it, no tab), with our workload as the command.
+def readme_pod(name: str, claim: str) -> dict:
+    return {"apiVersion": "v1", "kind": "Pod",
+            "metadata": {"name": name, "namespace": NAMESPACE,
+                         "annotations": {"egpuc.elasticgpu.io/test1": claim}},
+            "spec": {"restartPolicy": "Never", "terminationGracePeriodSeconds": 1,
+                     "containers": [{"name": "test-cuda", "image": "nvidia/cuda:10.0-base",
+                                     "command": [sys.executable, str(FILL), "256"]}]}}
+
+
+def test_the_readme_pods_get_their_claims_shares(chart_cluster):
+    """The README's class, claims (10 % and 4 of gpu-memory, read as GiB)
+    and pods: each pod's container gets its claim's share from the webhook
+    and runs at that cap; a third pod naming a claim in use, a pod whose
+    annotation matches none of its containers, and a claim of an unknown
+    class are refused at creation, saying why."""
+    cc = chart_cluster
+    cluster = cc.cluster
+    cluster.kubectl("apply", "-f", "-", input=README_CLASS_AND_CLAIMS)
+    for name, claim in (("test-cuda-1", "gpushare-egpuc-1"), ("test-cuda-2", "gpushare-egpuc-2")):
+        created = json.loads(cluster.kubectl("create", "-f", "-", "-o", "json",
+                                             input=json.dumps(readme_pod(name, claim))).stdout)
+        limits = created["spec"]["containers"][0]["resources"]["limits"]
+        assert limits == {"nvidia.com/gpu": "1", "nvidia.com/gpumem": "4096", "nvidia.com/gpucores": "10"}, limits
+        assert created["metadata"]["annotations"]["vgpu.io/elasticgpu-claims"] == claim
+        assert created["spec"]["schedulerName"] == "vgpu-scheduler"
+    for name in ("test-cuda-1", "test-cuda-2"):
+        def running(name=name):
+            pod = kubectl_json(cluster, "get", "pod", name, "-n", NAMESPACE)
+            return pod if pod["status"].get("phase") == "Running" else None
+        pod = wait_for(f"{name} running", running, timeout=90, log=cc.logs)
+        got = report(cc, pod, "test-cuda")
+        assert got["device_totals_mib"] == [4096], got
+        assert (got["error"], got["allocated_mib"]) == (2, 4096 - CONTEXT_RESERVE_MIB), got
+
+    def refused(pod: dict) -> str:
+        done = cluster.kubectl("create", "-f", "-", input=json.dumps(pod), check=False)
+        assert done.returncode != 0, f"{pod['metadata']['name']} was admitted"
+        return done.stderr
+    assert "is in use by pod elastic/test-cuda-1" in refused(readme_pod("third", "gpushare-egpuc-1"))
+    two = readme_pod("two-containers", "gpushare-egpuc-2")
+    two["spec"]["containers"].append({"name": "side", "image": "busybox", "command": ["sleep", "1"]})
+    assert "names no container of this pod, which has 2 (test-cuda, side)" in refused(two)
+    cluster.kubectl("apply", "-f", "-", input=json.dumps({
+        "apiVersion": "elasticgpu.io/v1alpha1", "kind": "ElasticGPUClaim",
+        "metadata": {"name": "orphan", "namespace": NAMESPACE},
+        "spec": {"elasticGPUClassName": "missing", "resources": {"requests": {
+            "gpushare.provisioner.elasticgpu.io/gpu-core": 10}}}}))
+    assert "its class missing does not exist" in refused(readme_pod("orphaned", "orphan"))
+    assert "ElasticGPUClaim nowhere not found" in refused(readme_pod("unclaimed", "nowhere"))
+    for name in ("test-cuda-1", "test-cuda-2"):
+        cluster.kubectl("delete", "pod", name, "-n", NAMESPACE, "--wait=true", "--timeout=60s")
+    # The claim is free again once its pod is gone.
+    cluster.kubectl("create", "-f", "-", input=json.dumps(readme_pod("again", "gpushare-egpuc-1")))
+    cluster.kubectl("delete", "pod", "again", "-n", NAMESPACE, "--wait=false")
+    cluster.kubectl("delete", "elasticgpuclaim", "orphan", "-n", NAMESPACE)
+    cluster.kubectl("delete", "-f", "-", input=README_CLASS_AND_CLAIMS)

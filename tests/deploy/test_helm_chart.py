@@ -404,6 +404,15 @@ def test_webhook_reaches_the_extender_over_a_certificate_it_trusts(tmp_path):
     (condition,) = webhook["matchConditions"]
     for name in ("nvidia.com/gpu", "nvidia.com/gpumem", "nvidia.com/gpucores", "elasticgpu.io/gpu-memory"):
         assert f"'{name}'" in condition["expression"], condition
+    # Pods naming Elastic GPU claims are sent too (the extender reads the
+    # claims it is allowed to get), unless the chart leaves that API alone.
+    assert "startsWith('egpuc.elasticgpu.io/')" in condition["expression"], condition
+    account = find(objects, "Deployment", "-scheduler")["spec"]["template"]["spec"]["serviceAccountName"]
+    for resource in ("elasticgpuclaims", "elasticgpuclasses"):
+        assert rules_allow(objects, account, "elasticgpu.io", resource, "get"), resource
+    without = render({"elasticGPU": {"crds": {"enabled": False}}})
+    (other,) = find(without, "MutatingWebhookConfiguration", "-webhook")["webhooks"]
+    assert "egpuc.elasticgpu.io" not in other["matchConditions"][0]["expression"]
     assert webhook["rules"] == [
         {
             "operations": ["CREATE"],

@@ -73,6 +73,8 @@ fn burst_pod(i: usize) -> Value {
             &[
                 ("elasticgpu.io/gpu-memory", "3000"),
                 ("elasticgpu.io/gpu-core", "15"),
+                // What the webhook adds.
+                ("nvidia.com/gpu", "1"),
             ],
         )],
         _ => vec![vgpu(

@@ -207,7 +207,7 @@ async fn absurd_requests_are_refused_in_words() {
         &[("vgpu.io/node-scheduler-policy", "tight")],
     );
     let result = h.filter(&p, &["n1"]).await;
-    assert!(result.error.contains("annotation vgpu.io/node-scheduler-policy: unknown node policy \"tight\" (known: binpack, spread, random)"), "{result:?}");
+    assert!(result.error.contains("annotation vgpu.io/node-scheduler-policy: unknown node policy \"tight\" (known: binpack, spread, random, load-aware)"), "{result:?}");
     healthy(&h).await;
 }
 

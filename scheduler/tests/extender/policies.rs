@@ -345,7 +345,11 @@ async fn elastic_gpu_whole_cards_are_exclusive() {
     let p = h
         .create_pod(pod(
             "two-cards",
-            &[ctr("main", &[("elasticgpu.io/gpu-core", "200")])],
+            // With the GPU count the webhook adds.
+            &[ctr(
+                "main",
+                &[("elasticgpu.io/gpu-core", "200"), ("nvidia.com/gpu", "2")],
+            )],
             &[],
         ))
         .await;
@@ -359,7 +363,10 @@ async fn elastic_gpu_whole_cards_are_exclusive() {
     let p = h
         .create_pod(pod(
             "small",
-            &[ctr("main", &[("elasticgpu.io/gpu-memory", "256")])],
+            &[ctr(
+                "main",
+                &[("elasticgpu.io/gpu-memory", "256"), ("nvidia.com/gpu", "1")],
+            )],
             &[],
         ))
         .await;
@@ -373,7 +380,10 @@ async fn elastic_gpu_whole_cards_are_exclusive() {
     let p = h
         .create_pod(pod(
             "third",
-            &[ctr("main", &[("elasticgpu.io/gpu-core", "100")])],
+            &[ctr(
+                "main",
+                &[("elasticgpu.io/gpu-core", "100"), ("nvidia.com/gpu", "1")],
+            )],
             &[],
         ))
         .await;
