@@ -16,7 +16,7 @@
 //! Only labels and annotations of the metadata may change in a conversion
 //! (the API server refuses anything else); everything else is copied.
 
-use crate::webhook::WebhookReply;
+use crate::webhook::{Review, WebhookReply};
 use serde::Deserialize;
 use serde_json::{json, Map, Value};
 
@@ -34,14 +34,6 @@ const CLASS_FIELDS: [(&str, &str); 2] = [
     ("reclaimPolicy", RECLAIM_POLICY_ANNOTATION),
     ("egpuBindingMode", BINDING_MODE_ANNOTATION),
 ];
-
-#[derive(Debug, Deserialize)]
-struct Review {
-    #[serde(rename = "apiVersion")]
-    api_version: Option<String>,
-    kind: Option<String>,
-    request: Option<ReviewRequest>,
-}
 
 #[derive(Debug, Deserialize)]
 struct ReviewRequest {
@@ -67,18 +59,9 @@ pub enum ConversionError {
 
 /// Answers one `ConversionReview`.
 pub fn convert(body: &[u8]) -> WebhookReply {
-    let review: Review = match serde_json::from_slice(body) {
-        Ok(review) => review,
-        Err(error) => return bad_request(format!("not a ConversionReview: {error}")),
-    };
-    if review.kind.as_deref() != Some("ConversionReview") {
-        return bad_request(format!(
-            "expected kind ConversionReview, got {:?}",
-            review.kind.unwrap_or_default()
-        ));
-    }
-    let Some(request) = review.request else {
-        return bad_request("the ConversionReview has no request".into());
+    let (api_version, request) = match Review::<ReviewRequest>::read(body, "ConversionReview") {
+        Ok(read) => read,
+        Err(reply) => return reply,
     };
     let converted: Result<Vec<Value>, ConversionError> = request
         .objects
@@ -101,7 +84,7 @@ pub fn convert(body: &[u8]) -> WebhookReply {
         }
     };
     let body = json!({
-        "apiVersion": review.api_version.unwrap_or_else(|| "apiextensions.k8s.io/v1".into()),
+        "apiVersion": api_version.unwrap_or_else(|| "apiextensions.k8s.io/v1".into()),
         "kind": "ConversionReview",
         "response": response,
     });
@@ -219,13 +202,6 @@ fn drop_empty_annotations(fields: &mut Map<String, Value>) {
         {
             metadata.remove("annotations");
         }
-    }
-}
-
-fn bad_request(message: String) -> WebhookReply {
-    WebhookReply {
-        status: 400,
-        body: json!({ "error": message }).to_string().into_bytes(),
     }
 }
 

@@ -31,13 +31,41 @@ use serde_json::{json, Value};
 /// The scheduler name kube-scheduler uses when a pod names none.
 const DEFAULT_SCHEDULER: &str = "default-scheduler";
 
-/// An `admission.k8s.io/v1` `AdmissionReview`, as much of it as is read.
+/// The envelope the API server sends a webhook (an `AdmissionReview`, a
+/// `ConversionReview`), as much of it as is read; `R` is its request.
 #[derive(Debug, Deserialize)]
-struct Review {
+pub(crate) struct Review<R> {
     #[serde(rename = "apiVersion")]
-    api_version: Option<String>,
-    kind: Option<String>,
-    request: Option<ReviewRequest>,
+    pub api_version: Option<String>,
+    pub kind: Option<String>,
+    pub request: Option<R>,
+}
+
+impl<R: serde::de::DeserializeOwned> Review<R> {
+    /// Reads `body` as a review of `kind`; the reply for a body that is
+    /// not one.
+    pub fn read(body: &[u8], kind: &str) -> Result<(Option<String>, R), WebhookReply> {
+        let review: Self = serde_json::from_slice(body)
+            .map_err(|error| bad_request(format!("not a{} {kind}: {error}", article(kind))))?;
+        if review.kind.as_deref() != Some(kind) {
+            return Err(bad_request(format!(
+                "expected kind {kind}, got {:?}",
+                review.kind.unwrap_or_default()
+            )));
+        }
+        match review.request {
+            Some(request) => Ok((review.api_version, request)),
+            None => Err(bad_request(format!("the {kind} has no request"))),
+        }
+    }
+}
+
+fn article(word: &str) -> &'static str {
+    if word.starts_with(['A', 'E', 'I', 'O', 'U']) {
+        "n"
+    } else {
+        ""
+    }
 }
 
 #[derive(Debug, Deserialize)]
@@ -81,7 +109,7 @@ pub struct WebhookReply {
 /// look up before [`mutate`]; `None` when it names none (or the body is no
 /// pod creation).
 pub fn claims_to_look_up(body: &[u8]) -> Option<(String, Vec<String>)> {
-    let review: Review = serde_json::from_slice(body).ok()?;
+    let review: Review<ReviewRequest> = serde_json::from_slice(body).ok()?;
     let request = review.request?;
     if !matches!(request.operation.as_deref(), None | Some("CREATE")) {
         return None;
@@ -116,23 +144,11 @@ pub fn mutate(
     policy: AdmissionPolicy,
     claims: &ClaimAnswers,
 ) -> WebhookReply {
-    let review: Review = match serde_json::from_slice(body) {
-        Ok(review) => review,
-        Err(error) => return bad_request(format!("not an AdmissionReview: {error}")),
+    let (api_version, request) = match Review::<ReviewRequest>::read(body, "AdmissionReview") {
+        Ok(read) => read,
+        Err(reply) => return reply,
     };
-    if review.kind.as_deref() != Some("AdmissionReview") {
-        return bad_request(format!(
-            "expected kind AdmissionReview, got {:?}",
-            review.kind.unwrap_or_default()
-        ));
-    }
-    let api_version = review
-        .api_version
-        .unwrap_or_else(|| "admission.k8s.io/v1".into());
-    let request = match review.request {
-        Some(request) => request,
-        None => return bad_request("the AdmissionReview has no request".into()),
-    };
+    let api_version = api_version.unwrap_or_else(|| "admission.k8s.io/v1".into());
     let mut response = ReviewResponse {
         uid: request.uid,
         allowed: true,
@@ -371,7 +387,7 @@ fn unscheduled_for_default(pod: &Pod) -> bool {
     spec.node_name.is_none() && default_scheduler
 }
 
-fn bad_request(message: String) -> WebhookReply {
+pub(crate) fn bad_request(message: String) -> WebhookReply {
     WebhookReply {
         status: 400,
         body: json!({ "error": message }).to_string().into_bytes(),
