@@ -166,9 +166,20 @@ impl Running {
         signal: impl std::future::Future<Output = ()>,
         drain: Duration,
     ) {
+        // A server that ends on its own (it only does by failing) stops the
+        // whole extender, so a restart brings every port back, rather than
+        // serving on without its webhook port.
+        let more = &mut self.more_servers;
+        let any_more_ended = async move {
+            if more.is_empty() {
+                std::future::pending::<()>().await;
+            }
+            let _ = futures_util::future::select_all(more.iter_mut()).await;
+        };
         tokio::select! {
             _ = signal => {}
-            _ = &mut self.server => {}
+            _ = &mut self.server => tracing::error!("the server stopped by itself; stopping"),
+            _ = any_more_ended => tracing::error!("a second server stopped by itself; stopping"),
         }
         self.shutdown.send_replace(true);
         let deadline = tokio::time::Instant::now() + drain;

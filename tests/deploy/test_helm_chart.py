@@ -244,6 +244,17 @@ def test_https_extender_with_a_given_certificate():
         "extender": (39999, "extender"), "webhook": (40443, "webhook")}
 
 
+def test_the_extender_metrics_are_annotated_for_scraping():
+    objects = render({"scheduler": {"extender": {"port": 40000}}})
+    service = find(objects, "Service", "-scheduler")
+    annotations = service["metadata"]["annotations"]
+    extender = container(find(objects, "Deployment", "-scheduler"), "extender")
+    plain = next(p for p in extender["ports"] if p["name"] == "extender")
+    assert annotations["prometheus.io/scrape"] == "true"
+    assert annotations["prometheus.io/port"] == str(plain["containerPort"])
+    assert annotations["prometheus.io/path"] == "/metrics"
+
+
 def test_the_webhook_is_called_on_the_secure_port():
     objects = render({"scheduler": {"extender": {"securePort": 40443}}})
     (webhook,) = find(objects, "MutatingWebhookConfiguration", "-webhook")["webhooks"]
