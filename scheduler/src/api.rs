@@ -38,6 +38,8 @@ pub enum ApiError {
     Other(#[source] kube::Error),
     #[error("unreadable object: {0}")]
     Decode(#[source] serde_json::Error),
+    #[error("watch: {0}")]
+    Watch(String),
 }
 
 impl From<kube::Error> for ApiError {
@@ -114,6 +116,110 @@ impl KubeApi {
         let api: Api<DynamicObject> =
             Api::namespaced_with(self.client.clone(), namespace, &resource);
         serde_json::to_value(api.get(name).await?).map_err(ApiError::Decode)
+    }
+
+    fn elastic_claims_all(&self) -> Api<DynamicObject> {
+        Api::all_with(
+            self.client.clone(),
+            &elastic_resource("ElasticGPUClaim", "elasticgpuclaims"),
+        )
+    }
+
+    fn elastic_claims(&self, namespace: &str) -> Api<DynamicObject> {
+        Api::namespaced_with(
+            self.client.clone(),
+            namespace,
+            &elastic_resource("ElasticGPUClaim", "elasticgpuclaims"),
+        )
+    }
+
+    fn elastic_gpus(&self) -> Api<DynamicObject> {
+        Api::all_with(
+            self.client.clone(),
+            &elastic_resource("ElasticGPU", "elasticgpus"),
+        )
+    }
+
+    /// Every `ElasticGPUClaim`, as JSON.
+    pub async fn list_elastic_claims(&self) -> Result<Vec<serde_json::Value>, ApiError> {
+        let list = self
+            .elastic_claims_all()
+            .list(&ListParams::default())
+            .await?;
+        list.items
+            .into_iter()
+            .map(|item| serde_json::to_value(item).map_err(ApiError::Decode))
+            .collect()
+    }
+
+    /// The claims as they change (each one as JSON, after every change).
+    pub fn watch_elastic_claims(
+        &self,
+    ) -> impl futures_util::Stream<Item = Result<serde_json::Value, ApiError>> + Send + 'static
+    {
+        watcher::watcher(self.elastic_claims_all(), watcher::Config::default())
+            .default_backoff()
+            .applied_objects()
+            .map(|item| match item {
+                Ok(object) => serde_json::to_value(object).map_err(ApiError::Decode),
+                Err(error) => Err(ApiError::Watch(error.to_string())),
+            })
+    }
+
+    /// A JSON merge patch of a claim (a `metadata.resourceVersion` in it
+    /// is a precondition).
+    pub async fn patch_elastic_claim(
+        &self,
+        namespace: &str,
+        name: &str,
+        patch: &serde_json::Value,
+    ) -> Result<(), ApiError> {
+        self.elastic_claims(namespace)
+            .patch(name, &PatchParams::default(), &Patch::Merge(patch))
+            .await?;
+        Ok(())
+    }
+
+    /// A JSON merge patch of a claim's status.
+    pub async fn patch_elastic_claim_status(
+        &self,
+        namespace: &str,
+        name: &str,
+        patch: &serde_json::Value,
+    ) -> Result<(), ApiError> {
+        self.elastic_claims(namespace)
+            .patch_status(name, &PatchParams::default(), &Patch::Merge(patch))
+            .await?;
+        Ok(())
+    }
+
+    /// Creates an `ElasticGPU` (given as JSON).
+    pub async fn create_elastic_gpu(&self, object: &serde_json::Value) -> Result<(), ApiError> {
+        let object: DynamicObject =
+            serde_json::from_value(object.clone()).map_err(ApiError::Decode)?;
+        self.elastic_gpus()
+            .create(&PostParams::default(), &object)
+            .await?;
+        Ok(())
+    }
+
+    /// A JSON merge patch of an `ElasticGPU`'s status.
+    pub async fn patch_elastic_gpu_status(
+        &self,
+        name: &str,
+        patch: &serde_json::Value,
+    ) -> Result<(), ApiError> {
+        self.elastic_gpus()
+            .patch_status(name, &PatchParams::default(), &Patch::Merge(patch))
+            .await?;
+        Ok(())
+    }
+
+    pub async fn delete_elastic_gpu(&self, name: &str) -> Result<(), ApiError> {
+        self.elastic_gpus()
+            .delete(name, &kube::api::DeleteParams::default())
+            .await?;
+        Ok(())
     }
 
     /// An `ElasticGPUClass` as the API stores it (`elasticgpu.io/v1alpha1`).

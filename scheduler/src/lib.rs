@@ -19,10 +19,12 @@
 //! - [`elastic_crd`]: Elastic GPU's custom resources and their conversion
 //!   webhook.
 //! - [`claims`]: Elastic GPU claims given to pods by the webhook.
+//! - [`claim_controller`]: binds claims to the ElasticGPUs it provisions.
 //! - [`leader`]: leader election among replicas.
 //! - [`cli`]: command-line flags.
 
 pub mod api;
+pub mod claim_controller;
 pub mod claims;
 pub mod cli;
 pub mod elastic_crd;
@@ -99,6 +101,10 @@ pub async fn start(
         )));
     }
     let scheduler = Arc::new(scheduler);
+    watches.push(tokio::spawn(claim_controller::run(
+        KubeApi::new(client.clone()),
+        scheduler.clone(),
+    )));
     let local_addr = listener.local_addr().map_err(StartError::Listener)?;
     let (shutdown, _) = tokio::sync::watch::channel(false);
     let router = server::router(scheduler.clone(), Arc::new(metrics::ServerMetrics::new()?));

@@ -246,6 +246,12 @@ impl Scheduler {
     }
 
     /// `Err(why)` when another replica serves the verbs.
+    /// Whether this replica leads (always, without an election) and is
+    /// not stopping.
+    pub fn leads(&self) -> bool {
+        self.check_leading().is_ok()
+    }
+
     fn check_leading(&self) -> Result<(), String> {
         if self.stopping.load(Ordering::SeqCst) {
             return Err(

@@ -368,3 +368,124 @@ def test_the_readme_pods_get_their_claims_shares(chart_cluster):
     cluster.kubectl("delete", "pod", "again", "-n", NAMESPACE, "--wait=false")
     cluster.kubectl("delete", "elasticgpuclaim", "orphan", "-n", NAMESPACE)
     cluster.kubectl("delete", "-f", "-", input=README_CLASS_AND_CLAIMS)
+
+
+def elastic_class(name: str, reclaim: str, binding: str) -> dict:
+    return {"apiVersion": "elasticgpu.io/v1alpha", "kind": "ElasticGPUClass", "metadata": {"name": name},
+            "provisioner": "gpushare.provisioner.elasticgpu.io", "reclaimPolicy": reclaim, "egpuBindingMode": binding}
+
+
+def elastic_claim(name: str, klass: str, requests: dict) -> dict:
+    return {"apiVersion": "elasticgpu.io/v1alpha1", "kind": "ElasticGPUClaim",
+            "metadata": {"name": name, "namespace": NAMESPACE},
+            "spec": {"elasticGPUClassName": klass, "resources": {"requests": requests}}}
+
+
+def test_claims_are_bound_provisioned_and_reclaimed(chart_cluster):
+    """The claim controller (in the extender): Immediate claims are bound
+    to an ElasticGPU at once; WaitForFirstConsumer ones when their first
+    pod is placed, on its GPU, and stay bound after the pod is gone;
+    deleting a claim deletes (Delete) or releases (Retain) its ElasticGPU;
+    claims it cannot satisfy say why in a Ready condition."""
+    cc = chart_cluster
+    cluster = cc.cluster
+    share = {"gpushare.provisioner.elasticgpu.io/gpu-core": 20, "gpushare.provisioner.elasticgpu.io/gpu-memory": 1}
+    for klass in (elastic_class("now-delete", "Delete", "Immediate"),
+                  elastic_class("now-retain", "Retain", "Immediate"),
+                  elastic_class("later", "Delete", "WaitForFirstConsumer")):
+        cluster.kubectl("apply", "-f", "-", input=json.dumps(klass))
+    for claim in (elastic_claim("c-delete", "now-delete", share), elastic_claim("c-retain", "now-retain", share),
+                  elastic_claim("c-later", "later", share), elastic_claim("c-noclass", "absent", share),
+                  elastic_claim("c-huge", "now-delete", {"gpushare.provisioner.elasticgpu.io/gpu-memory": 1000})):
+        cluster.kubectl("apply", "-f", "-", input=json.dumps(claim))
+
+    def claim(name: str) -> dict:
+        return kubectl_json(cluster, "get", "elasticgpuclaims.v1alpha1.elasticgpu.io", name, "-n", NAMESPACE)
+
+    def ready(name: str) -> dict | None:
+        conditions = claim(name).get("status", {}).get("conditions", [])
+        return next((c for c in conditions if c["type"] == "Ready"), None)
+
+    def egpu(name: str) -> dict | None:
+        found = cluster.kubectl("get", "elasticgpus.elasticgpu.io", name, "-o", "json", check=False)
+        return json.loads(found.stdout) if found.returncode == 0 else None
+
+    for name in ("c-delete", "c-retain"):
+        wait_for(f"{name} bound", lambda name=name: claim(name).get("status", {}).get("phase") == "Bound",
+                 timeout=60, log=cc.logs)
+        bound = claim(name)
+        gpu = egpu(bound["spec"]["elasticGPUName"])
+        assert gpu["spec"]["claimRef"]["uid"] == bound["metadata"]["uid"], gpu
+        assert gpu["spec"]["capacity"] == {"gpushare.provisioner.elasticgpu.io/gpu-core": "20",
+                                           "gpushare.provisioner.elasticgpu.io/gpu-memory": "1024Mi"}, gpu
+        assert gpu["status"]["phase"] == "Bound"
+        assert ready(name)["reason"] == "Provisioned"
+    for name, reason, words in (("c-noclass", "ClassNotFound", "ElasticGPUClass absent does not exist"),
+                                ("c-huge", "Unsatisfiable", "the largest GPU in the cluster has 16384 MiB"),
+                                ("c-later", "WaitingForFirstConsumer", "first pod")):
+        condition = wait_for(f"{name}: {reason}", lambda name=name, reason=reason: (
+            lambda c: c if c and c["reason"] == reason else None)(ready(name)), timeout=60, log=cc.logs)
+        assert condition["status"] == "False" and words in condition["message"], condition
+        assert claim(name)["status"]["phase"] == "Pending"
+
+    # The first pod holding the WaitForFirstConsumer claim is placed: the
+    # claim is provisioned on its GPU and node, and outlives the pod.
+    cluster.kubectl("create", "-f", "-", input=json.dumps(readme_pod("consumer", "c-later")))
+    placed = wait_for("the consumer decided", lambda: kubectl_json(
+        cluster, "get", "pod", "consumer", "-n", NAMESPACE)["metadata"].get("annotations", {}).get("vgpu.io/decision"),
+        timeout=60, log=cc.logs)
+    decision = json.loads(placed)
+    wait_for("c-later bound", lambda: claim("c-later").get("status", {}).get("phase") == "Bound", timeout=60,
+             log=cc.logs)
+    gpu = egpu(claim("c-later")["spec"]["elasticGPUName"])
+    assert gpu["spec"]["gpuShare"]["gpuName"] == decision["containers"][0]["devices"][0]["uuid"], gpu
+    terms = gpu["spec"]["nodeAffinity"]["required"]["nodeSelectorTerms"]
+    assert terms[0]["matchFields"][0]["values"] == [decision["node"]], terms
+    cluster.kubectl("delete", "pod", "consumer", "-n", NAMESPACE, "--wait=true", "--timeout=60s")
+    assert claim("c-later")["status"]["phase"] == "Bound"
+
+    # Reclaim policies.
+    deleted, retained = (claim(n)["spec"]["elasticGPUName"] for n in ("c-delete", "c-retain"))
+    for name in ("c-delete", "c-retain", "c-later", "c-noclass", "c-huge"):
+        cluster.kubectl("delete", "elasticgpuclaim", name, "-n", NAMESPACE, "--wait=true", "--timeout=60s")
+    assert egpu(deleted) is None
+    released = egpu(retained)
+    assert released["status"]["phase"] == "Released", released
+    cluster.kubectl("delete", "elasticgpu", retained)
+    for klass in ("now-delete", "now-retain", "later"):
+        cluster.kubectl("delete", "elasticgpuclass", klass)
+
+
+def test_claims_survive_an_extender_killed_mid_way(chart_cluster):
+    """kill -9 of the extender (the claim controller's process) with
+    claims just created: once kubelet has restarted it, every claim is bound
+    to exactly one ElasticGPU (names follow the claim, so nothing is given
+    twice), rebuilt from the API alone."""
+    import test_faults as faults  # its helpers; as a module, so its tests are not collected here
+
+    cc = chart_cluster
+    cluster = cc.cluster
+    cluster.kubectl("apply", "-f", "-", input=json.dumps(elastic_class("restart", "Delete", "Immediate")))
+    share = {"gpushare.provisioner.elasticgpu.io/gpu-core": 5}
+    extender = faults.pod_names(cc, "app.kubernetes.io/component=scheduler")[0]["metadata"]["name"]
+    names = [f"r-{i}" for i in range(6)]
+    for index, name in enumerate(names):
+        cluster.kubectl("apply", "-f", "-", input=json.dumps(elastic_claim(name, "restart", share)))
+        if index == 2:
+            faults.kill_9(extender, "vgpu-scheduler")
+
+    def all_bound():
+        claims = kubectl_json(cluster, "get", "elasticgpuclaims.v1alpha1.elasticgpu.io", "-n", NAMESPACE)["items"]
+        ours = [c for c in claims if c["metadata"]["name"] in names]
+        return ours if len(ours) == len(names) and all(
+            c.get("status", {}).get("phase") == "Bound" for c in ours) else None
+    claims = wait_for("every claim bound after the restart", all_bound, timeout=120, log=cc.logs)
+    gpus = kubectl_json(cluster, "get", "elasticgpus.elasticgpu.io")["items"]
+    for claim in claims:
+        holding = [g for g in gpus if g["spec"].get("claimRef", {}).get("uid") == claim["metadata"]["uid"]]
+        assert [g["metadata"]["name"] for g in holding] == [claim["spec"]["elasticGPUName"]], holding
+    for name in names:
+        cluster.kubectl("delete", "elasticgpuclaim", name, "-n", NAMESPACE, "--wait=true", "--timeout=60s")
+    assert not [g for g in kubectl_json(cluster, "get", "elasticgpus.elasticgpu.io")["items"]
+                if g["spec"].get("claimRef", {}).get("name") in names]
+    cluster.kubectl("delete", "elasticgpuclass", "restart")
