@@ -38,9 +38,11 @@ pub const ENV_SM_BURST_LIMIT: &str = "VGPU_SM_BURST_LIMIT";
 
 /// Region path used when `CUDA_DEVICE_MEMORY_SHARED_CACHE` is unset.
 pub const DEFAULT_REGION_PATH: &str = "/tmp/cudevshr.cache";
-/// Default per-context reservation. A CUDA 12 context with lazy module loading
-/// holds a few hundred MiB on current data-centre GPUs; charging it keeps
-/// `nvidia-smi` and the cap in agreement.
+/// Per-context charge when `VGPU_CONTEXT_RESERVE` is unset, and the floor
+/// under what the shim measures a context to hold. A CUDA context holds a
+/// few hundred MiB of its own (an H100 with CUDA 13: 518 MiB), more on
+/// devices with more multiprocessors; what it holds is measured where the
+/// driver's NVML can say, and this is charged until then.
 pub const DEFAULT_CONTEXT_RESERVE: u64 = 256 << 20;
 /// Priority when `CUDA_TASK_PRIORITY` is unset.
 pub const DEFAULT_PRIORITY: i32 = 1;
@@ -135,8 +137,11 @@ pub struct ShimConfig {
     pub region_path_set: bool,
     pub oversubscribe: bool,
     pub log_level: u8,
-    /// Bytes charged per CUDA context.
+    /// Bytes charged per CUDA context: exactly this when `VGPU_CONTEXT_RESERVE`
+    /// is set, else the floor under what the shim measures a context to hold.
     pub context_reserve: u64,
+    /// Whether the shim measures what a context holds (no reserve was set).
+    pub measure_contexts: bool,
 }
 
 impl Default for ShimConfig {
@@ -152,6 +157,7 @@ impl Default for ShimConfig {
             oversubscribe: false,
             log_level: DEFAULT_LOG_LEVEL,
             context_reserve: DEFAULT_CONTEXT_RESERVE,
+            measure_contexts: true,
         }
     }
 }
@@ -250,6 +256,7 @@ impl ShimConfig {
 
         if let Some(reserve) = read_size(&get, ENV_CONTEXT_RESERVE)? {
             config.context_reserve = reserve;
+            config.measure_contexts = false;
         }
 
         if !config.oversubscribe {
@@ -308,7 +315,7 @@ impl ShimConfig {
         if self.log_level != DEFAULT_LOG_LEVEL {
             env.push((ENV_LOG_LEVEL.to_string(), self.log_level.to_string()));
         }
-        if self.context_reserve != DEFAULT_CONTEXT_RESERVE {
+        if !self.measure_contexts {
             env.push((
                 ENV_CONTEXT_RESERVE.to_string(),
                 format_size(self.context_reserve),
@@ -376,6 +383,10 @@ mod tests {
         assert_eq!(cfg.policy(), UtilizationPolicy::Default);
         assert_eq!(cfg.limits.priority, DEFAULT_PRIORITY);
         assert_eq!(cfg.context_reserve, DEFAULT_CONTEXT_RESERVE);
+        assert!(
+            cfg.measure_contexts,
+            "no reserve set: contexts are measured"
+        );
     }
 
     #[test]
@@ -473,6 +484,7 @@ mod tests {
             oversubscribe: true,
             log_level: 3,
             context_reserve: 300 << 20,
+            measure_contexts: false,
             ..ShimConfig::default()
         };
         written.limits.policy = UtilizationPolicy::Force as u32;

@@ -198,6 +198,7 @@ pub fn plan(
         region_path_set: true,
         oversubscribe: settings.swap_limit.is_some(),
         context_reserve: settings.context_reserve.unwrap_or(DEFAULT_CONTEXT_RESERVE),
+        measure_contexts: settings.context_reserve.is_none(),
         ..ShimConfig::default()
     };
     let ordered: Vec<&DeviceGrant> = grants.iter().map(|(_, grant)| *grant).collect();

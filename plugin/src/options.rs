@@ -142,7 +142,8 @@ pub struct Options {
     pub swap_limit: Option<u64>,
 
     /// VGPU_CONTEXT_RESERVE for every container: device memory charged per
-    /// CUDA context (the shim's default applies when unset).
+    /// CUDA context. Unset, the shim measures what each context holds
+    /// (at least 256 MiB); set, exactly this is charged.
     #[arg(long, value_name = "SIZE", value_parser = size)]
     pub context_reserve: Option<u64>,
 

@@ -128,5 +128,6 @@ driver_library! {
     used {
         fn nvmlDeviceGetUUID(device: nvmlDevice_t, uuid: *mut c_char, length: u32) -> nvmlReturn_t;
         fn nvmlDeviceGetIndex(device: nvmlDevice_t, index: *mut u32) -> nvmlReturn_t;
+        fn nvmlDeviceGetHandleByUUID(uuid: *const c_char, device: *mut nvmlDevice_t) -> nvmlReturn_t;
     }
 }

@@ -5,6 +5,7 @@
 //! container that never touch the GPU (shells, package managers) never open
 //! the region. The environment is read only then.
 
+use crate::context_size;
 use crate::driver::cuda as real;
 use crate::limiter::Limiter;
 use crate::table::{AllocationTable, Charge, Resource};
@@ -110,6 +111,9 @@ pub struct Enforcer {
     /// The primary context of each device, once retained (its allocations
     /// are tied to it).
     primary_contexts: [AtomicUsize; MAX_DEVICES],
+    /// What a context holds on each device, once measured in this process
+    /// (0: not yet; see `context_size`).
+    context_bytes: [AtomicU64; MAX_DEVICES],
     /// Pools with a charge in the table (skips pool refresh when zero).
     pools: AtomicUsize,
     last_oom_log_ms: AtomicU64,
@@ -151,6 +155,7 @@ impl Enforcer {
             limiter: Limiter::new(policy),
             primary_retains: Default::default(),
             primary_contexts: Default::default(),
+            context_bytes: Default::default(),
             pools: AtomicUsize::new(0),
             last_oom_log_ms: AtomicU64::new(0),
             uuids_recorded: AtomicBool::new(false),
@@ -451,6 +456,85 @@ impl Enforcer {
             }
             tracing::trace!(?resource, id, "returned with its context");
         }
+    }
+
+    /// Bytes a new context on `device` is charged: what one was measured
+    /// to hold in this process, else the configured reserve.
+    pub fn context_bytes(&self, device: usize) -> u64 {
+        match self.device_index(device) {
+            Some(d) => match self.context_bytes[d].load(Ordering::Acquire) {
+                0 => self.config.context_reserve,
+                measured => measured,
+            },
+            None => self.config.context_reserve,
+        }
+    }
+
+    /// A reading of `device` to measure the context about to be created
+    /// against; `None` when no measurement is wanted (a reserve was set, or
+    /// a context on the device was already measured) or NVML cannot say.
+    pub fn before_context(&self, device: usize) -> Option<context_size::Reading> {
+        let d = self.device_index(device)?;
+        if !self.config.measure_contexts || self.context_bytes[d].load(Ordering::Acquire) != 0 {
+            return None;
+        }
+        context_size::read(d as CUdevice)
+    }
+
+    /// Settles the charge of a context just created on `device`, charged
+    /// `charged` bytes, against what it measures to hold since `before`.
+    /// Returns the bytes the context is now charged.
+    pub fn settle_context(
+        &self,
+        device: usize,
+        charged: u64,
+        before: Option<context_size::Reading>,
+    ) -> u64 {
+        let (Some(d), Some(before)) = (self.device_index(device), before) else {
+            return charged;
+        };
+        let measured = context_size::read(d as CUdevice)
+            .and_then(|after| context_size::measured(before, after));
+        let bytes = match measured {
+            Some((bytes, source)) => {
+                let bytes = bytes.max(self.config.context_reserve);
+                tracing::debug!(
+                    device,
+                    ?source,
+                    "a context holds {} (measured); charging that instead of {}",
+                    human_bytes(bytes),
+                    human_bytes(charged)
+                );
+                bytes
+            }
+            None => {
+                tracing::debug!(
+                    device,
+                    "what the context holds could not be measured; charging {}",
+                    human_bytes(charged)
+                );
+                charged
+            }
+        };
+        // Recorded even when unmeasured, so every context of the device is
+        // charged, and released, alike. Two threads measuring at once: the
+        // first to finish decides.
+        let settled = match self.context_bytes[d].compare_exchange(
+            0,
+            bytes,
+            Ordering::AcqRel,
+            Ordering::Acquire,
+        ) {
+            Ok(_) => bytes,
+            Err(earlier) => earlier,
+        };
+        if settled != charged {
+            // The context exists: its memory is held whether or not the cap
+            // has room, so the charge moves unchecked and later allocations
+            // see it.
+            self.recharge(device, MemoryKind::Context, charged, settled);
+        }
+        settled
     }
 
     /// Primary-context bookkeeping: returns true when this retain is the

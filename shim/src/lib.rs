@@ -16,6 +16,7 @@
 //! driver's symbol name and catches panics so none unwinds into C; nothing
 //! is written to standard output.
 
+mod context_size;
 mod dlsym;
 mod driver;
 mod enforcer;

@@ -95,6 +95,51 @@ fn each_context_is_charged_its_reservation() {
 }
 
 #[test]
+fn without_a_reserve_a_context_is_charged_what_it_measures_to_hold() {
+    // A device whose contexts hold 300 MiB: more than the 256 MiB floor.
+    let mut sandbox = Sandbox::new("measured", 1, "8Gi");
+    sandbox
+        .set("CUDA_DEVICE_MEMORY_LIMIT", "1Gi")
+        .set("SIMGPU_CONTEXT_BYTES", "300Mi")
+        .unset("VGPU_CONTEXT_RESERVE");
+    let values = key_values(&run_ok(&mut sandbox.probe("linked", &["kinds"])));
+    assert_eq!(number(&values, "context"), 300 * MIB, "{values:?}");
+    let values = key_values(&run_ok(&mut sandbox.probe("linked", &["fill", "67108864"])));
+    assert_eq!(
+        number(&values, "chunks"),
+        11,
+        "1 GiB less 300 MiB: {values:?}"
+    );
+    assert_eq!(
+        number(&values, "free_after"),
+        724 * MIB,
+        "the context alone: {values:?}"
+    );
+    for access in ["dlsym", "procaddr"] {
+        let values = key_values(&run_ok(&mut sandbox.probe(access, &["primary"])));
+        assert_eq!(number(&values, "held"), 364 * MIB, "{access}: {values:?}");
+        assert_eq!(
+            number(&values, "after_release"),
+            300 * MIB,
+            "{access}: the new primary context, charged as measured: {values:?}"
+        );
+    }
+
+    // Contexts smaller than the floor are charged the floor (some of their
+    // memory is allocated later, out of sight).
+    sandbox.set("SIMGPU_CONTEXT_BYTES", "100Mi");
+    let values = key_values(&run_ok(&mut sandbox.probe("linked", &["kinds"])));
+    assert_eq!(number(&values, "context"), 256 * MIB, "{values:?}");
+
+    // A reserve set by the operator is charged as it is, unmeasured.
+    sandbox
+        .set("SIMGPU_CONTEXT_BYTES", "300Mi")
+        .set("VGPU_CONTEXT_RESERVE", "128Mi");
+    let values = key_values(&run_ok(&mut sandbox.probe("linked", &["kinds"])));
+    assert_eq!(number(&values, "context"), 128 * MIB, "{values:?}");
+}
+
+#[test]
 fn allocations_are_returned_with_the_last_primary_context_release() {
     for access in ["dlsym", "procaddr"] {
         let mut sandbox = Sandbox::new("primary", 1, "8Gi");

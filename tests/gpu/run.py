@@ -44,10 +44,10 @@ LIBRARY_CANDIDATES = (
     REPO / "target/release/libvgpu.so",
 )
 MIB = 1 << 20
-# The shim's documented default charge per CUDA context (README,
-# VGPU_CONTEXT_RESERVE): a capped process may hold this much beyond what its
-# allocations add up to.
-CONTEXT_RESERVE_MIB = 256
+# How far the shim's view of a process may stand from what NVML, outside
+# the shim, says it holds: memory the driver allocates after the shim
+# measured the context (code loaded lazily, for one) is not seen at once.
+AGREEMENT_MIB = 64
 # Variables through which the shim is configured; stripped from every
 # child's environment before a check sets its own.
 SHIM_VARIABLE = re.compile(
@@ -55,6 +55,12 @@ SHIM_VARIABLE = re.compile(
     r"|CUDA_DEVICE_MEMORY_SHARED_CACHE|GPU_CORE_UTILIZATION_POLICY|CUDA_TASK_PRIORITY"
     r"|CUDA_OVERSUBSCRIBE|VGPU_.*|PYTORCH_CUDA_ALLOC_CONF)$"
 )
+# Launch rates moved 5 % between runs of one GPU: an odd count of
+# alternating runs, many enough that the median settles.
+LAUNCH_REPEATS = 9
+# A 2 ms training step's median moved from 1.76 to 2.10 ms between runs of
+# one process without the shim: more alternating runs than that spread.
+STEP_REPEATS = 7
 SHARE_BAND = 3.0  # points of the device, the issue's pass band for shares
 WINDOW_SECONDS = 8.0  # each throughput measurement
 
@@ -378,17 +384,23 @@ def check_smi(suite: Suite) -> None:
     try:
         holder.wait_ready()
         holder.go()
-        held = holder.result()
+        holder.result()
         query = ["nvidia-smi", "--query-gpu=memory.total,memory.used", "--format=csv", "--id=0"]
         csv = suite.command(query, env)
         table = suite.command(["nvidia-smi"], env)
-        apps = parse_compute_apps(suite.command(
-            ["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits", "--id=0"], env))
+        apps_query = ["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits", "--id=0"]
+        apps = parse_compute_apps(suite.command(apps_query, env))
+        plain_apps = parse_compute_apps(suite.command(apps_query, suite.plain_env()))
         plain_total, _ = parse_memory_csv(suite.command(query, suite.plain_env()))
         holder.finish()
     finally:
         holder.kill()
-    expected_used = held["allocated"] // MIB + CONTEXT_RESERVE_MIB
+    # What the process really holds (its allocation and its context), as
+    # NVML outside the shim lists it.
+    expected_used = plain_apps.get(holder.pid)
+    if expected_used is None:
+        suite.add("nvidia-smi without the shim lists the holder", f"pid {holder.pid}", f"{plain_apps}", "error")
+        return
     try:
         total, used = parse_memory_csv(csv)
     except ValueError as exc:
@@ -399,12 +411,13 @@ def check_smi(suite: Suite) -> None:
     suite.add(f"nvidia-smi memory.total, {cap} MiB cap", f"{cap} MiB",
               f"{total} MiB (without the shim: {plain_total} MiB)", verdict(total == cap))
     suite.add("nvidia-smi memory.used, a process of the container holding 1 GiB",
-              f"{expected_used} MiB ± 64 (1 GiB + context reserve)", f"{used} MiB",
-              verdict(within(used, expected_used, 64)))
+              f"{expected_used} MiB ± {AGREEMENT_MIB} (1 GiB and its context, as NVML lists the process without "
+              "the shim)", f"{used} MiB", verdict(within(used, expected_used, AGREEMENT_MIB)))
     suite.add("nvidia-smi table shows the cap", f"'{cap}MiB' in the table",
               "found" if f"{cap}MiB" in table else "not found", verdict(f"{cap}MiB" in table))
-    suite.add("nvidia-smi process list shows the container's process", f"pid {holder.pid}, {expected_used} MiB ± 64",
-              f"{apps}", verdict(within(apps.get(holder.pid, -1000), expected_used, 64)))
+    suite.add("nvidia-smi process list shows the container's process",
+              f"pid {holder.pid}, {expected_used} MiB ± {AGREEMENT_MIB}", f"{apps}",
+              verdict(within(apps.get(holder.pid, -1000), expected_used, AGREEMENT_MIB)))
 
 
 def framework_check(suite: Suite, label: str, framework: str, **extra: str) -> None:
@@ -433,7 +446,7 @@ def framework_check(suite: Suite, label: str, framework: str, **extra: str) -> N
               f"{capped.get('error')} after {allocated} MiB (without the shim: {plain_allocated} MiB, "
               f"{plain.get('error') or 'no error'})",
               verdict(refused and allocated <= cap and plain_allocated > cap))
-    limit = cap + CONTEXT_RESERVE_MIB
+    limit = cap
     suite.add(f"{label}: device memory used, NVML at 20 Hz, maximum", f"at most {limit} MiB",
               f"{device_peak:.0f} MiB device, {process_peak:.0f} MiB the process ({readings})",
               verdict(device_peak <= limit))
@@ -472,15 +485,24 @@ def check_static_cudart(suite: Suite) -> None:
               verdict(capped["error"] == "cudaErrorMemoryAllocation" and allocated <= cap
                       and plain["allocated"] // MIB > cap))
     suite.add("nvcc program, static cudart: device memory used, NVML maximum",
-              f"at most {cap + CONTEXT_RESERVE_MIB} MiB", f"{device_peak:.0f} MiB ({readings})",
-              verdict(device_peak <= cap + CONTEXT_RESERVE_MIB))
+              f"at most {cap} MiB", f"{device_peak:.0f} MiB ({readings})", verdict(device_peak <= cap))
 
 
 def share_row(suite: Suite, check: str, share: float, rate: float, uncapped: float,
-              utilization: float | None, known_limit: bool = False) -> None:
-    achieved = 100 * rate / uncapped
+              utilization: float | None, known_limit: bool = False, time_share: float | None = None) -> None:
+    """One share's row. `time_share` is the percent of the window the
+    device ran the program's kernels, read through NVML from outside the
+    shim: when given, it is what is judged, since a device idle part of the
+    time runs at higher clocks (on an H100 a product took 1.38 ms at a 25 %
+    share and 1.63 ms flat out), so throughput overstates a share."""
+    throughput = 100 * rate / uncapped
     util = f", NVML utilization {utilization:.0f} %" if utilization is not None else ""
-    measured = f"{achieved:.1f} % of the uncapped throughput{util}"
+    if time_share is None:
+        achieved = throughput
+        measured = f"{achieved:.1f} % of the uncapped throughput{util}"
+    else:
+        achieved = time_share
+        measured = f"{achieved:.1f} % of the device's time ({throughput:.1f} % of the uncapped throughput){util}"
     if not known_limit:
         suite.add(check, f"{share:g} ± {SHARE_BAND:g} %", measured, verdict(within(achieved, share, SHARE_BAND)))
         return
@@ -500,12 +522,19 @@ def check_compute(suite: Suite) -> None:
               f"{uncapped_util or 0:.0f} %", "info")
     for share in (25, 50, 75):
         (capped,), util = suite.together([(matmul, suite.shim_env(share=share))])
-        share_row(suite, f"matmul loop alone at {share} %", share, capped["rate"], uncapped["rate"], util)
+        share_row(suite, f"matmul loop alone at {share} %", share, capped["rate"], uncapped["rate"], util,
+                  time_share=util)
 
     (pair_30, pair_70), pair_util = suite.together([(matmul, suite.shim_env(share=30)),
                                                      (matmul, suite.shim_env(share=70))])
-    share_row(suite, "two containers at 30/70, the 30", 30, pair_30["rate"], uncapped["rate"], None)
-    share_row(suite, "two containers at 30/70, the 70", 70, pair_70["rate"], uncapped["rate"], pair_util)
+    # NVML's utilization is the device's, shared by both; the same kernel at
+    # the same clocks in both, each container's part of it is its part of
+    # the products.
+    both = pair_30["rate"] + pair_70["rate"]
+    for result, share in ((pair_30, 30), (pair_70, 70)):
+        part = pair_util * result["rate"] / both if pair_util is not None and both else None
+        share_row(suite, f"two containers at 30/70, the {share}", share, result["rate"], uncapped["rate"],
+                  pair_util if share == 70 else None, time_share=part)
 
     graph = suite.cuda("kernels", "graph", "--kernel-us", 500, "--graph-kernels", 20, "--seconds", WINDOW_SECONDS)
     (graph_uncapped,), _ = suite.together([(graph, suite.plain_env())])
@@ -534,8 +563,8 @@ def check_oversubscribe(suite: Suite) -> None:
               f"{allocated} MiB, {host} MiB from host, {mismatches} wrong words"
               + (f", stopped by {result['error']}" if result["error"] else ""),
               verdict(allocated == total and host >= total - cap and mismatches == 0))
-    suite.add("oversubscription: device memory used, NVML maximum", f"at most {cap + CONTEXT_RESERVE_MIB} MiB",
-              f"{device_peak:.0f} MiB ({readings})", verdict(device_peak <= cap + CONTEXT_RESERVE_MIB))
+    suite.add("oversubscription: device memory used, NVML maximum", f"at most {cap} MiB",
+              f"{device_peak:.0f} MiB ({readings})", verdict(device_peak <= cap))
     device_gbps, host_gbps = result["device_gbps"], result["host_gbps"]
     ratio = f" ({host_gbps / device_gbps:.3f} of device memory)" if device_gbps else ""
     suite.add("oversubscription: kernel bandwidth over host-served memory", "reported",
@@ -558,7 +587,7 @@ def check_overhead(suite: Suite) -> None:
     def launch_rate(env):
         return lambda: suite.once(empty, env)[0]["rate"]
 
-    rates = alternate(5, {
+    rates = alternate(LAUNCH_REPEATS, {
         "without": launch_rate(suite.plain_env()),
         "shim": launch_rate(suite.shim_env(container=False)),
         "shim with cap": launch_rate(suite.shim_env(cap_mib=suite.cap_mib)),
@@ -568,19 +597,19 @@ def check_overhead(suite: Suite) -> None:
         ratio = statistics.median(rates[name]) / without
         suite.add(f"empty-kernel launch rate with the shim ({label}) / without", "at least 0.97",
                   f"{ratio:.3f} ({statistics.median(rates[name]):,.0f} against {without:,.0f} launches/s, "
-                  "median of 5)", verdict(ratio >= 0.97))
+                  f"median of {LAUNCH_REPEATS})", verdict(ratio >= 0.97))
 
     train = suite.script("torch_loop.py", "train", "--chunks", 20)
 
     def step_time(env):
         return lambda: suite.once(train, env)[0]["step_seconds"]
 
-    steps = alternate(3, {"without": step_time(suite.plain_env()),
+    steps = alternate(STEP_REPEATS, {"without": step_time(suite.plain_env()),
                           "shim": step_time(suite.shim_env(cap_mib=16 * 1024))})
     plain_step, shim_step = statistics.median(steps["without"]), statistics.median(steps["shim"])
     suite.add("PyTorch training step, speed with the shim (16 GiB cap) / without", "at least 0.99",
               f"{plain_step / shim_step:.3f} ({shim_step * 1e3:.2f} ms against {plain_step * 1e3:.2f} ms, "
-              "median of 3)", verdict(plain_step / shim_step >= 0.99))
+              f"median of {STEP_REPEATS})", verdict(plain_step / shim_step >= 0.99))
 
     def start_up(env):
         def run():
@@ -727,7 +756,11 @@ def main(argv: list[str]) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     for folder in ("regions", "logs"):
-        (workdir / folder).mkdir(parents=True, exist_ok=True)
+        # A region left by an earlier run in the same --workdir would hand
+        # its limits to this run's container of the same name, and old logs
+        # would mix with new ones: both start empty.
+        shutil.rmtree(workdir / folder, ignore_errors=True)
+        (workdir / folder).mkdir(parents=True)
     suite = Suite(library, workdir, sys.executable, args.cap_mib, nvml, handle)
     header = versions(suite, nvcc)
     print("\n".join(header), flush=True)

@@ -138,6 +138,16 @@ def test_a_share_passes_only_within_three_points():
     assert "52.9 %" in rows.rows[0].measured and "NVML utilization 55 %" in rows.rows[0].measured
 
 
+def test_a_share_with_device_time_is_judged_by_device_time():
+    rows = Rows()
+    # 29 % of the throughput but 25.5 % of the device's time: the capped
+    # GPU ran at higher clocks than the loaded reference.
+    suite.share_row(rows, "at 25", 25, rate=29, uncapped=100, utilization=26, time_share=25.5)
+    suite.share_row(rows, "at 25", 25, rate=25, uncapped=100, utilization=30, time_share=30)
+    assert [r.verdict for r in rows.rows] == ["pass", "fail"]
+    assert "25.5 % of the device's time (29.0 % of the uncapped throughput)" in rows.rows[0].measured
+
+
 def test_small_kernels_fail_only_above_their_share():
     rows = Rows()
     suite.share_row(rows, "small", 50, rate=40, uncapped=100, utilization=40, known_limit=True)

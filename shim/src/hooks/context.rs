@@ -1,6 +1,8 @@
-//! Contexts: each one is charged the configured context reservation
-//! (`VGPU_CONTEXT_RESERVE`), since a context holds device memory of its own
-//! (code, stacks, printf buffer) that no allocation call shows.
+//! Contexts: each one is charged the device memory it holds of its own
+//! (code, stacks, printf buffer) that no allocation call shows: the
+//! configured reservation (`VGPU_CONTEXT_RESERVE`), or, when none is set,
+//! what the first context on a device is measured to hold (see
+//! `context_size`).
 
 use super::written_handle;
 use crate::driver::cuda::signature;
@@ -14,7 +16,7 @@ fn context_charge(enforcer: &Enforcer, device: CUdevice) -> Charge {
     Charge {
         device: device.max(0) as usize,
         kind: MemoryKind::Context,
-        bytes: enforcer.config.context_reserve,
+        bytes: enforcer.context_bytes(device.max(0) as usize),
         context: 0,
         pool: 0,
         host: 0,
@@ -31,11 +33,24 @@ fn create_context(
         Mode::Passthrough => create(),
         Mode::FailClosed => CUDA_ERROR_NOT_INITIALIZED,
         Mode::Enforce(enforcer) => {
-            enforcer.charged(context_charge(enforcer, device), Resource::Context, || {
+            let mut charge = context_charge(enforcer, device);
+            let before = enforcer.before_context(charge.device);
+            let mut created = 0;
+            let code = enforcer.charged(charge, Resource::Context, || {
                 let code = create();
                 // SAFETY: `ctx` is the caller's out-pointer, written on success.
-                (code, unsafe { written_handle(ctx) })
-            })
+                created = unsafe { written_handle(ctx) };
+                (code, created)
+            });
+            if code == CUDA_SUCCESS && before.is_some() {
+                let settled = enforcer.settle_context(charge.device, charge.bytes, before);
+                if settled != charge.bytes {
+                    // Its destruction must return what it is charged now.
+                    charge.bytes = settled;
+                    enforcer.table.insert(Resource::Context, created, charge);
+                }
+            }
+            code
         }
     }
 }
@@ -120,15 +135,21 @@ pub(crate) unsafe fn cuDevicePrimaryCtxRetain(
         Mode::Enforce(enforcer) => {
             let first = enforcer.primary_retained(device.max(0) as usize);
             let charge = context_charge(enforcer, device);
+            let mut before = None;
             if first {
                 if let Err(code) = enforcer.reserve(charge.device, charge.kind, charge.bytes) {
                     enforcer.primary_retain_failed(charge.device);
                     return code;
                 }
+                before = enforcer.before_context(charge.device);
             }
             // SAFETY: forwarded unchanged.
             let code = unsafe { (driver.call)(ctx, device) };
             if code == CUDA_SUCCESS {
+                if first {
+                    // Its release returns `context_bytes`, which this settles.
+                    enforcer.settle_context(charge.device, charge.bytes, before);
+                }
                 // SAFETY: written by the successful call.
                 enforcer
                     .note_primary_context(charge.device, unsafe { written_handle(ctx) } as usize);

@@ -38,8 +38,15 @@ pub(crate) unsafe fn cuInit(driver: Real<signature::cuInit>, flags: u32) -> CUre
 /// Replaces a just-returned driver address with our hook, if we hook it.
 ///
 /// # Safety
-/// `pfn` must be null or valid for reads and writes.
-unsafe fn redirect_result(code: CUresult, pfn: *mut *mut c_void) {
+/// `pfn` must be null or valid for reads and writes; `symbol` null or a
+/// NUL-terminated string.
+unsafe fn redirect_result(
+    code: CUresult,
+    symbol: *const c_char,
+    pfn: *mut *mut c_void,
+    cuda_version: i32,
+    flags: u64,
+) {
     if code != CUDA_SUCCESS || pfn.is_null() {
         return;
     }
@@ -48,9 +55,23 @@ unsafe fn redirect_result(code: CUresult, pfn: *mut *mut c_void) {
     if address.is_null() {
         return;
     }
-    if let Some(hook) = real::LIBRARY.redirect(address) {
+    let hook = real::LIBRARY.redirect(address);
+    if let Some(hook) = hook {
         // SAFETY: as above.
         unsafe { *pfn = hook };
+    }
+    // Which entry points a runtime or library asks for, and which of them
+    // the shim holds, is what tells an unlimited path apart on a new CUDA.
+    if tracing::enabled!(tracing::Level::DEBUG) && !symbol.is_null() {
+        // SAFETY: checked non-null; NUL-terminated per the caller.
+        let name = unsafe { std::ffi::CStr::from_ptr(symbol) }.to_string_lossy();
+        tracing::debug!(
+            symbol = %name,
+            cuda_version,
+            flags,
+            hooked = hook.is_some(),
+            "cuGetProcAddress"
+        );
     }
 }
 
@@ -68,8 +89,8 @@ pub(crate) unsafe fn cuGetProcAddress(
     }
     // SAFETY: forwarded unchanged.
     let code = unsafe { (driver.call)(symbol, pfn, cuda_version, flags) };
-    // SAFETY: `pfn` is the caller's out-pointer.
-    unsafe { redirect_result(code, pfn) };
+    // SAFETY: the caller's out-pointer and symbol name.
+    unsafe { redirect_result(code, symbol, pfn, cuda_version, flags) };
     code
 }
 
@@ -88,7 +109,7 @@ pub(crate) unsafe fn cuGetProcAddress_v2(
     }
     // SAFETY: forwarded unchanged.
     let code = unsafe { (driver.call)(symbol, pfn, cuda_version, flags, status) };
-    // SAFETY: `pfn` is the caller's out-pointer.
-    unsafe { redirect_result(code, pfn) };
+    // SAFETY: the caller's out-pointer and symbol name.
+    unsafe { redirect_result(code, symbol, pfn, cuda_version, flags) };
     code
 }

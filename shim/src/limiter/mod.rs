@@ -236,6 +236,13 @@ impl Limiter {
         self.sampler.poll(|entry, device, outcome| match outcome {
             Outcome::Measured(nanos) => {
                 let correction = self.kernels().record(entry, nanos);
+                tracing::trace!(
+                    entry,
+                    device,
+                    measured_ns = nanos,
+                    correction,
+                    "kernel timed"
+                );
                 if correction != 0 {
                     bucket::correct(&region.layout().devices[device], correction);
                 }
