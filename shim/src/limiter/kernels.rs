@@ -3,17 +3,12 @@
 //! Launches are grouped by function and launch shape (grid, block, shared
 //! memory), since the same kernel takes longer on a larger grid. A launch is
 //! charged its group's current price; a sample of launches is timed with
-//! events, and the price follows the *lower quartile* of the last few
-//! samples. A timed launch can only look longer than the kernel really ran
-//! (it also includes any wait for the device behind other streams or
-//! containers, and the host-side correction in `samples` never
-//! over-subtracts), so the low samples are the clean ones; if the kernel
-//! really slows down, every recent sample rises and so does the quartile.
-//! The minimum would be cleaner still, but a kernel's own time varies with
-//! the device's clocks: on an H100 shared at 30/70 one matrix product took
-//! 1.39 to 1.65 ms (median 1.62), and the minimum of each window of 32 was
-//! on average 2.9 % below what the products took (the lower quartile:
-//! 1.3 %), so the container ran that much over its share.
+//! events, and the price follows the *smallest* of the last few samples.
+//! A timed launch can only look longer than the kernel really ran (it also
+//! includes any wait for the device behind other streams or containers, and
+//! the host-side correction in `samples` never over-subtracts), so the
+//! minimum is the least polluted figure; if the kernel really slows down,
+//! every recent sample rises and so does the minimum.
 //!
 //! When the price changes, launches charged at the old price since the last
 //! change are settled at the new one, so a misprediction is paid back (or
@@ -27,9 +22,9 @@ use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU64, Ordering};
 const TABLE_SIZE: usize = 1024;
 /// Slots probed for a group before giving up on tracking it.
 const PROBES: usize = 8;
-/// Samples the price is the lower quartile of. Under contention many
-/// samples include a wait behind other work; the window must be long
-/// enough that a quarter of it is clean.
+/// Samples the price is the minimum of. Under contention most samples
+/// include a wait behind other work; the window must be long enough to
+/// hold a clean one.
 const WINDOW: usize = 32;
 /// Timing costs two event records, so cheap kernels are timed rarely and
 /// expensive ones often: a group is timed every `SAMPLE_SPACING_NS / price`
@@ -94,17 +89,15 @@ struct Window {
 }
 
 impl Window {
-    /// Adds a sample and returns the window's lower quartile (the smallest
-    /// sample while fewer than five are held).
     fn push(&mut self, sample: u64) -> u64 {
         self.samples[self.next] = sample;
         self.next = (self.next + 1) % WINDOW;
         self.len = (self.len + 1).min(WINDOW);
-        // A copy on the stack: the window keeps its arrival order.
-        let mut recent = self.samples;
-        let recent = &mut recent[..self.len];
-        let (_, quartile, _) = recent.select_nth_unstable((self.len - 1) / 4);
-        *quartile
+        self.samples[..self.len]
+            .iter()
+            .copied()
+            .min()
+            .unwrap_or(sample)
     }
 }
 
@@ -302,31 +295,7 @@ mod tests {
     }
 
     #[test]
-    fn the_price_follows_the_lower_quartile_not_the_fastest_outlier() {
-        let table = KernelTable::new();
-        let (index, entry) = table.entry(&key(5)).expect("slot");
-        assert!(entry.charge(0));
-        // A kernel whose time moves with the clocks: one fast outlier, the
-        // rest between 1.56 and 1.65 ms, as on a loaded H100.
-        table.record(index, 1_390_000);
-        for i in 0..(WINDOW as u64 - 1) {
-            table.record(index, 1_560_000 + (i % 10) * 10_000);
-        }
-        let price = entry.price();
-        assert!(
-            (1_560_000..=1_600_000).contains(&price),
-            "the lower quartile, not the 1.39 ms outlier: {price}"
-        );
-        // Waits behind other work (three quarters of the window) do not
-        // raise it.
-        for _ in 0..(WINDOW * 3 / 4 - 1) {
-            table.record(index, 4_000_000);
-        }
-        assert!(entry.price() < 1_700_000, "{}", entry.price());
-    }
-
-    #[test]
-    fn the_price_is_the_smallest_of_the_first_samples() {
+    fn the_price_is_the_smallest_recent_sample() {
         let table = KernelTable::new();
         let (index, entry) = table.entry(&key(1)).expect("slot");
         assert!(entry.charge(400), "an untimed group is timed at once");
