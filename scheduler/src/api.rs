@@ -74,6 +74,14 @@ pub async fn make_client(source: &ApiSource) -> Result<Client, ApiError> {
     Ok(vgpu_cluster::client::make_client(source).await?)
 }
 
+/// Which part of an `ElasticGPUClaim` a patch writes: the object
+/// (metadata, spec) or the status subresource.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ClaimPart {
+    Object,
+    Status,
+}
+
 /// The extender's API calls.
 #[derive(Clone)]
 pub struct KubeApi {
@@ -166,30 +174,21 @@ impl KubeApi {
             })
     }
 
-    /// A JSON merge patch of a claim (a `metadata.resourceVersion` in it
-    /// is a precondition).
+    /// A JSON merge patch of a claim's object or of its status (a
+    /// `metadata.resourceVersion` in it is a precondition).
     pub async fn patch_elastic_claim(
         &self,
         namespace: &str,
         name: &str,
+        part: ClaimPart,
         patch: &serde_json::Value,
     ) -> Result<(), ApiError> {
-        self.elastic_claims(namespace)
-            .patch(name, &PatchParams::default(), &Patch::Merge(patch))
-            .await?;
-        Ok(())
-    }
-
-    /// A JSON merge patch of a claim's status.
-    pub async fn patch_elastic_claim_status(
-        &self,
-        namespace: &str,
-        name: &str,
-        patch: &serde_json::Value,
-    ) -> Result<(), ApiError> {
-        self.elastic_claims(namespace)
-            .patch_status(name, &PatchParams::default(), &Patch::Merge(patch))
-            .await?;
+        let claims = self.elastic_claims(namespace);
+        let (params, patch) = (PatchParams::default(), Patch::Merge(patch));
+        match part {
+            ClaimPart::Object => claims.patch(name, &params, &patch).await?,
+            ClaimPart::Status => claims.patch_status(name, &params, &patch).await?,
+        };
         Ok(())
     }
 

@@ -17,7 +17,7 @@
 //! change the watch reports and every [`RESYNC`] (which also brings a new
 //! leader, or one restarted, up to date), and writes only what differs.
 
-use crate::api::{ApiError, KubeApi};
+use crate::api::{ApiError, ClaimPart, KubeApi};
 use crate::claims::{claim_share, claims_held, ClaimShare, CLAIM_CORE, CLAIM_MEMORY, PROVISIONER};
 use crate::elastic_crd::{BINDING_MODE_ANNOTATION, RECLAIM_POLICY_ANNOTATION, STORED_VERSION};
 use crate::scheduler::Scheduler;
@@ -141,6 +141,7 @@ pub async fn reconcile(
             api.patch_elastic_claim(
                 namespace,
                 name,
+                ClaimPart::Object,
                 &json!({"metadata": {"finalizers": rest, "resourceVersion": text(claim, "/metadata/resourceVersion")}}),
             )
             .await?;
@@ -161,6 +162,7 @@ pub async fn reconcile(
         api.patch_elastic_claim(
             namespace,
             name,
+            ClaimPart::Object,
             &json!({"metadata": {"finalizers": with, "resourceVersion": text(claim, "/metadata/resourceVersion")}}),
         )
         .await?;
@@ -214,6 +216,7 @@ pub async fn reconcile(
         api.patch_elastic_claim(
             namespace,
             name,
+            ClaimPart::Object,
             &json!({"spec": {"elasticGPUName": egpu_name}}),
         )
         .await?;
@@ -368,9 +371,10 @@ async fn set_status(
     }
     let now =
         k8s_openapi::apimachinery::pkg::apis::meta::v1::Time(k8s_openapi::jiff::Timestamp::now());
-    api.patch_elastic_claim_status(
+    api.patch_elastic_claim(
         text(claim, "/metadata/namespace"),
         text(claim, "/metadata/name"),
+        ClaimPart::Status,
         &json!({"status": {"phase": phase, "conditions": [{
             "type": "Ready", "status": status, "reason": reason, "message": message,
             "lastTransitionTime": now,
