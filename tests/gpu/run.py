@@ -723,7 +723,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--nvcc", help="the CUDA compiler (default: nvcc on PATH, else /usr/local/cuda/bin/nvcc)")
     parser.add_argument("--arch", default="native", help="nvcc -arch value (default: %(default)s)")
     parser.add_argument("--cap-mib", type=int, default=4096, help="the memory cap under test (default: %(default)s)")
-    parser.add_argument("--workdir", help="where programs, regions and logs go (default: a new temporary folder)")
+    parser.add_argument("--workdir", help="where programs, regions and logs go; its regions/ and logs/ are emptied "
+                        "at the start of each run (default: a new temporary folder)")
     parser.add_argument("--build-only", action="store_true", help="compile the CUDA programs into --workdir and exit")
     args = parser.parse_args(argv)
     if args.only:
