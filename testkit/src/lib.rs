@@ -93,6 +93,47 @@ pub struct Sandbox {
     env: Vec<(String, String)>,
 }
 
+/// Ports are picked from here up to the start of the kernel's ephemeral range.
+const LOWEST_PORT: u16 = 20000;
+
+/// A loopback port nothing listens on now, for a server a test starts as a
+/// child process. It is picked at random below the kernel's ephemeral range:
+/// a port from binding port 0 lies inside that range, where any outgoing
+/// connection on the machine can take it as its source port before the
+/// server binds it (CI saw "address already in use" so, with many tests
+/// starting servers at once). `tests/cluster/controlplane.py` picks the same way.
+pub fn free_port() -> u16 {
+    let ephemeral_low = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
+        .ok()
+        .and_then(|range| range.split_whitespace().next()?.parse::<u16>().ok())
+        .unwrap_or(32768);
+    let seed = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|since| since.subsec_nanos())
+        .unwrap_or(0)
+        ^ std::process::id().rotate_left(16)
+        ^ SANDBOX_COUNTER.fetch_add(1, Ordering::Relaxed) as u32;
+    let span = u32::from(ephemeral_low.saturating_sub(LOWEST_PORT));
+    if span < 1000 {
+        // No room below the range: take the kernel's pick.
+        return std::net::TcpListener::bind("127.0.0.1:0")
+            .and_then(|listener| listener.local_addr())
+            .expect("a free loopback port")
+            .port();
+    }
+    // A small linear-congruential walk from the seed visits different
+    // ports on each try.
+    let mut state = seed;
+    for _ in 0..200 {
+        state = state.wrapping_mul(1_664_525).wrapping_add(1_013_904_223);
+        let port = LOWEST_PORT + ((state >> 8) % span) as u16;
+        if std::net::TcpListener::bind(("127.0.0.1", port)).is_ok() {
+            return port;
+        }
+    }
+    panic!("no free loopback port between {LOWEST_PORT} and {ephemeral_low}");
+}
+
 /// A new empty folder `vgpu-test-<pid>-<n>-<name>` under the temporary
 /// folder, for one test's files.
 pub fn unique_temp_dir(name: &str) -> PathBuf {

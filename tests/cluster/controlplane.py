@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import signal
 import socket
 import ssl
@@ -55,10 +56,46 @@ def binaries() -> Path:
     return folder
 
 
+# Ports are picked from here up to the start of the kernel's ephemeral
+# range (see `free_port`).
+LOWEST_PORT = 20000
+# How many times a component is started on fresh ports when one it was
+# given was taken before it could bind it.
+BIND_ATTEMPTS = 4
+
+
+def ephemeral_range() -> tuple[int, int]:
+    """The kernel's range for the source ports of outgoing connections."""
+    try:
+        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(low), int(high)
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
 def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
+    """A loopback port nothing listens on now, picked at random below the
+    ephemeral range. A port from bind(0) lies inside that range, where any
+    outgoing connection on the machine can take it as its source port
+    between this check and the server's own bind: CI saw kube-apiserver
+    fail so ("address already in use") while many control planes started
+    at once. What remains (two tests picking the same port) is handled by
+    `ControlPlane` starting a component again on fresh ports."""
+    low = ephemeral_range()[0]
+    if low - LOWEST_PORT < 1000:
+        # An unusual range leaves no room below it: fall back to the kernel's pick.
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            return probe.getsockname()[1]
+    for _ in range(200):
+        port = random.randrange(LOWEST_PORT, low)
+        with socket.socket() as probe:
+            try:
+                probe.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise ControlPlaneError(f"no free loopback port between {LOWEST_PORT} and {low}")
 
 
 def openssl(*args: str, cwd: Path) -> None:
@@ -122,8 +159,10 @@ class ControlPlane:
         self.address = network.address if network else "127.0.0.1"
         self.controllers = controllers
         self.api_only = api_only
-        self.api_port = free_port()
-        self.server = f"https://{self.address}:{self.api_port}"
+        # Set once the API server has started on a port of its own.
+        self.api_port = 0
+        self.server = ""
+        self.etcd_url = ""
         self.admin_kubeconfig = self.workdir / "admin.kubeconfig"
 
     # Life cycle ----------------------------------------------------------
@@ -141,54 +180,64 @@ class ControlPlane:
 
     def start(self) -> None:
         make_certificates(self.pki, self.address)
-        self.admin_kubeconfig.write_text(kubeconfig(self.server, self.pki, {
-            "client-certificate": str(self.pki / "admin.crt"),
-            "client-key": str(self.pki / "admin.key"),
-        }))
-        etcd_client, etcd_peer = free_port(), free_port()
-        self._spawn("etcd", [
-            "--data-dir", str(self.workdir / "etcd"),
-            "--listen-client-urls", f"http://127.0.0.1:{etcd_client}",
-            "--advertise-client-urls", f"http://127.0.0.1:{etcd_client}",
-            "--listen-peer-urls", f"http://127.0.0.1:{etcd_peer}",
-            "--initial-advertise-peer-urls", f"http://127.0.0.1:{etcd_peer}",
-            "--initial-cluster", f"default=http://127.0.0.1:{etcd_peer}",
-            "--listen-metrics-urls", f"http://127.0.0.1:{free_port()}",
-            # A test cluster's data is thrown away: waiting for the disk on
-            # every write made etcd time out requests under the 300-pod
-            # burst on a 2-core machine.
-            "--unsafe-no-fsync",
-        ])
-        self.health["etcd"] = lambda: self._probe(f"http://127.0.0.1:{etcd_client}/health")
-        self._wait("etcd", self.health["etcd"])
         pki = self.pki
-        self._spawn("kube-apiserver", [
-            f"--etcd-servers=http://127.0.0.1:{etcd_client}",
-            f"--bind-address={self.address}",
-            f"--secure-port={self.api_port}",
-            f"--advertise-address={self.address}",
-            # The `kubernetes` Service gets no endpoints (loopback may not
-            # be one; nothing in the tests uses it).
-            "--endpoint-reconciler-type=none",
-            f"--service-cluster-ip-range={SERVICE_RANGE}",
-            "--authorization-mode=RBAC",
-            f"--client-ca-file={pki / 'ca.crt'}",
-            f"--tls-cert-file={pki / 'server.crt'}",
-            f"--tls-private-key-file={pki / 'server.key'}",
-            "--service-account-issuer=https://kubernetes.default.svc",
-            f"--service-account-key-file={pki / 'sa.pub'}",
-            f"--service-account-signing-key-file={pki / 'sa.key'}",
-            # Webhook Services are reached through their endpoints (there is
-            # no kube-proxy).
-            "--enable-aggregator-routing=true",
-            "--allow-privileged=true",
-            # Without the controller manager nothing gives namespaces their
-            # `default` ServiceAccount, which this admission plugin requires
-            # of every pod.
-            *(["--disable-admission-plugins=ServiceAccount"] if self.api_only else []),
-        ])
-        self.health["kube-apiserver"] = lambda: self._api_ok("/readyz")
-        self._wait("kube-apiserver", self.health["kube-apiserver"])
+
+        def etcd(attempt: int, client: int, peer: int, metrics: int) -> list[str]:
+            self.health["etcd"] = lambda: self._probe(f"http://127.0.0.1:{client}/health")
+            self.etcd_url = f"http://127.0.0.1:{client}"
+            return [
+                # A fresh folder per attempt: a member that once started
+                # keeps its first peer address in its data.
+                "--data-dir", str(self.workdir / ("etcd" if attempt == 0 else f"etcd-{attempt}")),
+                "--listen-client-urls", f"http://127.0.0.1:{client}",
+                "--advertise-client-urls", f"http://127.0.0.1:{client}",
+                "--listen-peer-urls", f"http://127.0.0.1:{peer}",
+                "--initial-advertise-peer-urls", f"http://127.0.0.1:{peer}",
+                "--initial-cluster", f"default=http://127.0.0.1:{peer}",
+                "--listen-metrics-urls", f"http://127.0.0.1:{metrics}",
+                # A test cluster's data is thrown away: waiting for the disk on
+                # every write made etcd time out requests under the 300-pod
+                # burst on a 2-core machine.
+                "--unsafe-no-fsync",
+            ]
+
+        self._start_listening("etcd", 3, etcd)
+
+        def api_server(attempt: int, port: int) -> list[str]:
+            self.api_port = port
+            self.server = f"https://{self.address}:{port}"
+            self.admin_kubeconfig.write_text(kubeconfig(self.server, self.pki, {
+                "client-certificate": str(self.pki / "admin.crt"),
+                "client-key": str(self.pki / "admin.key"),
+            }))
+            self.health["kube-apiserver"] = lambda: self._api_ok("/readyz")
+            return [
+                f"--etcd-servers={self.etcd_url}",
+                f"--bind-address={self.address}",
+                f"--secure-port={self.api_port}",
+                f"--advertise-address={self.address}",
+                # The `kubernetes` Service gets no endpoints (loopback may not
+                # be one; nothing in the tests uses it).
+                "--endpoint-reconciler-type=none",
+                f"--service-cluster-ip-range={SERVICE_RANGE}",
+                "--authorization-mode=RBAC",
+                f"--client-ca-file={pki / 'ca.crt'}",
+                f"--tls-cert-file={pki / 'server.crt'}",
+                f"--tls-private-key-file={pki / 'server.key'}",
+                "--service-account-issuer=https://kubernetes.default.svc",
+                f"--service-account-key-file={pki / 'sa.pub'}",
+                f"--service-account-signing-key-file={pki / 'sa.key'}",
+                # Webhook Services are reached through their endpoints (there is
+                # no kube-proxy).
+                "--enable-aggregator-routing=true",
+                "--allow-privileged=true",
+                # Without the controller manager nothing gives namespaces their
+                # `default` ServiceAccount, which this admission plugin requires
+                # of every pod.
+                *(["--disable-admission-plugins=ServiceAccount"] if self.api_only else []),
+            ]
+
+        self._start_listening("kube-apiserver", 1, api_server)
         if self.api_only:
             return
         for name, extra in (
@@ -201,16 +250,17 @@ class ControlPlane:
             ]),
             ("kube-scheduler", []),
         ):
-            port = free_port()
-            self._spawn(name, [
-                f"--kubeconfig={self.admin_kubeconfig}",
-                "--leader-elect=false",
-                "--bind-address=127.0.0.1",
-                f"--secure-port={port}",
-                *extra,
-            ])
-            self.health[name] = lambda port=port: self._probe(f"https://127.0.0.1:{port}/healthz", insecure=True)
-            self._wait(name, self.health[name])
+            def component(_attempt: int, port: int, name=name, extra=extra) -> list[str]:
+                self.health[name] = lambda: self._probe(f"https://127.0.0.1:{port}/healthz", insecure=True)
+                return [
+                    f"--kubeconfig={self.admin_kubeconfig}",
+                    "--leader-elect=false",
+                    "--bind-address=127.0.0.1",
+                    f"--secure-port={port}",
+                    *extra,
+                ]
+
+            self._start_listening(name, 1, component)
         # The controller manager gives every namespace its `default`
         # ServiceAccount: ready once the default namespace has one.
         self._wait("kube-controller-manager", lambda: self._api_ok(
@@ -278,6 +328,24 @@ class ControlPlane:
         return (self.workdir / f"{name}.log").read_text(errors="replace")
 
     # Internals -----------------------------------------------------------
+
+    def _start_listening(self, name: str, ports: int, arguments) -> None:
+        """Starts component `name` with `arguments(attempt, *ports)` (which
+        also sets its health check) on `ports` free ports and waits until it
+        is healthy. When it fails because a port was taken between the pick
+        and its bind, it is started again on fresh ports; any other failure
+        is raised at once."""
+        for attempt in range(BIND_ATTEMPTS):
+            chosen = [free_port() for _ in range(ports)]
+            self._spawn(name, arguments(attempt, *chosen), append=attempt > 0)
+            try:
+                self._wait(name, self.health[name])
+                return
+            except ControlPlaneError as error:
+                if "address already in use" not in str(error) or attempt + 1 == BIND_ATTEMPTS:
+                    raise
+                print(f"{name}: a port was taken before it could bind it; starting it on others",
+                      file=sys.stderr, flush=True)
 
     def _spawn(self, name: str, args: list[str], append: bool = False) -> None:
         self.arguments[name] = args

@@ -28,7 +28,7 @@ REPO = HERE.parent.parent
 CHART = REPO / "deploy/helm/vgpu"
 TARGET = Path(os.environ.get("VGPU_TARGET_DIR", REPO / "target/release")).resolve()
 sys.path.insert(0, str(HERE))
-from controlplane import ControlPlane, wait_for  # noqa: E402
+from controlplane import ControlPlane, free_port, wait_for  # noqa: E402
 from nodenet import TestNetwork  # noqa: E402
 
 # The simulated-GPU sandbox the Python client tests use.
@@ -80,12 +80,6 @@ def test_the_chart_installs_upgrades_and_uninstalls_with_the_real_helm(cluster):
 
     cluster.helm("uninstall", "vgpu", "-n", "vgpu-system")
     assert objects(cluster, "vgpu") == []
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def metrics(port: int) -> str:
@@ -376,3 +370,29 @@ def test_a_hami_pod_goes_through_the_webhook_kube_scheduler_and_the_extender(tmp
             scheduler.terminate()
             scheduler.wait(timeout=30)
             extender.stop()
+
+
+def test_a_port_taken_before_the_api_server_binds_it_is_replaced_by_another(tmp_path, monkeypatch):
+    """Between picking a free port and the server's bind, something else can
+    take it: the launcher starts the server again on a fresh port instead of
+    failing the test that needed a control plane."""
+    import controlplane
+
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        taken = holder.getsockname()[1]
+        picks = []
+
+        def pick() -> int:
+            picks.append(None)
+            # etcd asks for three ports; the API server's first is the taken one.
+            return taken if len(picks) == 4 else free_port()
+
+        monkeypatch.setattr(controlplane, "free_port", pick)
+        with ControlPlane(tmp_path, api_only=True) as control_plane:
+            assert control_plane.api_port != taken
+            assert control_plane.server.endswith(f":{control_plane.api_port}")
+            assert "address already in use" in control_plane.log("kube-apiserver")
+            assert control_plane.kubectl("get", "namespaces").returncode == 0
+            assert f":{control_plane.api_port}" in control_plane.admin_kubeconfig.read_text()

@@ -12,7 +12,7 @@ use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use kube::api::{Api, DeleteParams, ListParams, PostParams};
 use std::collections::BTreeMap;
 use std::io::{Read, Write};
-use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::net::{SocketAddr, TcpStream};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
@@ -23,14 +23,7 @@ use vgpu_testkit::kube::ApiServer;
 pub const MIB: u64 = 1 << 20;
 pub const GIB: u64 = 1 << 30;
 
-/// A loopback port nobody listens on right now.
-pub fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .expect("bind")
-        .local_addr()
-        .expect("addr")
-        .port()
-}
+pub use vgpu_testkit::free_port;
 
 /// `GET path` over HTTP/1.1; returns the status and the body.
 pub fn http_get(addr: SocketAddr, path: &str) -> Result<(u16, String), String> {
