@@ -192,14 +192,37 @@ impl KubeApi {
         Ok(())
     }
 
-    /// Creates an `ElasticGPU` (given as JSON).
-    pub async fn create_elastic_gpu(&self, object: &serde_json::Value) -> Result<(), ApiError> {
+    /// Creates an `ElasticGPU` (given as JSON); answers it as created.
+    pub async fn create_elastic_gpu(
+        &self,
+        object: &serde_json::Value,
+    ) -> Result<serde_json::Value, ApiError> {
         let object: DynamicObject =
             serde_json::from_value(object.clone()).map_err(ApiError::Decode)?;
-        self.elastic_gpus()
+        let created = self
+            .elastic_gpus()
             .create(&PostParams::default(), &object)
             .await?;
-        Ok(())
+        serde_json::to_value(created).map_err(ApiError::Decode)
+    }
+
+    /// An `ElasticGPU`, as JSON.
+    pub async fn get_elastic_gpu(&self, name: &str) -> Result<serde_json::Value, ApiError> {
+        serde_json::to_value(self.elastic_gpus().get(name).await?).map_err(ApiError::Decode)
+    }
+
+    /// A JSON merge patch of an `ElasticGPU` (a `metadata.resourceVersion`
+    /// in it is a precondition); answers it as patched.
+    pub async fn patch_elastic_gpu(
+        &self,
+        name: &str,
+        patch: &serde_json::Value,
+    ) -> Result<serde_json::Value, ApiError> {
+        let patched = self
+            .elastic_gpus()
+            .patch(name, &PatchParams::default(), &Patch::Merge(patch))
+            .await?;
+        serde_json::to_value(patched).map_err(ApiError::Decode)
     }
 
     /// A JSON merge patch of an `ElasticGPU`'s status.
@@ -318,6 +341,73 @@ pub async fn watch_nodes(client: Client, state: Arc<SharedState>) {
         Event::Delete(node) => state.update(|s| s.delete_node(&node)),
     })
     .await
+}
+
+/// Lists and watches every `ElasticGPU` forever, feeding the slices they
+/// hold for claims into `state` (whose caller has called
+/// `expect_reservations` first). Placements wait for the first list,
+/// unless the API has no ElasticGPUs for this extender (404: the
+/// definitions are not installed; 403: it may not read them), which means
+/// no slice is held; the watch keeps retrying (with kube's backoff), so
+/// definitions installed later are picked up.
+pub async fn watch_elastic_gpus(client: Client, state: Arc<SharedState>) {
+    let api: Api<DynamicObject> =
+        Api::all_with(client, &elastic_resource("ElasticGPU", "elasticgpus"));
+    let config = watcher::Config::default().list_semantic(ListSemantic::MostRecent);
+    let mut stream = watcher::watcher(api, config).default_backoff().boxed();
+    let mut failing: Option<Option<u16>> = None;
+    while let Some(item) = stream.next().await {
+        let event = match item {
+            Ok(event) => event,
+            Err(error) => {
+                let code = refusal_code(&error);
+                if failing != Some(code) {
+                    match code {
+                        Some(404) => tracing::info!(
+                            "Kubernetes API: no ElasticGPU resource (the elasticgpu.io definitions are not installed); \
+                             no GPU slices are held for claims"
+                        ),
+                        Some(403) => tracing::warn!(
+                            "Kubernetes API: this extender may not list ElasticGPUs (RBAC); \
+                             GPU slices held for Elastic GPU claims are not counted"
+                        ),
+                        _ => tracing::warn!(
+                            error = &error as &dyn std::error::Error,
+                            "Kubernetes API: ElasticGPU watch failed (retrying)"
+                        ),
+                    }
+                }
+                if matches!(code, Some(404 | 403)) {
+                    state.update(|s| s.no_reservations());
+                }
+                failing = Some(code);
+                continue;
+            }
+        };
+        if failing.is_some() && !matches!(event, Event::Init) {
+            tracing::info!("Kubernetes API: ElasticGPU watch recovered");
+            failing = None;
+        }
+        let json = |object: DynamicObject| serde_json::to_value(object).unwrap_or_default();
+        match event {
+            Event::Init => state.update(|s| s.begin_reservation_relist()),
+            Event::InitApply(object) => state.update(|s| s.relist_reservation(&json(object))),
+            Event::InitDone => state.update(|s| s.finish_reservation_relist()),
+            Event::Apply(object) => state.update(|s| s.apply_reservation(&json(object), false)),
+            Event::Delete(object) => state.update(|s| s.delete_reservation(&json(object))),
+        }
+    }
+}
+
+/// The HTTP status the API server refused a watch with, if it did.
+fn refusal_code(error: &watcher::Error) -> Option<u16> {
+    match error {
+        watcher::Error::InitialListFailed(kube::Error::Api(status))
+        | watcher::Error::WatchStartFailed(kube::Error::Api(status))
+        | watcher::Error::WatchFailed(kube::Error::Api(status)) => Some(status.code),
+        watcher::Error::WatchError(status) => Some(status.code),
+        _ => None,
+    }
 }
 
 /// Runs a watch of `api` forever, handing every event to `on_event`; a

@@ -7,8 +7,12 @@
 //!   `Ready: False` condition saying why.
 //! - Binding mode (the class's `egpuBindingMode`, kept in v1alpha1 as
 //!   [`BINDING_MODE_ANNOTATION`]): `Immediate` (default) provisions when the
-//!   claim is created; `WaitForFirstConsumer` when the first pod holding it
-//!   is placed, on that pod's GPU and node.
+//!   claim is created: the slice is placed as a pod holding it would be and
+//!   held from then on ([`crate::reservation`]); a claim no node has room
+//!   for stays `Pending` (`NoCapacity`) and is tried again at each resync.
+//!   `WaitForFirstConsumer` provisions when the first pod holding it is
+//!   placed, taking that pod's slice. Either way, the slice stays held for
+//!   the claim between its pods, and its pods run on it.
 //! - The claim carries the finalizer [`FINALIZER`]; when it is deleted the
 //!   class's reclaim policy decides: `Delete` (default) deletes the
 //!   ElasticGPU, `Retain` leaves it `Released`.
@@ -18,9 +22,14 @@
 //! leader, or one restarted, up to date), and writes only what differs.
 
 use crate::api::{ApiError, ClaimPart, KubeApi};
-use crate::claims::{claim_share, claims_held, ClaimShare, CLAIM_CORE, CLAIM_MEMORY, PROVISIONER};
+use crate::claims::{
+    claim_key, claim_share, claim_uses, claims_held, ClaimShare, CLAIM_CORE, CLAIM_MEMORY,
+    PROVISIONER,
+};
 use crate::elastic_crd::{BINDING_MODE_ANNOTATION, RECLAIM_POLICY_ANNOTATION, STORED_VERSION};
+use crate::reservation::Reservation;
 use crate::scheduler::Scheduler;
+use crate::state::ElasticSync;
 use futures_util::StreamExt;
 use serde_json::{json, Value};
 use std::sync::Arc;
@@ -44,7 +53,9 @@ pub async fn run(api: KubeApi, scheduler: Arc<Scheduler>) {
                 None => changes = api.watch_elastic_claims().boxed(),
             },
             _ = resync.tick() => {
-                if !scheduler.leads() {
+                // Nothing to list where the API has no Elastic GPU resources.
+                let absent = scheduler.state().read().elastic_sync() == ElasticSync::Absent;
+                if !scheduler.leads() || absent {
                     continue;
                 }
                 match api.list_elastic_claims().await {
@@ -68,7 +79,7 @@ async fn reconcile_if_leading(api: &KubeApi, scheduler: &Scheduler, claim: &Valu
     if let Err(error) = reconcile(api, scheduler, claim).await {
         tracing::warn!(
             error = &error as &dyn std::error::Error,
-            claim = %claim_key(claim),
+            claim = %key_of(claim),
             "reconciling an ElasticGPUClaim (tried again at the next change or resync)"
         );
     }
@@ -81,11 +92,11 @@ fn text<'a>(object: &'a Value, pointer: &str) -> &'a str {
         .unwrap_or_default()
 }
 
-fn claim_key(claim: &Value) -> String {
-    format!(
-        "{}/{}",
+/// The claim's `namespace/name`.
+fn key_of(claim: &Value) -> String {
+    claim_key(
         text(claim, "/metadata/namespace"),
-        text(claim, "/metadata/name")
+        text(claim, "/metadata/name"),
     )
 }
 
@@ -136,7 +147,7 @@ pub async fn reconcile(
     if deleting {
         if ours {
             let policy = class_setting(RECLAIM_POLICY_ANNOTATION, "Delete");
-            reclaim(api, &egpu_name, &policy, &claim_key(claim)).await?;
+            reclaim(api, &egpu_name, &policy, &key_of(claim)).await?;
             let rest: Vec<&str> = finalizers.into_iter().filter(|f| *f != FINALIZER).collect();
             api.patch_elastic_claim(
                 namespace,
@@ -186,32 +197,56 @@ pub async fn reconcile(
     if let Some(why) = unsatisfiable(scheduler, &share) {
         return set_status(api, claim, "Pending", false, "Unsatisfiable", &why).await;
     }
-    let placed = match class_setting(BINDING_MODE_ANNOTATION, "Immediate").as_str() {
-        "WaitForFirstConsumer" => match placed_holder(api, namespace, name).await? {
-            Some(placed) => Some(placed),
-            None if text(claim, "/status/phase") == "Bound" => None,
-            None => {
-                return set_status(
-                    api,
-                    claim,
-                    "Pending",
-                    false,
-                    "WaitingForFirstConsumer",
-                    "provisioned when the first pod holding the claim is placed",
-                )
-                .await
+    let key = key_of(claim);
+    let held = scheduler.state().read().reservation_of(&key).is_some();
+    if !held {
+        let written = match class_setting(BINDING_MODE_ANNOTATION, "Immediate").as_str() {
+            "WaitForFirstConsumer" => match placed_holder(api, namespace, name).await? {
+                // The first pod's slice becomes the claim's: kept for the
+                // next pod once this one is gone.
+                Some(slice) => {
+                    let object = write_elastic_gpu(api, &egpu_name, claim, &share, &slice).await?;
+                    scheduler
+                        .state()
+                        .update(|s| s.apply_reservation(&object, true));
+                    true
+                }
+                // Bound before slices were recorded: it stays so.
+                None if text(claim, "/status/phase") == "Bound" => false,
+                None => {
+                    return set_status(
+                        api,
+                        claim,
+                        "Pending",
+                        false,
+                        "WaitingForFirstConsumer",
+                        "provisioned when the first pod holding the claim is placed",
+                    )
+                    .await
+                }
+            },
+            _ => {
+                let egpu = egpu_name.as_str();
+                let placed = scheduler
+                    .place_slice(&key, &share, |decision| async move {
+                        write_elastic_gpu(api, egpu, claim, &share, &decision).await
+                    })
+                    .await?;
+                if let Err(why) = placed {
+                    let why = format!("no GPU slice can be provisioned for it: {why}");
+                    return set_status(api, claim, "Pending", false, "NoCapacity", &why).await;
+                }
+                true
             }
-        },
-        _ => None,
-    };
-    let egpu = elastic_gpu(&egpu_name, claim, &share, placed.as_ref());
-    if let Err(error) = api.create_elastic_gpu(&egpu).await {
-        if !matches!(error, ApiError::Conflict(_)) {
-            return Err(error);
+        };
+        if written {
+            api.patch_elastic_gpu_status(
+                &egpu_name,
+                &json!({"status": {"phase": "Bound", "reason": "", "message": format!("bound to ElasticGPUClaim {key}")}}),
+            )
+            .await?;
         }
     }
-    api.patch_elastic_gpu_status(&egpu_name, &json!({"status": {"phase": "Bound", "reason": "", "message": format!("bound to ElasticGPUClaim {}", claim_key(claim))}}))
-        .await?;
     if text(claim, "/spec/elasticGPUName") != egpu_name {
         api.patch_elastic_claim(
             namespace,
@@ -225,25 +260,25 @@ pub async fn reconcile(
     set_status(api, claim, "Bound", true, "Provisioned", &message).await
 }
 
-/// Where the first pod holding a claim was placed: node and GPU UUIDs.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct Placement {
-    pub node: String,
-    pub gpus: Vec<String>,
-}
-
-/// Where a pod of `namespace` that holds `claim` was placed, if one was.
+/// The slice the first placed pod of `namespace` holding `claim` was
+/// given, if one was placed.
 async fn placed_holder(
     api: &KubeApi,
     namespace: &str,
     claim: &str,
-) -> Result<Option<Placement>, ApiError> {
+) -> Result<Option<Decision>, ApiError> {
     let pods = api.pods_in(namespace).await?;
-    Ok(pods.iter().find_map(|pod| placement_of(pod, claim)))
+    Ok(pods.iter().find_map(|pod| slice_of(pod, claim)))
 }
 
-/// The placement recorded on `pod` if it holds `claim` and has been decided.
-pub fn placement_of(pod: &k8s_openapi::api::core::v1::Pod, claim: &str) -> Option<Placement> {
+/// The part of `pod`'s decision given to the container holding `claim`, if
+/// the pod holds it and has been decided.
+pub fn slice_of(pod: &k8s_openapi::api::core::v1::Pod, claim: &str) -> Option<Decision> {
+    let container = claim_uses(pod)
+        .ok()?
+        .into_iter()
+        .find(|claim_use| claim_use.claim == claim)?
+        .container;
     if !claims_held(pod).contains(&claim) {
         return None;
     }
@@ -253,19 +288,34 @@ pub fn placement_of(pod: &k8s_openapi::api::core::v1::Pod, claim: &str) -> Optio
         .as_ref()?
         .get(DECISION_ANNOTATION)?;
     let decision = Decision::parse(text).ok()?;
-    let gpus = decision
-        .containers
-        .iter()
-        .flat_map(|c| c.devices.iter().map(|d| d.uuid.clone()))
-        .collect();
-    Some(Placement {
-        node: decision.node,
-        gpus,
-    })
+    let slice = Reservation::decision_for(&decision, Some(&container));
+    (!slice.containers.is_empty()).then_some(slice)
 }
 
-/// The ElasticGPU a claim is bound to.
-fn elastic_gpu(name: &str, claim: &Value, share: &ClaimShare, placed: Option<&Placement>) -> Value {
+/// Creates ElasticGPU `name` for `claim` holding `slice` (or, when it
+/// exists, records the slice on it); answers it as written.
+async fn write_elastic_gpu(
+    api: &KubeApi,
+    name: &str,
+    claim: &Value,
+    share: &ClaimShare,
+    slice: &Decision,
+) -> Result<Value, ApiError> {
+    let object = elastic_gpu(name, claim, share, slice);
+    match api.create_elastic_gpu(&object).await {
+        Err(ApiError::Conflict(_)) => {
+            let existing = api.get_elastic_gpu(name).await?;
+            let mut patch = object;
+            patch["metadata"]["resourceVersion"] =
+                json!(text(&existing, "/metadata/resourceVersion"));
+            api.patch_elastic_gpu(name, &patch).await
+        }
+        other => other,
+    }
+}
+
+/// The ElasticGPU a claim is bound to, holding `slice`.
+fn elastic_gpu(name: &str, claim: &Value, share: &ClaimShare, slice: &Decision) -> Value {
     let mut capacity = serde_json::Map::new();
     if let Some(cores) = share.cores {
         capacity.insert(CLAIM_CORE.into(), json!((share.count * cores).to_string()));
@@ -273,6 +323,11 @@ fn elastic_gpu(name: &str, claim: &Value, share: &ClaimShare, placed: Option<&Pl
     if let Some(mib) = share.memory_mib {
         capacity.insert(CLAIM_MEMORY.into(), json!(format!("{mib}Mi")));
     }
+    let gpus: Vec<&str> = slice
+        .containers
+        .iter()
+        .flat_map(|c| c.devices.iter().map(|d| d.uuid.as_str()))
+        .collect();
     let mut spec = json!({
         "capacity": capacity,
         "claimRef": {
@@ -282,19 +337,23 @@ fn elastic_gpu(name: &str, claim: &Value, share: &ClaimShare, placed: Option<&Pl
             "name": text(claim, "/metadata/name"),
             "uid": text(claim, "/metadata/uid"),
         },
+        "nodeAffinity": {"required": {"nodeSelectorTerms": [{"matchFields": [
+            {"key": "metadata.name", "operator": "In", "values": [slice.node]}
+        ]}]}},
     });
-    if let Some(placed) = placed {
-        if let Some(gpu) = placed.gpus.first() {
-            spec["gpuShare"] = json!({"gpuName": gpu});
-        }
-        spec["nodeAffinity"] = json!({"required": {"nodeSelectorTerms": [{"matchFields": [
-            {"key": "metadata.name", "operator": "In", "values": [placed.node]}
-        ]}]}});
+    // Published shapes: a share of one GPU, or whole GPUs.
+    match gpus.as_slice() {
+        [gpu] if share.count == 1 => spec["gpuShare"] = json!({"gpuName": gpu}),
+        _ => spec["physicalGPU"] = json!({"gpuNames": gpus}),
     }
     json!({
         "apiVersion": STORED_VERSION,
         "kind": "ElasticGPU",
-        "metadata": {"name": name, "labels": {"app.kubernetes.io/managed-by": "vgpu"}},
+        "metadata": {
+            "name": name,
+            "labels": {"app.kubernetes.io/managed-by": "vgpu"},
+            "annotations": {DECISION_ANNOTATION: slice.to_json()},
+        },
         "spec": spec,
     })
 }
@@ -367,7 +426,7 @@ async fn set_status(
         return Ok(());
     }
     if !ready {
-        tracing::info!(claim = %claim_key(claim), reason, "{message}");
+        tracing::info!(claim = %key_of(claim), reason, "{message}");
     }
     let now =
         k8s_openapi::apimachinery::pkg::apis::meta::v1::Time(k8s_openapi::jiff::Timestamp::now());

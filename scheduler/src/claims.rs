@@ -250,6 +250,26 @@ pub fn claim_share(name: &str, claim: &Value) -> Result<ClaimShare, ClaimError> 
     }
 }
 
+/// The vGPU resources (as `names` spells them) a container holding a claim
+/// of `share` asks for: what the webhook writes into the container, and
+/// what the claim controller places when it provisions the claim.
+pub fn share_amounts(share: &ClaimShare, names: &ResourceNames) -> BTreeMap<String, String> {
+    let mut amounts = BTreeMap::new();
+    amounts.insert(names.gpu.clone(), share.count.to_string());
+    if let Some(cores) = share.cores {
+        amounts.insert(names.cores.clone(), cores.to_string());
+    }
+    if let Some(mib) = share.memory_mib {
+        amounts.insert(names.memory.clone(), mib.to_string());
+    }
+    amounts
+}
+
+/// A claim as the extender's state names it: `namespace/name`.
+pub fn claim_key(namespace: &str, name: &str) -> String {
+    format!("{namespace}/{name}")
+}
+
 /// JSON patch operations giving each claimed container its claim's share
 /// (in limits and requests, as `names` spells the resources), and the pod
 /// [`USES_CLAIMS_ANNOTATION`]. `shares` holds each use's share, in order.
@@ -293,14 +313,7 @@ pub fn claim_patch(
                 claim: use_.claim.clone(),
             });
         }
-        let mut amounts = BTreeMap::new();
-        amounts.insert(names.gpu.clone(), share.count.to_string());
-        if let Some(cores) = share.cores {
-            amounts.insert(names.cores.clone(), cores.to_string());
-        }
-        if let Some(mib) = share.memory_mib {
-            amounts.insert(names.memory.clone(), mib.to_string());
-        }
+        let amounts = share_amounts(share, names);
         let list = if use_.init {
             "initContainers"
         } else {
@@ -440,6 +453,15 @@ async fn check_claim(
         ));
     }
     Ok(Some(share))
+}
+
+/// The claims a pod holds, as [`claim_key`]s.
+pub fn claim_keys_held(pod: &Pod) -> Vec<String> {
+    let namespace = pod.metadata.namespace.as_deref().unwrap_or("");
+    claims_held(pod)
+        .into_iter()
+        .map(|claim| claim_key(namespace, claim))
+        .collect()
 }
 
 /// The claims a pod holds, as the webhook recorded them.

@@ -20,6 +20,7 @@
 //!   webhook.
 //! - [`claims`]: Elastic GPU claims given to pods by the webhook.
 //! - [`claim_controller`]: binds claims to the ElasticGPUs it provisions.
+//! - [`reservation`]: the GPU slice an ElasticGPU holds for its claim.
 //! - [`leader`]: leader election among replicas.
 //! - [`cli`]: command-line flags.
 
@@ -34,6 +35,7 @@ pub mod leader;
 pub mod metrics;
 pub mod policy;
 pub mod requests;
+pub mod reservation;
 pub mod scheduler;
 pub mod server;
 pub mod state;
@@ -86,9 +88,11 @@ pub async fn start(
 ) -> Result<Running, StartError> {
     let client = api::make_client(source).await.map_err(StartError::Api)?;
     let state = Arc::new(SharedState::new());
+    state.update(|s| s.expect_reservations());
     let mut watches = vec![
         tokio::spawn(api::watch_pods(client.clone(), state.clone())),
         tokio::spawn(api::watch_nodes(client.clone(), state.clone())),
+        tokio::spawn(api::watch_elastic_gpus(client.clone(), state.clone())),
     ];
     let mut scheduler = Scheduler::new(config, state, Some(KubeApi::new(client.clone())));
     if let Some(election) = &election {

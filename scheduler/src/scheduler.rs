@@ -20,6 +20,7 @@
 //! the extender's Lease serves the verbs ([`crate::leader`]).
 
 use crate::api::{ApiError, KubeApi};
+use crate::claims::{claim_keys_held, share_amounts, ClaimShare};
 use crate::extender::{
     ExtenderArgs, ExtenderBindingArgs, ExtenderBindingResult, ExtenderFilterResult, FailedNodesMap,
     NodeList, MAX_EXTENDER_PRIORITY,
@@ -30,7 +31,9 @@ use crate::policy::{node_score, GpuPolicy, NodePolicy};
 use crate::requests::{parse_pod, PodRequest, RequestDefaults, ResourceNames};
 use crate::state::{now_unix_ms, ClusterState, FastMap, Inventory, SharedState};
 use crate::webhook::AdmissionPolicy;
-use k8s_openapi::api::core::v1::Pod;
+use k8s_openapi::api::core::v1::{Container, Pod, PodSpec, ResourceRequirements};
+use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use serde::Serialize;
 use std::collections::HashMap;
 use std::hash::BuildHasher;
@@ -179,6 +182,8 @@ pub struct Scheduler {
     hasher: foldhash::fast::RandomState,
     score_cache: Mutex<Vec<ScoreEntry>>,
     binds_in_flight: AtomicUsize,
+    /// Held while a pod holding Elastic GPU claims is bound.
+    claims_lock: tokio::sync::Mutex<()>,
     stopping: AtomicBool,
     /// Set when this is one of several replicas: serve only while leading.
     leadership: Option<Arc<Leadership>>,
@@ -198,6 +203,79 @@ impl Drop for InFlight<'_> {
     fn drop(&mut self) {
         self.0.fetch_sub(1, Ordering::SeqCst);
     }
+}
+
+/// The pod being placed, as the state knows it.
+struct Own<'a> {
+    uid: &'a str,
+    /// Where an earlier decision of it is counted, if anywhere.
+    counted_node: Option<&'a str>,
+    /// The Elastic GPU claims it holds, `namespace/name`.
+    claims: Vec<String>,
+}
+
+impl<'a> Own<'a> {
+    fn of(state: &'a ClusterState, pod: &'a Pod) -> Self {
+        let uid = pod.metadata.uid.as_deref().unwrap_or("");
+        Self {
+            uid,
+            counted_node: state.counted_node_of(uid),
+            claims: claim_keys_held(pod),
+        }
+    }
+}
+
+/// Why the pod cannot be placed while another pod holds one of its claims.
+fn claim_in_use(state: &ClusterState, own: &Own<'_>) -> Option<String> {
+    own.claims.iter().find_map(|claim| {
+        state.holder_of(claim, own.uid).map(|holder| {
+            format!(
+                "ElasticGPUClaim {claim} is in use by pod {}; one claim serves one pod at a time",
+                holder.key()
+            )
+        })
+    })
+}
+
+/// For a pod holding claims whose slices are held: `request` limited to
+/// those slices' GPUs, or why it cannot run on node `name`. `None`: no
+/// slice is held for its claims, so it may go anywhere.
+fn pin_to_slices(
+    state: &ClusterState,
+    name: &str,
+    claims: &[String],
+    request: &PodRequest,
+) -> Result<Option<PodRequest>, Rejection> {
+    let mut gpus: Vec<&str> = Vec::new();
+    for claim in claims {
+        let Some(slice) = state.reservation_of(claim) else {
+            continue;
+        };
+        if slice.node != name {
+            return Err(Rejection::permanent(format!(
+                "ElasticGPUClaim {claim} holds its GPU slice (ElasticGPU {}) on node {}; pods holding it run there",
+                slice.elastic_gpu, slice.node
+            )));
+        }
+        gpus.extend(slice.gpus.iter().map(String::as_str));
+    }
+    if gpus.is_empty() {
+        return Ok(None);
+    }
+    let allowed: Vec<String> = gpus
+        .iter()
+        .filter(|uuid| request.selectors.uuid_allowed(uuid).is_ok())
+        .map(|uuid| uuid.to_string())
+        .collect();
+    if allowed.is_empty() {
+        return Err(Rejection::permanent(format!(
+            "the pod's GPU selectors exclude {}, where its claims' slices are held",
+            gpus.join(", ")
+        )));
+    }
+    let mut pinned = request.clone();
+    pinned.selectors.use_uuids = allowed;
+    Ok(Some(pinned))
 }
 
 fn pod_key(pod: &Pod) -> String {
@@ -234,6 +312,7 @@ impl Scheduler {
             hasher: foldhash::fast::RandomState::default(),
             score_cache: Mutex::new(Vec::new()),
             binds_in_flight: AtomicUsize::new(0),
+            claims_lock: tokio::sync::Mutex::new(()),
             stopping: AtomicBool::new(false),
             leadership: None,
         }
@@ -307,14 +386,13 @@ impl Scheduler {
     }
 
     /// Whether `request` fits on node `name`; on success returns the node's
-    /// load after placing it (0.0 to 1.0). `own` is the pod's UID and the
-    /// node where an earlier decision of it is counted, if any.
+    /// load after placing it (0.0 to 1.0).
     #[allow(clippy::too_many_arguments)]
     fn evaluate(
         &self,
         state: &ClusterState,
         name: &str,
-        own: (&str, Option<&str>),
+        own: &Own<'_>,
         request: &PodRequest,
         policy: GpuPolicy,
         now_unix_ms: u64,
@@ -357,9 +435,10 @@ impl Scheduler {
                 self.config.resources.gpu
             )));
         }
-        let (uid, own_node) = own;
-        let base = if own_node == Some(name) {
-            state.usage_excluding(node, uid)
+        let pinned = pin_to_slices(state, name, &own.claims, request)?;
+        let request = pinned.as_ref().unwrap_or(request);
+        let base = if own.counted_node == Some(name) || !own.claims.is_empty() {
+            state.usage_excluding(node, own.uid, &own.claims)
         } else {
             std::borrow::Cow::Borrowed(&node.usage[..])
         };
@@ -447,13 +526,21 @@ impl Scheduler {
             );
         }
         let uid = pod.metadata.uid.as_deref().unwrap_or("");
-        let own = (uid, state.counted_node_of(uid));
+        let own = Own::of(&state, pod);
+        if let Some(why) = claim_in_use(&state, &own) {
+            drop(state);
+            tracing::info!("filter {}: {why}", pod_key(pod));
+            for name in names {
+                outcome.failed.insert(name.to_string(), why.clone());
+            }
+            return Ok(outcome);
+        }
         let policy = request.gpu_policy.unwrap_or(self.config.gpu_policy);
         let now = now_unix_ms();
         let mut scratch = Scratch::default();
         let mut loads = FastMap::with_capacity_and_hasher(names.len(), self.hasher.clone());
         for name in names {
-            match self.evaluate(&state, name, own, &request, policy, now, &mut scratch) {
+            match self.evaluate(&state, name, &own, &request, policy, now, &mut scratch) {
                 Ok(load) => {
                     loads.insert(self.hasher.hash_one(name), (load, scratch.matching));
                     outcome.passed.push(name);
@@ -563,7 +650,7 @@ impl Scheduler {
         if !state.synced() {
             return Ok(zero(names));
         }
-        let own = (uid, state.counted_node_of(uid));
+        let own = Own::of(&state, pod);
         let gpu_policy = request.gpu_policy.unwrap_or(self.config.gpu_policy);
         let node_policy = request.node_policy.unwrap_or(self.config.node_policy);
         let wants_model = !request.selectors.use_types.is_empty();
@@ -577,7 +664,7 @@ impl Scheduler {
             let result = match known {
                 Some(known) => Some(known),
                 None => self
-                    .evaluate(&state, name, own, &request, gpu_policy, now, &mut scratch)
+                    .evaluate(&state, name, &own, &request, gpu_policy, now, &mut scratch)
                     .ok()
                     .map(|load| (load, scratch.matching)),
             };
@@ -719,6 +806,23 @@ impl Scheduler {
                 "vgpu-scheduler does not know node {node} (it is not in its watch of the Kubernetes API)"
             ));
         }
+        // Binds of pods holding claims go one at a time, so two pods
+        // holding the same claim cannot both be placed (the webhook's check
+        // at creation can be raced); taken before the node's lock, always.
+        let _claims_guard = if claim_keys_held(&pod).is_empty() {
+            None
+        } else {
+            Some(
+                tokio::time::timeout_at(deadline, self.claims_lock.lock())
+                    .await
+                    .map_err(|_| {
+                        format!(
+                            "other pods holding Elastic GPU claims are being bound for more than {} ms; kube-scheduler will retry",
+                            self.config.bind_wait.as_millis()
+                        )
+                    })?,
+            )
+        };
         let lock = self.node_lock(node);
         let _guard = tokio::time::timeout_at(deadline, lock.lock())
             .await
@@ -732,9 +836,8 @@ impl Scheduler {
         let mut attempt = 0;
         let written = loop {
             attempt += 1;
-            let uid = pod.metadata.uid.clone().unwrap_or_default();
             let decision = self
-                .wait_and_place(&key, &uid, node, &request, deadline)
+                .wait_and_place(&key, &pod, node, &request, deadline)
                 .await?;
             let version = pod.metadata.resource_version.clone().unwrap_or_default();
             // The lead may have passed while this bind waited.
@@ -814,12 +917,13 @@ impl Scheduler {
     async fn wait_and_place(
         &self,
         key: &str,
-        uid: &str,
+        pod: &Pod,
         node: &str,
         request: &PodRequest,
         deadline: tokio::time::Instant,
     ) -> Result<Decision, String> {
         let mut changes = self.state.subscribe();
+        let uid = pod.metadata.uid.as_deref().unwrap_or("");
         let policy = request.gpu_policy.unwrap_or(self.config.gpu_policy);
         let mut scratch = Scratch::default();
         loop {
@@ -838,11 +942,14 @@ impl Scheduler {
                         .into_iter()
                         .map(|p| p.key())
                         .collect();
-                    if !pending.is_empty() {
+                    let own = Own::of(&state, pod);
+                    if let Some(why) = claim_in_use(&state, &own) {
+                        Err(format!("pod {key}: {why}"))
+                    } else if !pending.is_empty() {
                         Ok(Err(pending.join(", ")))
                     } else {
-                        let own = (uid, state.counted_node_of(uid));
-                        match self.evaluate(&state, node, own, request, policy, now, &mut scratch) {
+                        match self.evaluate(&state, node, &own, request, policy, now, &mut scratch)
+                        {
                             Ok(_) => Ok(Ok(self.decision(&state, node, request, &scratch, now))),
                             Err(rejection) => Err(format!(
                                 "pod {key} does not fit on node {node} any more: {}",
@@ -868,6 +975,130 @@ impl Scheduler {
                 }
             }
         }
+    }
+
+    /// Places the GPU slice of Elastic GPU claim `claim` (`namespace/name`)
+    /// asking for `share`, as a pod holding it would be placed (the
+    /// configured GPU and node policies), and has `record` write it (the
+    /// ElasticGPU, answered as written), under the chosen node's lock so
+    /// that no bind there races it. The outer error is the API's; the inner
+    /// says why no node has room now.
+    pub async fn place_slice<F, Fut>(
+        &self,
+        claim: &str,
+        share: &ClaimShare,
+        record: F,
+    ) -> Result<Result<(), String>, ApiError>
+    where
+        F: FnOnce(Decision) -> Fut,
+        Fut: std::future::Future<Output = Result<serde_json::Value, ApiError>>,
+    {
+        let request = match self.slice_request(claim, share) {
+            Ok(request) => request,
+            Err(why) => return Ok(Err(why)),
+        };
+        let policy = self.config.gpu_policy;
+        let own = Own {
+            uid: "",
+            counted_node: None,
+            claims: vec![claim.to_string()],
+        };
+        let mut scratch = Scratch::default();
+        // The node a pod would get: the best score among those that fit.
+        let chosen = {
+            let state = self.state.read();
+            if !state.synced() {
+                return Ok(Err(
+                    "vgpu-scheduler is still listing pods, nodes and ElasticGPUs; retried shortly"
+                        .to_string(),
+                ));
+            }
+            let now = now_unix_ms();
+            let mut best: Option<(f64, &str)> = None;
+            let mut example = None;
+            let mut names: Vec<&str> = state.nodes().map(|(name, _)| name.as_str()).collect();
+            names.sort_unstable();
+            for name in names {
+                match self.evaluate(&state, name, &own, &request, policy, now, &mut scratch) {
+                    Ok(load) => {
+                        let load = match (self.config.node_policy, state.node(name)) {
+                            (NodePolicy::LoadAware, Some(node)) => {
+                                measured_load(&node.gpus, &node.usage)
+                            }
+                            _ => load,
+                        };
+                        let score =
+                            node_score(self.config.node_policy, load, self.random(claim, name));
+                        if best.is_none_or(|(top, _)| score > top) {
+                            best = Some((score, name));
+                        }
+                    }
+                    Err(rejection) => {
+                        example.get_or_insert_with(|| format!("{name}: {}", rejection.message));
+                    }
+                }
+            }
+            match best {
+                Some((_, name)) => name.to_string(),
+                None => {
+                    return Ok(Err(format!(
+                        "no node has room for it now{}",
+                        example.map(|e| format!(" (e.g. {e})")).unwrap_or_default()
+                    )))
+                }
+            }
+        };
+        let lock = self.node_lock(&chosen);
+        let _guard = lock.lock().await;
+        let decision = {
+            let state = self.state.read();
+            let now = now_unix_ms();
+            match self.evaluate(&state, &chosen, &own, &request, policy, now, &mut scratch) {
+                Ok(_) => self.decision(&state, &chosen, &request, &scratch, now),
+                Err(rejection) => {
+                    return Ok(Err(format!(
+                        "node {chosen} has no room for it any more: {}",
+                        rejection.message
+                    )))
+                }
+            }
+        };
+        let Some(decision) = decision else {
+            return Ok(Err(format!("node {chosen} disappeared")));
+        };
+        let written = record(decision).await?;
+        self.state.update(|s| s.apply_reservation(&written, true));
+        Ok(Ok(()))
+    }
+
+    /// What a pod holding a claim of `share` asks for: the resources the
+    /// webhook would give its container (named after the claim).
+    fn slice_request(&self, claim: &str, share: &ClaimShare) -> Result<PodRequest, String> {
+        let (namespace, name) = claim.split_once('/').unwrap_or(("", claim));
+        let limits = share_amounts(share, &self.config.resources)
+            .into_iter()
+            .map(|(resource, amount)| (resource, Quantity(amount)))
+            .collect();
+        let pod = Pod {
+            metadata: ObjectMeta {
+                namespace: Some(namespace.to_string()),
+                name: Some(name.to_string()),
+                ..ObjectMeta::default()
+            },
+            spec: Some(PodSpec {
+                containers: vec![Container {
+                    name: name.to_string(),
+                    resources: Some(ResourceRequirements {
+                        limits: Some(limits),
+                        ..ResourceRequirements::default()
+                    }),
+                    ..Container::default()
+                }],
+                ..PodSpec::default()
+            }),
+            ..Pod::default()
+        };
+        self.parse(&pod)
     }
 
     fn decision(

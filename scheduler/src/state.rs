@@ -16,7 +16,9 @@
 //! already known, or older than the deletion of the pod, is ignored, so a
 //! late watch event can never undo a newer write.
 
+use crate::claims::claim_keys_held;
 use crate::fit::{NodeGpus, Usage};
+use crate::reservation::Reservation;
 use k8s_openapi::api::core::v1::{Node, Pod};
 use serde::Serialize;
 use std::borrow::Cow;
@@ -76,6 +78,8 @@ pub struct PodRecord {
     pub admitted: bool,
     /// What it takes per GPU UUID.
     pub contribution: Vec<(String, Usage)>,
+    /// The Elastic GPU claims it holds, `namespace/name`.
+    pub claims: Vec<String>,
     /// Set while the record comes from the extender's own write and the
     /// watch has not shown this version yet.
     pub local_since: Option<Instant>,
@@ -128,6 +132,7 @@ impl PodRecord {
             deleting: meta.deletion_timestamp.is_some(),
             admitted,
             contribution,
+            claims: claim_keys_held(pod),
             local_since: None,
         }))
     }
@@ -160,6 +165,11 @@ impl PodRecord {
                 < unbound_grace.as_millis() as u64
     }
 
+    /// Whether it holds its claims: placed, not finished, not going away.
+    pub fn holds_claims(&self) -> bool {
+        !self.claims.is_empty() && self.counted_node().is_some() && !self.deleting
+    }
+
     /// `namespace/name`.
     pub fn key(&self) -> String {
         format!("{}/{}", self.namespace, self.name)
@@ -169,7 +179,11 @@ impl PodRecord {
 /// Per GPU, what a decided pod takes. Regular init containers run one at a
 /// time before the others and are done once the pod runs; sidecars run
 /// alongside everything.
-fn contribution(decision: &Decision, sidecars: &[&str], running: bool) -> Vec<(String, Usage)> {
+pub(crate) fn contribution(
+    decision: &Decision,
+    sidecars: &[&str],
+    running: bool,
+) -> Vec<(String, Usage)> {
     #[derive(Default)]
     struct PerGpu {
         sidecars: Usage,
@@ -243,6 +257,8 @@ pub struct NodeEntry {
     pub unlisted: Vec<(String, Usage)>,
     /// UIDs of the pods whose GPUs are counted here.
     pub pods: Vec<String>,
+    /// Names of the ElasticGPUs whose slices lie here.
+    pub reservations: Vec<String>,
     /// The node's allocatable extended resources (`<domain>/<name>`), as
     /// kubelet last reported them: a device plugin's count drops to zero
     /// while kubelet has it disconnected.
@@ -258,6 +274,7 @@ impl NodeEntry {
             usage: Vec::new(),
             unlisted: Vec::new(),
             pods: Vec::new(),
+            reservations: Vec::new(),
             extended_allocatable: Vec::new(),
         }
     }
@@ -275,6 +292,22 @@ impl NodeEntry {
 /// A hash map with a fast (seeded) hasher: node names and pod UIDs are
 /// looked up thousands of times per request.
 pub type FastMap<K, V> = HashMap<K, V, foldhash::fast::RandomState>;
+
+/// Whether the ElasticGPUs (and the slices they hold) are known.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum ElasticSync {
+    /// Nobody watches them (tests of pods and nodes alone).
+    #[default]
+    NotWatched,
+    /// Watched, not listed completely yet: placing now could give away a
+    /// slice a claim holds.
+    Waiting,
+    /// Listed.
+    Known,
+    /// The API has no ElasticGPUs for this extender (the definitions are
+    /// not installed, or it may not read them): none hold anything.
+    Absent,
+}
 
 /// A relist of pods in progress.
 #[derive(Debug, Default)]
@@ -294,6 +327,10 @@ pub struct ClusterState {
     /// GPU models in lower case, shared by all nodes that have them.
     models: FastMap<String, Arc<str>>,
     pod_relist: Option<PodRelist>,
+    /// Slices held by ElasticGPUs, by ElasticGPU name ([`crate::reservation`]).
+    reservations: FastMap<String, Reservation>,
+    reservation_relist: Option<FastMap<String, Reservation>>,
+    elastic: ElasticSync,
     node_relist: Option<Vec<String>>,
     pods_synced: bool,
     nodes_synced: bool,
@@ -310,7 +347,7 @@ impl ClusterState {
 
     /// Whether both pods and nodes have been listed completely once.
     pub fn synced(&self) -> bool {
-        self.pods_synced && self.nodes_synced
+        self.pods_synced && self.nodes_synced && self.elastic != ElasticSync::Waiting
     }
 
     pub fn node(&self, name: &str) -> Option<&NodeEntry> {
@@ -347,25 +384,51 @@ impl ClusterState {
     }
 
     /// The usage of a node's GPUs without the pod `uid` (a pod being
-    /// scheduled again must not compete with its own earlier decision).
-    pub fn usage_excluding<'a>(&'a self, node: &'a NodeEntry, uid: &str) -> Cow<'a, [Usage]> {
-        if uid.is_empty() || !node.pods.iter().any(|p| p == uid) {
+    /// scheduled again must not compete with its own earlier decision) and
+    /// without the slices of `claims` (held for the very pod that holds them).
+    pub fn usage_excluding<'a>(
+        &'a self,
+        node: &'a NodeEntry,
+        uid: &str,
+        claims: &[String],
+    ) -> Cow<'a, [Usage]> {
+        let own_pod = !uid.is_empty() && node.pods.iter().any(|p| p == uid);
+        let own_slice = node.reservations.iter().any(|name| {
+            self.reservations
+                .get(name)
+                .is_some_and(|r| claims.contains(&r.claim))
+        });
+        if !own_pod && !own_slice {
             return Cow::Borrowed(&node.usage);
         }
         let mut usage = vec![Usage::default(); node.gpus.len()];
-        for record in node
-            .pods
-            .iter()
-            .filter(|p| *p != uid)
-            .filter_map(|p| self.pods.get(p))
-        {
-            for (gpu, taken) in &record.contribution {
-                if let Some(index) = node.gpus.index_of(gpu) {
-                    usage[index].add(taken);
-                }
-            }
-        }
+        let mut unlisted = Vec::new();
+        add_up(
+            node,
+            node.pods
+                .iter()
+                .filter(|p| *p != uid)
+                .filter_map(|p| self.pods.get(p)),
+            node.reservations
+                .iter()
+                .filter_map(|name| self.reservations.get(name))
+                .filter(|r| !claims.contains(&r.claim)),
+            &mut usage,
+            &mut unlisted,
+        );
         Cow::Owned(usage)
+    }
+
+    /// The slice held for `claim` (`namespace/name`), if it has one.
+    pub fn reservation_of(&self, claim: &str) -> Option<&Reservation> {
+        self.reservations.values().find(|r| r.claim == claim)
+    }
+
+    /// A pod other than `uid` that holds `claim` now, if one does.
+    pub fn holder_of(&self, claim: &str, uid: &str) -> Option<&PodRecord> {
+        self.pods
+            .values()
+            .find(|r| r.uid != uid && r.holds_claims() && r.claims.iter().any(|c| c == claim))
     }
 
     /// The pods pending on `node`, other than `exclude`.
@@ -460,7 +523,7 @@ impl ClusterState {
                     .or_insert_with(|| Arc::from(model))
                     .clone()
             });
-            recompute_node(&mut self.nodes, &self.pods, &name);
+            recompute_node(&mut self.nodes, &self.pods, &self.reservations, &name);
         }
         self.updates += 1;
     }
@@ -512,12 +575,12 @@ impl ClusterState {
                 entry.in_api = false;
                 entry.inventory = Inventory::Missing;
                 entry.gpus = NodeGpus::default();
-                !entry.pods.is_empty()
+                !entry.pods.is_empty() || !entry.reservations.is_empty()
             }
             None => return,
         };
         if keep {
-            recompute_node(&mut self.nodes, &self.pods, name);
+            recompute_node(&mut self.nodes, &self.pods, &self.reservations, name);
         } else {
             self.nodes.remove(name);
         }
@@ -660,6 +723,136 @@ impl ClusterState {
         self.updates += 1;
     }
 
+    // ---- ElasticGPU slices ----
+
+    /// ElasticGPUs are watched: placements wait until they are listed.
+    pub fn expect_reservations(&mut self) {
+        if self.elastic == ElasticSync::NotWatched {
+            self.elastic = ElasticSync::Waiting;
+        }
+    }
+
+    /// The API has no ElasticGPUs for this extender: none hold anything.
+    pub fn no_reservations(&mut self) {
+        self.elastic = ElasticSync::Absent;
+        self.reservation_relist = None;
+        let names: Vec<String> = self.reservations.keys().cloned().collect();
+        for name in names {
+            self.remove_reservation(&name);
+        }
+        self.updates += 1;
+    }
+
+    /// What is known of the ElasticGPUs.
+    pub fn elastic_sync(&self) -> ElasticSync {
+        self.elastic
+    }
+
+    /// Starts a complete list of ElasticGPUs.
+    pub fn begin_reservation_relist(&mut self) {
+        self.reservation_relist = Some(FastMap::default());
+    }
+
+    /// One ElasticGPU of a complete list.
+    pub fn relist_reservation(&mut self, object: &serde_json::Value) {
+        let relist = self.reservation_relist.get_or_insert_with(FastMap::default);
+        if let Some(reservation) = read_reservation(object) {
+            relist.insert(reservation.elastic_gpu.clone(), reservation);
+        }
+    }
+
+    /// Ends a complete list of ElasticGPUs: it replaces what was known,
+    /// except the extender's own recent writes that the list predates.
+    pub fn finish_reservation_relist(&mut self) {
+        let mut listed = self.reservation_relist.take().unwrap_or_default();
+        for (name, old) in &self.reservations {
+            let trusted = old
+                .local_since
+                .is_some_and(|since| since.elapsed() < LOCAL_RECORD_TRUST);
+            if trusted && !listed.contains_key(name) {
+                listed.insert(name.clone(), old.clone());
+            }
+        }
+        let names: Vec<String> = self.reservations.keys().cloned().collect();
+        for name in names {
+            self.remove_reservation(&name);
+        }
+        for (_, reservation) in listed {
+            self.insert_reservation(reservation);
+        }
+        if self.elastic == ElasticSync::Waiting {
+            tracing::info!(
+                "Kubernetes API: {} ElasticGPU slice(s) held for claims listed",
+                self.reservations.len()
+            );
+        }
+        self.elastic = ElasticSync::Known;
+        self.updates += 1;
+    }
+
+    /// Applies an ElasticGPU from the watch (`local: false`) or from the
+    /// answer to the extender's own write (`local: true`).
+    pub fn apply_reservation(&mut self, object: &serde_json::Value, local: bool) {
+        let Some(name) = object.pointer("/metadata/name").and_then(|n| n.as_str()) else {
+            return;
+        };
+        let reservation = read_reservation(object);
+        if let (Some(new), Some(old)) = (&reservation, self.reservations.get(name)) {
+            if not_newer(new.resource_version, old.resource_version)
+                && new.resource_version != old.resource_version
+            {
+                return;
+            }
+        }
+        self.remove_reservation(name);
+        if let Some(mut reservation) = reservation {
+            if local {
+                reservation.local_since = Some(Instant::now());
+            }
+            self.insert_reservation(reservation);
+        }
+        self.updates += 1;
+    }
+
+    /// An ElasticGPU was deleted.
+    pub fn delete_reservation(&mut self, object: &serde_json::Value) {
+        if let Some(name) = object.pointer("/metadata/name").and_then(|n| n.as_str()) {
+            self.remove_reservation(name);
+            self.updates += 1;
+        }
+    }
+
+    fn insert_reservation(&mut self, reservation: Reservation) {
+        let name = reservation.elastic_gpu.clone();
+        let node = reservation.node.clone();
+        self.reservations.insert(name.clone(), reservation);
+        let entry = self
+            .nodes
+            .entry(node.clone())
+            .or_insert_with(NodeEntry::new);
+        if !entry.reservations.contains(&name) {
+            entry.reservations.push(name);
+        }
+        recompute_node(&mut self.nodes, &self.pods, &self.reservations, &node);
+    }
+
+    fn remove_reservation(&mut self, name: &str) {
+        let Some(old) = self.reservations.remove(name) else {
+            return;
+        };
+        if let Some(entry) = self.nodes.get_mut(&old.node) {
+            entry.reservations.retain(|r| r != name);
+        }
+        recompute_node(&mut self.nodes, &self.pods, &self.reservations, &old.node);
+        let unused = self
+            .nodes
+            .get(&old.node)
+            .is_some_and(|e| !e.in_api && e.pods.is_empty() && e.reservations.is_empty());
+        if unused {
+            self.nodes.remove(&old.node);
+        }
+    }
+
     /// Records that the extender bound pod `uid` to `node` (the binding
     /// answer carries no pod; the watch brings the new version later).
     pub fn mark_bound(&mut self, uid: &str, node: &str) {
@@ -692,13 +885,13 @@ impl ClusterState {
             }
         }
         for name in [old.as_deref(), new.as_deref()].into_iter().flatten() {
-            recompute_node(&mut self.nodes, &self.pods, name);
+            recompute_node(&mut self.nodes, &self.pods, &self.reservations, name);
         }
         if let Some(old) = &old {
             let unused = self
                 .nodes
                 .get(old)
-                .is_some_and(|e| !e.in_api && e.pods.is_empty());
+                .is_some_and(|e| !e.in_api && e.pods.is_empty() && e.reservations.is_empty());
             if unused {
                 self.nodes.remove(old);
             }
@@ -722,10 +915,11 @@ impl ClusterState {
                 .pods
                 .push(uid);
         }
-        self.nodes.retain(|_, e| e.in_api || !e.pods.is_empty());
+        self.nodes
+            .retain(|_, e| e.in_api || !e.pods.is_empty() || !e.reservations.is_empty());
         let names: Vec<String> = self.nodes.keys().cloned().collect();
         for name in names {
-            recompute_node(&mut self.nodes, &self.pods, &name);
+            recompute_node(&mut self.nodes, &self.pods, &self.reservations, &name);
         }
         self.updates += 1;
     }
@@ -743,6 +937,22 @@ impl ClusterState {
             })
             .map(|(uid, _)| uid.clone())
             .collect();
+        let stale_slices: Vec<String> = self
+            .reservations
+            .iter()
+            .filter(|(_, r)| {
+                r.local_since
+                    .is_some_and(|s| s.elapsed() >= LOCAL_RECORD_TRUST)
+            })
+            .map(|(name, _)| name.clone())
+            .collect();
+        for name in stale_slices {
+            tracing::warn!(
+                "ElasticGPU {name}: the API never confirmed the slice written {} s ago; forgetting it",
+                LOCAL_RECORD_TRUST.as_secs()
+            );
+            self.remove_reservation(&name);
+        }
         for uid in stale {
             if let Some(record) = self.pods.remove(&uid) {
                 tracing::warn!(
@@ -787,6 +997,13 @@ impl ClusterState {
                 .map(PodRecord::key)
                 .collect();
             pending.sort();
+            let mut reservations: Vec<String> = entry
+                .reservations
+                .iter()
+                .filter_map(|name| self.reservations.get(name))
+                .map(|r| format!("{} ({})", r.elastic_gpu, r.claim))
+                .collect();
+            reservations.sort();
             nodes.insert(
                 name.clone(),
                 NodeSnapshot {
@@ -807,6 +1024,7 @@ impl ClusterState {
                     unlisted_gpus: entry.unlisted.clone().into_iter().collect(),
                     pods,
                     pending,
+                    reservations,
                 },
             );
         }
@@ -814,6 +1032,24 @@ impl ClusterState {
             synced: self.synced(),
             pods: self.pods.len(),
             nodes,
+        }
+    }
+}
+
+/// The slice an ElasticGPU holds; an unreadable one holds nothing (logged).
+fn read_reservation(object: &serde_json::Value) -> Option<Reservation> {
+    match Reservation::from_elastic_gpu(object) {
+        Ok(reservation) => reservation,
+        Err(error) => {
+            tracing::warn!(
+                error = &error as &dyn std::error::Error,
+                "ElasticGPU {}: unreadable annotation; the slice it records is not counted",
+                object
+                    .pointer("/metadata/name")
+                    .and_then(|n| n.as_str())
+                    .unwrap_or("")
+            );
+            None
         }
     }
 }
@@ -827,10 +1063,12 @@ fn warn_unreadable(pod: &Pod, error: &FormatError) {
     );
 }
 
-/// Recomputes what a node's GPUs carry from its pods.
+/// Recomputes what a node's GPUs carry from its pods and the slices held
+/// on it.
 fn recompute_node(
     nodes: &mut FastMap<String, NodeEntry>,
     pods: &FastMap<String, PodRecord>,
+    reservations: &FastMap<String, Reservation>,
     name: &str,
 ) {
     let entry = match nodes.get_mut(name) {
@@ -839,19 +1077,51 @@ fn recompute_node(
     };
     let mut usage = vec![Usage::default(); entry.gpus.len()];
     let mut unlisted: Vec<(String, Usage)> = Vec::new();
-    for record in entry.pods.iter().filter_map(|uid| pods.get(uid)) {
-        for (uuid, taken) in &record.contribution {
-            match entry.gpus.index_of(uuid) {
-                Some(index) => usage[index].add(taken),
-                None => match unlisted.iter_mut().find(|(u, _)| u == uuid) {
-                    Some((_, total)) => total.add(taken),
-                    None => unlisted.push((uuid.clone(), *taken)),
-                },
-            }
-        }
-    }
+    add_up(
+        entry,
+        entry.pods.iter().filter_map(|uid| pods.get(uid)),
+        entry
+            .reservations
+            .iter()
+            .filter_map(|name| reservations.get(name)),
+        &mut usage,
+        &mut unlisted,
+    );
     entry.usage = usage;
     entry.unlisted = unlisted;
+}
+
+/// Adds up what `records` and `slices` take on `node`'s GPUs. A slice
+/// whose claim a pod counted on this node holds is that pod's now: only
+/// the pod is counted.
+fn add_up<'a>(
+    node: &NodeEntry,
+    records: impl Iterator<Item = &'a PodRecord>,
+    slices: impl Iterator<Item = &'a Reservation>,
+    usage: &mut [Usage],
+    unlisted: &mut Vec<(String, Usage)>,
+) {
+    let mut held: Vec<&str> = Vec::new();
+    let mut add = |uuid: &String, taken: &Usage| match node.gpus.index_of(uuid) {
+        Some(index) => usage[index].add(taken),
+        None => match unlisted.iter_mut().find(|(u, _)| u == uuid) {
+            Some((_, total)) => total.add(taken),
+            None => unlisted.push((uuid.clone(), *taken)),
+        },
+    };
+    for record in records {
+        if record.holds_claims() {
+            held.extend(record.claims.iter().map(String::as_str));
+        }
+        for (uuid, taken) in &record.contribution {
+            add(uuid, taken);
+        }
+    }
+    for slice in slices.filter(|slice| !held.contains(&slice.claim.as_str())) {
+        for (uuid, taken) in &slice.contribution {
+            add(uuid, taken);
+        }
+    }
 }
 
 /// The shared state, with a change counter that binds waiting for a
@@ -922,6 +1192,8 @@ pub struct NodeSnapshot {
     pub unlisted_gpus: Vec<(String, Usage)>,
     pub pods: Vec<String>,
     pub pending: Vec<String>,
+    /// Slices held here for Elastic GPU claims: `ElasticGPU (namespace/claim)`.
+    pub reservations: Vec<String>,
 }
 
 #[derive(Clone, Debug, Serialize, PartialEq)]
@@ -938,6 +1210,7 @@ pub struct GpuSnapshot {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::claims::USES_CLAIMS_ANNOTATION;
     use k8s_openapi::api::core::v1::{PodSpec, PodStatus};
     use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
     use vgpu_cluster::decision::{ContainerDecision, DeviceGrant, InventoryGpu, FORMAT_VERSION};
@@ -1045,6 +1318,123 @@ mod tests {
     }
 
     const GRACE: Duration = Duration::from_secs(30);
+
+    /// ElasticGPU `name` holding 2 GiB and 20 % of `gpu` on n1 for claim ns/c.
+    fn elastic_gpu(name: &str, version: u64, gpu: &str) -> serde_json::Value {
+        let decision = Decision {
+            version: FORMAT_VERSION,
+            node: "n1".into(),
+            decided_unix_ms: now_unix_ms(),
+            containers: vec![ContainerDecision {
+                name: "c".into(),
+                init: false,
+                devices: vec![DeviceGrant {
+                    uuid: gpu.into(),
+                    memory_bytes: 2 * GIB,
+                    cores_percent: 20,
+                    burst_percent: None,
+                }],
+                priority: None,
+            }],
+        };
+        serde_json::json!({
+            "metadata": {"name": name, "resourceVersion": version.to_string(),
+                         "annotations": {DECISION_ANNOTATION: decision.to_json()}},
+            "spec": {"claimRef": {"namespace": "ns", "name": "c"}},
+            "status": {"phase": "Bound"},
+        })
+    }
+
+    fn gpu_usage(state: &ClusterState, index: usize) -> Usage {
+        state.node("n1").expect("n1").usage[index]
+    }
+
+    #[test]
+    fn a_claims_slice_is_taken_until_a_pod_holding_the_claim_is_placed_on_it() {
+        let mut state = synced_state();
+        state.apply_reservation(&elastic_gpu("egpu-1", 5, "GPU-n1-0"), false);
+        assert_eq!(gpu_usage(&state, 0).memory_bytes, 2 * GIB);
+        assert_eq!(gpu_usage(&state, 0).cores, 20);
+        assert_eq!(
+            state.reservation_of("ns/c").map(|r| r.gpus.clone()),
+            Some(vec!["GPU-n1-0".to_string()])
+        );
+        // Placing a pod that holds the claim: the slice is not in its way.
+        let node = state.node("n1").expect("n1");
+        let without = state.usage_excluding(node, "", &["ns/c".to_string()]);
+        assert_eq!(without[0], Usage::default());
+        assert_eq!(
+            state.usage_excluding(node, "", &[])[0].memory_bytes,
+            2 * GIB
+        );
+
+        // The holder placed: its own grant (4 GiB, 30 %) counts instead.
+        let mut holder = decided("p", 10, "n1", "GPU-n1-0", true, true);
+        holder
+            .metadata
+            .annotations
+            .as_mut()
+            .expect("annotations")
+            .insert(USES_CLAIMS_ANNOTATION.into(), "c".into());
+        state.apply_pod(&holder, false);
+        assert_eq!(gpu_usage(&state, 0).memory_bytes, 4 * GIB);
+        assert_eq!(gpu_usage(&state, 0).cores, 30);
+        assert_eq!(
+            state.holder_of("ns/c", "other").map(|r| r.key()),
+            Some("ns/p".into())
+        );
+        assert!(state.holder_of("ns/c", "p").is_none());
+
+        // The holder done: the slice is held again for the next pod.
+        holder.metadata.resource_version = Some("11".into());
+        holder.status.as_mut().expect("status").phase = Some("Succeeded".into());
+        state.apply_pod(&holder, false);
+        assert!(state.holder_of("ns/c", "other").is_none());
+        assert_eq!(gpu_usage(&state, 0).memory_bytes, 2 * GIB);
+
+        // An older event does not undo a newer one; a release frees it.
+        state.apply_reservation(&elastic_gpu("egpu-1", 4, "GPU-n1-1"), false);
+        assert_eq!(gpu_usage(&state, 0).memory_bytes, 2 * GIB);
+        let mut released = elastic_gpu("egpu-1", 6, "GPU-n1-0");
+        released["status"]["phase"] = "Released".into();
+        state.apply_reservation(&released, false);
+        assert_eq!(gpu_usage(&state, 0), Usage::default());
+        assert!(state.reservation_of("ns/c").is_none());
+    }
+
+    #[test]
+    fn placements_wait_for_the_elastic_gpus_unless_the_api_has_none() {
+        let mut state = ClusterState::new();
+        state.expect_reservations();
+        state.begin_node_relist();
+        state.apply_node(&node("n1", 2));
+        state.finish_node_relist();
+        state.begin_pod_relist();
+        state.finish_pod_relist();
+        assert!(!state.synced(), "slices held for claims are not known yet");
+        state.begin_reservation_relist();
+        state.relist_reservation(&elastic_gpu("egpu-1", 5, "GPU-n1-1"));
+        state.finish_reservation_relist();
+        assert!(state.synced());
+        assert_eq!(gpu_usage(&state, 1).memory_bytes, 2 * GIB);
+        // A relist without it: gone.
+        state.begin_reservation_relist();
+        state.finish_reservation_relist();
+        assert_eq!(gpu_usage(&state, 1), Usage::default());
+        // The definitions removed: none held, and still synced.
+        state.apply_reservation(&elastic_gpu("egpu-2", 7, "GPU-n1-1"), false);
+        state.no_reservations();
+        assert!(state.synced());
+        assert_eq!(state.elastic_sync(), ElasticSync::Absent);
+        assert_eq!(gpu_usage(&state, 1), Usage::default());
+        // Its own write survives a list that predates it.
+        state.apply_reservation(&elastic_gpu("egpu-3", 9, "GPU-n1-0"), true);
+        state.begin_reservation_relist();
+        state.finish_reservation_relist();
+        assert_eq!(gpu_usage(&state, 0).memory_bytes, 2 * GIB);
+        let snapshot = state.snapshot(now_unix_ms(), GRACE);
+        assert_eq!(snapshot.nodes["n1"].reservations, ["egpu-3 (ns/c)"]);
+    }
 
     #[test]
     fn a_node_whose_kubelet_offers_none_of_the_gpus_is_known_as_such() {

@@ -466,7 +466,9 @@ def test_claims_survive_an_extender_killed_mid_way(chart_cluster):
     cc = chart_cluster
     cluster = cc.cluster
     cluster.kubectl("apply", "-f", "-", input=json.dumps(elastic_class("restart", "Delete", "Immediate")))
-    share = {"gpushare.provisioner.elasticgpu.io/gpu-core": 5}
+    # With memory: a claim of compute alone would hold all of a GPU's memory
+    # (what a pod asking for compute alone is given), so six would not fit.
+    share = {"gpushare.provisioner.elasticgpu.io/gpu-core": 5, "gpushare.provisioner.elasticgpu.io/gpu-memory": "512Mi"}
     extender = faults.pod_names(cc, "app.kubernetes.io/component=scheduler")[0]["metadata"]["name"]
     names = [f"r-{i}" for i in range(6)]
     for index, name in enumerate(names):
@@ -484,8 +486,76 @@ def test_claims_survive_an_extender_killed_mid_way(chart_cluster):
     for claim in claims:
         holding = [g for g in gpus if g["spec"].get("claimRef", {}).get("uid") == claim["metadata"]["uid"]]
         assert [g["metadata"]["name"] for g in holding] == [claim["spec"]["elasticGPUName"]], holding
+        assert "vgpu.io/decision" in holding[0]["metadata"]["annotations"], holding
+    # Each slice counted once, by the extender that came back.
+    address = f"http://{extender_address(cc)}:{EXTENDER_PORT}/debug/state"
+    read = ("import urllib.request, sys; "
+            f"sys.stdout.write(urllib.request.urlopen({address!r}, timeout=10).read().decode())")
+    state = json.loads(subprocess.run(cluster.command([sys.executable, "-c", read]), capture_output=True, text=True,
+                                      check=True).stdout)
+    held = sorted(entry.split(" ")[1] for node in state["nodes"].values() for entry in node["reservations"]
+                  if entry.split(" ")[1].startswith("(elastic/r-"))
+    assert held == sorted(f"(elastic/{name})" for name in names), state
     for name in names:
         cluster.kubectl("delete", "elasticgpuclaim", name, "-n", NAMESPACE, "--wait=true", "--timeout=60s")
     assert not [g for g in kubectl_json(cluster, "get", "elasticgpus.elasticgpu.io")["items"]
                 if g["spec"].get("claimRef", {}).get("name") in names]
     cluster.kubectl("delete", "elasticgpuclass", "restart")
+
+
+def test_an_immediate_claims_slice_is_held_and_its_pods_run_on_it(chart_cluster):
+    """An Immediate claim for 10 GiB is given its slice of one 16 GiB GPU
+    when it is created, recorded on its ElasticGPU, and held: a pod wanting
+    8 GiB of that GPU is not placed while the claim lives, although no pod
+    runs there; the claim's own pod runs on that very GPU at its cap; once
+    the claim is deleted, the 8 GiB pod fits."""
+    cc = chart_cluster
+    cluster = cc.cluster
+    cluster.kubectl("apply", "-f", "-", input=json.dumps(elastic_class("held", "Delete", "Immediate")))
+    cluster.kubectl("apply", "-f", "-", input=json.dumps(
+        elastic_claim("big", "held", {"gpushare.provisioner.elasticgpu.io/gpu-memory": 10})))
+
+    def claim() -> dict:
+        return kubectl_json(cluster, "get", "elasticgpuclaims.v1alpha1.elasticgpu.io", "big", "-n", NAMESPACE)
+    wait_for("big bound", lambda: claim().get("status", {}).get("phase") == "Bound", timeout=60, log=cc.logs)
+    gpu = kubectl_json(cluster, "get", "elasticgpus.elasticgpu.io", claim()["spec"]["elasticGPUName"])
+    uuid = gpu["spec"]["gpuShare"]["gpuName"]
+    node = gpu["spec"]["nodeAffinity"]["required"]["nodeSelectorTerms"][0]["matchFields"][0]["values"][0]
+    slice_ = json.loads(gpu["metadata"]["annotations"]["vgpu.io/decision"])
+    assert slice_["node"] == node, slice_
+    assert slice_["containers"][0]["devices"] == [
+        {"uuid": uuid, "memoryBytes": 10 << 30, "coresPercent": 0}], slice_
+
+    def wanting_8_gib(name: str) -> dict:
+        return {"apiVersion": "v1", "kind": "Pod",
+                "metadata": {"name": name, "namespace": NAMESPACE, "annotations": {"nvidia.com/use-gpuuuid": uuid}},
+                "spec": {"restartPolicy": "Never", "terminationGracePeriodSeconds": 1,
+                         "containers": [{"name": "main", "image": "cuda:test",
+                                         "command": [sys.executable, str(FILL), "64"],
+                                         "resources": {"limits": {"nvidia.com/gpu": "1",
+                                                                  "nvidia.com/gpumem": "8192"}}}]}}
+
+    def failed_scheduling(name: str) -> str | None:
+        events = kubectl_json(cluster, "get", "events", "-n", NAMESPACE,
+                              "--field-selector", f"involvedObject.name={name},reason=FailedScheduling")["items"]
+        return events[-1]["message"] if events else None
+    cluster.kubectl("create", "-f", "-", input=json.dumps(wanting_8_gib("crowded")))
+    why = wait_for("crowded turned down", lambda: failed_scheduling("crowded"), timeout=60, log=cc.logs)
+    assert f"{uuid} has 6144 MiB free, container needs 8192 MiB" in why, why
+    assert not kubectl_json(cluster, "get", "pod", "crowded", "-n", NAMESPACE)["spec"].get("nodeName"), why
+
+    # The claim's pod: on the held GPU, at the claim's cap.
+    cluster.kubectl("create", "-f", "-", input=json.dumps(readme_pod("holder", "big")))
+    pod = wait_for("holder running", lambda: (lambda p: p if p["status"].get("phase") == "Running" else None)(
+        kubectl_json(cluster, "get", "pod", "holder", "-n", NAMESPACE)), timeout=90, log=cc.logs)
+    decision = json.loads(pod["metadata"]["annotations"]["vgpu.io/decision"])
+    assert decision["node"] == node and decision["containers"][0]["devices"][0]["uuid"] == uuid, decision
+    assert report(cc, pod, "test-cuda")["device_totals_mib"] == [10240]
+
+    cluster.kubectl("delete", "pod", "holder", "crowded", "-n", NAMESPACE, "--wait=true", "--timeout=60s")
+    cluster.kubectl("delete", "elasticgpuclaim", "big", "-n", NAMESPACE, "--wait=true", "--timeout=60s")
+    cluster.kubectl("create", "-f", "-", input=json.dumps(wanting_8_gib("fits")))
+    wait_for("the 8 GiB pod placed once the claim is gone", lambda: kubectl_json(
+        cluster, "get", "pod", "fits", "-n", NAMESPACE)["spec"].get("nodeName"), timeout=60, log=cc.logs)
+    cluster.kubectl("delete", "pod", "fits", "-n", NAMESPACE, "--wait=false")
+    cluster.kubectl("delete", "elasticgpuclass", "held")

@@ -2,6 +2,7 @@
 //! per test), and against the shared fake for the faults only it injects.
 
 mod burst;
+mod claims;
 mod errors;
 mod harness;
 mod policies;
