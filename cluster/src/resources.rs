@@ -104,6 +104,12 @@ impl ShareResourceFlags {
 pub const USE_GPU_TYPE_ANNOTATION: &str = "nvidia.com/use-gputype";
 /// Pod annotation: no GPU whose model contains one of these.
 pub const NOUSE_GPU_TYPE_ANNOTATION: &str = "nvidia.com/nouse-gputype";
+/// Pod annotation (nvidia-gpu-scheduler's): only GPUs of this model, and
+/// nodes with more of them preferred. Compared case-insensitively, with
+/// spaces, `-` and `_` alike (label-safe spellings such as
+/// `NVIDIA-GeForce-GTX-1080` match `NVIDIA GeForce GTX 1080`), with the
+/// whole of the model's name as NVML gives it.
+pub const GPU_MODEL_ANNOTATION: &str = "nvidia-gpu-scheduler/gpu.model";
 /// Pod annotation: only these GPU UUIDs (comma-separated).
 pub const USE_GPU_UUID_ANNOTATION: &str = "nvidia.com/use-gpuuuid";
 /// Pod annotation: none of these GPU UUIDs.

@@ -22,8 +22,8 @@ use std::fmt::Write as _;
 use std::sync::Arc;
 use vgpu_cluster::decision::InventoryGpu;
 use vgpu_cluster::resources::{
-    NOUSE_GPU_TYPE_ANNOTATION, NOUSE_GPU_UUID_ANNOTATION, USE_GPU_TYPE_ANNOTATION,
-    USE_GPU_UUID_ANNOTATION,
+    GPU_MODEL_ANNOTATION, NOUSE_GPU_TYPE_ANNOTATION, NOUSE_GPU_UUID_ANNOTATION,
+    USE_GPU_TYPE_ANNOTATION, USE_GPU_UUID_ANNOTATION,
 };
 
 /// What is taken on one GPU.
@@ -136,7 +136,7 @@ pub struct ModelVerdicts {
 
 impl ModelVerdicts {
     pub fn get(&mut self, model: &Arc<str>, selectors: &Selectors) -> Result<(), TypeMismatch> {
-        if selectors.use_types.is_empty() && selectors.nouse_types.is_empty() {
+        if !selectors.restrict_models() {
             return Ok(());
         }
         // Most nodes have one model: the last one asked about comes first.
@@ -164,6 +164,8 @@ pub enum GpuProblem {
     TypeNotWanted,
     /// Matches `nouse_types[i]`.
     TypeExcluded(usize),
+    /// Not the model the pod names.
+    NotTheModel,
     UuidNotWanted,
     UuidExcluded,
     /// The GPU's whole memory is less than the request.
@@ -198,6 +200,7 @@ impl GpuProblem {
             Self::Unhealthy
                 | Self::TypeNotWanted
                 | Self::TypeExcluded(_)
+                | Self::NotTheModel
                 | Self::UuidNotWanted
                 | Self::UuidExcluded
                 | Self::TooSmall { .. }
@@ -222,6 +225,7 @@ pub fn check_gpu(
     match model_verdict {
         Ok(()) => {}
         Err(TypeMismatch::NotWanted) => return Err(GpuProblem::TypeNotWanted),
+        Err(TypeMismatch::NotTheModel) => return Err(GpuProblem::NotTheModel),
         Err(TypeMismatch::Excluded(i)) => return Err(GpuProblem::TypeExcluded(i)),
     }
     if !selectors.use_uuids.is_empty() || !selectors.nouse_uuids.is_empty() {
@@ -526,6 +530,12 @@ pub fn describe_problem(
             "{uuid} is a {}, not one of {USE_GPU_TYPE_ANNOTATION} ({})",
             gpu.model,
             selectors.use_types.join(", ")
+        ),
+        GpuProblem::NotTheModel => write!(
+            out,
+            "{uuid} is a {}, not the {GPU_MODEL_ANNOTATION} {}",
+            gpu.model,
+            selectors.model.as_deref().unwrap_or("?")
         ),
         GpuProblem::TypeExcluded(i) => write!(
             out,

@@ -21,8 +21,9 @@ use k8s_openapi::api::core::v1::{Container, Pod};
 use std::collections::BTreeMap;
 use thiserror::Error;
 use vgpu_cluster::resources::{
-    parse_whole_quantity, GPU_CORES_BURST_ANNOTATION, NOUSE_GPU_TYPE_ANNOTATION,
-    NOUSE_GPU_UUID_ANNOTATION, USE_GPU_TYPE_ANNOTATION, USE_GPU_UUID_ANNOTATION,
+    parse_whole_quantity, GPU_CORES_BURST_ANNOTATION, GPU_MODEL_ANNOTATION,
+    NOUSE_GPU_TYPE_ANNOTATION, NOUSE_GPU_UUID_ANNOTATION, USE_GPU_TYPE_ANNOTATION,
+    USE_GPU_UUID_ANNOTATION,
 };
 
 /// The most GPUs one container may ask for (the shim handles 16 devices).
@@ -119,6 +120,22 @@ pub struct Selectors {
     /// UUIDs; empty = any GPU.
     pub use_uuids: Vec<String>,
     pub nouse_uuids: Vec<String>,
+    /// The one model wanted ([`GPU_MODEL_ANNOTATION`]), in the form
+    /// [`model_key`] gives.
+    pub model: Option<String>,
+}
+
+/// A GPU model name as compared with a wanted model: lower case, with
+/// spaces and `_` written as `-`.
+pub fn model_key(model: &str) -> String {
+    model
+        .trim()
+        .chars()
+        .map(|c| match c {
+            ' ' | '_' => '-',
+            c => c.to_ascii_lowercase(),
+        })
+        .collect()
 }
 
 impl Selectors {
@@ -136,7 +153,17 @@ impl Selectors {
         {
             return Err(TypeMismatch::NotWanted);
         }
+        if let Some(wanted) = &self.model {
+            if model_key(model) != *wanted {
+                return Err(TypeMismatch::NotTheModel);
+            }
+        }
         Ok(())
+    }
+
+    /// Whether any rule on GPU models is given.
+    pub fn restrict_models(&self) -> bool {
+        !self.use_types.is_empty() || !self.nouse_types.is_empty() || self.model.is_some()
     }
 
     /// Whether `uuid` is wanted.
@@ -162,6 +189,8 @@ impl Selectors {
 pub enum TypeMismatch {
     /// Not one of the `use` types.
     NotWanted,
+    /// Not the model named by [`GPU_MODEL_ANNOTATION`].
+    NotTheModel,
     /// Matches `nouse_types[i]`.
     Excluded(usize),
 }
@@ -303,6 +332,16 @@ pub fn parse_pod(
         nouse_types: list(NOUSE_GPU_TYPE_ANNOTATION, true),
         use_uuids: list(USE_GPU_UUID_ANNOTATION, false),
         nouse_uuids: list(NOUSE_GPU_UUID_ANNOTATION, false),
+        model: match annotations.get(GPU_MODEL_ANNOTATION) {
+            None => None,
+            Some(text) if text.trim().is_empty() => {
+                return Err(RequestError::AnnotationValue {
+                    annotation: GPU_MODEL_ANNOTATION,
+                    reason: "empty; name a GPU model, e.g. \"Tesla V100-SXM2-32GB\"".to_string(),
+                })
+            }
+            Some(text) => Some(model_key(text)),
+        },
     };
     request.gpu_policy = policy_annotation(
         annotations,
@@ -970,5 +1009,25 @@ mod tests {
         assert_eq!(MemoryRequest::Percent(33).bytes_on(1000 << 20), 330 << 20);
         assert_eq!(MemoryRequest::Percent(1).bytes_on((1 << 20) + 5), 1 << 20);
         assert_eq!(MemoryRequest::Whole.bytes_on(7), 7);
+    }
+
+    #[test]
+    fn the_gpu_model_annotation_names_one_whole_model_in_any_spelling() {
+        let wanted = |name: &str| Selectors {
+            model: Some(model_key(name)),
+            ..Selectors::default()
+        };
+        let label_safe = wanted("NVIDIA-GeForce-GTX-1080");
+        assert_eq!(label_safe.model_allowed("nvidia geforce gtx 1080"), Ok(()));
+        assert_eq!(
+            label_safe.model_allowed("nvidia geforce gtx 1080 ti"),
+            Err(TypeMismatch::NotTheModel)
+        );
+        assert_eq!(
+            wanted(" Tesla_V100-SXM2-32GB ").model_allowed("tesla v100-sxm2-32gb"),
+            Ok(())
+        );
+        assert!(wanted("Tesla V100").restrict_models());
+        assert!(!Selectors::default().restrict_models());
     }
 }

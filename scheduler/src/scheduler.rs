@@ -653,7 +653,8 @@ impl Scheduler {
         let own = Own::of(&state, pod);
         let gpu_policy = request.gpu_policy.unwrap_or(self.config.gpu_policy);
         let node_policy = request.node_policy.unwrap_or(self.config.node_policy);
-        let wants_model = !request.selectors.use_types.is_empty();
+        let wants_model =
+            !request.selectors.use_types.is_empty() || request.selectors.model.is_some();
         let now = now_unix_ms();
         let mut scratch = Scratch::default();
         let mut evaluated: Vec<Option<(f64, u32)>> = Vec::with_capacity(names.len());

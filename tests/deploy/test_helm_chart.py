@@ -255,6 +255,20 @@ def test_the_extender_metrics_are_annotated_for_scraping():
     assert annotations["prometheus.io/path"] == "/metrics"
 
 
+@pytest.mark.parametrize("values, published", [
+    ({}, 31992),
+    ({"node": {"monitor": {"port": 40992}}}, 40992),
+    ({"node": {"monitor": {"hostPort": False}}}, None),
+])
+def test_the_monitor_is_reachable_on_the_nodes_own_address(values, published):
+    """HAMi's users scrape `<node IP>:31992`: the metrics port is a host
+    port too, unless turned off."""
+    monitor = container(find(render(values), "DaemonSet", "-node"), "monitor")
+    (port,) = [p for p in monitor["ports"] if p["name"] == "metrics"]
+    assert port.get("hostPort") == published, port
+    assert flags(monitor)["listen"].endswith(f":{port['containerPort']}")
+
+
 def test_the_webhook_is_called_on_the_secure_port():
     objects = render({"scheduler": {"extender": {"securePort": 40443}}})
     (webhook,) = find(objects, "MutatingWebhookConfiguration", "-webhook")["webhooks"]

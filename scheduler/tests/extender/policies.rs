@@ -533,3 +533,61 @@ async fn the_burst_annotation_reaches_every_capped_vgpu_of_the_decision() {
     let error = h.schedule(&bad).await.expect_err("refused");
     assert!(error.contains("vgpu.io/gpucores-burst"), "{error}");
 }
+
+/// nvidia-gpu-scheduler's pods name their model in an annotation (KubeShare
+/// writes model names label-safe, with `-` for spaces): only nodes with that
+/// model pass, on them only GPUs of it are given, and nodes with more of it
+/// score higher.
+#[tokio::test]
+async fn the_gpu_model_annotation_filters_and_scores_by_model() {
+    let h = Harness::start(test_config()).await;
+    h.add_nodes(vec![
+        node(
+            "mixed",
+            &[gpu("Tesla V100-SXM2-32GB", 32), gpu("Tesla T4", 16)],
+        ),
+        node("v100s", &[gpu("Tesla V100-SXM2-32GB", 32); 2]),
+        node("t4s", &[gpu("Tesla T4", 16); 2]),
+    ])
+    .await;
+    let p = h
+        .create_pod(pod(
+            "model",
+            &[vgpu("main", 1, 4096, 20)],
+            &[("nvidia-gpu-scheduler/gpu.model", "Tesla-V100-SXM2-32GB")],
+        ))
+        .await;
+    let filtered = h.filter(&p, &["mixed", "v100s", "t4s"]).await;
+    assert_eq!(
+        filtered.node_names,
+        Some(vec!["mixed".to_string(), "v100s".to_string()])
+    );
+    let why = &filtered.failed_and_unresolvable_nodes["t4s"];
+    assert!(
+        why.contains("is a Tesla T4, not the nvidia-gpu-scheduler/gpu.model tesla-v100-sxm2-32gb"),
+        "{why}"
+    );
+    let scores = h.prioritize(&p, &["mixed", "v100s"]).await;
+    assert!(
+        score(&scores, "v100s") > score(&scores, "mixed"),
+        "{scores:?}"
+    );
+    // On the mixed node only its V100 is given.
+    assert_eq!(h.bind(&p, "mixed").await.error, "");
+    let decision = h.decision(&p).await.expect("decision");
+    assert_eq!(decision.containers[0].devices[0].uuid, uuid("mixed", 0));
+
+    // An empty model is an error the user can read.
+    let empty = h
+        .create_pod(pod(
+            "no-model",
+            &[vgpu("main", 1, 4096, 20)],
+            &[("nvidia-gpu-scheduler/gpu.model", " ")],
+        ))
+        .await;
+    let result = h.filter(&empty, &["mixed"]).await;
+    assert!(
+        result.error.contains("nvidia-gpu-scheduler/gpu.model") && result.error.contains("empty"),
+        "{result:?}"
+    );
+}
