@@ -43,10 +43,11 @@ impl Reservation {
     /// bound to a claim).
     pub fn from_elastic_gpu(object: &Value) -> Result<Option<Self>, FormatError> {
         let text = |pointer: &str| object.pointer(pointer).and_then(Value::as_str);
-        let Some(annotation) = text(&format!(
-            "/metadata/annotations/{}",
-            DECISION_ANNOTATION.replace('~', "~0").replace('/', "~1")
-        )) else {
+        let Some(annotation) = object
+            .pointer("/metadata/annotations")
+            .and_then(|annotations| annotations.get(DECISION_ANNOTATION))
+            .and_then(Value::as_str)
+        else {
             return Ok(None);
         };
         if object.pointer("/metadata/deletionTimestamp").is_some()

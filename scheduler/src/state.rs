@@ -798,9 +798,8 @@ impl ClusterState {
         };
         let reservation = read_reservation(object);
         if let (Some(new), Some(old)) = (&reservation, self.reservations.get(name)) {
-            if not_newer(new.resource_version, old.resource_version)
-                && new.resource_version != old.resource_version
-            {
+            // An event older than what is known changes nothing.
+            if matches!((new.resource_version, old.resource_version), (Some(n), Some(o)) if n < o) {
                 return;
             }
         }
