@@ -20,7 +20,7 @@
 //! live pod holds.
 
 use crate::api::{ApiError, KubeApi};
-use crate::webhook::json_pointer_token;
+use crate::webhook::{json_pointer_token, resource_patch};
 use k8s_openapi::api::core::v1::{Container, Pod};
 use serde_json::{json, Value};
 use std::collections::BTreeMap;
@@ -320,33 +320,7 @@ pub fn claim_patch(
             "containers"
         };
         let base = format!("/spec/{list}/{}/resources", use_.index);
-        if resources.is_none() {
-            patch.push(json!({"op": "add", "path": base, "value": {}}));
-        }
-        for (field, present) in [
-            (
-                "limits",
-                resources.and_then(|r| r.limits.as_ref()).is_some(),
-            ),
-            (
-                "requests",
-                resources.and_then(|r| r.requests.as_ref()).is_some(),
-            ),
-        ] {
-            if present {
-                for (name, value) in &amounts {
-                    patch.push(json!({
-                        "op": "add",
-                        "path": format!("{base}/{field}/{}", json_pointer_token(name)),
-                        "value": value,
-                    }));
-                }
-            } else {
-                patch.push(
-                    json!({"op": "add", "path": format!("{base}/{field}"), "value": amounts}),
-                );
-            }
-        }
+        patch.extend(resource_patch(container, &base, &amounts));
     }
     let claims: Vec<&str> = uses.iter().map(|u| u.claim.as_str()).collect();
     patch.push(json!({

@@ -132,6 +132,20 @@ pub struct Cli {
     #[arg(long)]
     pub allow_privileged_vgpu: bool,
 
+    /// A second schedulerName the admission webhook treats as its own
+    /// (pods naming it get --scheduler-name), so KubeShare pod specs
+    /// (`schedulerName: kubeshare-scheduler`) run unchanged; empty: none.
+    #[arg(long, default_value = "kubeshare-scheduler", value_name = "NAME")]
+    pub scheduler_alias: String,
+
+    /// The PriorityClass the admission webhook gives opportunistic pods
+    /// (KubeShare's `sharedgpu/priority: 0`, its default) that name none,
+    /// as NAME=VALUE, VALUE its `value` in the cluster (the chart creates
+    /// it with preemptionPolicy Never). kube-scheduler then evicts them
+    /// first to place a guaranteed pod. Empty: no class is given.
+    #[arg(long, default_value = "", value_name = "NAME=VALUE", value_parser = parse_priority_class)]
+    pub opportunistic_priority_class: PriorityClassFlag,
+
     /// Run as one of several replicas: elect the one that filters,
     /// prioritizes and binds on a coordination.k8s.io Lease of the
     /// extender's own (--leader-elect-lease in --leader-elect-namespace).
@@ -178,6 +192,9 @@ impl Cli {
             scheduler_name: self.scheduler_name.clone(),
             admission: AdmissionPolicy {
                 allow_privileged: self.allow_privileged_vgpu,
+                scheduler_alias: Some(self.scheduler_alias.trim().to_string())
+                    .filter(|alias| !alias.is_empty()),
+                opportunistic_class: self.opportunistic_priority_class.0.clone(),
             },
         }
     }
@@ -210,6 +227,28 @@ impl Cli {
             (None, None) => ApiSource::Infer,
         }
     }
+}
+
+/// `--opportunistic-priority-class`: a PriorityClass's name and value, or
+/// none.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct PriorityClassFlag(pub Option<(String, i32)>);
+
+fn parse_priority_class(text: &str) -> Result<PriorityClassFlag, String> {
+    if text.trim().is_empty() {
+        return Ok(PriorityClassFlag(None));
+    }
+    let (name, value) = text
+        .split_once('=')
+        .ok_or_else(|| format!("{text:?} is not NAME=VALUE (e.g. vgpu-opportunistic=-100)"))?;
+    let name = name.trim();
+    if name.is_empty() {
+        return Err(format!("{text:?} names no PriorityClass"));
+    }
+    let value = value.trim().parse::<i32>().map_err(|_| {
+        format!("{text:?}: the value {value:?} is not a whole number (a 32-bit integer)")
+    })?;
+    Ok(PriorityClassFlag(Some((name.to_string(), value))))
 }
 
 #[cfg(test)]
@@ -250,6 +289,32 @@ mod tests {
         );
         assert!(Cli::try_parse_from(["vgpu-scheduler", "--gpu-policy", "busiest"]).is_err());
         assert!(Cli::try_parse_from(["vgpu-scheduler", "--default-cores", "101"]).is_err());
+        assert_eq!(
+            config.admission.scheduler_alias.as_deref(),
+            Some("kubeshare-scheduler")
+        );
+        assert_eq!(config.admission.opportunistic_class, None);
+        let classed = Cli::try_parse_from([
+            "vgpu-scheduler",
+            "--opportunistic-priority-class",
+            "vgpu-opportunistic=-100",
+            "--scheduler-alias",
+            "",
+        ])
+        .expect("parse")
+        .config();
+        assert_eq!(
+            classed.admission.opportunistic_class,
+            Some(("vgpu-opportunistic".into(), -100))
+        );
+        assert_eq!(classed.admission.scheduler_alias, None);
+        for bad in ["vgpu-opportunistic", "=5", "low=high", "x=99999999999"] {
+            assert!(
+                Cli::try_parse_from(["vgpu-scheduler", "--opportunistic-priority-class", bad])
+                    .is_err(),
+                "{bad}"
+            );
+        }
         let help = Cli::command().render_long_help().to_string();
         for argument in Cli::command().get_arguments() {
             let long = argument.get_long().expect("every flag is long");

@@ -122,6 +122,61 @@ pub struct ExtenderBindingResult {
     pub error: String,
 }
 
+/// `ExtenderPreemptionArgs`: the pod kube-scheduler would place by
+/// evicting, and per node the pods its own dry run would evict: whole pods
+/// (`NodeNameToVictims`), or their UIDs when the extender is
+/// `nodeCacheCapable` (`NodeNameToMetaVictims`).
+#[derive(Debug, Default, Deserialize, Serialize)]
+pub struct ExtenderPreemptionArgs {
+    #[serde(rename = "Pod", alias = "pod", default)]
+    pub pod: Option<Pod>,
+    #[serde(rename = "NodeNameToVictims", alias = "nodeNameToVictims", default)]
+    pub node_name_to_victims: Option<BTreeMap<String, Option<Victims>>>,
+    #[serde(
+        rename = "NodeNameToMetaVictims",
+        alias = "nodeNameToMetaVictims",
+        default
+    )]
+    pub node_name_to_meta_victims: Option<BTreeMap<String, Option<MetaVictims>>>,
+}
+
+/// The pods to evict on one node, whole.
+#[derive(Debug, Default, Deserialize, Serialize)]
+pub struct Victims {
+    #[serde(rename = "Pods", alias = "pods", default)]
+    pub pods: Option<Vec<Pod>>,
+    #[serde(rename = "NumPDBViolations", alias = "numPDBViolations", default)]
+    pub num_pdb_violations: i64,
+}
+
+/// The pods to evict on one node, by UID.
+#[derive(Clone, Debug, Default, Deserialize, Serialize, PartialEq, Eq)]
+pub struct MetaVictims {
+    #[serde(rename = "Pods", alias = "pods", default)]
+    pub pods: Option<Vec<MetaPod>>,
+    #[serde(rename = "NumPDBViolations", alias = "numPDBViolations", default)]
+    pub num_pdb_violations: i64,
+}
+
+/// A pod named by its UID.
+#[derive(Clone, Debug, Default, Deserialize, Serialize, PartialEq, Eq)]
+pub struct MetaPod {
+    #[serde(rename = "UID", alias = "uid", default)]
+    pub uid: String,
+}
+
+/// `ExtenderPreemptionResult`: the nodes where evicting still helps, each
+/// with the pods to evict (kube-scheduler drops every node left out).
+#[derive(Debug, Default, Deserialize, Serialize)]
+pub struct ExtenderPreemptionResult {
+    #[serde(
+        rename = "NodeNameToMetaVictims",
+        alias = "nodeNameToMetaVictims",
+        default
+    )]
+    pub node_name_to_meta_victims: BTreeMap<String, MetaVictims>,
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

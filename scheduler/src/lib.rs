@@ -19,6 +19,8 @@
 //! - [`elastic_crd`]: Elastic GPU's custom resources and their conversion
 //!   webhook.
 //! - [`claims`]: Elastic GPU claims given to pods by the webhook.
+//! - [`kubeshare`]: KubeShare's pod labels, turned into requests by the
+//!   webhook.
 //! - [`claim_controller`]: binds claims to the ElasticGPUs it provisions.
 //! - [`reservation`]: the GPU slice an ElasticGPU holds for its claim.
 //! - [`leader`]: leader election among replicas.
@@ -31,6 +33,7 @@ pub mod cli;
 pub mod elastic_crd;
 pub mod extender;
 pub mod fit;
+pub mod kubeshare;
 pub mod leader;
 pub mod metrics;
 pub mod policy;

@@ -29,6 +29,7 @@ pub enum Verb {
     Filter,
     Prioritize,
     Bind,
+    Preempt,
     Mutate,
     Convert,
 }
@@ -40,6 +41,7 @@ impl Verb {
             Verb::Filter => "filter",
             Verb::Prioritize => "prioritize",
             Verb::Bind => "bind",
+            Verb::Preempt => "preempt",
             Verb::Mutate => "mutate",
             Verb::Convert => "convert",
         }
@@ -54,6 +56,7 @@ pub struct ServerMetrics {
     filter: Histogram,
     prioritize: Histogram,
     bind: Histogram,
+    preempt: Histogram,
     mutate: Histogram,
     convert: Histogram,
 }
@@ -65,7 +68,7 @@ impl ServerMetrics {
             HistogramOpts::new(
                 REQUEST_DURATION,
                 "Time the extender took to answer a request, from its arrival to the reply, by verb \
-                 (filter, prioritize, bind, mutate for the admission webhook, convert for Elastic GPU's \
+                 (filter, prioritize, bind, preempt, mutate for the admission webhook, convert for Elastic GPU's \
                  conversion webhook).",
             )
             .buckets(BUCKETS.to_vec()),
@@ -84,6 +87,7 @@ impl ServerMetrics {
             filter: handle(Verb::Filter)?,
             prioritize: handle(Verb::Prioritize)?,
             bind: handle(Verb::Bind)?,
+            preempt: handle(Verb::Preempt)?,
             mutate: handle(Verb::Mutate)?,
             convert: handle(Verb::Convert)?,
             registry,
@@ -96,6 +100,7 @@ impl ServerMetrics {
             Verb::Filter => &self.filter,
             Verb::Prioritize => &self.prioritize,
             Verb::Bind => &self.bind,
+            Verb::Preempt => &self.preempt,
             Verb::Mutate => &self.mutate,
             Verb::Convert => &self.convert,
         };

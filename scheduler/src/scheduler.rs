@@ -22,7 +22,8 @@
 use crate::api::{ApiError, KubeApi};
 use crate::claims::{claim_keys_held, share_amounts, ClaimShare};
 use crate::extender::{
-    ExtenderArgs, ExtenderBindingArgs, ExtenderBindingResult, ExtenderFilterResult, FailedNodesMap,
+    ExtenderArgs, ExtenderBindingArgs, ExtenderBindingResult, ExtenderFilterResult,
+    ExtenderPreemptionArgs, ExtenderPreemptionResult, FailedNodesMap, MetaPod, MetaVictims,
     NodeList, MAX_EXTENDER_PRIORITY,
 };
 use crate::fit::{explain, measured_load, node_load, place_pod, Scratch};
@@ -212,6 +213,8 @@ struct Own<'a> {
     counted_node: Option<&'a str>,
     /// The Elastic GPU claims it holds, `namespace/name`.
     claims: Vec<String>,
+    /// Pods taken as gone (the victims of a preemption being weighed).
+    evicted: Vec<String>,
 }
 
 impl<'a> Own<'a> {
@@ -221,6 +224,7 @@ impl<'a> Own<'a> {
             uid,
             counted_node: state.counted_node_of(uid),
             claims: claim_keys_held(pod),
+            evicted: Vec::new(),
         }
     }
 }
@@ -437,8 +441,14 @@ impl Scheduler {
         }
         let pinned = pin_to_slices(state, name, &own.claims, request)?;
         let request = pinned.as_ref().unwrap_or(request);
-        let base = if own.counted_node == Some(name) || !own.claims.is_empty() {
-            state.usage_excluding(node, own.uid, &own.claims)
+        let base = if own.counted_node == Some(name)
+            || !own.claims.is_empty()
+            || !own.evicted.is_empty()
+        {
+            let mut gone: Vec<&str> = Vec::with_capacity(1 + own.evicted.len());
+            gone.push(own.uid);
+            gone.extend(own.evicted.iter().map(String::as_str));
+            state.usage_without(node, &gone, &own.claims)
         } else {
             std::borrow::Cow::Borrowed(&node.usage[..])
         };
@@ -601,6 +611,175 @@ impl Scheduler {
         let index = cache.iter().position(|e| e.uid == uid)?;
         let entry = cache.remove(index);
         (entry.version == version && entry.at.elapsed() < SCORE_CACHE_TTL).then_some(entry)
+    }
+
+    // ---- preempt ----
+
+    /// `POST /preempt`: kube-scheduler found no node for a pod and proposes,
+    /// per node, the lower-priority pods its own dry run would evict. Its
+    /// dry run sees only the resources it counts, not which GPU holds what,
+    /// so the answer keeps only the nodes where those evictions make room
+    /// for the pod on the GPUs (memory, compute and slots of one GPU per
+    /// vGPU), and on each the fewest of the pods holding vGPUs there: they
+    /// are spared in kube-scheduler's order, most important first, while
+    /// the pod still fits. Victims holding no vGPU on the node are kept:
+    /// kube-scheduler needed them for something else.
+    pub fn preempt(&self, body: &[u8]) -> Reply {
+        let args = match serde_json::from_slice::<ExtenderPreemptionArgs>(body) {
+            Ok(args) => args,
+            Err(error) => {
+                return Reply::json(
+                    400,
+                    &ErrorBody {
+                        error: format!("request body is not ExtenderPreemptionArgs JSON: {error}"),
+                    },
+                )
+            }
+        };
+        match self.preemption(&args) {
+            Ok(result) => Reply::json(200, &result),
+            Err(error) => {
+                tracing::info!(error = %error, "preempt");
+                Reply::json(503, &ErrorBody { error })
+            }
+        }
+    }
+
+    fn preemption(
+        &self,
+        args: &ExtenderPreemptionArgs,
+    ) -> Result<ExtenderPreemptionResult, String> {
+        self.check_leading()?;
+        let pod = args
+            .pod
+            .as_ref()
+            .ok_or("ExtenderPreemptionArgs has no Pod")?;
+        let proposed: Vec<(&str, Vec<&str>, i64)> =
+            match (&args.node_name_to_meta_victims, &args.node_name_to_victims) {
+                (Some(meta), _) => meta
+                    .iter()
+                    .map(|(node, victims)| {
+                        let victims = victims.as_ref();
+                        (
+                            node.as_str(),
+                            victims
+                                .and_then(|v| v.pods.as_ref())
+                                .into_iter()
+                                .flatten()
+                                .map(|p| p.uid.as_str())
+                                .collect(),
+                            victims.map_or(0, |v| v.num_pdb_violations),
+                        )
+                    })
+                    .collect(),
+                (None, Some(whole)) => whole
+                    .iter()
+                    .map(|(node, victims)| {
+                        let victims = victims.as_ref();
+                        (
+                            node.as_str(),
+                            victims
+                                .and_then(|v| v.pods.as_ref())
+                                .into_iter()
+                                .flatten()
+                                .filter_map(|p| p.metadata.uid.as_deref())
+                                .collect(),
+                            victims.map_or(0, |v| v.num_pdb_violations),
+                        )
+                    })
+                    .collect(),
+                (None, None) => Vec::new(),
+            };
+        let as_proposed = |node: &str, victims: &[&str], violations: i64| {
+            (
+                node.to_string(),
+                MetaVictims {
+                    pods: Some(
+                        victims
+                            .iter()
+                            .map(|uid| MetaPod {
+                                uid: uid.to_string(),
+                            })
+                            .collect(),
+                    ),
+                    num_pdb_violations: violations,
+                },
+            )
+        };
+        let request = self.parse(pod)?;
+        if request.is_empty() {
+            // Not a vGPU pod: nothing of ours to weigh.
+            return Ok(ExtenderPreemptionResult {
+                node_name_to_meta_victims: proposed
+                    .iter()
+                    .filter(|(_, victims, _)| !victims.is_empty())
+                    .map(|(node, victims, violations)| as_proposed(node, victims, *violations))
+                    .collect(),
+            });
+        }
+        let state = self.state.read();
+        if !state.synced() {
+            return Err(
+                "vgpu-scheduler is still listing pods and nodes from the Kubernetes API; retry shortly"
+                    .to_string(),
+            );
+        }
+        let key = pod_key(pod);
+        let mut own = Own::of(&state, pod);
+        if let Some(why) = claim_in_use(&state, &own) {
+            tracing::info!("preempt {key}: no eviction helps: {why}");
+            return Ok(ExtenderPreemptionResult::default());
+        }
+        let policy = request.gpu_policy.unwrap_or(self.config.gpu_policy);
+        let now = now_unix_ms();
+        let mut scratch = Scratch::default();
+        let mut result = ExtenderPreemptionResult::default();
+        for (node, victims, violations) in proposed {
+            let (holding, other): (Vec<&str>, Vec<&str>) = victims
+                .iter()
+                .partition(|uid| state.counted_node_of(uid) == Some(node));
+            own.evicted = holding.iter().map(|uid| uid.to_string()).collect();
+            if let Err(rejection) =
+                self.evaluate(&state, node, &own, &request, policy, now, &mut scratch)
+            {
+                tracing::info!(
+                    "preempt {key}: evicting {} pod(s) on {node} does not make room: {}",
+                    victims.len(),
+                    rejection.message
+                );
+                continue;
+            }
+            for spared in &holding {
+                let without: Vec<String> = own
+                    .evicted
+                    .iter()
+                    .filter(|uid| uid.as_str() != *spared)
+                    .cloned()
+                    .collect();
+                let evicted = std::mem::replace(&mut own.evicted, without);
+                if self
+                    .evaluate(&state, node, &own, &request, policy, now, &mut scratch)
+                    .is_err()
+                {
+                    own.evicted = evicted;
+                }
+            }
+            let mut evict: Vec<&str> = other;
+            evict.extend(own.evicted.iter().map(String::as_str));
+            if evict.is_empty() {
+                tracing::info!("preempt {key}: fits on {node} without evicting anyone");
+                continue;
+            }
+            tracing::info!(
+                "preempt {key}: on {node} evict {} of the {} proposed pod(s)",
+                evict.len(),
+                victims.len()
+            );
+            let kept = i64::try_from(evict.len()).unwrap_or(i64::MAX);
+            let (name, meta) = as_proposed(node, &evict, violations.min(kept));
+            result.node_name_to_meta_victims.insert(name, meta);
+        }
+        Ok(result)
     }
 
     // ---- prioritize ----
@@ -1003,6 +1182,7 @@ impl Scheduler {
             uid: "",
             counted_node: None,
             claims: vec![claim.to_string()],
+            evicted: Vec::new(),
         };
         let mut scratch = Scratch::default();
         // The node a pod would get: the best score among those that fit.

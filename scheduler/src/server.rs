@@ -61,6 +61,7 @@ pub fn router(scheduler: Arc<Scheduler>, metrics: Arc<ServerMetrics>) -> Router 
         .route("/filter", post(filter))
         .route("/prioritize", post(prioritize))
         .route("/bind", post(bind))
+        .route("/preempt", post(preempt))
         // Elastic GPU Scheduler's spellings (urlPrefix .../scheduler,
         // prioritizeVerb "priorities"), so its kube-scheduler configuration
         // works unchanged.
@@ -69,6 +70,20 @@ pub fn router(scheduler: Arc<Scheduler>, metrics: Arc<ServerMetrics>) -> Router 
         .route("/scheduler/priorities", post(prioritize))
         .route("/scheduler/prioritize", post(prioritize))
         .route("/scheduler/bind", post(bind))
+        .route("/scheduler/preempt", post(preempt))
+        // nvidia-gpu-scheduler's urlPrefix (.../apis/nvidia-gpu-scheduler/v1/schedule).
+        .route(
+            "/apis/nvidia-gpu-scheduler/v1/schedule/filter",
+            post(filter),
+        )
+        .route(
+            "/apis/nvidia-gpu-scheduler/v1/schedule/prioritize",
+            post(prioritize),
+        )
+        .route(
+            "/apis/nvidia-gpu-scheduler/v1/schedule/preempt",
+            post(preempt),
+        )
         .route("/webhook/mutate", post(mutate))
         .route("/convert", post(convert))
         .route("/healthz", get(|| async { "ok" }))
@@ -93,6 +108,13 @@ async fn filter(State(served): State<Served>, body: Bytes) -> Response {
     let started = Instant::now();
     let reply = served.scheduler.filter(&body);
     served.metrics.observe(Verb::Filter, started.elapsed());
+    respond(reply)
+}
+
+async fn preempt(State(served): State<Served>, body: Bytes) -> Response {
+    let started = Instant::now();
+    let reply = served.scheduler.preempt(&body);
+    served.metrics.observe(Verb::Preempt, started.elapsed());
     respond(reply)
 }
 
@@ -133,7 +155,7 @@ async fn mutate(State(served): State<Served>, body: Bytes) -> Response {
         &body,
         &config.scheduler_name,
         &config.resources,
-        config.admission,
+        &config.admission,
         &claims,
     );
     served.metrics.observe(Verb::Mutate, started.elapsed());

@@ -383,16 +383,19 @@ impl ClusterState {
         self.pods.get(uid)?.counted_node()
     }
 
-    /// The usage of a node's GPUs without the pod `uid` (a pod being
-    /// scheduled again must not compete with its own earlier decision) and
-    /// without the slices of `claims` (held for the very pod that holds them).
-    pub fn usage_excluding<'a>(
+    /// The usage of a node's GPUs without the pods `uids` (a pod being
+    /// scheduled again must not compete with its own earlier decision; the
+    /// victims of a preemption are gone) and without the slices of `claims`
+    /// (held for the very pod that holds them).
+    pub fn usage_without<'a>(
         &'a self,
         node: &'a NodeEntry,
-        uid: &str,
+        uids: &[&str],
         claims: &[String],
     ) -> Cow<'a, [Usage]> {
-        let own_pod = !uid.is_empty() && node.pods.iter().any(|p| p == uid);
+        let own_pod = uids
+            .iter()
+            .any(|uid| !uid.is_empty() && node.pods.iter().any(|p| p == uid));
         let own_slice = node.reservations.iter().any(|name| {
             self.reservations
                 .get(name)
@@ -407,7 +410,7 @@ impl ClusterState {
             node,
             node.pods
                 .iter()
-                .filter(|p| *p != uid)
+                .filter(|p| !uids.contains(&p.as_str()))
                 .filter_map(|p| self.pods.get(p)),
             node.reservations
                 .iter()
@@ -1360,12 +1363,9 @@ mod tests {
         );
         // Placing a pod that holds the claim: the slice is not in its way.
         let node = state.node("n1").expect("n1");
-        let without = state.usage_excluding(node, "", &["ns/c".to_string()]);
+        let without = state.usage_without(node, &[], &["ns/c".to_string()]);
         assert_eq!(without[0], Usage::default());
-        assert_eq!(
-            state.usage_excluding(node, "", &[])[0].memory_bytes,
-            2 * GIB
-        );
+        assert_eq!(state.usage_without(node, &[], &[])[0].memory_bytes, 2 * GIB);
 
         // The holder placed: its own grant (4 GiB, 30 %) counts instead.
         let mut holder = decided("p", 10, "n1", "GPU-n1-0", true, true);

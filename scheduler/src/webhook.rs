@@ -22,6 +22,7 @@
 //! other workloads.
 
 use crate::claims::{claim_patch, claim_uses, ClaimAnswers, ClaimShare, CLAIM_ANNOTATION_PREFIX};
+use crate::kubeshare::{KubeShareError, KubeShareRequest};
 use crate::requests::{elastic_count_to_add, ResourceNames};
 use base64::Engine;
 use k8s_openapi::api::core::v1::{Container, Pod};
@@ -91,10 +92,14 @@ struct ReviewResponse {
 }
 
 /// What the webhook does beyond pointing pods at the vgpu scheduler.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct AdmissionPolicy {
     /// Let privileged containers ask for vGPUs.
     pub allow_privileged: bool,
+    /// Another scheduler name (KubeShare's) whose pods are given ours.
+    pub scheduler_alias: Option<String>,
+    /// The PriorityClass (name, value) opportunistic pods are given.
+    pub opportunistic_class: Option<(String, i32)>,
 }
 
 /// The webhook's answer: HTTP status and JSON body.
@@ -141,7 +146,7 @@ pub fn mutate(
     body: &[u8],
     scheduler_name: &str,
     names: &ResourceNames,
-    policy: AdmissionPolicy,
+    policy: &AdmissionPolicy,
     claims: &ClaimAnswers,
 ) -> WebhookReply {
     let (api_version, request) = match Review::<ReviewRequest>::read(body, "AdmissionReview") {
@@ -198,10 +203,36 @@ pub fn mutate(
                     return reply(&api_version, &response);
                 }
             };
+            let kubeshare = match kubeshare_patch(&pod, names, policy, !claimed.is_empty()) {
+                Ok(kubeshare) => kubeshare,
+                Err(message) => {
+                    tracing::info!("admission review {}: refused: {message}", response.uid);
+                    response.allowed = false;
+                    response.status = Some(json!({
+                        "code": 422,
+                        "reason": "Invalid",
+                        "message": message,
+                    }));
+                    return reply(&api_version, &response);
+                }
+            };
             let mut patch = elastic_device_counts(&pod, names);
             let uses_claims = !claimed.is_empty();
             patch.extend(claimed);
-            if needs_vgpu_scheduler(&pod, names) || (uses_claims && unscheduled_for_default(&pod)) {
+            let labelled = kubeshare.is_some();
+            if let Some((kubeshare, warning)) = kubeshare {
+                patch.extend(kubeshare);
+                response.warnings.extend(warning);
+            }
+            let aliased = policy.scheduler_alias.is_some()
+                && pod.spec.as_ref().is_some_and(|spec| {
+                    spec.node_name.is_none()
+                        && spec.scheduler_name.as_deref() == policy.scheduler_alias.as_deref()
+                });
+            if needs_vgpu_scheduler(&pod, names)
+                || aliased
+                || ((uses_claims || labelled) && unscheduled_for_default(&pod))
+            {
                 patch.push(json!({
                     "op": "add",
                     "path": "/spec/schedulerName",
@@ -241,6 +272,90 @@ fn reply(api_version: &str, response: &ReviewResponse) -> WebhookReply {
         status: 200,
         body: body.to_string().into_bytes(),
     }
+}
+
+/// JSON patch operations, and a warning for the user if there is one.
+type PatchAndWarning = (Vec<Value>, Option<String>);
+
+/// The patch turning a KubeShare pod's `sharedgpu/` labels into vgpu's
+/// requests, with a warning when the pod has several containers; `None`
+/// for a pod without such labels; or why the labels cannot be served.
+fn kubeshare_patch(
+    pod: &Pod,
+    names: &ResourceNames,
+    policy: &AdmissionPolicy,
+    uses_claims: bool,
+) -> Result<Option<PatchAndWarning>, String> {
+    let labels = pod.metadata.labels.clone().unwrap_or_default();
+    let Some(request) = KubeShareRequest::from_labels(&labels).map_err(|e| e.to_string())? else {
+        return Ok(None);
+    };
+    let spec = pod.spec.as_ref();
+    let asking = spec
+        .into_iter()
+        .flat_map(|spec| {
+            spec.containers
+                .iter()
+                .chain(spec.init_containers.iter().flatten())
+        })
+        .find(|container| asks_for_vgpu(container, names) || uses_claims);
+    if let Some(container) = asking {
+        return Err(KubeShareError::AlsoResources(container.name.clone()).to_string());
+    }
+    let class = policy
+        .opportunistic_class
+        .as_ref()
+        .map(|(name, value)| (name.as_str(), *value));
+    let patch = request
+        .patch(pod, names, class)
+        .map_err(|e| e.to_string())?;
+    let warning = spec.filter(|spec| spec.containers.len() > 1).map(|spec| {
+        format!(
+            "vgpu: the {} labels were given to container {:?}, the first of the pod's {}",
+            crate::kubeshare::LABEL_PREFIX,
+            spec.containers[0].name,
+            spec.containers.len()
+        )
+    });
+    Ok(Some((patch, warning)))
+}
+
+/// JSON patch operations adding `amounts` to a container's limits and
+/// requests (an extended resource's request must equal its limit);
+/// `base` is the pointer to its `resources`.
+pub(crate) fn resource_patch(
+    container: &Container,
+    base: &str,
+    amounts: &std::collections::BTreeMap<String, String>,
+) -> Vec<Value> {
+    let resources = container.resources.as_ref();
+    let mut patch = Vec::new();
+    if resources.is_none() {
+        patch.push(json!({"op": "add", "path": base, "value": {}}));
+    }
+    for (field, present) in [
+        (
+            "limits",
+            resources.and_then(|r| r.limits.as_ref()).is_some(),
+        ),
+        (
+            "requests",
+            resources.and_then(|r| r.requests.as_ref()).is_some(),
+        ),
+    ] {
+        if present {
+            for (name, value) in amounts {
+                patch.push(json!({
+                    "op": "add",
+                    "path": format!("{base}/{field}/{}", json_pointer_token(name)),
+                    "value": value,
+                }));
+            }
+        } else {
+            patch.push(json!({"op": "add", "path": format!("{base}/{field}"), "value": amounts}));
+        }
+    }
+    patch
 }
 
 /// The patch giving the pod's claimed containers their claims' shares
@@ -285,7 +400,6 @@ fn elastic_device_counts(pod: &Pod, names: &ResourceNames) -> Vec<Value> {
     let Some(spec) = &pod.spec else {
         return Vec::new();
     };
-    let key = json_pointer_token(&names.gpu);
     let mut patch = Vec::new();
     let lists = [
         ("containers", spec.containers.as_slice()),
@@ -299,25 +413,10 @@ fn elastic_device_counts(pod: &Pod, names: &ResourceNames) -> Vec<Value> {
             let Some(count) = elastic_count_to_add(container, names) else {
                 continue;
             };
-            let value = Value::String(count.to_string());
-            let resources = container.resources.as_ref();
+            let amounts =
+                std::collections::BTreeMap::from([(names.gpu.clone(), count.to_string())]);
             let base = format!("/spec/{list}/{index}/resources");
-            for (field, present) in [
-                (
-                    "limits",
-                    resources.and_then(|r| r.limits.as_ref()).is_some(),
-                ),
-                (
-                    "requests",
-                    resources.and_then(|r| r.requests.as_ref()).is_some(),
-                ),
-            ] {
-                patch.push(if present {
-                    json!({"op": "add", "path": format!("{base}/{field}/{key}"), "value": value})
-                } else {
-                    json!({"op": "add", "path": format!("{base}/{field}"), "value": {names.gpu.as_str(): value}})
-                });
-            }
+            patch.extend(resource_patch(container, &base, &amounts));
         }
     }
     patch
@@ -430,7 +529,7 @@ mod tests {
             body,
             "vgpu-scheduler",
             &ResourceNames::default(),
-            AdmissionPolicy::default(),
+            &AdmissionPolicy::default(),
             &ClaimAnswers::new(),
         );
         assert_eq!(
@@ -531,7 +630,7 @@ mod tests {
             &review(pod.clone()),
             "vgpu-scheduler",
             &ResourceNames::default(),
-            AdmissionPolicy::default(),
+            &AdmissionPolicy::default(),
             claims,
         );
         serde_json::from_slice(&reply.body).expect("json")
@@ -637,7 +736,7 @@ mod tests {
                 body,
                 "vgpu-scheduler",
                 &names,
-                AdmissionPolicy::default(),
+                &AdmissionPolicy::default(),
                 &ClaimAnswers::new(),
             );
             assert_eq!(reply.status, 400);
@@ -656,7 +755,7 @@ mod tests {
             &review(pod(json!({"example.com/vgpu": "1"}), None)),
             "gpu-sched",
             &names,
-            AdmissionPolicy::default(),
+            &AdmissionPolicy::default(),
             &ClaimAnswers::new(),
         );
         let value: Value = serde_json::from_slice(&reply.body).expect("json");
@@ -666,7 +765,7 @@ mod tests {
             &review(pod(json!({"nvidia.com/gpu": "1"}), None)),
             "gpu-sched",
             &names,
-            AdmissionPolicy::default(),
+            &AdmissionPolicy::default(),
             &ClaimAnswers::new(),
         );
         let value: Value = serde_json::from_slice(&reply.body).expect("json");
@@ -678,6 +777,7 @@ mod tests {
     }
 
     fn reply_to(pod: &Value, policy: AdmissionPolicy) -> Value {
+        let policy = &policy;
         let reply = mutate(
             &review(pod.clone()),
             "vgpu-scheduler",
@@ -709,6 +809,7 @@ mod tests {
             &unscheduled,
             AdmissionPolicy {
                 allow_privileged: true,
+                ..AdmissionPolicy::default()
             },
         );
         assert_eq!(value["response"]["allowed"], true);
@@ -734,5 +835,171 @@ mod tests {
             reply_to(&plain, AdmissionPolicy::default())["response"]["allowed"],
             true
         );
+    }
+
+    /// `pod` with the JSON patch's operations applied (the webhook writes
+    /// only `add`).
+    fn patched(mut pod: Value, patch: &Value) -> Value {
+        for op in patch.as_array().expect("ops") {
+            assert_eq!(op["op"], "add", "{op}");
+            let path = op["path"].as_str().expect("path");
+            let (parent, last) = path.rsplit_once('/').expect("a pointer");
+            let last = last.replace("~1", "/").replace("~0", "~");
+            let target = pod
+                .pointer_mut(parent)
+                .unwrap_or_else(|| panic!("{parent} exists before {op}"));
+            target
+                .as_object_mut()
+                .unwrap_or_else(|| panic!("{parent} is an object"))
+                .insert(last, op["value"].clone());
+        }
+        pod
+    }
+
+    fn kubeshare_pod(labels: Value, scheduler: Option<&str>) -> Value {
+        let mut spec = json!({"containers": [{"name": "pytorch", "image": "riyazhu/mnist:test"}]});
+        if let Some(name) = scheduler {
+            spec["schedulerName"] = json!(name);
+        }
+        json!({"apiVersion": "v1", "kind": "Pod",
+               "metadata": {"name": "mnist", "labels": labels}, "spec": spec})
+    }
+
+    fn kubeshare_policy() -> AdmissionPolicy {
+        AdmissionPolicy {
+            scheduler_alias: Some("kubeshare-scheduler".into()),
+            opportunistic_class: Some(("vgpu-opportunistic".into(), -100)),
+            ..AdmissionPolicy::default()
+        }
+    }
+
+    #[test]
+    fn kubeshare_labels_become_the_requests_the_extender_reads() {
+        let seed = kubeshare_pod(
+            json!({"sharedgpu/gpu_request": "0.5", "sharedgpu/gpu_limit": "1.0",
+                   "sharedgpu/gpu_model": "NVIDIA-GeForce-GTX-1080"}),
+            Some("kubeshare-scheduler"),
+        );
+        let value = reply_to(&seed, kubeshare_policy());
+        assert_eq!(value["response"]["allowed"], true);
+        let patch = patch_of(&value["response"]).expect("patched");
+        let pod_value = patched(seed, &patch);
+        assert_eq!(pod_value["spec"]["schedulerName"], "vgpu-scheduler");
+        // Opportunistic (no sharedgpu/priority): the chart's class, its
+        // value, and no preempting of others.
+        assert_eq!(pod_value["spec"]["priorityClassName"], "vgpu-opportunistic");
+        assert_eq!(pod_value["spec"]["priority"], -100);
+        assert_eq!(pod_value["spec"]["preemptionPolicy"], "Never");
+        let limits = &pod_value["spec"]["containers"][0]["resources"]["limits"];
+        assert_eq!(
+            limits,
+            &pod_value["spec"]["containers"][0]["resources"]["requests"]
+        );
+        assert_eq!(limits["nvidia.com/priority"], "2");
+        let pod: Pod = serde_json::from_value(pod_value).expect("a pod");
+        let request = crate::requests::parse_pod(
+            &pod,
+            &ResourceNames::default(),
+            &crate::requests::RequestDefaults::default(),
+        )
+        .expect("the extender reads it");
+        let container = &request.containers[0];
+        assert_eq!((container.count, container.cores), (1, 50));
+        assert_eq!(
+            container.memory,
+            crate::requests::MemoryRequest::Percent(50)
+        );
+        assert_eq!(
+            container.priority,
+            Some(crate::kubeshare::OPPORTUNISTIC_TASK_PRIORITY)
+        );
+        assert_eq!(request.burst_percent, Some(100));
+        assert_eq!(
+            request.selectors.model.as_deref(),
+            Some("nvidia-geforce-gtx-1080")
+        );
+    }
+
+    #[test]
+    fn guaranteed_kubeshare_pods_keep_the_default_priority() {
+        let pod_value = kubeshare_pod(
+            json!({"sharedgpu/gpu_request": "2", "sharedgpu/gpu_mem": "1073741824",
+                   "sharedgpu/priority": "100"}),
+            None,
+        );
+        let value = reply_to(&pod_value, kubeshare_policy());
+        let pod_value = patched(pod_value, &patch_of(&value["response"]).expect("patched"));
+        assert_eq!(pod_value["spec"]["schedulerName"], "vgpu-scheduler");
+        assert!(
+            pod_value["spec"].get("priorityClassName").is_none(),
+            "{pod_value}"
+        );
+        let limits = &pod_value["spec"]["containers"][0]["resources"]["limits"];
+        assert_eq!(limits["nvidia.com/gpu"], "2");
+        assert_eq!(limits["nvidia.com/gpucores"], "100");
+        assert_eq!(limits["nvidia.com/gpumem"], "1024");
+        assert!(limits.get("nvidia.com/priority").is_none(), "{limits}");
+        // A pod naming its own class keeps it, opportunistic or not.
+        let mut named = kubeshare_pod(json!({"sharedgpu/gpu_request": "0.2"}), None);
+        named["spec"]["priorityClassName"] = json!("batch");
+        let value = reply_to(&named, kubeshare_policy());
+        let named = patched(named, &patch_of(&value["response"]).expect("patched"));
+        assert_eq!(named["spec"]["priorityClassName"], "batch");
+        assert!(named["spec"].get("priority").is_none(), "{named}");
+    }
+
+    #[test]
+    fn bad_kubeshare_labels_are_refused_and_the_alias_alone_is_renamed() {
+        for (labels, words) in [
+            (
+                json!({"sharedgpu/gpu_request": "1.5"}),
+                "whole number of GPUs",
+            ),
+            (
+                json!({"sharedgpu/gpu_request": "0.5", "sharedgpu/gpu_limit": "0.2"}),
+                "below",
+            ),
+            (
+                json!({"sharedgpu/gpu_request": "0.5", "sharedgpu/group_name": "a"}),
+                "group_headcount",
+            ),
+        ] {
+            let value = reply_to(&kubeshare_pod(labels.clone(), None), kubeshare_policy());
+            assert_eq!(value["response"]["allowed"], false, "{labels}");
+            assert_eq!(value["response"]["status"]["code"], 422);
+            let message = value["response"]["status"]["message"]
+                .as_str()
+                .expect("message");
+            assert!(message.contains(words), "{labels}: {message}");
+        }
+        // Labels and resources at once: which to believe is not guessed.
+        let mut both = pod(json!({"nvidia.com/gpu": "1"}), None);
+        both["metadata"]["labels"] = json!({"sharedgpu/gpu_request": "0.5"});
+        let value = reply_to(&both, kubeshare_policy());
+        assert_eq!(value["response"]["allowed"], false);
+        // A KubeShare pod without GPU labels is only given our scheduler;
+        // without an alias configured, it is left alone.
+        let plain = kubeshare_pod(json!({"app": "web"}), Some("kubeshare-scheduler"));
+        let value = reply_to(&plain, kubeshare_policy());
+        let patch = patch_of(&value["response"]).expect("renamed");
+        assert_eq!(
+            patch,
+            json!([{"op": "add", "path": "/spec/schedulerName", "value": "vgpu-scheduler"}])
+        );
+        assert_eq!(
+            patch_of(&reply_to(&plain, AdmissionPolicy::default())["response"]),
+            None
+        );
+        // Several containers: the first gets the GPU, and the user is told.
+        let mut two = kubeshare_pod(json!({"sharedgpu/gpu_request": "0.5"}), None);
+        two["spec"]["containers"]
+            .as_array_mut()
+            .expect("list")
+            .push(json!({"name": "sidecar", "image": "x"}));
+        let value = reply_to(&two, kubeshare_policy());
+        let warning = value["response"]["warnings"][0]
+            .as_str()
+            .expect("a warning");
+        assert!(warning.contains("\"pytorch\""), "{warning}");
     }
 }

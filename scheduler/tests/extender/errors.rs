@@ -45,6 +45,11 @@ async fn malformed_bodies_get_400_with_the_reason() {
         assert_eq!(status, 400);
         assert!(error_of(&reply).starts_with("request body is not ExtenderBindingArgs JSON"));
     }
+    for body in [&b"{"[..], b"{\"Pod\": 5}", b"{\"NodeNameToMetaVictims\": []}"] {
+        let (status, reply) = h.post("/preempt", body.to_vec()).await;
+        assert_eq!(status, 400);
+        assert!(error_of(&reply).starts_with("request body is not ExtenderPreemptionArgs JSON"));
+    }
     // Every truncation of the recorded body is refused cleanly.
     let recorded = fixture_bytes("filter_args.json");
     for cut in (0..recorded.len()).step_by(37) {
@@ -59,7 +64,7 @@ async fn malformed_bodies_get_400_with_the_reason() {
     assert_eq!(status, 405);
     let (status, _) = h
         .client
-        .request("POST", "/preempt", b"{}".to_vec())
+        .request("POST", "/unreserve", b"{}".to_vec())
         .await
         .expect("answer");
     assert_eq!(status, 404);

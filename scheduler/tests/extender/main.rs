@@ -6,6 +6,7 @@ mod claims;
 mod errors;
 mod harness;
 mod policies;
+mod preempt;
 mod rejections;
 mod restart;
 mod tls;
