@@ -73,8 +73,11 @@ class ChartCluster:
     """A control plane, `nodes` simulated nodes and the chart installed
     with the real helm, its pods running on those nodes."""
 
-    def __init__(self, workdir: Path, nodes: int, gpus: int = 2, memory: str = "16Gi", helm_args: tuple = ()):
+    def __init__(self, workdir: Path, nodes: int, gpus: int = 2, memory: str = "16Gi", helm_args: tuple = (),
+                 gpu_names: tuple = ()):
+        """`gpu_names[i]`, where given, names node i+1's GPUs."""
         self.workdir = workdir
+        self.gpu_names = gpu_names
         self.count, self.gpus, self.memory, self.helm_args = nodes, gpus, memory, helm_args
         self.nodes: list[SimulatedNode] = []
 
@@ -91,7 +94,8 @@ class ChartCluster:
             for index in range(1, self.count + 1):
                 node = SimulatedNode(self.cluster, self.network, index, self.image, self.nodes_dir / f"node-{index}",
                                      gpus=self.gpus, memory=self.memory, labels={"gpu": "on"},
-                                     simulated_gpu=TARGET / "libsimgpu.so")
+                                     simulated_gpu=TARGET / "libsimgpu.so",
+                                     gpu_name=self.gpu_names[index - 1] if index <= len(self.gpu_names) else None)
                 self.nodes.append(node)
                 node.start()
             # What the NVIDIA container toolkit sets up on a GPU cluster;

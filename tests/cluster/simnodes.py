@@ -83,12 +83,14 @@ class NodeImage:
 
 class SimulatedNode:
     """A node named `name` (number `index`, 1-250) with `gpus` simulated
-    GPUs of `memory` each."""
+    GPUs of `memory` each, named `gpu_name` (the simulated GPU's own name
+    when None)."""
 
     def __init__(self, cluster: ControlPlane, hub: TestNetwork, index: int, image: NodeImage, workdir: Path,
                  name: str | None = None, gpus: int = 2, memory: str = "16Gi", labels: dict[str, str] | None = None,
-                 simulated_gpu: Path | None = None):
+                 simulated_gpu: Path | None = None, gpu_name: str | None = None):
         self.cluster = cluster
+        self.gpu_name = gpu_name
         self.hub = hub
         self.index = index
         self.image = image
@@ -136,6 +138,8 @@ class SimulatedNode:
             "SIMGPU_STATE": str(self.workdir / "simgpu.state"),
             "SIMGPU_UUID_SEED": str(self.index),
         }
+        if self.gpu_name:
+            runtime_env["SIMGPU_NAME"] = self.gpu_name
         argv = [
             str(self.cluster.bin / "simnode"), f"--name={self.name}", f"--kubeconfig={self.cluster.admin_kubeconfig}",
             f"--address={self.address}", f"--host-root={self.host_root}", f"--rootfs={self.image.root}",

@@ -184,17 +184,15 @@ def test_kube_scheduler_reaches_the_extender_with_the_same_names_and_port():
     assert config["profiles"] == [{"schedulerName": "vgpu-scheduler"}]
     (extender,) = config["extenders"]
     assert extender["urlPrefix"] == "http://127.0.0.1:40000"
-    assert (extender["filterVerb"], extender["prioritizeVerb"], extender["bindVerb"]) == (
-        "filter",
-        "prioritize",
-        "bind",
-    )
+    verbs = ("filterVerb", "prioritizeVerb", "bindVerb", "preemptVerb")
+    assert tuple(extender[verb] for verb in verbs) == ("filter", "prioritize", "bind", "preempt")
     assert extender["enableHTTPS"] is False
     managed = {m["name"]: m["ignoredByScheduler"] for m in extender["managedResources"]}
-    # kube-scheduler counts the device resource itself; the rest only the extender reads.
+    # kube-scheduler counts every amount too (its preemption finds victims
+    # only among pods taking what it counts); the priority is no amount.
     assert managed["example.com/vgpu"] is False
-    assert managed["example.com/vgpu-cores"] is True
-    assert all(ignored for name, ignored in managed.items() if name != "example.com/vgpu")
+    assert managed["example.com/vgpu-cores"] is False
+    assert [name for name, ignored in managed.items() if ignored] == ["nvidia.com/priority"]
 
     deployment = find(objects, "Deployment", "-scheduler")
     extender_flags = flags(container(deployment, "extender"))
@@ -390,6 +388,8 @@ def test_kube_scheduler_follows_the_cluster_version_unless_pinned():
         ({"hostDir": "relative/path"}, "hostDir"),
         ({"node": {"monitor": {"intervalMs": "fast"}}}, "intervalMs"),
         ({"node": {"devicePluginTypo": {}}}, "devicePluginTypo"),
+        ({"opportunistic": {"priorityClass": {"value": 2000000000}}}, "value"),
+        ({"scheduler": {"webhook": {"schedulerAlias": "Kube Share"}}}, "schedulerAlias"),
     ],
 )
 def test_bad_values_are_refused_with_their_name(values, words):
@@ -620,3 +620,25 @@ def test_elastic_gpu_v1alpha_is_served_only_where_it_can_be_converted(values, se
 
 def test_elastic_gpu_crds_can_be_left_out():
     assert not elastic_gpu_crds(render({"elasticGPU": {"crds": {"enabled": False}}}))
+
+
+def test_opportunistic_pods_get_a_class_below_the_default_that_preempts_nobody():
+    objects = render({})
+    (priority_class,) = [o for o in objects if o["kind"] == "PriorityClass"]
+    assert priority_class["metadata"]["name"] == "vgpu-opportunistic"
+    assert priority_class["value"] < 0 and priority_class["preemptionPolicy"] == "Never"
+    assert priority_class["globalDefault"] is False
+    extender_flags = flags(container(find(objects, "Deployment", "-scheduler"), "extender"))
+    # The webhook gives that class with the value the API server resolves it to.
+    assert extender_flags["opportunistic-priority-class"] == f"vgpu-opportunistic={priority_class['value']}"
+    assert extender_flags["scheduler-alias"] == "kubeshare-scheduler"
+    # KubeShare pods (labels only, or naming kubeshare-scheduler) reach the webhook.
+    webhook = find(objects, "MutatingWebhookConfiguration", "-webhook")["webhooks"][0]
+    expression = webhook["matchConditions"][0]["expression"]
+    assert "k.startsWith('sharedgpu/')" in expression
+    assert "object.spec.schedulerName == 'kubeshare-scheduler'" in expression
+    # A class of the user's own: not created, still given.
+    objects = render({"opportunistic": {"priorityClass": {"create": False, "name": "batch-low", "value": -5}}})
+    assert not [o for o in objects if o["kind"] == "PriorityClass"]
+    extender_flags = flags(container(find(objects, "Deployment", "-scheduler"), "extender"))
+    assert extender_flags["opportunistic-priority-class"] == "batch-low=-5"

@@ -100,5 +100,5 @@ container's or init container's limits or requests.
 {{- range $names }}{{ $quoted = append $quoted (printf "'%s'" .) }}{{ end -}}
 {{- $set := printf "[%s]" (join ", " $quoted) -}}
 {{- $asks := printf "has(c.resources) && ((has(c.resources.limits) && c.resources.limits.exists(k, k in %s)) || (has(c.resources.requests) && c.resources.requests.exists(k, k in %s)))" $set $set -}}
-object.spec.containers.exists(c, {{ $asks }}) || (has(object.spec.initContainers) && object.spec.initContainers.exists(c, {{ $asks }})){{ if .Values.elasticGPU.crds.enabled }} || (has(object.metadata.annotations) && object.metadata.annotations.exists(k, k.startsWith('egpuc.elasticgpu.io/'))){{ end }}
+object.spec.containers.exists(c, {{ $asks }}) || (has(object.spec.initContainers) && object.spec.initContainers.exists(c, {{ $asks }})){{ if .Values.elasticGPU.crds.enabled }} || (has(object.metadata.annotations) && object.metadata.annotations.exists(k, k.startsWith('egpuc.elasticgpu.io/'))){{ end }} || (has(object.metadata.labels) && object.metadata.labels.exists(k, k.startsWith('sharedgpu/'))){{ with .Values.scheduler.webhook.schedulerAlias }} || (has(object.spec.schedulerName) && object.spec.schedulerName == '{{ . }}'){{ end }}
 {{- end -}}

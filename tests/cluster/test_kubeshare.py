@@ -1,0 +1,206 @@
+"""KubeShare 2.0's and nvidia-gpu-scheduler's pod specs, unchanged but for
+image names and the workload's command, on the chart running on simulated
+nodes under the real control plane (kube-apiserver, kube-scheduler, helm).
+The cluster has two models: node-1's GPUs are GeForce GTX 1080s, node-2's
+Tesla V100s, two of 16 GiB each.
+
+- KubeShare's seed pod (labels only, `schedulerName: kubeshare-scheduler`)
+  runs on its model at half a GPU; its seed Job's five pods run.
+- nvidia-gpu-scheduler's `gpu.model` annotation takes a pod to its model;
+  a model no node has leaves it Pending, the event saying why.
+- An opportunistic pod (KubeShare priority 0) is evicted by the real
+  kube-scheduler's preemption, through our preempt verb, to place a
+  guaranteed one; the other opportunistic pod is left alone.
+- Bad labels are refused at creation with the label named.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+from chartcluster import EXTENDER_PORT, ChartCluster, extender_address, kubectl_json, wait_for  # noqa: E402
+
+NAMESPACE = "kubeshare"
+FILL = HERE / "workloads/fill.py"
+GTX = "NVIDIA GeForce GTX 1080"
+V100 = "Tesla V100-SXM2-16GB"
+GPU_MIB = 16384
+# Device memory the shim charges each CUDA context (VGPU_CONTEXT_RESERVE).
+CONTEXT_RESERVE_MIB = 256
+
+
+@pytest.fixture(scope="module")
+def chart_cluster(tmp_path_factory):
+    with ChartCluster(tmp_path_factory.mktemp("kubeshare-cluster"), nodes=2, gpu_names=(GTX, V100)) as running:
+        running.cluster.kubectl("create", "namespace", NAMESPACE)
+        yield running
+
+
+def create(cc: ChartCluster, manifest: dict, check: bool = True):
+    return cc.cluster.kubectl("create", "-f", "-", input=json.dumps(manifest), check=check)
+
+
+def kubeshare_pod(name: str, labels: dict[str, str], command: list[str] | None = None) -> dict:
+    """KubeShare's seed pod spec, with our workload as its command."""
+    return {"apiVersion": "v1", "kind": "Pod",
+            "metadata": {"name": name, "namespace": NAMESPACE, "labels": labels},
+            "spec": {"schedulerName": "kubeshare-scheduler", "restartPolicy": "Never",
+                     "terminationGracePeriodSeconds": 1,
+                     "containers": [{"name": "pytorch", "image": "riyazhu/mnist:test",
+                                     "command": command or [sys.executable, str(FILL), "256"],
+                                     "imagePullPolicy": "IfNotPresent"}]}}
+
+
+def pod_json(cc: ChartCluster, name: str) -> dict | None:
+    result = cc.cluster.kubectl("get", "pod", name, "-n", NAMESPACE, "-o", "json", check=False)
+    return json.loads(result.stdout) if result.returncode == 0 else None
+
+
+def running(cc: ChartCluster, name: str, timeout: float = 90) -> dict:
+    def found():
+        pod = pod_json(cc, name)
+        return pod if pod and pod["status"].get("phase") == "Running" else None
+    return wait_for(f"pod {name} Running", found, timeout=timeout, log=cc.logs)
+
+
+def report(cc: ChartCluster, pod: dict) -> dict:
+    node = cc.node(pod["spec"]["nodeName"])
+    name = pod["metadata"]["name"]
+    line = wait_for(f"{name}'s report", lambda: node.container_log(NAMESPACE, name, "pytorch").strip(),
+                    timeout=30, log=cc.logs)
+    return json.loads(line.splitlines()[-1])
+
+
+def scheduling_events(cc: ChartCluster, name: str, words: str) -> list[str]:
+    events = kubectl_json(cc.cluster, "get", "events", "-n", NAMESPACE,
+                          "--field-selector", f"involvedObject.name={name}")["items"]
+    return [e["message"] for e in events if e["reason"] == "FailedScheduling" and words in e["message"]]
+
+
+def preempt_calls(cc: ChartCluster) -> int:
+    """How many preempt calls the extender has answered (its /metrics)."""
+    address = f"http://{extender_address(cc)}:{EXTENDER_PORT}/metrics"
+    read = ("import urllib.request, sys; "
+            f"sys.stdout.write(urllib.request.urlopen({address!r}, timeout=10).read().decode())")
+    text = subprocess.run(cc.cluster.command([sys.executable, "-c", read]), capture_output=True, text=True,
+                          check=True).stdout
+    counts = [line.split()[-1] for line in text.splitlines()
+              if line.startswith("vgpu_extender_request_duration_seconds_count") and 'verb="preempt"' in line]
+    return int(float(counts[0])) if counts else 0
+
+
+def delete(cc: ChartCluster, *names: str) -> None:
+    cc.cluster.kubectl("delete", "pod", *names, "-n", NAMESPACE, "--wait=true", "--timeout=60s",
+                       "--ignore-not-found")
+
+
+def test_the_kubeshare_seed_pod_runs_on_its_model_at_half_a_gpu(chart_cluster):
+    cc = chart_cluster
+    create(cc, kubeshare_pod("mnist", {"sharedgpu/gpu_request": "0.5", "sharedgpu/gpu_limit": "1.0",
+                                       "sharedgpu/gpu_model": "NVIDIA-GeForce-GTX-1080"}))
+    pod = running(cc, "mnist")
+    assert pod["spec"]["nodeName"] == "node-1", pod["spec"]["nodeName"]
+    assert pod["spec"]["schedulerName"] == "vgpu-scheduler"
+    # Priority 0 (the default): opportunistic, through the chart's class,
+    # which the API server resolved to its value.
+    assert pod["spec"]["priorityClassName"] == "vgpu-opportunistic"
+    assert pod["spec"]["priority"] == -100 and pod["spec"]["preemptionPolicy"] == "Never"
+    assert pod["metadata"]["annotations"]["vgpu.io/gpucores-burst"] == "100"
+    limits = pod["spec"]["containers"][0]["resources"]["limits"]
+    assert limits["nvidia.com/gpucores"] == "50" and limits["nvidia.com/gpumem-percentage"] == "50"
+    got = report(cc, pod)
+    # Half of the GPU's memory (KubeShare's default for gpu_mem), all of it
+    # usable but the context's share.
+    assert got["device_totals_mib"] == [GPU_MIB // 2], got
+    assert (got["error"], got["allocated_mib"]) == (2, GPU_MIB // 2 - CONTEXT_RESERVE_MIB), got
+    delete(cc, "mnist")
+
+
+def test_the_kubeshare_seed_job_with_a_group_runs(chart_cluster):
+    cc = chart_cluster
+    labels = {"sharedgpu/gpu_request": "0.5", "sharedgpu/gpu_limit": "1.0", "sharedgpu/group_name": "a",
+              "sharedgpu/group_headcount": "5", "sharedgpu/group_threshold": "0.2", "sharedgpu/priority": "100"}
+    job = {"apiVersion": "batch/v1", "kind": "Job",
+           "metadata": {"name": "lstm-g", "namespace": NAMESPACE, "labels": {"app": "lstm-g"}},
+           "spec": {"completions": 5, "parallelism": 5, "template": {
+               "metadata": {"name": "lstm-o", "labels": labels},
+               "spec": {"schedulerName": "kubeshare-scheduler", "restartPolicy": "Never",
+                        "containers": [{"name": "pytorch", "image": "riyazhu/lstm-wiki2:test",
+                                        "command": [sys.executable, str(FILL), "1024", "--exit"],
+                                        "imagePullPolicy": "IfNotPresent"}]}}}}
+    create(cc, job)
+
+    def finished():
+        status = kubectl_json(cc.cluster, "get", "job", "lstm-g", "-n", NAMESPACE).get("status", {})
+        return status if status.get("succeeded") == 5 else None
+    wait_for("the Job's 5 pods succeeded", finished, timeout=120, log=cc.logs)
+    pods = kubectl_json(cc.cluster, "get", "pods", "-n", NAMESPACE, "-l", "job-name=lstm-g")["items"]
+    # Guaranteed (priority 100): no opportunistic class.
+    assert all("priorityClassName" not in p["spec"] for p in pods), [p["spec"].get("priorityClassName") for p in pods]
+    cc.cluster.kubectl("delete", "job", "lstm-g", "-n", NAMESPACE, "--cascade=foreground", "--wait=true",
+                       "--timeout=60s")
+
+
+def test_the_gpu_model_annotation_takes_a_pod_to_its_model(chart_cluster):
+    cc = chart_cluster
+
+    def annotated(name: str, model: str) -> dict:
+        return {"apiVersion": "v1", "kind": "Pod",
+                "metadata": {"name": name, "namespace": NAMESPACE,
+                             "annotations": {"nvidia-gpu-scheduler/gpu.model": model}},
+                "spec": {"terminationGracePeriodSeconds": 1,
+                         "containers": [{"name": "pytorch", "image": "cuda",
+                                         "command": [sys.executable, str(FILL), "1024"],
+                                         "resources": {"limits": {"nvidia.com/gpu": "1"}}}]}}
+    create(cc, annotated("on-v100", V100))
+    create(cc, annotated("on-a100", "NVIDIA A100-SXM4-80GB"))
+    assert running(cc, "on-v100")["spec"]["nodeName"] == "node-2"
+    assert wait_for("on-a100: FailedScheduling naming the model",
+                    lambda: scheduling_events(cc, "on-a100", "not the nvidia-gpu-scheduler/gpu.model"),
+                    timeout=60, log=cc.logs)
+    assert not pod_json(cc, "on-a100")["spec"].get("nodeName")
+    delete(cc, "on-v100", "on-a100")
+
+
+def test_a_guaranteed_pod_preempts_an_opportunistic_one(chart_cluster):
+    cc = chart_cluster
+    model = {"sharedgpu/gpu_model": "Tesla-V100-SXM2-16GB"}
+    # Two opportunistic pods take 80 % of each V100.
+    for name in ("idle-1", "idle-2"):
+        create(cc, kubeshare_pod(name, {"sharedgpu/gpu_request": "0.8", **model}))
+    first, second = running(cc, "idle-1"), running(cc, "idle-2")
+    assert {first["spec"]["nodeName"], second["spec"]["nodeName"]} == {"node-2"}
+    # A guaranteed pod wanting half of a V100 fits on neither GPU: the real
+    # kube-scheduler preempts, asking our preempt verb which pods to evict.
+    calls_before = preempt_calls(cc)
+    create(cc, kubeshare_pod("urgent", {"sharedgpu/gpu_request": "0.5", "sharedgpu/priority": "50", **model}))
+    pod = running(cc, "urgent", timeout=120)
+    assert pod["spec"]["nodeName"] == "node-2"
+    assert pod["spec"].get("priority", 0) == 0
+    # Exactly one opportunistic pod was evicted: one GPU was enough.
+    left = [name for name in ("idle-1", "idle-2") if (p := pod_json(cc, name)) and
+            not p["metadata"].get("deletionTimestamp")]
+    assert len(left) == 1, left
+    assert running(cc, left[0])["spec"]["nodeName"] == "node-2"
+    assert preempt_calls(cc) > calls_before
+    delete(cc, "urgent", *left)
+
+
+def test_bad_kubeshare_labels_are_refused_naming_the_label(chart_cluster):
+    cc = chart_cluster
+    for labels, words in (
+        ({"sharedgpu/gpu_request": "1.5"}, "above 1 it must be a whole number of GPUs"),
+        ({"sharedgpu/gpu_request": "0.5", "sharedgpu/gpu_limit": "0.3"}, "is below sharedgpu/gpu_request"),
+        ({"sharedgpu/gpu_request": "half"}, "not a decimal number"),
+        ({"sharedgpu/gpu_request": "0.5", "sharedgpu/group_name": "b"}, "sharedgpu/group_headcount is missing"),
+    ):
+        refused = create(cc, kubeshare_pod("bad", labels), check=False)
+        assert refused.returncode != 0 and words in refused.stderr, (labels, refused.stderr)
+        assert pod_json(cc, "bad") is None
