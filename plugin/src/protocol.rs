@@ -31,7 +31,7 @@ impl PendingPod {
 
 #[derive(Debug, Error)]
 pub enum ProtocolError {
-    #[error("no pod bound to node {node} is waiting for vGPUs (no pod with a {DECISION_ANNOTATION} annotation for this node has containers left to allocate): was the pod scheduled by the vgpu scheduler extender?")]
+    #[error("no pod bound to node {node} is waiting for vGPUs (no pod with a {DECISION_ANNOTATION} annotation for this node has containers left to allocate): the pod was not placed by the vgpu scheduler extender's bind verb. Give it the vgpu schedulerName (the webhook does for pods naming none), and configure any kube-scheduler that calls the extender with bindVerb: bind (nvidia-gpu-scheduler's configuration calls only filter, prioritize and preempt, which records no GPU decision)")]
     NoPendingPod { node: String },
     #[error("{count} pods are waiting for vGPUs on node {node} ({pods}); the scheduler extender allows one at a time, so the request cannot be matched to a pod")]
     SeveralPendingPods {

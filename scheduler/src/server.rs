@@ -72,6 +72,7 @@ pub fn router(scheduler: Arc<Scheduler>, metrics: Arc<ServerMetrics>) -> Router 
         .route("/scheduler/bind", post(bind))
         .route("/scheduler/preempt", post(preempt))
         // nvidia-gpu-scheduler's urlPrefix (.../apis/nvidia-gpu-scheduler/v1/schedule).
+        .route("/apis/nvidia-gpu-scheduler/v1/schedule/bind", post(bind))
         .route(
             "/apis/nvidia-gpu-scheduler/v1/schedule/filter",
             post(filter),

@@ -45,7 +45,11 @@ async fn malformed_bodies_get_400_with_the_reason() {
         assert_eq!(status, 400);
         assert!(error_of(&reply).starts_with("request body is not ExtenderBindingArgs JSON"));
     }
-    for body in [&b"{"[..], b"{\"Pod\": 5}", b"{\"NodeNameToMetaVictims\": []}"] {
+    for body in [
+        &b"{"[..],
+        b"{\"Pod\": 5}",
+        b"{\"NodeNameToMetaVictims\": []}",
+    ] {
         let (status, reply) = h.post("/preempt", body.to_vec()).await;
         assert_eq!(status, 400);
         assert!(error_of(&reply).starts_with("request body is not ExtenderPreemptionArgs JSON"));
