@@ -251,6 +251,14 @@ impl KubeShareRequest {
         }))
     }
 
+    /// The coscheduling group the labels name, if any (checked as
+    /// [`KubeShareRequest::from_labels`] checks it).
+    pub fn group_from_labels(
+        labels: &BTreeMap<String, String>,
+    ) -> Result<Option<GroupLabels>, KubeShareError> {
+        group_labels(labels)
+    }
+
     /// The resources this request comes to, as `names` spells them.
     fn amounts(&self, names: &ResourceNames) -> BTreeMap<String, String> {
         let mut amounts = BTreeMap::new();

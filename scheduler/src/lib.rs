@@ -19,6 +19,7 @@
 //! - [`elastic_crd`]: Elastic GPU's custom resources and their conversion
 //!   webhook.
 //! - [`claims`]: Elastic GPU claims given to pods by the webhook.
+//! - [`groups`]: coscheduling groups, gated until their quorum fits.
 //! - [`kubeshare`]: KubeShare's pod labels, turned into requests by the
 //!   webhook.
 //! - [`claim_controller`]: binds claims to the ElasticGPUs it provisions.
@@ -30,9 +31,11 @@ pub mod api;
 pub mod claim_controller;
 pub mod claims;
 pub mod cli;
+pub mod coscheduling;
 pub mod elastic_crd;
 pub mod extender;
 pub mod fit;
+pub mod groups;
 pub mod kubeshare;
 pub mod leader;
 pub mod metrics;

@@ -207,18 +207,18 @@ impl Drop for InFlight<'_> {
 }
 
 /// The pod being placed, as the state knows it.
-struct Own<'a> {
-    uid: &'a str,
+pub(crate) struct Own<'a> {
+    pub(crate) uid: &'a str,
     /// Where an earlier decision of it is counted, if anywhere.
-    counted_node: Option<&'a str>,
+    pub(crate) counted_node: Option<&'a str>,
     /// The Elastic GPU claims it holds, `namespace/name`.
-    claims: Vec<String>,
+    pub(crate) claims: Vec<String>,
     /// Pods taken as gone (the victims of a preemption being weighed).
-    evicted: Vec<String>,
+    pub(crate) evicted: Vec<String>,
 }
 
 impl<'a> Own<'a> {
-    fn of(state: &'a ClusterState, pod: &'a Pod) -> Self {
+    pub(crate) fn of(state: &'a ClusterState, pod: &'a Pod) -> Self {
         let uid = pod.metadata.uid.as_deref().unwrap_or("");
         Self {
             uid,
@@ -282,7 +282,7 @@ fn pin_to_slices(
     Ok(Some(pinned))
 }
 
-fn pod_key(pod: &Pod) -> String {
+pub(crate) fn pod_key(pod: &Pod) -> String {
     format!(
         "{}/{}",
         pod.metadata.namespace.as_deref().unwrap_or(""),
@@ -384,7 +384,7 @@ impl Scheduler {
         Reply::json(200, &snapshot)
     }
 
-    fn parse(&self, pod: &Pod) -> Result<PodRequest, String> {
+    pub(crate) fn parse(&self, pod: &Pod) -> Result<PodRequest, String> {
         parse_pod(pod, &self.config.resources, &self.config.defaults)
             .map_err(|e| format!("pod {}: {}", pod_key(pod), with_causes(&e)))
     }
@@ -392,7 +392,7 @@ impl Scheduler {
     /// Whether `request` fits on node `name`; on success returns the node's
     /// load after placing it (0.0 to 1.0).
     #[allow(clippy::too_many_arguments)]
-    fn evaluate(
+    pub(crate) fn evaluate(
         &self,
         state: &ClusterState,
         name: &str,
@@ -441,14 +441,17 @@ impl Scheduler {
         }
         let pinned = pin_to_slices(state, name, &own.claims, request)?;
         let request = pinned.as_ref().unwrap_or(request);
-        let base = if own.counted_node == Some(name)
+        let recount = own.counted_node == Some(name)
             || !own.claims.is_empty()
             || !own.evicted.is_empty()
-        {
+            || state.groups().holds_on(name, now_unix_ms).next().is_some();
+        let base = if recount {
             let mut gone: Vec<&str> = Vec::with_capacity(1 + own.evicted.len());
             gone.push(own.uid);
             gone.extend(own.evicted.iter().map(String::as_str));
-            state.usage_without(node, &gone, &own.claims)
+            let mut base = state.usage_without(node, &gone, &own.claims);
+            state.add_holds(name, node, &gone, now_unix_ms, &mut base);
+            base
         } else {
             std::borrow::Cow::Borrowed(&node.usage[..])
         };
@@ -528,12 +531,23 @@ impl Scheduler {
             outcome.passed = names;
             return Ok(outcome);
         }
-        let state = self.state.read();
+        let mut state = self.state.read();
         if !state.synced() {
             return Err(
                 "vgpu-scheduler is still listing pods and nodes from the Kubernetes API; retry shortly"
                     .to_string(),
             );
+        }
+        if let Some((key, labels)) = crate::groups::group_of(pod) {
+            drop(state);
+            if let Err(why) = self.pass_group_gate(pod, &request, &key, &labels, now_unix_ms()) {
+                tracing::info!("filter {}: {why}", pod_key(pod));
+                for name in names {
+                    outcome.failed.insert(name.to_string(), why.clone());
+                }
+                return Ok(outcome);
+            }
+            state = self.state.read();
         }
         let uid = pod.metadata.uid.as_deref().unwrap_or("");
         let own = Own::of(&state, pod);
@@ -725,6 +739,16 @@ impl Scheduler {
             );
         }
         let key = pod_key(pod);
+        if let Some((group, labels)) = crate::groups::group_of(pod) {
+            let uid = pod.metadata.uid.as_deref().unwrap_or("");
+            let gate = crate::coscheduling::gate(&state, &group, &labels, uid, now_unix_ms());
+            if gate != crate::coscheduling::Gate::Open {
+                tracing::info!(
+                    "preempt {key}: its group {group} is not placed yet; no eviction for it"
+                );
+                return Ok(ExtenderPreemptionResult::default());
+            }
+        }
         let mut own = Own::of(&state, pod);
         if let Some(why) = claim_in_use(&state, &own) {
             tracing::info!("preempt {key}: no eviction helps: {why}");
@@ -1282,7 +1306,7 @@ impl Scheduler {
         self.parse(&pod)
     }
 
-    fn decision(
+    pub(crate) fn decision(
         &self,
         state: &ClusterState,
         node: &str,

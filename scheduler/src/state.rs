@@ -18,6 +18,7 @@
 
 use crate::claims::claim_keys_held;
 use crate::fit::{NodeGpus, Usage};
+use crate::groups::GroupBook;
 use crate::reservation::Reservation;
 use k8s_openapi::api::core::v1::{Node, Pod};
 use serde::Serialize;
@@ -112,14 +113,7 @@ impl PodRecord {
             .any(|v| !v.is_empty())
         });
         let admitted = kubelet_has_admitted(phase, reports_statuses);
-        let sidecars: Vec<&str> = pod
-            .spec
-            .iter()
-            .flat_map(|s| s.init_containers.iter().flatten())
-            .filter(|c| c.restart_policy.as_deref() == Some("Always"))
-            .map(|c| c.name.as_str())
-            .collect();
-        let contribution = contribution(&decision, &sidecars, running);
+        let contribution = contribution(&decision, &sidecar_names(pod), running);
         Ok(Some(Self {
             uid: meta.uid.clone().unwrap_or_default(),
             namespace: meta.namespace.clone().unwrap_or_default(),
@@ -179,6 +173,16 @@ impl PodRecord {
 /// Per GPU, what a decided pod takes. Regular init containers run one at a
 /// time before the others and are done once the pod runs; sidecars run
 /// alongside everything.
+/// The pod's sidecars: init containers that keep running beside the others.
+pub(crate) fn sidecar_names(pod: &Pod) -> Vec<&str> {
+    pod.spec
+        .iter()
+        .flat_map(|s| s.init_containers.iter().flatten())
+        .filter(|c| c.restart_policy.as_deref() == Some("Always"))
+        .map(|c| c.name.as_str())
+        .collect()
+}
+
 pub(crate) fn contribution(
     decision: &Decision,
     sidecars: &[&str],
@@ -338,6 +342,8 @@ pub struct ClusterState {
     /// Newest resource version seen on the pod and node streams.
     seen_pod_version: u64,
     seen_node_version: u64,
+    /// Coscheduling groups' pods and held room ([`crate::groups`]).
+    groups: GroupBook,
 }
 
 impl ClusterState {
@@ -420,6 +426,47 @@ impl ClusterState {
             &mut unlisted,
         );
         Cow::Owned(usage)
+    }
+
+    /// Coscheduling groups' pods and held room.
+    pub fn groups(&self) -> &GroupBook {
+        &self.groups
+    }
+
+    pub fn groups_mut(&mut self) -> &mut GroupBook {
+        &mut self.groups
+    }
+
+    /// Whether pod `uid` has a decision that is placed or has run.
+    pub fn placed(&self, uid: &str) -> bool {
+        self.pods
+            .get(uid)
+            .is_some_and(|r| r.terminal || r.counted_node().is_some())
+    }
+
+    /// Adds to `usage` (node `name`'s) the room held there for groups' pods
+    /// other than `gone` that are not placed yet.
+    pub fn add_holds(
+        &self,
+        name: &str,
+        node: &NodeEntry,
+        gone: &[&str],
+        now_unix_ms: u64,
+        usage: &mut Cow<'_, [Usage]>,
+    ) {
+        if !self.groups.any_holds() {
+            return;
+        }
+        for hold in self.groups.holds_on(name, now_unix_ms) {
+            if gone.contains(&hold.uid.as_str()) || self.placed(&hold.uid) {
+                continue;
+            }
+            for (uuid, taken) in &hold.contribution {
+                if let Some(index) = node.gpus.index_of(uuid) {
+                    usage.to_mut()[index].add(taken);
+                }
+            }
+        }
     }
 
     /// The slice held for `claim` (`namespace/name`), if it has one.
@@ -595,11 +642,13 @@ impl ClusterState {
     /// Starts a complete list of pods.
     pub fn begin_pod_relist(&mut self) {
         self.pod_relist = Some(PodRelist::default());
+        self.groups.begin_relist();
     }
 
     /// One pod of a complete list.
     pub fn relist_pod(&mut self, pod: &Pod) {
         self.saw_pod(pod);
+        self.groups.apply(pod);
         let relist = self.pod_relist.get_or_insert_with(PodRelist::default);
         let uid = match &pod.metadata.uid {
             Some(uid) => uid.clone(),
@@ -619,6 +668,7 @@ impl ClusterState {
     /// except the extender's own recent writes that the list predates.
     pub fn finish_pod_relist(&mut self) {
         let relist = self.pod_relist.take().unwrap_or_default();
+        self.groups.finish_relist();
         let mut pods = relist.records;
         for (uid, old) in self.pods.drain() {
             let trusted = old
@@ -675,6 +725,7 @@ impl ClusterState {
                 _ => {}
             }
         }
+        self.groups.apply(pod);
         let record = match PodRecord::from_pod(pod) {
             Ok(record) => record,
             Err(error) => {
@@ -713,6 +764,7 @@ impl ClusterState {
     /// A pod was deleted.
     pub fn delete_pod(&mut self, pod: &Pod) {
         self.saw_pod(pod);
+        self.groups.delete(pod);
         let uid = match &pod.metadata.uid {
             Some(uid) => uid.clone(),
             None => return,

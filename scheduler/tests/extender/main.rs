@@ -4,6 +4,7 @@
 mod burst;
 mod claims;
 mod errors;
+mod groups;
 mod harness;
 mod policies;
 mod preempt;
