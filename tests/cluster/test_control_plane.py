@@ -247,12 +247,17 @@ def test_the_extender_runs_as_the_chart_runs_it(cluster, tmp_path):
 def gpu_node(name: str, uuid: str) -> tuple[dict, dict]:
     """A Node as a kubelet with our device plugin would register it, and
     its status: 10 vGPUs of one 80 GiB GPU, the plugin's inventory
-    annotation with a fresh heartbeat, Ready."""
+    annotation with a fresh heartbeat, the share resources' totals, Ready."""
     now = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     inventory = {"version": 1, "heartbeatUnixMs": int(time.time() * 1000), "gpus": [
         {"uuid": uuid, "index": 0, "model": "NVIDIA H100", "memoryBytes": 80 * GIB, "smCount": 132,
          "splitCount": 10, "numa": None, "healthy": True}]}
-    resources = {"cpu": "8", "memory": "32Gi", "pods": "110", "nvidia.com/gpu": "10"}
+    # With the totals of the share resources the plugin publishes (which the
+    # chart's kube-scheduler counts too): memory in MiB, percentages per GPU.
+    resources = {"cpu": "8", "memory": "32Gi", "pods": "110", "nvidia.com/gpu": "10",
+                 "nvidia.com/gpumem": str(80 * 1024), "nvidia.com/gpumem-percentage": "100",
+                 "nvidia.com/gpucores": "100", "nvidia.com/priority": str(10 * (2**31 - 1)),
+                 "elasticgpu.io/gpu-memory": str(80 * 1024), "elasticgpu.io/gpu-core": "100"}
     node = {"apiVersion": "v1", "kind": "Node",
             "metadata": {"name": name, "labels": {"gpu": "on"},
                          "annotations": {"vgpu.io/node-gpus": json.dumps(inventory)}}}
@@ -341,7 +346,11 @@ def test_a_hami_pod_goes_through_the_webhook_kube_scheduler_and_the_extender(tmp
 
             too_big = json.loads(json.dumps(hami))
             too_big["metadata"]["name"] = "too-big"
-            too_big["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpumem"] = "200000"
+            # Two GPUs of 50000 MiB: within the node's totals, which
+            # kube-scheduler counts itself, but the node has one GPU; only the
+            # extender can say so.
+            too_big["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpumem"] = "50000"
+            too_big["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] = "2"
             assert create(too_big) is not None
 
             def bound():
@@ -362,7 +371,7 @@ def test_a_hami_pod_goes_through_the_webhook_kube_scheduler_and_the_extender(tmp
             messages = wait_for("the unplaceable pod's FailedScheduling event", refusal, timeout=60, log=logs)
             # The extender's reason, as kube-scheduler renders it (it reads
             # reasons as format strings: a `%` in one came out garbled).
-            assert any("needs 1 GPU with 200000 MiB and 30 percent compute each" in m for m in messages), messages
+            assert any("with 50000 MiB and 30 percent compute each" in m for m in messages), messages
             assert not any("%!" in m for m in messages), messages
             pending = json.loads(cluster.kubectl("get", "pod", "too-big", "-n", "team-e", "-o", "json").stdout)
             assert pending["status"]["phase"] == "Pending" and not pending["spec"].get("nodeName")

@@ -11,6 +11,8 @@ Tesla V100s, two of 16 GiB each.
 - An opportunistic pod (KubeShare priority 0) is evicted by the real
   kube-scheduler's preemption, through our preempt verb, to place a
   guaranteed one; the other opportunistic pod is left alone.
+- A group of 5 with threshold 0.6 where only 2 fit: none is bound, each
+  pod's events say why; where 3 fit: three are bound, two wait.
 - Bad labels are refused at creation with the label named.
 """
 
@@ -191,6 +193,44 @@ def test_a_guaranteed_pod_preempts_an_opportunistic_one(chart_cluster):
     assert running(cc, left[0])["spec"]["nodeName"] == "node-2"
     assert preempt_calls(cc) > calls_before
     delete(cc, "urgent", *left)
+
+
+def test_a_group_waits_for_its_quorum_and_is_placed_together(chart_cluster):
+    cc = chart_cluster
+    model = {"sharedgpu/gpu_model": "Tesla-V100-SXM2-16GB", "sharedgpu/priority": "10"}
+
+    def group(name: str, request: str) -> list[str]:
+        labels = {"sharedgpu/gpu_request": request, "sharedgpu/group_name": name,
+                  "sharedgpu/group_headcount": "5", "sharedgpu/group_threshold": "0.6", **model}
+        names = [f"{name}-{i}" for i in range(5)]
+        for pod in names:
+            create(cc, kubeshare_pod(pod, labels))
+        return names
+
+    def phases(names: list[str]) -> dict[str, str]:
+        return {name: (pod_json(cc, name) or {}).get("status", {}).get("phase", "gone") for name in names}
+
+    # Two V100s, pods of 0.6: room for 2 of the 3 needed (5 x 0.6). None
+    # is bound, and each pod's events say why.
+    wide = group("wide", "0.6")
+    for name in wide:
+        wait_for(f"{name}: FailedScheduling naming its group",
+                 lambda name=name: scheduling_events(cc, name, "group kubeshare/wide: only 2 of the 3 pods"),
+                 timeout=60, log=cc.logs)
+    assert all(not pod_json(cc, name)["spec"].get("nodeName") for name in wide)
+    delete(cc, *wide)
+
+    # Room for 3 halves (one of the four is taken): three are bound
+    # together, two wait.
+    create(cc, kubeshare_pod("blocker", {"sharedgpu/gpu_request": "0.5", **model}))
+    running(cc, "blocker")
+    half = group("half", "0.5")
+    wait_for("three of the group Running", lambda: list(phases(half).values()).count("Running") == 3,
+             timeout=90, log=cc.logs)
+    waiting = [name for name, phase in phases(half).items() if phase == "Pending"]
+    assert len(waiting) == 2, phases(half)
+    assert all(not pod_json(cc, name)["spec"].get("nodeName") for name in waiting)
+    delete(cc, "blocker", *half)
 
 
 def test_bad_kubeshare_labels_are_refused_naming_the_label(chart_cluster):
