@@ -140,6 +140,36 @@ pub struct ExtenderPreemptionArgs {
     pub node_name_to_meta_victims: Option<BTreeMap<String, Option<MetaVictims>>>,
 }
 
+impl ExtenderPreemptionArgs {
+    /// Per node: the UIDs of the pods proposed for eviction and the PDB
+    /// violations they make, from whichever form kube-scheduler sent.
+    pub fn proposed(&self) -> Vec<(&str, Vec<&str>, i64)> {
+        if let Some(meta) = &self.node_name_to_meta_victims {
+            return meta
+                .iter()
+                .map(|(node, v)| {
+                    (
+                        node.as_str(),
+                        v.as_ref().map(MetaVictims::uids).unwrap_or_default(),
+                        v.as_ref().map_or(0, |v| v.num_pdb_violations),
+                    )
+                })
+                .collect();
+        }
+        self.node_name_to_victims
+            .iter()
+            .flatten()
+            .map(|(node, v)| {
+                (
+                    node.as_str(),
+                    v.as_ref().map(Victims::uids).unwrap_or_default(),
+                    v.as_ref().map_or(0, |v| v.num_pdb_violations),
+                )
+            })
+            .collect()
+    }
+}
+
 /// The pods to evict on one node, whole.
 #[derive(Debug, Default, Deserialize, Serialize)]
 pub struct Victims {
@@ -149,6 +179,16 @@ pub struct Victims {
     pub num_pdb_violations: i64,
 }
 
+impl Victims {
+    fn uids(&self) -> Vec<&str> {
+        self.pods
+            .iter()
+            .flatten()
+            .filter_map(|p| p.metadata.uid.as_deref())
+            .collect()
+    }
+}
+
 /// The pods to evict on one node, by UID.
 #[derive(Clone, Debug, Default, Deserialize, Serialize, PartialEq, Eq)]
 pub struct MetaVictims {
@@ -156,6 +196,12 @@ pub struct MetaVictims {
     pub pods: Option<Vec<MetaPod>>,
     #[serde(rename = "NumPDBViolations", alias = "numPDBViolations", default)]
     pub num_pdb_violations: i64,
+}
+
+impl MetaVictims {
+    fn uids(&self) -> Vec<&str> {
+        self.pods.iter().flatten().map(|p| p.uid.as_str()).collect()
+    }
 }
 
 /// A pod named by its UID.

@@ -668,42 +668,7 @@ impl Scheduler {
             .pod
             .as_ref()
             .ok_or("ExtenderPreemptionArgs has no Pod")?;
-        let proposed: Vec<(&str, Vec<&str>, i64)> =
-            match (&args.node_name_to_meta_victims, &args.node_name_to_victims) {
-                (Some(meta), _) => meta
-                    .iter()
-                    .map(|(node, victims)| {
-                        let victims = victims.as_ref();
-                        (
-                            node.as_str(),
-                            victims
-                                .and_then(|v| v.pods.as_ref())
-                                .into_iter()
-                                .flatten()
-                                .map(|p| p.uid.as_str())
-                                .collect(),
-                            victims.map_or(0, |v| v.num_pdb_violations),
-                        )
-                    })
-                    .collect(),
-                (None, Some(whole)) => whole
-                    .iter()
-                    .map(|(node, victims)| {
-                        let victims = victims.as_ref();
-                        (
-                            node.as_str(),
-                            victims
-                                .and_then(|v| v.pods.as_ref())
-                                .into_iter()
-                                .flatten()
-                                .filter_map(|p| p.metadata.uid.as_deref())
-                                .collect(),
-                            victims.map_or(0, |v| v.num_pdb_violations),
-                        )
-                    })
-                    .collect(),
-                (None, None) => Vec::new(),
-            };
+        let proposed = args.proposed();
         let as_proposed = |node: &str, victims: &[&str], violations: i64| {
             (
                 node.to_string(),

@@ -190,21 +190,12 @@ pub fn mutate(
     }
     match pod {
         Ok(Some(pod)) if creating => {
-            let claimed = match claimed_shares(&pod, names, claims) {
-                Ok(claimed) => claimed,
-                Err(message) => {
-                    tracing::info!("admission review {}: refused: {message}", response.uid);
-                    response.allowed = false;
-                    response.status = Some(json!({
-                        "code": 422,
-                        "reason": "Invalid",
-                        "message": message,
-                    }));
-                    return reply(&api_version, &response);
-                }
-            };
-            let kubeshare = match kubeshare_patch(&pod, names, policy, !claimed.is_empty()) {
-                Ok(kubeshare) => kubeshare,
+            let read = claimed_shares(&pod, names, claims).and_then(|claimed| {
+                let kubeshare = kubeshare_patch(&pod, names, policy, !claimed.is_empty())?;
+                Ok((claimed, kubeshare))
+            });
+            let (claimed, kubeshare) = match read {
+                Ok(read) => read,
                 Err(message) => {
                     tracing::info!("admission review {}: refused: {message}", response.uid);
                     response.allowed = false;
