@@ -17,8 +17,12 @@ use vgpu_cluster::resources::ShareResourceFlags;
 ///
 /// Configure kube-scheduler with an extender whose urlPrefix points here
 /// (http(s)://<service>:39999), filterVerb "filter", prioritizeVerb
-/// "prioritize", bindVerb "bind", nodeCacheCapable true (false works too),
-/// and the vGPU resources as managedResources with ignoredByScheduler true.
+/// "prioritize", bindVerb "bind", preemptVerb "preempt", nodeCacheCapable
+/// true (false works too), and the vGPU resources as managedResources,
+/// ignoredByScheduler false for all but the priority (kube-scheduler's
+/// preemption finds victims only among pods taking what it counts).
+/// nvidia-gpu-scheduler's urlPrefix
+/// (.../apis/nvidia-gpu-scheduler/v1/schedule) is answered too.
 /// One replica, or several with --leader-elect: per-node locks are kept in
 /// memory, so only the elected replica filters, prioritizes and binds (the
 /// others answer that they stand by; the webhook is served by all).
@@ -38,8 +42,10 @@ use vgpu_cluster::resources::ShareResourceFlags;
 ///
 /// With --tls-cert/--tls-key it can also serve as a mutating admission
 /// webhook (POST /webhook/mutate) that gives new vGPU pods naming no
-/// scheduler the --scheduler-name, and adds the GPU count to containers
-/// that ask only for Elastic GPU resources. The API server calls webhooks
+/// scheduler the --scheduler-name, adds the GPU count to containers
+/// that ask only for Elastic GPU resources, and turns KubeShare's
+/// sharedgpu/ labels into vGPU requests (pods naming --scheduler-alias get
+/// --scheduler-name; opportunistic ones --opportunistic-priority-class). The API server calls webhooks
 /// over HTTPS only: with --secure-port, HTTPS is served there and --port
 /// stays plain HTTP for kube-scheduler; without it, --port serves HTTPS.
 #[derive(Debug, Parser)]

@@ -98,19 +98,20 @@ impl Scheduler {
         now_unix_ms: u64,
     ) -> Result<(), String> {
         let uid = pod.metadata.uid.as_deref().unwrap_or("");
-        match gate(&self.state().read(), key, labels, uid, now_unix_ms) {
-            Gate::Open => return Ok(()),
-            Gate::Closed(why) => return Err(why),
-            Gate::Plan => {}
+        let settled = |gate| match gate {
+            Gate::Open => Some(Ok(())),
+            Gate::Closed(why) => Some(Err(why)),
+            Gate::Plan => None,
+        };
+        if let Some(answer) = settled(gate(&self.state().read(), key, labels, uid, now_unix_ms)) {
+            return answer;
         }
         self.state().update(|state| {
             // Another call may have planned while the lock was let go.
-            match gate(state, key, labels, uid, now_unix_ms) {
-                Gate::Open => return Ok(()),
-                Gate::Closed(why) => return Err(why),
-                Gate::Plan => {}
+            match settled(gate(state, key, labels, uid, now_unix_ms)) {
+                Some(answer) => answer,
+                None => self.plan_quorum(state, pod, request, key, labels, now_unix_ms),
             }
-            self.plan_quorum(state, pod, request, key, labels, now_unix_ms)
         })
     }
 
@@ -162,6 +163,7 @@ impl Scheduler {
             }
             match self.place_member(
                 state,
+                key,
                 member_uid,
                 member_pod,
                 &member_request,
@@ -169,10 +171,7 @@ impl Scheduler {
                 now_unix_ms,
             ) {
                 Ok(hold) => {
-                    state.groups_mut().hold(Hold {
-                        group: key.to_string(),
-                        ..hold
-                    });
+                    state.groups_mut().hold(hold, now_unix_ms);
                     held += 1;
                 }
                 Err(why) => last_miss = why,
@@ -195,12 +194,14 @@ impl Scheduler {
         Ok(())
     }
 
-    /// A place for one member on the first node (by name) where it fits
+    /// A place for one member of group `key` on the first node (by name) where it fits
     /// beside everything placed and held; the reason from the last node
     /// when there is none.
+    #[allow(clippy::too_many_arguments)]
     fn place_member(
         &self,
         state: &ClusterState,
+        key: &str,
         uid: &str,
         pod: &Pod,
         request: &PodRequest,
@@ -231,7 +232,7 @@ impl Scheduler {
                         .decision(state, name, request, &scratch, now_unix_ms)
                         .ok_or_else(|| format!("node {name} is gone"))?;
                     return Ok(Hold {
-                        group: String::new(),
+                        group: key.to_string(),
                         uid: uid.to_string(),
                         node: name.clone(),
                         contribution: contribution(&decision, &sidecar_names(pod), false),

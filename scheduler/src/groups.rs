@@ -13,7 +13,7 @@
 //! its quorum holds nothing.
 
 use crate::fit::Usage;
-use crate::kubeshare::{GroupLabels, KubeShareRequest};
+use crate::kubeshare::{GroupLabels, KubeShareError, KubeShareRequest};
 use k8s_openapi::api::core::v1::Pod;
 use std::collections::{BTreeMap, HashMap, HashSet};
 
@@ -53,13 +53,17 @@ pub struct GroupBook {
     relist: Option<HashSet<String>>,
 }
 
-/// The group key (`namespace/name`) and labels of a pod, if it names a
-/// group with readable labels.
-pub fn group_of(pod: &Pod) -> Option<(String, GroupLabels)> {
-    let labels = pod.metadata.labels.as_ref()?;
-    let group = KubeShareRequest::group_from_labels(labels).ok()??;
+/// The group key (`namespace/name`) and labels of a pod, `None` if it names
+/// no group, or why its group labels cannot be read.
+pub fn group_of(pod: &Pod) -> Result<Option<(String, GroupLabels)>, KubeShareError> {
+    let Some(labels) = pod.metadata.labels.as_ref() else {
+        return Ok(None);
+    };
+    let Some(group) = KubeShareRequest::group_from_labels(labels)? else {
+        return Ok(None);
+    };
     let namespace = pod.metadata.namespace.as_deref().unwrap_or("default");
-    Some((format!("{namespace}/{}", group.name), group))
+    Ok(Some((format!("{namespace}/{}", group.name), group)))
 }
 
 impl GroupBook {
@@ -68,14 +72,14 @@ impl GroupBook {
         let Some(uid) = pod.metadata.uid.clone() else {
             return;
         };
-        if let Some(seen) = &mut self.relist {
-            seen.insert(uid.clone());
-        }
-        let Some((key, labels)) = group_of(pod) else {
-            // A pod whose labels no longer name a group leaves it.
+        // A pod whose labels no longer name a group (readably) leaves it.
+        let Ok(Some((key, labels))) = group_of(pod) else {
             self.remove(&uid);
             return;
         };
+        if let Some(seen) = &mut self.relist {
+            seen.insert(uid.clone());
+        }
         let phase = pod.status.as_ref().and_then(|s| s.phase.as_deref());
         let finished = matches!(phase, Some("Succeeded") | Some("Failed"))
             || pod.metadata.deletion_timestamp.is_some();
@@ -96,6 +100,11 @@ impl GroupBook {
     }
 
     fn remove(&mut self, uid: &str) {
+        // Every pod event of the cluster comes here; most clusters have no
+        // groups.
+        if self.groups.is_empty() && self.holds.is_empty() {
+            return;
+        }
         self.groups.retain(|_, members| {
             members.remove(uid);
             !members.is_empty()
@@ -152,8 +161,11 @@ impl GroupBook {
         !self.holds.is_empty()
     }
 
-    pub fn hold(&mut self, hold: Hold) {
-        self.holds.retain(|h| h.uid != hold.uid);
+    /// Holds room for `hold`'s pod (instead of any earlier hold of it),
+    /// dropping the expired holds.
+    pub fn hold(&mut self, hold: Hold, now_unix_ms: u64) {
+        self.holds
+            .retain(|h| h.uid != hold.uid && h.expires_unix_ms > now_unix_ms);
         self.holds.push(hold);
     }
 
@@ -161,12 +173,5 @@ impl GroupBook {
     pub fn release(&mut self, key: &str, now_unix_ms: u64) {
         self.holds
             .retain(|hold| hold.group != key && hold.expires_unix_ms > now_unix_ms);
-    }
-
-    /// Drops the holds of pods that `placed` says are placed now, and the
-    /// expired ones.
-    pub fn prune_holds(&mut self, now_unix_ms: u64, placed: impl Fn(&str) -> bool) {
-        self.holds
-            .retain(|hold| hold.expires_unix_ms > now_unix_ms && !placed(&hold.uid));
     }
 }

@@ -538,7 +538,9 @@ impl Scheduler {
                     .to_string(),
             );
         }
-        if let Some((key, labels)) = crate::groups::group_of(pod) {
+        let group =
+            crate::groups::group_of(pod).map_err(|e| format!("pod {}: {e}", pod_key(pod)))?;
+        if let Some((key, labels)) = group {
             drop(state);
             if let Err(why) = self.pass_group_gate(pod, &request, &key, &labels, now_unix_ms()) {
                 tracing::info!("filter {}: {why}", pod_key(pod));
@@ -704,7 +706,7 @@ impl Scheduler {
             );
         }
         let key = pod_key(pod);
-        if let Some((group, labels)) = crate::groups::group_of(pod) {
+        if let Ok(Some((group, labels))) = crate::groups::group_of(pod) {
             let uid = pod.metadata.uid.as_deref().unwrap_or("");
             let gate = crate::coscheduling::gate(&state, &group, &labels, uid, now_unix_ms());
             if gate != crate::coscheduling::Gate::Open {

@@ -277,8 +277,10 @@ fn kubeshare_patch(
     policy: &AdmissionPolicy,
     uses_claims: bool,
 ) -> Result<Option<PatchAndWarning>, String> {
-    let labels = pod.metadata.labels.clone().unwrap_or_default();
-    let Some(request) = KubeShareRequest::from_labels(&labels).map_err(|e| e.to_string())? else {
+    let Some(labels) = &pod.metadata.labels else {
+        return Ok(None);
+    };
+    let Some(request) = KubeShareRequest::from_labels(labels).map_err(|e| e.to_string())? else {
         return Ok(None);
     };
     let spec = pod.spec.as_ref();

@@ -112,6 +112,15 @@ async fn pods_that_disagree_on_their_group_are_not_placed() {
         why.contains("1 of its pods exist and 2 are needed (4 x 0.5)"),
         "{why}"
     );
+    // Unreadable group labels (a pod created without the webhook): the
+    // filter says which, rather than placing the pod outside its group.
+    let bad = h.create_pod(member("bad", "h", "many", "0.5")).await;
+    let result = h.filter(&bad, &["n1"]).await;
+    assert!(
+        result.error.contains("sharedgpu/group_headcount"),
+        "{result:?}"
+    );
+    assert!(passed(&result).is_empty());
 }
 
 fn now() -> u64 {
