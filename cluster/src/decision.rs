@@ -9,9 +9,9 @@
 //!
 //! 1. **Inventory.** The plugin publishes its node's GPUs as the node
 //!    annotation [`NODE_INVENTORY_ANNOTATION`] ([`NodeInventory`], JSON,
-//!    versioned), on start, on any change and as a heartbeat. The extender
-//!    gives nothing new to a node whose heartbeat is older than
-//!    [`HEARTBEAT_STALE_MS`].
+//!    versioned), on start and on any change. It shows it is alive by
+//!    renewing the node's Lease ([`crate::node_lease`]); the extender gives
+//!    nothing new to a node whose Lease ran out.
 //! 2. **Decision.** When the extender binds a pod, it first writes its
 //!    choice (node, and per container the GPUs with memory and cores) as the
 //!    pod annotation [`DECISION_ANNOTATION`] ([`Decision`]), then binds.
@@ -57,8 +57,6 @@ pub const DECISION_ANNOTATION: &str = "vgpu.io/decision";
 /// Pod annotation listing the containers the plugin has allocated
 /// (JSON array of container names).
 pub const ALLOCATED_ANNOTATION: &str = "vgpu.io/allocated";
-/// A node whose inventory heartbeat is older than this gets no new pods.
-pub const HEARTBEAT_STALE_MS: u64 = 90_000;
 /// Version of the JSON formats in this module.
 pub const FORMAT_VERSION: u32 = 1;
 
@@ -88,8 +86,6 @@ pub struct InventoryGpu {
 #[serde(rename_all = "camelCase")]
 pub struct NodeInventory {
     pub version: u32,
-    /// Milliseconds since the Unix epoch when the plugin last wrote this.
-    pub heartbeat_unix_ms: u64,
     pub gpus: Vec<InventoryGpu>,
 }
 
@@ -213,11 +209,6 @@ impl NodeInventory {
     pub fn to_json(&self) -> String {
         // Serialising plain structs of strings and numbers cannot fail.
         serde_json::to_string(self).unwrap_or_default()
-    }
-
-    /// Whether the plugin that wrote this is alive as of `now_unix_ms`.
-    pub fn is_fresh(&self, now_unix_ms: u64) -> bool {
-        now_unix_ms.saturating_sub(self.heartbeat_unix_ms) <= HEARTBEAT_STALE_MS
     }
 }
 
@@ -411,10 +402,9 @@ mod tests {
     }
 
     #[test]
-    fn inventories_round_trip_and_age() {
+    fn inventories_round_trip() {
         let inventory = NodeInventory {
             version: FORMAT_VERSION,
-            heartbeat_unix_ms: 1_000_000,
             gpus: vec![InventoryGpu {
                 utilization_percent: None,
                 uuid: "GPU-a".into(),
@@ -429,8 +419,12 @@ mod tests {
         };
         let parsed = NodeInventory::parse(&inventory.to_json()).expect("parse");
         assert_eq!(parsed, inventory);
-        assert!(parsed.is_fresh(1_000_000 + HEARTBEAT_STALE_MS));
-        assert!(!parsed.is_fresh(1_000_001 + HEARTBEAT_STALE_MS));
+        // Written by a plugin from before node Leases: its heartbeat is
+        // ignored.
+        let older = inventory
+            .to_json()
+            .replacen('{', r#"{"heartbeatUnixMs":1,"#, 1);
+        assert_eq!(NodeInventory::parse(&older).expect("parse"), inventory);
         let mut broken = inventory;
         broken.gpus[0].split_count = 0;
         assert!(NodeInventory::parse(&broken.to_json()).is_err());

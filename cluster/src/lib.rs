@@ -7,9 +7,12 @@
 //! - [`decision`]: the node inventory and per-pod decisions the extender and
 //!   the device plugin exchange through annotations, and the protocol that
 //!   matches kubelet's `Allocate` calls to pods.
+//! - [`node_lease`]: the Lease per node by which the device plugin shows
+//!   it is alive.
 //! - [`report`]: errors written as one message for Kubernetes components.
 
 pub mod client;
 pub mod decision;
+pub mod node_lease;
 pub mod report;
 pub mod resources;

@@ -1,14 +1,20 @@
 //! The Kubernetes API: the pods bound to this node (read fresh at every
 //! `Allocate`, never from a cache, since the answer must match what the
 //! extender wrote), the allocation record on a pod (written with the pod's
-//! resource version as a precondition), and the node's GPU inventory.
+//! resource version as a precondition), the node's GPU inventory, and the
+//! node's Lease.
 
 use crate::protocol::PendingPod;
+use k8s_openapi::api::coordination::v1::{Lease, LeaseSpec};
 use k8s_openapi::api::core::v1::{Node, Pod};
-use kube::api::{ListParams, Patch, PatchParams};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{MicroTime, ObjectMeta};
+use kube::api::{ListParams, Patch, PatchParams, PostParams};
 use kube::{Api, Client};
 use thiserror::Error;
 use vgpu_cluster::decision::{NodeInventory, ALLOCATED_ANNOTATION, NODE_INVENTORY_ANNOTATION};
+use vgpu_cluster::node_lease::{
+    lease_name, NODE_LEASE_LABEL, NODE_LEASE_LABEL_VALUE, NODE_LEASE_NAMESPACE,
+};
 
 pub use vgpu_cluster::client::{ApiSource, ClientError};
 
@@ -141,6 +147,59 @@ impl Cluster {
             .patch(&self.node, &PatchParams::default(), &Patch::Merge(&patch))
             .await
             .map_err(api_error(format!("node {}", self.node)))?;
+        Ok(())
+    }
+
+    /// Renews the node's Lease ([`vgpu_cluster::node_lease`]), creating it
+    /// when it is missing (first start, or deleted by someone).
+    pub async fn renew_lease(&self, duration_seconds: u32) -> Result<(), ClusterError> {
+        let leases: Api<Lease> = Api::namespaced(self.client.clone(), NODE_LEASE_NAMESPACE);
+        let name = lease_name(&self.node);
+        let now = MicroTime(k8s_openapi::jiff::Timestamp::now());
+        let duration = i32::try_from(duration_seconds).unwrap_or(i32::MAX);
+        // A merge patch needs no read first and cannot conflict: this
+        // plugin is the Lease's only writer.
+        let patch = serde_json::json!({
+            "spec": {
+                "holderIdentity": self.node,
+                "leaseDurationSeconds": duration,
+                "renewTime": now,
+            }
+        });
+        let what = || format!("Lease {NODE_LEASE_NAMESPACE}/{name}");
+        match leases
+            .patch(&name, &PatchParams::default(), &Patch::Merge(&patch))
+            .await
+        {
+            Ok(_) => return Ok(()),
+            Err(kube::Error::Api(status)) if status.code == 404 => {}
+            Err(source) => return Err(api_error(what())(source)),
+        }
+        let lease = Lease {
+            metadata: ObjectMeta {
+                name: Some(name.clone()),
+                namespace: Some(NODE_LEASE_NAMESPACE.to_string()),
+                labels: Some(
+                    [(
+                        NODE_LEASE_LABEL.to_string(),
+                        NODE_LEASE_LABEL_VALUE.to_string(),
+                    )]
+                    .into(),
+                ),
+                ..ObjectMeta::default()
+            },
+            spec: Some(LeaseSpec {
+                holder_identity: Some(self.node.clone()),
+                lease_duration_seconds: Some(duration),
+                acquire_time: Some(now.clone()),
+                renew_time: Some(now),
+                ..LeaseSpec::default()
+            }),
+        };
+        leases
+            .create(&PostParams::default(), &lease)
+            .await
+            .map_err(api_error(what()))?;
         Ok(())
     }
 }

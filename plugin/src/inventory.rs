@@ -1,15 +1,16 @@
 //! Publishing the node's GPUs as the node annotation
 //! [`vgpu_cluster::decision::NODE_INVENTORY_ANNOTATION`]: at start, on every
-//! health change, and as a heartbeat, so the scheduler extender can tell a
-//! live plugin from a dead one, and when the GPUs' measured load moved
-//! ([`crate::load`]); and the share resources' capacities in the node's
-//! status ([`share_capacity`]).
+//! health change, when the GPUs' measured load moved ([`crate::load`]), and
+//! again after a while unchanged (a node object deleted and recreated has
+//! lost it); and the share resources' capacities in the node's status
+//! ([`share_capacity`]). Whether the plugin is alive is its Lease's to say
+//! ([`crate::lease`]), not this annotation's.
 
 use crate::cluster::Cluster;
 use crate::load::LoadFigures;
 use crate::service::stopped;
 use std::collections::BTreeMap;
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::Duration;
 use tokio::sync::watch;
 use vgpu_cluster::decision::{InventoryGpu, NodeInventory, FORMAT_VERSION};
 use vgpu_cluster::resources::ResourceNames;
@@ -17,14 +18,6 @@ use vgpu_nvml_host::GpuFacts;
 
 /// Longest wait before retrying a failed write.
 const RETRY: Duration = Duration::from_secs(5);
-
-/// Milliseconds since the Unix epoch.
-pub fn now_unix_ms() -> u64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map(|d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
-        .unwrap_or(0)
-}
 
 /// The inventory entries for the GPUs NVML describes, each shared by at
 /// most `split_count` containers, all healthy to start with.
@@ -45,11 +38,10 @@ pub fn inventory_gpus(facts: Vec<GpuFacts>, split_count: u32) -> Vec<InventoryGp
         .collect()
 }
 
-/// The inventory for `gpus` with their measured `load`, stamped now.
+/// The inventory for `gpus` with their measured `load`.
 pub fn inventory(gpus: &[InventoryGpu], load: &LoadFigures) -> NodeInventory {
     NodeInventory {
         version: FORMAT_VERSION,
-        heartbeat_unix_ms: now_unix_ms(),
         gpus: gpus
             .iter()
             .map(|gpu| InventoryGpu {
@@ -108,7 +100,7 @@ pub async fn publish(
     mut gpus: watch::Receiver<Vec<InventoryGpu>>,
     mut load: Option<watch::Receiver<LoadFigures>>,
     names: ResourceNames,
-    heartbeat: Duration,
+    resync: Duration,
     mut shutdown: watch::Receiver<bool>,
 ) {
     let (mut failing, mut capacity_failing) = (false, false);
@@ -119,7 +111,7 @@ pub async fn publish(
             .map(|load| load.borrow_and_update().clone())
             .unwrap_or_default();
         let current = inventory(&gpus.borrow_and_update(), &figures);
-        // Written at every heartbeat too: a kubelet that finds its node
+        // Written at every resync too: a kubelet that finds its node
         // object recreated resets extended resources it does not manage.
         // Not needed for placing pods, only for kube-scheduler's retries:
         // a failure is reported and does not hold the inventory back. A
@@ -134,7 +126,7 @@ pub async fn publish(
                     if !capacity_failing {
                         tracing::warn!(
                             error = &error as &dyn std::error::Error,
-                            "offering the share resources in the node's status (retrying at each heartbeat)"
+                            "offering the share resources in the node's status (retrying at each resync)"
                         );
                     }
                     capacity_failing = true;
@@ -148,7 +140,7 @@ pub async fn publish(
                 }
                 failing = false;
                 tracing::debug!("node inventory published ({} GPUs)", current.gpus.len());
-                heartbeat
+                resync
             }
             Err(error) => {
                 if !failing {
@@ -158,7 +150,7 @@ pub async fn publish(
                     );
                 }
                 failing = true;
-                heartbeat.min(RETRY)
+                resync.min(RETRY)
             }
         };
         load_moved = false;

@@ -12,7 +12,8 @@
 //!   inventory).
 //! - [`service`]: the `DevicePlugin` gRPC service.
 //! - [`kubelet`]: the plugin socket, registration, kubelet restarts.
-//! - [`inventory`]: the node annotation and its heartbeat.
+//! - [`inventory`]: the node annotation.
+//! - [`lease`]: the node's Lease, renewed to show the plugin is alive.
 //! - [`load`]: the GPUs' measured, smoothed utilization.
 //! - [`options`]: the command line.
 
@@ -22,6 +23,7 @@ pub mod devices;
 pub mod health;
 pub mod inventory;
 pub mod kubelet;
+pub mod lease;
 pub mod load;
 pub mod options;
 pub mod protocol;
@@ -51,8 +53,10 @@ pub struct PluginConfig {
     pub node: String,
     pub kubelet: kubelet::KubeletSettings,
     pub settings: allocate::Settings,
-    /// Time between inventory heartbeats.
-    pub heartbeat: Duration,
+    /// Time between rewrites of an unchanged inventory.
+    pub resync: Duration,
+    /// `leaseDurationSeconds` of the node's Lease.
+    pub lease_duration_seconds: u32,
     /// The resource names; those of the shares are offered in the node's
     /// status.
     pub resources: vgpu_cluster::resources::ResourceNames,
@@ -144,11 +148,16 @@ pub async fn run(
         }
     });
     let inventory_task = tokio::spawn(inventory::publish(
-        cluster,
+        cluster.clone(),
         state.gpus.subscribe(),
         config.load,
         config.resources,
-        config.heartbeat,
+        config.resync,
+        shutdown.clone(),
+    ));
+    let lease_task = tokio::spawn(lease::renew(
+        cluster.clone(),
+        config.lease_duration_seconds,
         shutdown.clone(),
     ));
 
@@ -156,6 +165,7 @@ pub async fn run(
 
     stop_health.store(true, Ordering::Release);
     let _ = inventory_task.await;
+    let _ = lease_task.await;
     health_task.abort();
     result.map_err(PluginError::from)
 }

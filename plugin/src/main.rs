@@ -39,7 +39,8 @@ fn main() -> anyhow::Result<()> {
         node: options.node_name.clone(),
         kubelet: options.kubelet_settings(),
         settings: options.allocate_settings(),
-        heartbeat: Duration::from_secs(options.heartbeat_seconds),
+        resync: Duration::from_secs(options.resync_seconds),
+        lease_duration_seconds: options.lease_duration_seconds,
         resources: options.share_resources.names(&options.resource_name),
         load,
     };

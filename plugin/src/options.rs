@@ -7,6 +7,7 @@ use crate::kubelet::KubeletSettings;
 use clap::{Parser, ValueEnum};
 use std::path::PathBuf;
 use std::time::Duration;
+use vgpu_cluster::node_lease::DEFAULT_LEASE_DURATION_SECONDS;
 use vgpu_node_contract::shim_env::UtilizationPolicy;
 use vgpu_node_contract::size::{parse_size, SizeError};
 
@@ -147,11 +148,21 @@ pub struct Options {
     #[arg(long, value_name = "SIZE", value_parser = size)]
     pub context_reserve: Option<u64>,
 
-    /// Seconds between inventory heartbeats (the node annotation is also
-    /// written at start and on every health change).
-    #[arg(long, default_value_t = 30, value_name = "SECONDS",
+    /// leaseDurationSeconds of the node's Lease
+    /// (kube-node-lease/vgpu-<node>), renewed every quarter of it: the
+    /// scheduler extender places no new vGPU pods on the node once the
+    /// Lease has gone unrenewed this long (plus its grace).
+    #[arg(long, default_value_t = DEFAULT_LEASE_DURATION_SECONDS, value_name = "SECONDS",
+          value_parser = clap::value_parser!(u32).range(1..=3600))]
+    pub lease_duration_seconds: u32,
+
+    /// Seconds between rewrites of an unchanged inventory annotation and
+    /// share capacities (they are also written at start and on every
+    /// change; the rewrite repairs a node object that was recreated).
+    /// Whether the plugin is alive is told by its Lease, not by this.
+    #[arg(long, default_value_t = 300, value_name = "SECONDS",
           value_parser = clap::value_parser!(u64).range(1..))]
-    pub heartbeat_seconds: u64,
+    pub resync_seconds: u64,
 
     /// Seconds between samples of each GPU's utilization, which is
     /// smoothed and published in the node inventory (when it moved by 5

@@ -98,19 +98,39 @@ async fn registers_reports_health_and_registers_again_after_kubelet_restarts() {
         "NUMA node"
     );
 
-    // The inventory is published at once and refreshed by the heartbeat.
+    // The inventory is published at once; the node's Lease is held by the
+    // node and renewed (every quarter of its 2 s).
     let first = eventually(WAIT, "the node inventory", || async {
         api.inventory("node-a").await
     })
     .await;
     assert_eq!(first.gpus, gpus());
-    let beat = eventually(WAIT, "a heartbeat", || async {
-        api.inventory("node-a")
-            .await
-            .filter(|i| i.heartbeat_unix_ms > first.heartbeat_unix_ms)
+    let renewed_at = |lease: &k8s_openapi::api::coordination::v1::Lease| {
+        lease.spec.as_ref().and_then(|spec| spec.renew_time.clone())
+    };
+    let lease = eventually(WAIT, "the node Lease", || async {
+        api.lease("node-a").await
     })
     .await;
-    assert!(beat.is_fresh(beat.heartbeat_unix_ms));
+    let spec = lease.spec.clone().expect("Lease spec");
+    assert_eq!(spec.holder_identity.as_deref(), Some("node-a"));
+    assert_eq!(spec.lease_duration_seconds, Some(2));
+    assert_eq!(
+        lease
+            .metadata
+            .labels
+            .as_ref()
+            .and_then(|l| l.get("app.kubernetes.io/managed-by")),
+        Some(&"vgpu-device-plugin".to_string())
+    );
+    let first_renewal = renewed_at(&lease).expect("renewTime");
+    eventually(WAIT, "a renewal of the node Lease", || async {
+        api.lease("node-a")
+            .await
+            .and_then(|lease| renewed_at(&lease))
+            .filter(|renewed| renewed.0 > first_renewal.0)
+    })
+    .await;
 
     // A critical XID makes a GPU unhealthy; an application XID does not.
     assert!(harness.health.inject_xid(&gpu1, 79));

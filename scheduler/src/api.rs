@@ -4,6 +4,7 @@
 
 use crate::state::SharedState;
 use futures_util::StreamExt;
+use k8s_openapi::api::coordination::v1::Lease;
 use k8s_openapi::api::core::v1::{Node, Pod};
 use kube::api::{
     ApiResource, DynamicObject, GroupVersionKind, ListParams, Patch, PatchParams, PostParams,
@@ -15,6 +16,7 @@ use serde_json::json;
 use std::sync::Arc;
 use thiserror::Error;
 use vgpu_cluster::decision::{ALLOCATED_ANNOTATION, DECISION_ANNOTATION};
+use vgpu_cluster::node_lease::{lease_selector, NODE_LEASE_NAMESPACE};
 
 pub use vgpu_cluster::client::{ApiSource, ClientError};
 
@@ -322,23 +324,47 @@ impl KubeApi {
 /// Lists and watches every pod forever, feeding `state`. A complete,
 /// current list is taken on start and after any watch failure.
 pub async fn watch_pods(client: Client, state: Arc<SharedState>) {
-    watch_forever(Api::<Pod>::all(client), "pod", |event| match event {
-        Event::Init => state.update(|s| s.begin_pod_relist()),
-        Event::InitApply(pod) => state.update(|s| s.relist_pod(&pod)),
-        Event::InitDone => state.update(|s| s.finish_pod_relist()),
-        Event::Apply(pod) => state.update(|s| s.apply_pod(&pod, false)),
-        Event::Delete(pod) => state.update(|s| s.delete_pod(&pod)),
-    })
+    watch_forever(
+        Api::<Pod>::all(client),
+        watcher::Config::default(),
+        "pod",
+        |event| match event {
+            Event::Init => state.update(|s| s.begin_pod_relist()),
+            Event::InitApply(pod) => state.update(|s| s.relist_pod(&pod)),
+            Event::InitDone => state.update(|s| s.finish_pod_relist()),
+            Event::Apply(pod) => state.update(|s| s.apply_pod(&pod, false)),
+            Event::Delete(pod) => state.update(|s| s.delete_pod(&pod)),
+        },
+    )
     .await
 }
 
 /// Lists and watches every node forever, feeding `state`.
 pub async fn watch_nodes(client: Client, state: Arc<SharedState>) {
-    watch_forever(Api::<Node>::all(client), "node", |event| match event {
-        Event::Init => state.update(|s| s.begin_node_relist()),
-        Event::InitApply(node) | Event::Apply(node) => state.update(|s| s.apply_node(&node)),
-        Event::InitDone => state.update(|s| s.finish_node_relist()),
-        Event::Delete(node) => state.update(|s| s.delete_node(&node)),
+    watch_forever(
+        Api::<Node>::all(client),
+        watcher::Config::default(),
+        "node",
+        |event| match event {
+            Event::Init => state.update(|s| s.begin_node_relist()),
+            Event::InitApply(node) | Event::Apply(node) => state.update(|s| s.apply_node(&node)),
+            Event::InitDone => state.update(|s| s.finish_node_relist()),
+            Event::Delete(node) => state.update(|s| s.delete_node(&node)),
+        },
+    )
+    .await
+}
+
+/// Lists and watches the device plugins' node Leases forever, feeding
+/// `state` ([`crate::node_leases`]).
+pub async fn watch_node_leases(client: Client, state: Arc<SharedState>) {
+    let leases = Api::<Lease>::namespaced(client, NODE_LEASE_NAMESPACE);
+    let config = watcher::Config::default().labels(&lease_selector());
+    watch_forever(leases, config, "node Lease", |event| match event {
+        Event::Init => state.update(|s| s.begin_lease_relist()),
+        Event::InitApply(lease) | Event::Apply(lease) => state.update(|s| s.apply_lease(&lease)),
+        Event::InitDone => state.update(|s| s.finish_lease_relist()),
+        Event::Delete(lease) => state.update(|s| s.delete_lease(&lease)),
     })
     .await
 }
@@ -412,11 +438,15 @@ fn refusal_code(error: &watcher::Error) -> Option<u16> {
 
 /// Runs a watch of `api` forever, handing every event to `on_event`; a
 /// failure is logged once until the watch recovers (kube's backoff retries).
-async fn watch_forever<K>(api: Api<K>, what: &str, mut on_event: impl FnMut(Event<K>))
-where
+async fn watch_forever<K>(
+    api: Api<K>,
+    config: watcher::Config,
+    what: &str,
+    mut on_event: impl FnMut(Event<K>),
+) where
     K: kube::Resource + Clone + std::fmt::Debug + serde::de::DeserializeOwned + Send + 'static,
 {
-    let config = watcher::Config::default().list_semantic(ListSemantic::MostRecent);
+    let config = config.list_semantic(ListSemantic::MostRecent);
     let mut stream = watcher::watcher(api, config).default_backoff().boxed();
     let mut failing = false;
     while let Some(item) = stream.next().await {

@@ -119,6 +119,13 @@ pub struct Cli {
     #[arg(long, default_value_t = 30, value_name = "SECONDS")]
     pub unbound_grace_seconds: u64,
 
+    /// Seconds beyond its duration that a node's device plugin Lease
+    /// (kube-node-lease/vgpu-<node>) may go unrenewed before the node gets
+    /// no new vGPU pods. The Lease is timed by this extender's clock, from
+    /// when it saw the Lease renewed.
+    #[arg(long, default_value_t = 10, value_name = "SECONDS")]
+    pub node_lease_grace_seconds: u64,
+
     /// Resource name: number of vGPUs per container.
     #[arg(long, default_value = vgpu_cluster::resources::GPU_COUNT, value_name = "NAME")]
     pub resource_gpu: String,
@@ -195,6 +202,7 @@ impl Cli {
             node_policy: self.node_policy,
             bind_wait: Duration::from_millis(self.bind_wait_ms),
             unbound_grace: Duration::from_secs(self.unbound_grace_seconds),
+            node_lease_grace: Duration::from_secs(self.node_lease_grace_seconds),
             scheduler_name: self.scheduler_name.clone(),
             admission: AdmissionPolicy {
                 allow_privileged: self.allow_privileged_vgpu,

@@ -11,6 +11,7 @@
 //! - [`fit`]: whether and where a pod fits on one node's GPUs.
 //! - [`policy`]: GPU and node policies.
 //! - [`state`]: nodes and decided pods, rebuilt from the API watch.
+//! - [`node_leases`]: which nodes' device plugins are alive (their Leases).
 //! - [`api`]: the Kubernetes client, watches and writes.
 //! - [`scheduler`]: filter, prioritize and bind.
 //! - [`server`]: the HTTP(S) server.
@@ -39,6 +40,7 @@ pub mod groups;
 pub mod kubeshare;
 pub mod leader;
 pub mod metrics;
+pub mod node_leases;
 pub mod policy;
 pub mod requests;
 pub mod reservation;
@@ -98,6 +100,7 @@ pub async fn start(
     let mut watches = vec![
         tokio::spawn(api::watch_pods(client.clone(), state.clone())),
         tokio::spawn(api::watch_nodes(client.clone(), state.clone())),
+        tokio::spawn(api::watch_node_leases(client.clone(), state.clone())),
         tokio::spawn(api::watch_elastic_gpus(client.clone(), state.clone())),
     ];
     let mut scheduler = Scheduler::new(config, state, Some(KubeApi::new(client.clone())));

@@ -28,6 +28,7 @@ use crate::extender::{
 };
 use crate::fit::{explain, measured_load, node_load, place_pod, Scratch};
 use crate::leader::Leadership;
+use crate::node_leases::Liveness;
 use crate::policy::{node_score, GpuPolicy, NodePolicy};
 use crate::requests::{parse_pod, PodRequest, RequestDefaults, ResourceNames};
 use crate::state::{now_unix_ms, ClusterState, FastMap, Inventory, SharedState};
@@ -43,9 +44,9 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 use std::time::Instant;
 use vgpu_cluster::decision::{
-    ContainerDecision, Decision, DeviceGrant, FORMAT_VERSION, HEARTBEAT_STALE_MS,
-    NODE_INVENTORY_ANNOTATION,
+    ContainerDecision, Decision, DeviceGrant, FORMAT_VERSION, NODE_INVENTORY_ANNOTATION,
 };
+use vgpu_cluster::node_lease::{lease_name, NODE_LEASE_NAMESPACE};
 use vgpu_cluster::report::with_causes;
 
 /// How the extender decides.
@@ -64,6 +65,9 @@ pub struct Config {
     pub scheduler_name: String,
     /// What else the admission webhook allows.
     pub admission: AdmissionPolicy,
+    /// How long past its duration a node Lease may go unrenewed before
+    /// the node gets no new pods ([`crate::node_leases`]).
+    pub node_lease_grace: Duration,
 }
 
 impl Default for Config {
@@ -77,9 +81,13 @@ impl Default for Config {
             unbound_grace: Duration::from_secs(30),
             scheduler_name: DEFAULT_SCHEDULER_NAME.into(),
             admission: AdmissionPolicy::default(),
+            node_lease_grace: DEFAULT_NODE_LEASE_GRACE,
         }
     }
 }
+
+/// Grace beyond a node Lease's duration unless configured otherwise.
+pub const DEFAULT_NODE_LEASE_GRACE: Duration = Duration::from_secs(10);
 
 /// The scheduler name vGPU pods use unless configured otherwise.
 pub const DEFAULT_SCHEDULER_NAME: &str = "vgpu-scheduler";
@@ -377,10 +385,11 @@ impl Scheduler {
 
     /// `GET /debug/state`.
     pub fn debug_state(&self) -> Reply {
-        let snapshot = self
-            .state
-            .read()
-            .snapshot(now_unix_ms(), self.config.unbound_grace);
+        let snapshot = self.state.read().snapshot(
+            now_unix_ms(),
+            self.config.unbound_grace,
+            self.config.node_lease_grace,
+        );
         Reply::json(200, &snapshot)
     }
 
@@ -421,15 +430,28 @@ impl Scheduler {
                     "node's vGPU inventory is unreadable: {error}"
                 )))
             }
-            Inventory::Valid { heartbeat_unix_ms } => {
-                let age = now_unix_ms.saturating_sub(*heartbeat_unix_ms);
-                if age > HEARTBEAT_STALE_MS {
-                    return Err(Rejection::permanent(format!(
-                        "the vgpu device plugin on this node last reported {} s ago (more than {} s): no new vGPU pods until it reports again",
-                        age / 1000,
-                        HEARTBEAT_STALE_MS / 1000
-                    )));
-                }
+            Inventory::Valid => {}
+        }
+        match state.liveness(name, now_unix_ms, self.config.node_lease_grace) {
+            Liveness::Live { .. } => {}
+            Liveness::Missing => {
+                return Err(Rejection::permanent(format!(
+                    "the vgpu device plugin on this node holds no Lease ({NODE_LEASE_NAMESPACE}/{}): \
+                     it is not running, or may not write Leases",
+                    lease_name(name)
+                )))
+            }
+            Liveness::Expired {
+                silent_ms,
+                duration_ms,
+            } => {
+                return Err(Rejection::permanent(format!(
+                    "the vgpu device plugin on this node last renewed its Lease {} s ago (it lasts {} s, \
+                     plus {} s grace): no new vGPU pods until it renews it",
+                    silent_ms / 1000,
+                    duration_ms / 1000,
+                    self.config.node_lease_grace.as_secs()
+                )))
             }
         }
         if node.offers_none_of(&self.config.resources.gpu) {

@@ -1,7 +1,8 @@
 //! What the extender knows about the cluster, rebuilt from the API alone.
 //!
 //! Nodes bring their GPU inventory (the plugin's `vgpu.io/node-gpus`
-//! annotation and its heartbeat). Pods bring the decisions the extender
+//! annotation), and the plugins' Leases whether they are alive
+//! ([`crate::node_leases`]). Pods bring the decisions the extender
 //! wrote (`vgpu.io/decision`) and the containers the plugin has allocated
 //! (`vgpu.io/allocated`). From those two the state derives, per node, what
 //! every GPU carries and which vGPU pod, if any, is *pending* (decided, not
@@ -19,7 +20,9 @@
 use crate::claims::claim_keys_held;
 use crate::fit::{NodeGpus, Usage};
 use crate::groups::GroupBook;
+use crate::node_leases::{LeaseBook, Liveness};
 use crate::reservation::Reservation;
+use k8s_openapi::api::coordination::v1::Lease;
 use k8s_openapi::api::core::v1::{Node, Pod};
 use serde::Serialize;
 use std::borrow::Cow;
@@ -28,7 +31,7 @@ use std::sync::{Arc, RwLock, RwLockReadGuard};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 use vgpu_cluster::decision::{
     kubelet_has_admitted, parse_allocated, Decision, FormatError, NodeInventory,
-    ALLOCATED_ANNOTATION, DECISION_ANNOTATION, HEARTBEAT_STALE_MS, NODE_INVENTORY_ANNOTATION,
+    ALLOCATED_ANNOTATION, DECISION_ANNOTATION, NODE_INVENTORY_ANNOTATION,
 };
 use vgpu_cluster::report::with_causes;
 use vgpu_cluster::resources::parse_whole_quantity;
@@ -243,9 +246,7 @@ pub enum Inventory {
     Missing,
     /// The annotation could not be read.
     Invalid(String),
-    Valid {
-        heartbeat_unix_ms: u64,
-    },
+    Valid,
 }
 
 /// One node.
@@ -344,6 +345,8 @@ pub struct ClusterState {
     seen_node_version: u64,
     /// Coscheduling groups' pods and held room ([`crate::groups`]).
     groups: GroupBook,
+    /// The device plugins' node Leases ([`crate::node_leases`]).
+    leases: LeaseBook,
 }
 
 impl ClusterState {
@@ -351,9 +354,13 @@ impl ClusterState {
         Self::default()
     }
 
-    /// Whether both pods and nodes have been listed completely once.
+    /// Whether pods, nodes and node Leases have been listed completely
+    /// once (and ElasticGPUs, when watched).
     pub fn synced(&self) -> bool {
-        self.pods_synced && self.nodes_synced && self.elastic != ElasticSync::Waiting
+        self.pods_synced
+            && self.nodes_synced
+            && self.leases.synced()
+            && self.elastic != ElasticSync::Waiting
     }
 
     pub fn node(&self, name: &str) -> Option<&NodeEntry> {
@@ -557,12 +564,7 @@ impl ClusterState {
                 }
                 (Inventory::Invalid(with_causes(&error)), Vec::new())
             }
-            Some(Ok(inventory)) => (
-                Inventory::Valid {
-                    heartbeat_unix_ms: inventory.heartbeat_unix_ms,
-                },
-                inventory.gpus,
-            ),
+            Some(Ok(inventory)) => (Inventory::Valid, inventory.gpus),
         };
         entry.inventory = inventory;
         if entry.gpus.gpus != gpus {
@@ -635,6 +637,36 @@ impl ClusterState {
             self.nodes.remove(name);
         }
         self.updates += 1;
+    }
+
+    // ---- node Leases ----
+
+    /// Starts a complete list of the plugins' node Leases.
+    pub fn begin_lease_relist(&mut self) {
+        self.leases.begin_relist();
+    }
+
+    /// Applies a node Lease (from a list or the watch).
+    pub fn apply_lease(&mut self, lease: &Lease) {
+        self.leases.apply(lease, now_unix_ms());
+        self.updates += 1;
+    }
+
+    /// Ends a complete list of node Leases.
+    pub fn finish_lease_relist(&mut self) {
+        self.leases.finish_relist();
+        self.updates += 1;
+    }
+
+    /// A node Lease was deleted.
+    pub fn delete_lease(&mut self, lease: &Lease) {
+        self.leases.delete(lease);
+        self.updates += 1;
+    }
+
+    /// Whether `node`'s device plugin is alive ([`crate::node_leases`]).
+    pub fn liveness(&self, node: &str, now_unix_ms: u64, grace: Duration) -> Liveness {
+        self.leases.liveness(node, now_unix_ms, grace)
     }
 
     // ---- pods ----
@@ -1021,7 +1053,12 @@ impl ClusterState {
     }
 
     /// A view for the debug endpoint and tests.
-    pub fn snapshot(&self, now_unix_ms: u64, unbound_grace: Duration) -> Snapshot {
+    pub fn snapshot(
+        &self,
+        now_unix_ms: u64,
+        unbound_grace: Duration,
+        lease_grace: Duration,
+    ) -> Snapshot {
         let mut nodes = BTreeMap::new();
         for (name, entry) in &self.nodes {
             let gpus = entry
@@ -1065,13 +1102,15 @@ impl ClusterState {
                     inventory: match &entry.inventory {
                         Inventory::Missing => "missing".to_string(),
                         Inventory::Invalid(error) => format!("invalid: {error}"),
-                        Inventory::Valid { heartbeat_unix_ms } => {
-                            let age = now_unix_ms.saturating_sub(*heartbeat_unix_ms);
-                            if age > HEARTBEAT_STALE_MS {
-                                format!("stale ({} s old)", age / 1000)
-                            } else {
-                                "fresh".to_string()
-                            }
+                        Inventory::Valid => "valid".to_string(),
+                    },
+                    lease: match self.liveness(name, now_unix_ms, lease_grace) {
+                        Liveness::Missing => "missing".to_string(),
+                        Liveness::Live { silent_ms } => {
+                            format!("live (renewed {} s ago)", silent_ms / 1000)
+                        }
+                        Liveness::Expired { silent_ms, .. } => {
+                            format!("expired (renewed {} s ago)", silent_ms / 1000)
                         }
                     },
                     gpus,
@@ -1242,6 +1281,8 @@ pub struct Snapshot {
 pub struct NodeSnapshot {
     pub in_api: bool,
     pub inventory: String,
+    /// The device plugin's node Lease: missing, live or expired.
+    pub lease: String,
     pub gpus: Vec<GpuSnapshot>,
     pub unlisted_gpus: Vec<(String, Usage)>,
     pub pods: Vec<String>,
@@ -1274,7 +1315,6 @@ mod tests {
     fn node(name: &str, gpus: u32) -> Node {
         let inventory = NodeInventory {
             version: FORMAT_VERSION,
-            heartbeat_unix_ms: now_unix_ms(),
             gpus: (0..gpus)
                 .map(|i| InventoryGpu {
                     utilization_percent: None,
@@ -1366,6 +1406,9 @@ mod tests {
         state.begin_node_relist();
         state.apply_node(&node("n1", 2));
         state.finish_node_relist();
+        state.begin_lease_relist();
+        state.apply_lease(&crate::node_leases::tests::lease("n1", 40, 0));
+        state.finish_lease_relist();
         state.begin_pod_relist();
         state.finish_pod_relist();
         state
@@ -1462,6 +1505,9 @@ mod tests {
         state.finish_node_relist();
         state.begin_pod_relist();
         state.finish_pod_relist();
+        state.begin_lease_relist();
+        assert!(!state.synced(), "the plugins' Leases are not known yet");
+        state.finish_lease_relist();
         assert!(!state.synced(), "slices held for claims are not known yet");
         state.begin_reservation_relist();
         state.relist_reservation(&elastic_gpu("egpu-1", 5, "GPU-n1-1"));
@@ -1483,7 +1529,7 @@ mod tests {
         state.begin_reservation_relist();
         state.finish_reservation_relist();
         assert_eq!(gpu_usage(&state, 0).memory_bytes, 2 * GIB);
-        let snapshot = state.snapshot(now_unix_ms(), GRACE);
+        let snapshot = state.snapshot(now_unix_ms(), GRACE, GRACE);
         assert_eq!(snapshot.nodes["n1"].reservations, ["egpu-3 (ns/c)"]);
     }
 

@@ -20,8 +20,10 @@
 //!   (a real restart hits that moment only by chance).
 //!
 //! It serves what the extender and the device plugin use: lists (with a
-//! `spec.nodeName` field selector) and watch streams of pods and nodes; GET
-//! and JSON merge PATCH of one pod (`application/merge-patch+json` only,
+//! `spec.nodeName` field selector) and watch streams of pods, nodes and the
+//! node Leases in `kube-node-lease` (label selectors are ignored: the fake
+//! holds only the plugins' Leases); create, and JSON merge PATCH, of a
+//! Lease; GET and JSON merge PATCH of one pod (`application/merge-patch+json` only,
 //! with the `metadata.resourceVersion` precondition) and of one node and
 //! its status (unconditional); and the binding subresource. State lives in memory;
 //! every write gets the next resource version and a watch event. Lists are
@@ -47,6 +49,7 @@ use vgpu_cluster::decision::ALLOCATED_ANNOTATION;
 enum Kind {
     Pod,
     Node,
+    Lease,
 }
 
 struct WatchEvent {
@@ -61,6 +64,8 @@ struct Store {
     rv: u64,
     pods: BTreeMap<(String, String), Value>,
     nodes: BTreeMap<String, Value>,
+    /// Leases of `kube-node-lease`, by name.
+    leases: BTreeMap<String, Value>,
     events: Vec<WatchEvent>,
     next_uid: u64,
     /// Pod → (node of its decision, pending), kept up to date on every write.
@@ -141,14 +146,13 @@ fn ok_json(value: &Value) -> Response {
 fn with_type(object: &Value, kind: Kind) -> Value {
     let mut object = object.clone();
     if let Some(map) = object.as_object_mut() {
-        map.insert("apiVersion".into(), json!("v1"));
-        map.insert(
-            "kind".into(),
-            json!(match kind {
-                Kind::Pod => "Pod",
-                Kind::Node => "Node",
-            }),
-        );
+        let (api_version, kind) = match kind {
+            Kind::Pod => ("v1", "Pod"),
+            Kind::Node => ("v1", "Node"),
+            Kind::Lease => ("coordination.k8s.io/v1", "Lease"),
+        };
+        map.insert("apiVersion".into(), json!(api_version));
+        map.insert("kind".into(), json!(kind));
     }
     object
 }
@@ -248,6 +252,14 @@ impl FakeApi {
             .route(
                 "/api/v1/nodes/{name}/status",
                 axum::routing::patch(patch_node),
+            )
+            .route(
+                "/apis/coordination.k8s.io/v1/namespaces/kube-node-lease/leases",
+                get(list_or_watch_leases).post(create_lease),
+            )
+            .route(
+                "/apis/coordination.k8s.io/v1/namespaces/kube-node-lease/leases/{name}",
+                axum::routing::patch(patch_lease),
             )
             .route(
                 "/api/v1/namespaces/{namespace}/pods/{name}",
@@ -351,6 +363,23 @@ impl FakeApi {
         let rv = Self::bump(&mut store, &mut node);
         store.nodes.insert(name, node.clone());
         self.record(&mut store, Kind::Node, kind_text, node);
+        rv
+    }
+
+    /// Creates or replaces a Lease of `kube-node-lease`; returns its new
+    /// resource version.
+    pub fn put_lease(&self, mut lease: Value) -> u64 {
+        let mut store = lock(&self.store);
+        let name = lease["metadata"]["name"].as_str().unwrap_or("").to_string();
+        lease["metadata"]["namespace"] = json!("kube-node-lease");
+        let kind_text = if store.leases.contains_key(&name) {
+            "MODIFIED"
+        } else {
+            "ADDED"
+        };
+        let rv = Self::bump(&mut store, &mut lease);
+        store.leases.insert(name, lease.clone());
+        self.record(&mut store, Kind::Lease, kind_text, lease);
         rv
     }
 
@@ -491,6 +520,54 @@ async fn list_or_watch_nodes(State(api): State<Arc<FakeApi>>, uri: Uri) -> Respo
     list_or_watch(api, Kind::Node, uri).await
 }
 
+async fn list_or_watch_leases(State(api): State<Arc<FakeApi>>, uri: Uri) -> Response {
+    list_or_watch(api, Kind::Lease, uri).await
+}
+
+async fn create_lease(State(api): State<Arc<FakeApi>>, body: Bytes) -> Response {
+    let lease: Value = match serde_json::from_slice(&body) {
+        Ok(lease) => lease,
+        Err(error) => return invalid_patch(error),
+    };
+    let name = lease["metadata"]["name"].as_str().unwrap_or("").to_string();
+    if lock(&api.store).leases.contains_key(&name) {
+        return status(
+            StatusCode::CONFLICT,
+            "AlreadyExists",
+            &format!("leases \"{name}\" already exists"),
+        );
+    }
+    api.put_lease(lease);
+    match lock(&api.store).leases.get(&name) {
+        Some(lease) => ok_json(&with_type(lease, Kind::Lease)),
+        None => not_found("leases", &name),
+    }
+}
+
+async fn patch_lease(
+    State(api): State<Arc<FakeApi>>,
+    Path(name): Path<String>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Response {
+    if let Some(refused) = unless_merge_patch(&headers) {
+        return refused;
+    }
+    let patch: Value = match serde_json::from_slice(&body) {
+        Ok(patch) => patch,
+        Err(error) => return invalid_patch(error),
+    };
+    let Some(mut lease) = lock(&api.store).leases.get(&name).cloned() else {
+        return not_found("leases", &name);
+    };
+    merge_patch(&mut lease, &patch);
+    api.put_lease(lease);
+    match lock(&api.store).leases.get(&name) {
+        Some(lease) => ok_json(&with_type(lease, Kind::Lease)),
+        None => not_found("leases", &name),
+    }
+}
+
 /// The node a `spec.nodeName=<node>` field selector asks for, if any.
 fn node_selector(params: &HashMap<String, String>) -> Option<String> {
     params
@@ -522,10 +599,15 @@ async fn list_or_watch(api: Arc<FakeApi>, kind: Kind, uri: Uri) -> Response {
             .cloned()
             .collect(),
         Kind::Node => store.nodes.values().cloned().collect(),
+        Kind::Lease => store.leases.values().cloned().collect(),
     };
     ok_json(&json!({
-        "kind": match kind { Kind::Pod => "PodList", Kind::Node => "NodeList" },
-        "apiVersion": "v1",
+        "kind": match kind {
+            Kind::Pod => "PodList",
+            Kind::Node => "NodeList",
+            Kind::Lease => "LeaseList",
+        },
+        "apiVersion": if kind == Kind::Lease { "coordination.k8s.io/v1" } else { "v1" },
         "metadata": { "resourceVersion": store.rv.to_string() },
         "items": items,
     }))

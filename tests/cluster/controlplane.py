@@ -238,6 +238,9 @@ class ControlPlane:
             ]
 
         self._start_listening("kube-apiserver", 1, api_server)
+        # The API server creates the namespace of node Leases (where the
+        # chart's device plugins keep theirs) just after it is ready.
+        self._wait("kube-apiserver", lambda: self._api_ok("/api/v1/namespaces/kube-node-lease"))
         if self.api_only:
             return
         for name, extra in (

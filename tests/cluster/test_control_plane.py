@@ -244,12 +244,18 @@ def test_the_extender_runs_as_the_chart_runs_it(cluster, tmp_path):
     cluster.helm("uninstall", "ext", "-n", namespace)
 
 
-def gpu_node(name: str, uuid: str) -> tuple[dict, dict]:
-    """A Node as a kubelet with our device plugin would register it, and
-    its status: 10 vGPUs of one 80 GiB GPU, the plugin's inventory
-    annotation with a fresh heartbeat, the share resources' totals, Ready."""
+def gpu_node(name: str, uuid: str) -> tuple[dict, dict, dict]:
+    """A Node as a kubelet with our device plugin would register it, its
+    status, and the plugin's Lease: 10 vGPUs of one 80 GiB GPU, the plugin's
+    inventory annotation, the share resources' totals, Ready; the Lease
+    renewed now, lasting an hour."""
     now = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-    inventory = {"version": 1, "heartbeatUnixMs": int(time.time() * 1000), "gpus": [
+    lease = {"apiVersion": "coordination.k8s.io/v1", "kind": "Lease",
+             "metadata": {"name": f"vgpu-{name}", "namespace": "kube-node-lease",
+                          "labels": {"app.kubernetes.io/managed-by": "vgpu-device-plugin"}},
+             "spec": {"holderIdentity": name, "leaseDurationSeconds": 3600,
+                      "renewTime": time.strftime("%Y-%m-%dT%H:%M:%S.000000Z", time.gmtime())}}
+    inventory = {"version": 1, "gpus": [
         {"uuid": uuid, "index": 0, "model": "NVIDIA H100", "memoryBytes": 80 * GIB, "smCount": 132,
          "splitCount": 10, "numa": None, "healthy": True}]}
     # With the totals of the share resources the plugin publishes (which the
@@ -264,7 +270,7 @@ def gpu_node(name: str, uuid: str) -> tuple[dict, dict]:
     status = {"status": {"capacity": resources, "allocatable": resources, "conditions": [
         {"type": "Ready", "status": "True", "reason": "KubeletReady", "message": "test node",
          "lastHeartbeatTime": now, "lastTransitionTime": now}]}}
-    return node, status
+    return node, status, lease
 
 
 def test_a_hami_pod_goes_through_the_webhook_kube_scheduler_and_the_extender(tmp_path):
@@ -286,8 +292,9 @@ def test_a_hami_pod_goes_through_the_webhook_kube_scheduler_and_the_extender(tmp
         cluster.helm("install", "hook", str(CHART), "-n", namespace, "--create-namespace",
                      "--set", "scheduler.webhook.failurePolicy=Fail")
         uuid = "GPU-3b1f0c2e-8d4a-4f6b-9c7e-5a2d1e0f9b8c"
-        node, status = gpu_node("gpu-node-1", uuid)
+        node, status, lease = gpu_node("gpu-node-1", uuid)
         cluster.kubectl("create", "-f", "-", input=json.dumps(node))
+        cluster.kubectl("create", "-f", "-", input=json.dumps(lease))
         cluster.kubectl("patch", "node", "gpu-node-1", "--subresource=status", "--type=merge", "-p", json.dumps(status))
         # The API server taints a new node not-ready; the node lifecycle
         # controller (off here: no kubelet renews a lease) would lift it.

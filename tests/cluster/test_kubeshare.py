@@ -14,6 +14,11 @@ Tesla V100s, two of 16 GiB each.
 - A group of 5 with threshold 0.6 where only 2 fit: none is bound, each
   pod's events say why; where 3 fit: three are bound, two wait.
 - Bad labels are refused at creation with the label named.
+- Node health by the device plugins' Leases: with the plugins unable to
+  renew (their RoleBinding in kube-node-lease deleted), a pod is still
+  placed before the Leases run out; after their duration and the grace
+  none is, its events saying so; once the plugins renew again, pods are
+  placed again.
 """
 
 from __future__ import annotations
@@ -36,11 +41,17 @@ V100 = "Tesla V100-SXM2-16GB"
 GPU_MIB = 16384
 # Device memory the shim charges each CUDA context (VGPU_CONTEXT_RESERVE).
 CONTEXT_RESERVE_MIB = 256
+# The plugins' Leases last 8 s (renewed every 2 s); the extender allows 2 s
+# more: short, for the Lease test, and long enough for a loaded machine.
+LEASE_SECONDS, LEASE_GRACE_SECONDS = 8, 2
 
 
 @pytest.fixture(scope="module")
 def chart_cluster(tmp_path_factory):
-    with ChartCluster(tmp_path_factory.mktemp("kubeshare-cluster"), nodes=2, gpu_names=(GTX, V100)) as running:
+    with ChartCluster(tmp_path_factory.mktemp("kubeshare-cluster"), nodes=2, gpu_names=(GTX, V100),
+                      helm_args=("--set", f"node.devicePlugin.leaseDurationSeconds={LEASE_SECONDS}",
+                                 "--set", f"scheduler.extender.nodeLeaseGraceSeconds={LEASE_GRACE_SECONDS}"),
+                      ) as running:
         running.cluster.kubectl("create", "namespace", NAMESPACE)
         yield running
 
@@ -244,3 +255,64 @@ def test_bad_kubeshare_labels_are_refused_naming_the_label(chart_cluster):
         refused = create(cc, kubeshare_pod("bad", labels), check=False)
         assert refused.returncode != 0 and words in refused.stderr, (labels, refused.stderr)
         assert pod_json(cc, "bad") is None
+
+
+def lease_renewals(cc: ChartCluster) -> dict[str, str]:
+    """Each node's device plugin Lease: node -> renewTime."""
+    leases = kubectl_json(cc.cluster, "get", "leases", "-n", "kube-node-lease",
+                          "-l", "app.kubernetes.io/managed-by=vgpu-device-plugin")["items"]
+    return {lease["spec"]["holderIdentity"]: lease["spec"]["renewTime"] for lease in leases}
+
+
+def extender_leases(cc: ChartCluster) -> dict[str, str]:
+    """Each node's Lease as the extender judges it (its /debug/state)."""
+    address = f"http://{extender_address(cc)}:{EXTENDER_PORT}/debug/state"
+    read = ("import urllib.request, sys; "
+            f"sys.stdout.write(urllib.request.urlopen({address!r}, timeout=10).read().decode())")
+    text = subprocess.run(cc.cluster.command([sys.executable, "-c", read]), capture_output=True, text=True,
+                          check=True).stdout
+    return {name: node["lease"] for name, node in json.loads(text)["nodes"].items()}
+
+
+def test_nodes_whose_plugins_stop_renewing_their_leases_get_no_new_pods(chart_cluster):
+    cc = chart_cluster
+    model = {"sharedgpu/gpu_model": "Tesla-V100-SXM2-16GB", "sharedgpu/priority": "10"}
+    first = lease_renewals(cc)
+    assert set(first) == {"node-1", "node-2"}, first
+    wait_for("both Leases renewed", lambda: all(lease_renewals(cc).get(n) != r for n, r in first.items()),
+             timeout=30, log=cc.logs)
+    # The plugins lose the right to renew: their Leases stop where they are
+    # (the plugins go on serving Allocate).
+    binding = next(b for b in kubectl_json(cc.cluster, "get", "rolebindings", "-n", "kube-node-lease")["items"]
+                   if b["metadata"]["name"].endswith("-node-leases"))
+    cc.cluster.kubectl("delete", "rolebinding", binding["metadata"]["name"], "-n", "kube-node-lease")
+    try:
+        # Before the Leases run out, a pod is still placed (after, none is
+        # until the test restores the binding).
+        create(cc, kubeshare_pod("before-expiry", {"sharedgpu/gpu_request": "0.5", **model}))
+        running(cc, "before-expiry", timeout=60)
+        # After the duration and the grace, the extender turns both nodes
+        # down, and the pod's events say why.
+        wait_for("both Leases expired in the extender's eyes",
+                 lambda: all(v.startswith("expired") for v in extender_leases(cc).values()),
+                 timeout=LEASE_SECONDS + LEASE_GRACE_SECONDS + 30, log=cc.logs)
+        stopped = lease_renewals(cc)
+        create(cc, kubeshare_pod("after-expiry", {"sharedgpu/gpu_request": "0.5", **model}))
+        wait_for("after-expiry: FailedScheduling naming the Lease",
+                 lambda: scheduling_events(cc, "after-expiry", "last renewed its Lease"),
+                 timeout=60, log=cc.logs)
+        assert not pod_json(cc, "after-expiry")["spec"].get("nodeName")
+    finally:
+        restored = {key: binding[key] for key in ("apiVersion", "kind", "roleRef", "subjects")}
+        restored["metadata"] = {key: binding["metadata"][key] for key in ("name", "namespace", "labels")}
+        cc.cluster.kubectl("apply", "-f", "-", input=json.dumps(restored))
+    # Renewing again: the nodes take pods again (the waiting one is retried
+    # at kube-scheduler's next event: the new pod's placement).
+    wait_for("both Leases renewed again", lambda: all(lease_renewals(cc).get(n) != r for n, r in stopped.items()),
+             timeout=60, log=cc.logs)
+    wait_for("both Leases live in the extender's eyes",
+             lambda: all(v.startswith("live") for v in extender_leases(cc).values()), timeout=30, log=cc.logs)
+    create(cc, kubeshare_pod("renewed", {"sharedgpu/gpu_request": "0.25", **model}))
+    assert running(cc, "renewed")["spec"]["nodeName"] == "node-2"
+    assert running(cc, "after-expiry", timeout=120)["spec"]["nodeName"] == "node-2"
+    delete(cc, "before-expiry", "after-expiry", "renewed")

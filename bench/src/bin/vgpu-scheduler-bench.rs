@@ -13,8 +13,9 @@
 //! ```
 
 use anyhow::Context;
+use k8s_openapi::api::coordination::v1::{Lease, LeaseSpec};
 use k8s_openapi::api::core::v1::{Node, Pod, PodSpec, PodStatus};
-use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{MicroTime, ObjectMeta};
 use serde_json::{json, Value};
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -112,12 +113,27 @@ fn memory_of(model: &str) -> u64 {
     }
 }
 
+/// The Lease node `i`'s device plugin renews.
+fn build_lease(i: usize) -> Lease {
+    Lease {
+        metadata: ObjectMeta {
+            name: Some(vgpu_cluster::node_lease::lease_name(&node_name(i))),
+            ..ObjectMeta::default()
+        },
+        spec: Some(LeaseSpec {
+            holder_identity: Some(node_name(i)),
+            lease_duration_seconds: Some(40),
+            renew_time: Some(MicroTime(k8s_openapi::jiff::Timestamp::now())),
+            ..LeaseSpec::default()
+        }),
+    }
+}
+
 fn build_node(i: usize, gpus: usize) -> Node {
     let name = node_name(i);
     let model = model(i);
     let inventory = NodeInventory {
         version: FORMAT_VERSION,
-        heartbeat_unix_ms: now_unix_ms(),
         gpus: (0..gpus)
             .map(|g| InventoryGpu {
                 utilization_percent: None,
@@ -261,6 +277,12 @@ async fn main() -> anyhow::Result<()> {
             s.apply_node(&build_node(i, options.gpus));
         }
         s.finish_node_relist();
+        // Every node's plugin alive, as its Lease shows.
+        s.begin_lease_relist();
+        for i in 0..options.nodes {
+            s.apply_lease(&build_lease(i));
+        }
+        s.finish_lease_relist();
         s.begin_pod_relist();
         for i in 0..options.pods {
             s.relist_pod(&build_pod(i, &options));

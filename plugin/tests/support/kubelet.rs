@@ -338,7 +338,8 @@ pub fn in_process_config(
             swap_limit: None,
             context_reserve: None,
         },
-        heartbeat: Duration::from_secs(1),
+        resync: Duration::from_secs(1),
+        lease_duration_seconds: 2,
         resources: Default::default(),
         load: None,
     }

@@ -211,6 +211,18 @@ impl ControlPlane {
             .and_then(|a| a.get(NODE_INVENTORY_ANNOTATION).cloned())
             .map(|text| NodeInventory::parse(&text).expect("inventory parses"))
     }
+
+    /// The node's Lease as its plugin keeps it, if it exists.
+    pub async fn lease(&self, node: &str) -> Option<k8s_openapi::api::coordination::v1::Lease> {
+        use vgpu_cluster::node_lease::{lease_name, NODE_LEASE_NAMESPACE};
+        Api::<k8s_openapi::api::coordination::v1::Lease>::namespaced(
+            self.client.clone(),
+            NODE_LEASE_NAMESPACE,
+        )
+        .get_opt(&lease_name(node))
+        .await
+        .unwrap_or_else(|error| panic!("get the Lease of {node}: {error}"))
+    }
 }
 
 /// Polls `check` until it gives `Some`, or panics after `timeout`.

@@ -46,8 +46,10 @@ impl PluginNode {
             &api_value,
             "--kubelet-poll-ms",
             "50",
-            "--heartbeat-seconds",
+            "--resync-seconds",
             "1",
+            "--lease-duration-seconds",
+            "2",
             "--log-level",
             "debug",
         ]

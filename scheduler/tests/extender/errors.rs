@@ -244,6 +244,7 @@ async fn unknown_nodes_in_bind_are_refused() {
 async fn nothing_is_decided_before_the_first_complete_list() {
     let api = FakeApi::start().await;
     api.put_node(node("n1", &[gpu("NVIDIA A10", 24)]));
+    api.put_lease(node_lease("n1", LONG_LEASE_SECONDS));
     api.set_list_delay(Duration::from_millis(700));
     let running = start_extender(&test_config(), &ApiSource::Url(api.url.clone()), None).await;
     let client = ExtenderClient::new(running.local_addr);

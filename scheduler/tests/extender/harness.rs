@@ -3,6 +3,7 @@
 //! nodes made from the recorded fixtures, and kube-scheduler's side of the
 //! extender protocol.
 
+use k8s_openapi::api::coordination::v1::Lease;
 use k8s_openapi::api::core::v1::{Namespace, Node, Pod};
 use kube::api::{DeleteParams, ListParams, Patch, PatchParams, PostParams};
 use serde_json::{json, Value};
@@ -12,10 +13,14 @@ use vgpu_cluster::decision::{
     ContainerDecision, Decision, DeviceGrant, InventoryGpu, NodeInventory, ALLOCATED_ANNOTATION,
     DECISION_ANNOTATION, FORMAT_VERSION, NODE_INVENTORY_ANNOTATION,
 };
+use vgpu_cluster::node_lease::{
+    lease_name, NODE_LEASE_LABEL, NODE_LEASE_LABEL_VALUE, NODE_LEASE_NAMESPACE,
+};
 use vgpu_scheduler::api::ApiSource;
 use vgpu_scheduler::extender::{
     ExtenderBindingResult, ExtenderFilterResult, HostPriorityList, NodeList,
 };
+use vgpu_scheduler::node_leases::Liveness;
 use vgpu_scheduler::scheduler::Config;
 use vgpu_scheduler::state::now_unix_ms;
 use vgpu_scheduler::Running;
@@ -67,10 +72,9 @@ pub fn uuid(node: &str, index: usize) -> String {
     format!("GPU-{node}-{index}")
 }
 
-pub fn inventory(node: &str, gpus: &[Gpu], heartbeat_unix_ms: u64) -> String {
+pub fn inventory(node: &str, gpus: &[Gpu]) -> String {
     NodeInventory {
         version: FORMAT_VERSION,
-        heartbeat_unix_ms,
         gpus: gpus
             .iter()
             .enumerate()
@@ -90,10 +94,34 @@ pub fn inventory(node: &str, gpus: &[Gpu], heartbeat_unix_ms: u64) -> String {
     .to_json()
 }
 
-/// A node object (from the recorded fixture) with `gpus` and a fresh heartbeat.
+/// A node object (from the recorded fixture) with `gpus`.
 pub fn node(name: &str, gpus: &[Gpu]) -> Value {
-    node_with_annotation(name, Some(inventory(name, gpus, now_unix_ms())))
+    node_with_annotation(name, Some(inventory(name, gpus)))
 }
+
+/// The Lease the device plugin on `node` holds, renewed now, lasting
+/// `duration_seconds`.
+pub fn node_lease(node: &str, duration_seconds: u32) -> Value {
+    json!({
+        "apiVersion": "coordination.k8s.io/v1",
+        "kind": "Lease",
+        "metadata": {
+            "name": lease_name(node),
+            "namespace": NODE_LEASE_NAMESPACE,
+            "labels": { NODE_LEASE_LABEL: NODE_LEASE_LABEL_VALUE },
+        },
+        "spec": {
+            "holderIdentity": node,
+            "leaseDurationSeconds": duration_seconds,
+            "renewTime": k8s_openapi::apimachinery::pkg::apis::meta::v1::MicroTime(
+                k8s_openapi::jiff::Timestamp::now()
+            ),
+        }
+    })
+}
+
+/// How long the Leases of the nodes the harness puts last: the whole test.
+pub const LONG_LEASE_SECONDS: u32 = 3600;
 
 pub fn node_with_annotation(name: &str, annotation: Option<String>) -> Value {
     let mut node = fixture("node.json");
@@ -277,6 +305,26 @@ impl Api {
                         .unwrap_or_else(|e| panic!("apply the status of node {name}: {e}"));
                 }
                 version_of_object(&applied)
+            }
+        }
+    }
+
+    /// Creates or renews the Lease of `node`'s device plugin.
+    pub async fn put_lease(&self, node: &str, duration_seconds: u32) {
+        let lease = node_lease(node, duration_seconds);
+        match self {
+            Self::Fake(fake) => {
+                fake.put_lease(lease);
+            }
+            Self::Real(client) => {
+                kube::Api::<Lease>::namespaced(client.clone(), NODE_LEASE_NAMESPACE)
+                    .patch(
+                        &lease_name(node),
+                        &PatchParams::apply("vgpu-test").force(),
+                        &Patch::Apply(&lease),
+                    )
+                    .await
+                    .unwrap_or_else(|e| panic!("apply the Lease of {node}: {e}"));
             }
         }
     }
@@ -525,6 +573,18 @@ pub async fn real_api_server() -> (RealServer, kube::Client) {
         .create(&PostParams::default(), &namespace)
         .await
         .expect("create the test namespace");
+    // The API server makes the Leases' namespace itself, but maybe not yet.
+    let leases: Namespace =
+        serde_json::from_value(json!({ "metadata": { "name": NODE_LEASE_NAMESPACE } }))
+            .expect("namespace");
+    match kube::Api::<Namespace>::all(client.clone())
+        .create(&PostParams::default(), &leases)
+        .await
+    {
+        Ok(_) => {}
+        Err(kube::Error::Api(status)) if status.code == 409 => {}
+        Err(e) => panic!("create {NODE_LEASE_NAMESPACE}: {e}"),
+    }
     (server, client)
 }
 
@@ -623,17 +683,56 @@ impl Harness {
         }
     }
 
+    /// Puts a node whose device plugin is alive (its Lease renewed).
     pub async fn put_node(&self, node: Value) {
+        self.add_nodes(vec![node]).await;
+    }
+
+    /// Puts nodes whose device plugins are alive (their Leases renewed).
+    pub async fn add_nodes(&self, nodes: Vec<Value>) {
+        let mut rv = 0;
+        let mut names = Vec::new();
+        for node in nodes {
+            names.push(
+                node["metadata"]["name"]
+                    .as_str()
+                    .expect("node name")
+                    .to_string(),
+            );
+            rv = self.api.put_node(node).await;
+        }
+        self.caught_up(0, rv).await;
+        for name in &names {
+            self.renew_lease(name, LONG_LEASE_SECONDS).await;
+        }
+    }
+
+    /// Puts a node whose device plugin holds no Lease.
+    pub async fn put_node_without_lease(&self, node: Value) {
         let rv = self.api.put_node(node).await;
         self.caught_up(0, rv).await;
     }
 
-    pub async fn add_nodes(&self, nodes: Vec<Value>) {
-        let mut rv = 0;
-        for node in nodes {
-            rv = self.api.put_node(node).await;
+    /// Renews `node`'s Lease (lasting `duration_seconds`) and waits until
+    /// the extender has seen the renewal.
+    pub async fn renew_lease(&self, node: &str, duration_seconds: u32) {
+        let state = self.running().scheduler.state().clone();
+        let before = state.read().liveness(node, now_unix_ms(), Duration::ZERO);
+        self.api.put_lease(node, duration_seconds).await;
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+        loop {
+            match state.read().liveness(node, now_unix_ms(), Duration::ZERO) {
+                Liveness::Live { silent_ms } if before == Liveness::Missing || silent_ms < 1000 => {
+                    return
+                }
+                _ => {}
+            }
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "the extender never saw the renewed Lease of {node}"
+            );
+            tokio::time::sleep(Duration::from_millis(1)).await;
         }
-        self.caught_up(0, rv).await;
     }
 
     /// Deletes a node and waits until the extender no longer knows it.

@@ -329,12 +329,11 @@ async fn init_sidecar_and_regular_containers_get_one_decision_in_admission_order
         .iter()
         .all(|d| d.memory_bytes == 4096 * MIB && d.cores_percent == 30));
     // The node is busy until the plugin has allocated the pod.
-    let pods = &h
-        .running()
-        .scheduler
-        .state()
-        .read()
-        .snapshot(vgpu_scheduler::state::now_unix_ms(), h.config.unbound_grace);
+    let pods = &h.running().scheduler.state().read().snapshot(
+        vgpu_scheduler::state::now_unix_ms(),
+        h.config.unbound_grace,
+        h.config.node_lease_grace,
+    );
     assert_eq!(pods.nodes["n1"].pending, vec!["ml-team/multi".to_string()]);
 }
 

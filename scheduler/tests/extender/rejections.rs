@@ -3,6 +3,7 @@
 
 use crate::harness::*;
 use std::time::Duration;
+use vgpu_scheduler::node_leases::Liveness;
 use vgpu_scheduler::scheduler::Config;
 use vgpu_scheduler::state::now_unix_ms;
 
@@ -40,27 +41,41 @@ fn rejected(
 
 #[tokio::test]
 async fn node_level_reasons() {
-    let h = Harness::start(test_config()).await;
-    let stale_heartbeat = now_unix_ms() - 120_000;
+    let h = Harness::start(Config {
+        node_lease_grace: Duration::ZERO,
+        ..test_config()
+    })
+    .await;
     h.add_nodes(vec![
         node_with_annotation("no-inventory", None),
         node_with_annotation("bad-inventory", Some("{\"version\":1,\"gpus\":".into())),
         node_with_annotation(
             "future-inventory",
-            Some(r#"{"version":9,"heartbeatUnixMs":1,"gpus":[]}"#.into()),
-        ),
-        node_with_annotation(
-            "stale",
-            Some(inventory(
-                "stale",
-                &[gpu("NVIDIA A10", 24)],
-                stale_heartbeat,
-            )),
+            Some(r#"{"version":9,"gpus":[]}"#.into()),
         ),
         node("no-gpus", &[]),
         node("ok", &[gpu("NVIDIA A10", 24)]),
     ])
     .await;
+    h.put_node_without_lease(node("no-lease", &[gpu("NVIDIA A10", 24)]))
+        .await;
+    // A plugin that renewed a 1 s Lease once and stopped.
+    h.put_node(node("stale", &[gpu("NVIDIA A10", 24)])).await;
+    h.renew_lease("stale", 1).await;
+    let state = h.running().scheduler.state().clone();
+    let expired = tokio::time::Instant::now() + Duration::from_secs(10);
+    while matches!(
+        state
+            .read()
+            .liveness("stale", now_unix_ms(), Duration::ZERO),
+        Liveness::Live { .. }
+    ) {
+        assert!(
+            tokio::time::Instant::now() < expired,
+            "the 1 s Lease never ran out"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
     let p = h
         .create_pod(pod("p", &[vgpu("main", 1, 1024, 10)], &[]))
         .await;
@@ -72,6 +87,7 @@ async fn node_level_reasons() {
                 "bad-inventory",
                 "future-inventory",
                 "stale",
+                "no-lease",
                 "no-gpus",
                 "ok",
                 "ghost",
@@ -107,7 +123,19 @@ async fn node_level_reasons() {
         &result,
         "stale",
         true,
-        "the vgpu device plugin on this node last reported 120 s ago (more than 90 s): no new vGPU pods until it reports again",
+        "s ago (it lasts 1 s, plus 0 s grace): no new vGPU pods until it renews it",
+    );
+    rejected(
+        &result,
+        "stale",
+        true,
+        "the vgpu device plugin on this node last renewed its Lease ",
+    );
+    rejected(
+        &result,
+        "no-lease",
+        true,
+        "the vgpu device plugin on this node holds no Lease (kube-node-lease/vgpu-no-lease): it is not running, or may not write Leases",
     );
     rejected(
         &result,
@@ -133,10 +161,14 @@ async fn node_level_reasons() {
     );
     assert!(result.node_names.is_none());
     rejected(&result, "no-inventory", true, "node has no vGPU inventory");
-    // The heartbeat comes back: the node is usable again.
-    h.put_node(node("stale", &[gpu("NVIDIA A10", 24)])).await;
-    let result = h.filter(&p, &["stale"]).await;
-    assert_eq!(result.node_names, Some(vec!["stale".to_string()]));
+    // The plugins renew again: the nodes are usable again.
+    h.renew_lease("stale", LONG_LEASE_SECONDS).await;
+    h.renew_lease("no-lease", LONG_LEASE_SECONDS).await;
+    let result = h.filter(&p, &["stale", "no-lease"]).await;
+    assert_eq!(
+        result.node_names,
+        Some(vec!["stale".to_string(), "no-lease".to_string()])
+    );
     // A deleted node is unknown.
     h.delete_node("ok").await;
     rejected(

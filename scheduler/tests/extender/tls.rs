@@ -67,6 +67,8 @@ async fn serves_https_with_the_given_certificate() {
         .await;
     api.put_node(node("gpu-node-2", &[gpu("NVIDIA A10", 24)]))
         .await;
+    api.put_lease("gpu-node-1", LONG_LEASE_SECONDS).await;
+    api.put_lease("gpu-node-2", LONG_LEASE_SECONDS).await;
     let tls = tls_config(
         &fixture_path("tls/server.pem"),
         &fixture_path("tls/server.key"),
@@ -78,7 +80,8 @@ async fn serves_https_with_the_given_certificate() {
         Some(tls),
     )
     .await;
-    // Ready means both nodes, written before, are in its first list.
+    // Ready means both nodes and their Leases, written before, are in its
+    // first lists.
     assert!(running.wait_ready(Duration::from_secs(20)).await);
     let addr = running.local_addr;
 
@@ -103,6 +106,7 @@ async fn plain_http_for_kube_scheduler_beside_https_for_webhooks() {
     let api = Api::Real(client);
     api.put_node(node("gpu-node-1", &[gpu("NVIDIA A10", 24)]))
         .await;
+    api.put_lease("gpu-node-1", LONG_LEASE_SECONDS).await;
     let tls = tls_config(
         &fixture_path("tls/server.pem"),
         &fixture_path("tls/server.key"),
