@@ -121,6 +121,7 @@ mod tests {
             sm_count: 1,
             split_count: 3,
             numa,
+            nvlink_island: None,
             healthy,
         }
     }

@@ -649,6 +649,7 @@ mod tests {
             sm_count: 100,
             split_count: 10,
             numa: None,
+            nvlink_island: None,
             healthy: true,
         }
     }
