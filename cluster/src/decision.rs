@@ -73,6 +73,11 @@ pub struct InventoryGpu {
     pub split_count: u32,
     /// NUMA node, if known.
     pub numa: Option<u32>,
+    /// NVLink island: the GPUs of the node joined by NVLink, directly or
+    /// through an NVSwitch, share one number (the lowest NVML index among
+    /// them). `None`: no active NVLink (or a plugin that does not say).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub nvlink_island: Option<u32>,
     pub healthy: bool,
     /// SM utilization the node agent measures, smoothed, in percent
     /// (0-100): what the `load-aware` policies place by. `None` until
@@ -414,6 +419,7 @@ mod tests {
                 sm_count: 132,
                 split_count: 10,
                 numa: Some(0),
+                nvlink_island: None,
                 healthy: true,
             }],
         };
@@ -428,6 +434,20 @@ mod tests {
         let mut broken = inventory;
         broken.gpus[0].split_count = 0;
         assert!(NodeInventory::parse(&broken.to_json()).is_err());
+    }
+
+    #[test]
+    fn the_nvlink_island_is_optional_in_the_format() {
+        // An inventory from a plugin that predates NVLink islands.
+        let old = r#"{"version":1,"heartbeatUnixMs":5,"gpus":[{"uuid":"GPU-a","index":0,
+            "model":"m","memoryBytes":1024,"smCount":1,"splitCount":2,"numa":null,"healthy":true}]}"#;
+        let mut parsed = NodeInventory::parse(old).expect("parse");
+        assert_eq!(parsed.gpus[0].nvlink_island, None);
+        assert!(!parsed.to_json().contains("nvlinkIsland"));
+        parsed.gpus[0].nvlink_island = Some(2);
+        let text = parsed.to_json();
+        assert!(text.contains(r#""nvlinkIsland":2"#), "{text}");
+        assert_eq!(NodeInventory::parse(&text).expect("parse"), parsed);
     }
 
     #[test]

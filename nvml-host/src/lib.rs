@@ -5,7 +5,7 @@
 //!
 //! - [`open`]: load NVML.
 //! - [`describe`]: each GPU's fixed facts (UUID, model, memory, SMs, NUMA
-//!   node), read once at start.
+//!   node, NVLink peers and island), read once at start.
 //! - [`Sampler`]: each GPU's changing figures (memory used, utilization,
 //!   temperature, power, per-process SM use), read every monitor pass.
 
@@ -23,6 +23,8 @@ pub use nvml_wrapper::Nvml;
 pub const MAX_GPUS: u32 = 64;
 /// Most per-process samples kept per device.
 const MAX_PROCESS_SAMPLES: usize = 4096;
+/// `NVML_NVLINK_MAX_LINKS`: the link numbers NVML answers for.
+const NVLINK_MAX_LINKS: u32 = 18;
 /// What the dynamic loader is asked for when no path is given.
 const DEFAULT_LIBRARY: &str = "libnvidia-ml.so.1";
 
@@ -70,12 +72,20 @@ pub struct GpuFacts {
     pub sm_count: u32,
     /// NUMA node, if known.
     pub numa: Option<u32>,
+    /// The GPUs (NVML indices) at the far end of this one's active
+    /// NVLinks, ascending, each once.
+    pub nvlink_peers: Vec<u32>,
+    /// The NVLink island: the GPUs joined to this one by NVLink, directly or
+    /// through an NVSwitch, named by the lowest NVML index among them;
+    /// `None` when the GPU has no active NVLink.
+    pub nvlink_island: Option<u32>,
 }
 
 /// Every GPU NVML reports, in NVML's order.
 pub fn describe(nvml: &Nvml) -> Result<Vec<GpuFacts>, NvmlHostError> {
     let count = nvml.device_count().map_err(query("device count"))?;
     let mut gpus = Vec::with_capacity(count.min(MAX_GPUS) as usize);
+    let mut links = Vec::with_capacity(gpus.capacity());
     for index in 0..count.min(MAX_GPUS) {
         let device = nvml
             .device_by_index(index)
@@ -91,9 +101,149 @@ pub fn describe(nvml: &Nvml) -> Result<Vec<GpuFacts>, NvmlHostError> {
             memory_bytes: memory.total,
             sm_count: sm_count(&device),
             numa: numa_node(&device),
+            nvlink_peers: Vec::new(),
+            nvlink_island: None,
+        });
+        links.push(GpuLinks {
+            bus_id: device
+                .pci_info()
+                .ok()
+                .map(|pci| normalize_bus_id(&pci.bus_id)),
+            remotes: nvlink_remotes(&device, index),
         });
     }
+    let topology = nvlink_topology(&links);
+    for (gpu, (peers, island)) in gpus.iter_mut().zip(topology) {
+        gpu.nvlink_peers = peers;
+        gpu.nvlink_island = island;
+    }
     Ok(gpus)
+}
+
+/// One GPU's place in the NVLink graph, as NVML reports it.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct GpuLinks {
+    /// The GPU's own PCI bus ID (normalized), if NVML gave it.
+    pub bus_id: Option<String>,
+    /// The PCI bus ID (normalized) at the far end of each active link: a
+    /// GPU's, or an NVSwitch's.
+    pub remotes: Vec<String>,
+}
+
+/// A PCI bus ID in one spelling: lower case with an 8-digit domain (NVML
+/// writes `00000000:3B:00.0`, sysfs and some tools `0000:3b:00.0`).
+pub fn normalize_bus_id(bus_id: &str) -> String {
+    let lower = bus_id.trim().to_ascii_lowercase();
+    match lower.split_once(':') {
+        Some((domain, rest)) => match u32::from_str_radix(domain, 16) {
+            Ok(domain) => format!("{domain:08x}:{rest}"),
+            Err(_) => lower,
+        },
+        None => lower,
+    }
+}
+
+/// The far ends of `device`'s active NVLinks. A GPU without NVLink answers
+/// `NOT_SUPPORTED` for link 0, and one with fewer links than NVML's maximum
+/// `INVALID_ARGUMENT` past its last: either ends the walk.
+fn nvlink_remotes(device: &Device<'_>, index: u32) -> Vec<String> {
+    let mut remotes = Vec::new();
+    for number in 0..NVLINK_MAX_LINKS {
+        let link = device.link_wrapper_for(number);
+        match link.is_active() {
+            Ok(true) => match link.remote_pci_info() {
+                Ok(pci) => remotes.push(normalize_bus_id(&pci.bus_id)),
+                Err(error) => tracing::debug!(
+                    error = %error,
+                    "GPU {index} NVLink {number}: active, far end unknown"
+                ),
+            },
+            Ok(false) => {}
+            Err(NvmlError::NotSupported | NvmlError::InvalidArg | NvmlError::FunctionNotFound) => {
+                break
+            }
+            Err(error) => {
+                tracing::debug!(error = %error, "GPU {index} NVLink {number} state");
+                break;
+            }
+        }
+    }
+    remotes
+}
+
+/// Each GPU's NVLink peers (indices into `gpus`, ascending, each once) and
+/// island: the connected components of the graph whose vertices are the
+/// GPUs and the far ends that are not GPUs (NVSwitches, which join every GPU
+/// linked to them), each named by the lowest GPU index in it. A GPU with
+/// no active link has no island.
+pub fn nvlink_topology(gpus: &[GpuLinks]) -> Vec<(Vec<u32>, Option<u32>)> {
+    let mut vertices = Vertices::new(gpus);
+    let mut parent: Vec<usize> = (0..gpus.len()).collect();
+    let mut peers: Vec<Vec<u32>> = vec![Vec::new(); gpus.len()];
+    for (gpu, links) in gpus.iter().enumerate() {
+        for remote in &links.remotes {
+            let far = vertices.of(remote, &mut parent);
+            if far < gpus.len() && far != gpu {
+                peers[gpu].push(far as u32);
+            }
+            union(&mut parent, gpu, far);
+        }
+    }
+    peers
+        .into_iter()
+        .enumerate()
+        .map(|(gpu, mut list)| {
+            list.sort_unstable();
+            list.dedup();
+            // A set's root is its lowest vertex, and GPUs come first.
+            let island = (!gpus[gpu].remotes.is_empty()).then(|| find(&mut parent, gpu) as u32);
+            (list, island)
+        })
+        .collect()
+}
+
+/// Vertex numbers of the NVLink graph: GPUs first (their positions), then
+/// each far end that is no GPU, numbered as first met.
+struct Vertices {
+    ids: HashMap<String, usize>,
+}
+
+impl Vertices {
+    fn new(gpus: &[GpuLinks]) -> Self {
+        let ids = gpus
+            .iter()
+            .enumerate()
+            .filter_map(|(i, gpu)| Some((gpu.bus_id.clone()?, i)))
+            .collect();
+        Self { ids }
+    }
+
+    /// The vertex of `bus_id`, added (with its own set) when new.
+    fn of(&mut self, bus_id: &str, parent: &mut Vec<usize>) -> usize {
+        if let Some(&vertex) = self.ids.get(bus_id) {
+            return vertex;
+        }
+        let vertex = parent.len();
+        parent.push(vertex);
+        self.ids.insert(bus_id.to_string(), vertex);
+        vertex
+    }
+}
+
+fn find(parent: &mut [usize], mut x: usize) -> usize {
+    while parent[x] != x {
+        parent[x] = parent[parent[x]];
+        x = parent[x];
+    }
+    x
+}
+
+/// Joins two sets, keeping the smaller root, so a set's root is its lowest
+/// vertex (GPUs come before switches).
+fn union(parent: &mut [usize], a: usize, b: usize) {
+    let (ra, rb) = (find(parent, a), find(parent, b));
+    let (low, high) = if ra < rb { (ra, rb) } else { (rb, ra) };
+    parent[high] = low;
 }
 
 /// CUDA cores per multiprocessor for a compute capability (NVML reports
@@ -298,6 +448,71 @@ mod tests {
         assert_eq!(numa_node_of_bus("00000000:99:00.0", &root), None);
         assert_eq!(numa_node_of_bus("junk", &root), None);
         let _ = std::fs::remove_dir_all(&root);
+    }
+
+    fn links(bus: &str, remotes: &[&str]) -> GpuLinks {
+        GpuLinks {
+            bus_id: Some(normalize_bus_id(bus)),
+            remotes: remotes.iter().map(|r| normalize_bus_id(r)).collect(),
+        }
+    }
+
+    #[test]
+    fn bus_ids_are_compared_in_one_spelling() {
+        assert_eq!(normalize_bus_id("0000:3b:00.0"), "00000000:3b:00.0");
+        assert_eq!(normalize_bus_id("00000000:3B:00.0"), "00000000:3b:00.0");
+        assert_eq!(normalize_bus_id("junk"), "junk");
+    }
+
+    #[test]
+    fn islands_are_the_nvlink_graphs_components() {
+        // Islands {0,2} and {1,3}; GPU 4 has no NVLink; the remote IDs in
+        // another spelling.
+        let gpus = [
+            links("00000000:01:00.0", &["0000:03:00.0", "0000:03:00.0"]),
+            links("00000000:02:00.0", &["0000:04:00.0"]),
+            links("00000000:03:00.0", &["0000:01:00.0", "0000:01:00.0"]),
+            links("00000000:04:00.0", &["0000:02:00.0"]),
+            links("00000000:05:00.0", &[]),
+        ];
+        let topology = nvlink_topology(&gpus);
+        let islands: Vec<Option<u32>> = topology.iter().map(|(_, i)| *i).collect();
+        assert_eq!(islands, vec![Some(0), Some(1), Some(0), Some(1), None]);
+        // A bonded pair is one peer.
+        assert_eq!(topology[0].0, vec![2]);
+        assert_eq!(topology[3].0, vec![1]);
+        assert!(topology[4].0.is_empty());
+    }
+
+    #[test]
+    fn a_chain_is_one_island_named_by_its_lowest_gpu() {
+        // 3 - 1 - 2, and 0 alone.
+        let gpus = [
+            links("00000000:01:00.0", &[]),
+            links("00000000:02:00.0", &["0000:03:00.0", "0000:04:00.0"]),
+            links("00000000:03:00.0", &["0000:02:00.0"]),
+            links("00000000:04:00.0", &["0000:02:00.0"]),
+        ];
+        let topology = nvlink_topology(&gpus);
+        let islands: Vec<Option<u32>> = topology.iter().map(|(_, i)| *i).collect();
+        assert_eq!(islands, vec![None, Some(1), Some(1), Some(1)]);
+        assert_eq!(topology[1].0, vec![2, 3]);
+    }
+
+    #[test]
+    fn gpus_on_one_nvswitch_share_an_island() {
+        // GPUs 1 and 2 reach switch A, GPU 3 switch B only; 0 has none.
+        let gpus = [
+            links("00000000:01:00.0", &[]),
+            links("00000000:02:00.0", &["0000:a0:00.0", "0000:a0:00.0"]),
+            links("00000000:03:00.0", &["0000:a0:00.0"]),
+            links("00000000:04:00.0", &["0000:b0:00.0"]),
+        ];
+        let topology = nvlink_topology(&gpus);
+        let islands: Vec<Option<u32>> = topology.iter().map(|(_, i)| *i).collect();
+        assert_eq!(islands, vec![None, Some(1), Some(1), Some(3)]);
+        // A switch is no peer GPU.
+        assert!(topology[1].0.is_empty());
     }
 
     #[test]

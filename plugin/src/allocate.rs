@@ -315,6 +315,7 @@ mod tests {
                 sm_count: 132,
                 split_count: 10,
                 numa: None,
+                nvlink_island: None,
                 healthy: index != 2,
             })
             .collect()

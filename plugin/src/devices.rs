@@ -54,13 +54,16 @@ pub fn kubelet_devices(gpus: &[InventoryGpu]) -> Vec<api::Device> {
 /// Picks `size` devices out of `available` for a container, as
 /// `GetPreferredAllocation` answers: every one of `must_include` first, then
 /// one replica on each GPU of `preferred_gpus` (the GPUs the scheduler
-/// decided on, in order), then replicas of GPUs not used yet, then any.
+/// decided on, in order), then replicas of GPUs not used yet, from one
+/// NVLink island or else one NUMA node of `gpus` when one can supply all
+/// the GPUs still wanted (see [`one_domain`]), then any.
 /// Returns fewer than `size` only when `available` has fewer.
 pub fn preferred(
     available: &[String],
     must_include: &[String],
     size: usize,
     preferred_gpus: &[String],
+    gpus: &[InventoryGpu],
 ) -> Vec<String> {
     let mut chosen: Vec<String> = Vec::with_capacity(size);
     let mut used_gpus: Vec<String> = Vec::new();
@@ -90,7 +93,25 @@ pub fn preferred(
         }
     }
     // Spread the rest over distinct GPUs, as a container's vGPUs must each
-    // be on a different physical GPU.
+    // be on a different physical GPU: first within one island or node.
+    let chosen_gpus: Vec<&str> = chosen
+        .iter()
+        .filter_map(|id| parse_device_id(id).map(|(uuid, _)| uuid))
+        .collect();
+    let need = size.saturating_sub(chosen.len());
+    let together = one_domain(available, &chosen_gpus, need, gpus);
+    let together: Vec<String> = together
+        .iter()
+        .filter_map(|gpu| {
+            available
+                .iter()
+                .find(|id| parse_device_id(id).is_some_and(|(uuid, _)| uuid == *gpu))
+                .cloned()
+        })
+        .collect();
+    for id in &together {
+        take(id, &mut chosen);
+    }
     for id in available {
         let on_new_gpu = parse_device_id(id).is_some_and(|(uuid, _)| {
             !chosen
@@ -107,6 +128,63 @@ pub fn preferred(
     chosen
 }
 
+/// The topology levels a container's GPUs are kept within, closest first.
+const DOMAINS: [fn(&InventoryGpu) -> Option<u32>; 2] = [|gpu| gpu.nvlink_island, |gpu| gpu.numa];
+
+/// `need` GPUs with a replica in `available` (UUIDs, in `available`'s
+/// order, none of `chosen`) that share one NVLink island, else one NUMA
+/// node, with every GPU of `chosen`: the first such domain `available`'s
+/// order completes. Empty when there is none, and when there is nothing to
+/// keep together (one GPU wanted and none chosen yet).
+pub fn one_domain<'a>(
+    available: &'a [String],
+    chosen: &[&str],
+    need: usize,
+    gpus: &[InventoryGpu],
+) -> Vec<&'a str> {
+    if need == 0 || (need == 1 && chosen.is_empty()) {
+        return Vec::new();
+    }
+    let mut free: Vec<&str> = Vec::new();
+    for (uuid, _) in available.iter().filter_map(|id| parse_device_id(id)) {
+        if !chosen.contains(&uuid) && !free.contains(&uuid) {
+            free.push(uuid);
+        }
+    }
+    let domain = |uuid: &str, level: fn(&InventoryGpu) -> Option<u32>| {
+        gpus.iter().find(|gpu| gpu.uuid == uuid).and_then(level)
+    };
+    for level in DOMAINS {
+        let wanted = match chosen.split_first() {
+            // Where the chosen GPUs are, if they are all in one domain.
+            Some((first, rest)) => match domain(first, level) {
+                Some(d) if rest.iter().all(|uuid| domain(uuid, level) == Some(d)) => Some(d),
+                _ => continue,
+            },
+            // The first domain to reach `need` GPUs.
+            None => free.iter().enumerate().find_map(|(k, uuid)| {
+                let d = domain(uuid, level)?;
+                let before = free[..k]
+                    .iter()
+                    .filter(|other| domain(other, level) == Some(d))
+                    .count();
+                (before + 1 >= need).then_some(d)
+            }),
+        };
+        let Some(wanted) = wanted else { continue };
+        let members: Vec<&str> = free
+            .iter()
+            .copied()
+            .filter(|uuid| domain(uuid, level) == Some(wanted))
+            .take(need)
+            .collect();
+        if members.len() == need {
+            return members;
+        }
+    }
+    Vec::new()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -121,6 +199,7 @@ mod tests {
             sm_count: 1,
             split_count: 3,
             numa,
+            nvlink_island: None,
             healthy,
         }
     }
@@ -156,25 +235,91 @@ mod tests {
     fn preference_follows_the_decision_then_spreads() {
         let available = ids(&["GPU-a::0", "GPU-a::1", "GPU-b::0", "GPU-c::2", "GPU-c::3"]);
         assert_eq!(
-            preferred(&available, &[], 2, &ids(&["GPU-c", "GPU-b"])),
+            preferred(&available, &[], 2, &ids(&["GPU-c", "GPU-b"]), &[]),
             ids(&["GPU-c::2", "GPU-b::0"])
         );
         assert_eq!(
-            preferred(&available, &ids(&["GPU-a::1"]), 2, &ids(&["GPU-c"])),
+            preferred(&available, &ids(&["GPU-a::1"]), 2, &ids(&["GPU-c"]), &[]),
             ids(&["GPU-a::1", "GPU-c::2"])
         );
         // No decision: one per GPU first.
         assert_eq!(
-            preferred(&available, &[], 3, &[]),
+            preferred(&available, &[], 3, &[], &[]),
             ids(&["GPU-a::0", "GPU-b::0", "GPU-c::2"])
         );
         // More than the GPUs: replicas of the same GPU fill up.
-        assert_eq!(preferred(&available, &[], 5, &[]).len(), 5);
-        assert_eq!(preferred(&available, &[], 9, &[]).len(), 5);
+        assert_eq!(preferred(&available, &[], 5, &[], &[]).len(), 5);
+        assert_eq!(preferred(&available, &[], 9, &[], &[]).len(), 5);
         // A decided GPU with no free replica is skipped.
         assert_eq!(
-            preferred(&available, &[], 1, &ids(&["GPU-z", "GPU-b"])),
+            preferred(&available, &[], 1, &ids(&["GPU-z", "GPU-b"]), &[]),
             ids(&["GPU-b::0"])
+        );
+    }
+
+    /// GPUs a..d: NVLink islands {a,c} and {b,d}; NUMA nodes {a,b}, {c,d}.
+    fn islands() -> Vec<InventoryGpu> {
+        ["GPU-a", "GPU-b", "GPU-c", "GPU-d"]
+            .iter()
+            .enumerate()
+            .map(|(i, uuid)| InventoryGpu {
+                nvlink_island: Some(i as u32 % 2),
+                ..gpu(uuid, true, Some(i as u32 / 2))
+            })
+            .collect()
+    }
+
+    #[test]
+    fn without_a_decision_one_nvlink_island_then_one_numa_node() {
+        let gpus = islands();
+        let available = ids(&["GPU-a::0", "GPU-b::0", "GPU-c::0", "GPU-d::0"]);
+        // Plain spreading would take a and b.
+        assert_eq!(
+            preferred(&available, &[], 2, &[], &[]),
+            ids(&["GPU-a::0", "GPU-b::0"])
+        );
+        assert_eq!(
+            preferred(&available, &[], 2, &[], &gpus),
+            ids(&["GPU-a::0", "GPU-c::0"])
+        );
+        // A replica kubelet must include anchors the island.
+        assert_eq!(
+            preferred(&available, &ids(&["GPU-d::0"]), 2, &[], &gpus),
+            ids(&["GPU-d::0", "GPU-b::0"])
+        );
+        // Island {a,c} has no free c: island {b,d} is whole.
+        let no_c = ids(&["GPU-a::0", "GPU-b::0", "GPU-d::0"]);
+        assert_eq!(
+            preferred(&no_c, &[], 2, &[], &gpus),
+            ids(&["GPU-b::0", "GPU-d::0"])
+        );
+        // No island has two free GPUs: NUMA node {c,d}.
+        let no_a_b = ids(&["GPU-c::0", "GPU-b::0", "GPU-d::0"]);
+        let mut no_islands = gpus.clone();
+        no_islands[3].nvlink_island = None;
+        assert_eq!(
+            preferred(&no_a_b, &[], 2, &[], &no_islands),
+            ids(&["GPU-c::0", "GPU-d::0"])
+        );
+        // Three GPUs: no island or node has three; one per GPU as before.
+        assert_eq!(
+            preferred(&available, &[], 3, &[], &gpus),
+            ids(&["GPU-a::0", "GPU-b::0", "GPU-c::0"])
+        );
+        // One GPU: nothing to keep together.
+        assert_eq!(
+            preferred(&available, &[], 1, &[], &gpus),
+            ids(&["GPU-a::0"])
+        );
+    }
+
+    #[test]
+    fn the_decision_comes_before_topology() {
+        let gpus = islands();
+        let available = ids(&["GPU-a::0", "GPU-b::0", "GPU-c::0", "GPU-d::0"]);
+        assert_eq!(
+            preferred(&available, &[], 2, &ids(&["GPU-a", "GPU-b"]), &gpus),
+            ids(&["GPU-a::0", "GPU-b::0"])
         );
     }
 }

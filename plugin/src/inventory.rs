@@ -33,6 +33,7 @@ pub fn inventory_gpus(facts: Vec<GpuFacts>, split_count: u32) -> Vec<InventoryGp
             sm_count: gpu.sm_count,
             split_count,
             numa: gpu.numa,
+            nvlink_island: gpu.nvlink_island,
             healthy: true,
         })
         .collect()
@@ -181,8 +182,30 @@ mod tests {
             sm_count: 132,
             split_count,
             numa: None,
+            nvlink_island: None,
             healthy: true,
         }
+    }
+
+    #[test]
+    fn nvml_facts_become_healthy_entries_with_numa_and_island() {
+        let facts = vec![GpuFacts {
+            index: 3,
+            uuid: "GPU-d".into(),
+            model: "H100".into(),
+            memory_bytes: 80 << 30,
+            sm_count: 132,
+            numa: Some(1),
+            nvlink_peers: vec![1],
+            nvlink_island: Some(1),
+        }];
+        let gpus = inventory_gpus(facts, 7);
+        assert_eq!(gpus.len(), 1);
+        let gpu = &gpus[0];
+        assert_eq!((gpu.index, gpu.uuid.as_str()), (3, "GPU-d"));
+        assert_eq!((gpu.numa, gpu.nvlink_island), (Some(1), Some(1)));
+        assert_eq!(gpu.split_count, 7);
+        assert!(gpu.healthy);
     }
 
     #[test]

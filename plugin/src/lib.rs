@@ -123,13 +123,14 @@ pub async fn run(
     );
     for gpu in &gpus {
         tracing::info!(
-            "GPU {} {} ({}, {} MiB, {} SMs, NUMA {:?})",
+            "GPU {} {} ({}, {} MiB, {} SMs, NUMA {:?}, NVLink island {:?})",
             gpu.index,
             gpu.uuid,
             gpu.model,
             gpu.memory_bytes >> 20,
             gpu.sm_count,
-            gpu.numa
+            gpu.numa,
+            gpu.nvlink_island
         );
     }
     let state = PluginState::new(cluster.clone(), config.settings, gpus);

@@ -220,6 +220,7 @@ impl PluginState {
                     .collect()
             })
             .unwrap_or_default();
+        let gpus = self.gpus.borrow().clone();
         let container_responses = request
             .container_requests
             .iter()
@@ -230,6 +231,7 @@ impl PluginState {
                     &c.must_include_device_i_ds,
                     usize::try_from(c.allocation_size).unwrap_or(0),
                     next.get(i).map(Vec::as_slice).unwrap_or_default(),
+                    &gpus,
                 ),
             })
             .collect();

@@ -12,6 +12,12 @@
 //! node's other pods (and the pod's sidecars) only, and its grant is counted
 //! only while the pod has not started; sidecars (`restartPolicy: Always`)
 //! run alongside and are placed with the regular containers.
+//!
+//! A container asking for several GPUs gets them from one NVLink island
+//! when one island has enough GPUs that fit, else from one NUMA node, else
+//! wherever the policy puts them: of the islands (NUMA nodes) that can hold
+//! them all, the one the policy's order completes first, and in it the
+//! GPUs the policy prefers.
 
 use crate::policy::GpuPolicy;
 use crate::requests::{
@@ -77,6 +83,9 @@ pub struct HotGpu {
     /// The model in lower case, shared between all GPUs of that model, so a
     /// request's verdict on it is computed once.
     pub model: Arc<str>,
+    /// NVLink island and NUMA node, for multi-GPU containers.
+    pub nvlink_island: Option<u32>,
+    pub numa: Option<u32>,
 }
 
 /// A node's GPUs.
@@ -101,6 +110,8 @@ impl NodeGpus {
                 healthy: g.healthy,
                 utilization_percent: g.utilization_percent,
                 model: intern(&g.model.to_ascii_lowercase()),
+                nvlink_island: g.nvlink_island,
+                numa: g.numa,
             })
             .collect();
         Self { gpus, hot }
@@ -296,7 +307,7 @@ pub struct Scratch {
     pub after: Vec<Usage>,
     init_base: Vec<Usage>,
     init_work: Vec<Usage>,
-    candidates: Vec<(u64, u64, usize, u64)>,
+    candidates: Vec<Candidate>,
     /// The request's verdicts on GPU models.
     pub models: ModelVerdicts,
     /// Healthy GPUs of a wanted model on the node of the last placement.
@@ -367,7 +378,7 @@ fn place_container(
     container: &ContainerRequest,
     request: &PodRequest,
     policy: GpuPolicy,
-    candidates: &mut Vec<(u64, u64, usize, u64)>,
+    candidates: &mut Vec<Candidate>,
     grants: &mut Vec<Grant>,
     models: &mut ModelVerdicts,
 ) -> Result<u32, Miss> {
@@ -410,6 +421,7 @@ fn place_container(
         }
     } else {
         candidates.sort_unstable();
+        gather_one_domain(node, candidates, count);
     }
     for &(_, _, gpu, need) in candidates.iter().take(count) {
         usage[gpu].add_grant(need, container.cores);
@@ -421,6 +433,59 @@ fn place_container(
         });
     }
     Ok(matching)
+}
+
+/// A candidate GPU: (policy key, policy key, GPU index, memory it gets).
+type Candidate = (u64, u64, usize, u64);
+
+/// The topology levels a multi-GPU container is kept within, closest first.
+const DOMAINS: [fn(&HotGpu) -> Option<u32>; 2] = [|gpu| gpu.nvlink_island, |gpu| gpu.numa];
+
+/// Moves to the front of `candidates` (sorted by the policy) the first
+/// `count` of them that share an NVLink island, else a NUMA node, keeping
+/// the policy's order among them; leaves the order alone when no island or
+/// node has `count`. GPUs talk faster within an island, and host memory is
+/// closer within a node.
+fn gather_one_domain(node: &NodeGpus, candidates: &mut [Candidate], count: usize) {
+    for domain_of in DOMAINS {
+        if let Some(domain) = first_complete_domain(node, candidates, count, domain_of) {
+            let mut front = 0;
+            for k in 0..candidates.len() {
+                if front == count {
+                    break;
+                }
+                if domain_of(&node.hot[candidates[k].2]) == Some(domain) {
+                    candidates.swap(front, k);
+                    front += 1;
+                }
+            }
+            return;
+        }
+    }
+}
+
+/// The domain that first has `count` members walking `candidates` in
+/// order, if any: the one whose `count`-th best GPU is best. Quadratic in
+/// the node's fitting GPUs, which are few; nothing is allocated.
+fn first_complete_domain(
+    node: &NodeGpus,
+    candidates: &[Candidate],
+    count: usize,
+    domain_of: fn(&HotGpu) -> Option<u32>,
+) -> Option<u32> {
+    for (k, candidate) in candidates.iter().enumerate() {
+        let Some(domain) = domain_of(&node.hot[candidate.2]) else {
+            continue;
+        };
+        let before = candidates[..k]
+            .iter()
+            .filter(|other| domain_of(&node.hot[other.2]) == Some(domain))
+            .count();
+        if before + 1 >= count {
+            return Some(domain);
+        }
+    }
+    None
 }
 
 /// Sort key of GPU `index` under `policy` (smaller is preferred; ties go
@@ -649,6 +714,7 @@ mod tests {
             sm_count: 100,
             split_count: 10,
             numa: None,
+            nvlink_island: None,
             healthy: true,
         }
     }
@@ -716,6 +782,132 @@ mod tests {
         );
         place_pod(&node, &base, &req, GpuPolicy::Spread, &mut scratch).expect("fits");
         assert_eq!(chosen(&scratch), vec![2], "least memory and compute");
+    }
+
+    /// 4 GPUs: NVLink islands {0,2} and {1,3}; NUMA nodes {0,1} and {2,3}.
+    fn islands_node() -> NodeGpus {
+        let mut gpus: Vec<InventoryGpu> = (0..4).map(|i| gpu(i, "H100", 80)).collect();
+        for (i, gpu) in gpus.iter_mut().enumerate() {
+            gpu.nvlink_island = Some(i as u32 % 2);
+            gpu.numa = Some(i as u32 / 2);
+        }
+        NodeGpus::new(gpus)
+    }
+
+    #[test]
+    fn a_multi_gpu_container_gets_one_nvlink_island() {
+        let node = islands_node();
+        let two = request(vec![container("c", ContainerKind::App, 2, 8, 10)]);
+        let mut scratch = Scratch::default();
+        for policy in [
+            GpuPolicy::FewestTasks,
+            GpuPolicy::Binpack,
+            GpuPolicy::Spread,
+            GpuPolicy::LoadAware,
+        ] {
+            // Empty: every GPU ties, the policy's order is 0,1,2,3 and
+            // island {0,2} completes first (policy alone would take 0,1).
+            place_pod(&node, &[Usage::default(); 4], &two, policy, &mut scratch).expect("fits");
+            assert_eq!(chosen(&scratch), vec![0, 2], "{policy:?}");
+        }
+        // Binpack's fullest GPU is 3: its island is {1,3}, best first.
+        let base = [
+            used(4, 0, 1),
+            used(1, 0, 1),
+            Usage::default(),
+            used(40, 50, 1),
+        ];
+        place_pod(&node, &base, &two, GpuPolicy::Binpack, &mut scratch).expect("fits");
+        assert_eq!(chosen(&scratch), vec![3, 1]);
+        // Spread: 2 and 1 are emptiest, but {0,2} completes (2, then 0)
+        // before {1,3} does.
+        place_pod(&node, &base, &two, GpuPolicy::Spread, &mut scratch).expect("fits");
+        assert_eq!(chosen(&scratch), vec![2, 0]);
+        for seed in 0..32 {
+            let random = PodRequest {
+                seed,
+                ..two.clone()
+            };
+            place_pod(
+                &node,
+                &[Usage::default(); 4],
+                &random,
+                GpuPolicy::Random,
+                &mut scratch,
+            )
+            .expect("fits");
+            let mut islands: Vec<Option<u32>> = chosen(&scratch)
+                .iter()
+                .map(|&g| node.hot[g].nvlink_island)
+                .collect();
+            islands.dedup();
+            assert_eq!(islands.len(), 1, "seed {seed}: {:?}", chosen(&scratch));
+        }
+        // One GPU needs no topology: the policy's own pick.
+        let one = request(vec![container("c", ContainerKind::App, 1, 8, 10)]);
+        place_pod(
+            &node,
+            &[Usage::default(); 4],
+            &one,
+            GpuPolicy::Spread,
+            &mut scratch,
+        )
+        .expect("fits");
+        assert_eq!(chosen(&scratch), vec![0]);
+    }
+
+    #[test]
+    fn without_a_whole_island_one_numa_node_then_the_policy() {
+        let node = islands_node();
+        let two = request(vec![container("c", ContainerKind::App, 2, 8, 10)]);
+        let mut scratch = Scratch::default();
+        // GPUs 2 and 1 are taken whole: no island has two free GPUs; NUMA
+        // node 0 is {0,1} (1 taken), node 1 {2,3} (2 taken): none either,
+        // so the policy's order stands.
+        let base = [
+            Usage::default(),
+            used(8, 100, 1),
+            used(8, 100, 1),
+            Usage::default(),
+        ];
+        place_pod(&node, &base, &two, GpuPolicy::Spread, &mut scratch).expect("fits");
+        assert_eq!(chosen(&scratch), vec![0, 3]);
+        // GPU 2 taken whole only: island {1,3} has both, and wins over
+        // NUMA node 0 ({0,1}).
+        let base = [
+            Usage::default(),
+            Usage::default(),
+            used(8, 100, 1),
+            Usage::default(),
+        ];
+        place_pod(&node, &base, &two, GpuPolicy::Spread, &mut scratch).expect("fits");
+        assert_eq!(chosen(&scratch), vec![1, 3]);
+        // Three GPUs: no island or NUMA node has three: policy order.
+        let three = request(vec![container("c", ContainerKind::App, 3, 8, 10)]);
+        place_pod(
+            &node,
+            &[Usage::default(); 4],
+            &three,
+            GpuPolicy::Spread,
+            &mut scratch,
+        )
+        .expect("fits");
+        assert_eq!(chosen(&scratch), vec![0, 1, 2]);
+        // No islands known: one NUMA node. Spread's order is 1,2,3,0:
+        // node {2,3} completes at GPU 3, node {0,1} only at GPU 0.
+        let mut gpus = node.gpus.clone();
+        for gpu in &mut gpus {
+            gpu.nvlink_island = None;
+        }
+        let numa_only = NodeGpus::new(gpus);
+        let base = [
+            used(8, 20, 1),
+            Usage::default(),
+            used(2, 0, 1),
+            used(4, 0, 1),
+        ];
+        place_pod(&numa_only, &base, &two, GpuPolicy::Spread, &mut scratch).expect("fits");
+        assert_eq!(chosen(&scratch), vec![2, 3]);
     }
 
     #[test]

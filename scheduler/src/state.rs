@@ -1325,6 +1325,7 @@ mod tests {
                     sm_count: 72,
                     split_count: 10,
                     numa: None,
+                    nvlink_island: None,
                     healthy: true,
                 })
                 .collect(),

@@ -13,6 +13,10 @@
 //! | `SIMGPU_CONTEXT_BYTES` | device memory one context costs (size) | 0 |
 //! | `SIMGPU_DRIVER_VERSION` | `cuDriverGetVersion` value | 12080 |
 //! | `SIMGPU_NVML_DRIVER_VERSION` | NVML driver version string | `580.00.00` |
+//! | `SIMGPU_NUMA` | NUMA node of each device, in device order (`0,0,1,1`) | unknown |
+//! | `SIMGPU_NVLINK` | NVLink groups, `;`-separated, each joined all-to-all (`0,2;1,3`) | no NVLink |
+//!
+//! The topology variables are described in [`crate::topology`].
 //!
 //! A bad value is reported in one line on stderr; `cuInit` then returns
 //! `CUDA_ERROR_INVALID_VALUE` and `nvmlInit` `NVML_ERROR_UNKNOWN`.
@@ -21,6 +25,8 @@ use std::path::PathBuf;
 use std::sync::OnceLock;
 
 use vgpu_node_contract::size::parse_size;
+
+use crate::topology::{self, Topology};
 
 /// Most devices the simulation supports (and the state file lays out).
 pub const MAX_DEVICES: usize = 16;
@@ -46,6 +52,8 @@ pub struct Config {
     pub context_bytes: u64,
     pub driver_version: i32,
     pub nvml_driver_version: String,
+    /// NUMA nodes and NVLinks, in the machine's indices.
+    pub topology: Topology,
 }
 
 impl Config {
@@ -57,8 +65,13 @@ impl Config {
     /// PCI bus number of device `index` (domain 0, device 0, function 0):
     /// the machine's, so it is the same in every process.
     pub fn pci_bus(&self, index: usize) -> u32 {
-        self.visible[index] as u32 + 1
+        machine_pci_bus(self.visible[index])
     }
+}
+
+/// PCI bus number of the machine's device `machine`.
+pub fn machine_pci_bus(machine: usize) -> u32 {
+    machine as u32 + 1
 }
 
 /// Formats 16 bytes the way NVIDIA prints GPU UUIDs.
@@ -233,6 +246,7 @@ pub fn from_env(var: impl Fn(&str) -> Option<String>) -> Result<Config, String> 
         Some(v) => v,
         None => "580.00.00".to_string(),
     };
+    let topology = topology::from_env(&var, devices)?;
     let visible = match var("SIMGPU_VISIBLE_DEVICES") {
         Some(v) => parse_visible(&v, &uuids)?,
         None => (0..devices).collect(),
@@ -250,6 +264,7 @@ pub fn from_env(var: impl Fn(&str) -> Option<String>) -> Result<Config, String> 
         context_bytes,
         driver_version,
         nvml_driver_version,
+        topology,
     })
 }
 
@@ -302,11 +317,32 @@ mod tests {
             [("SIMGPU_CONTEXT_BYTES", "lots")],
             [("SIMGPU_DRIVER_VERSION", "twelve")],
             [("SIMGPU_NAME", "")],
+            [("SIMGPU_NUMA", "0,1")],
+            [("SIMGPU_NVLINK", "0,1")],
         ] {
             let err = cfg(&pairs).expect_err("must be rejected");
             assert!(err.contains(pairs[0].0), "{err}");
             assert!(!err.contains('\n'));
         }
+    }
+
+    #[test]
+    fn topology_is_read_for_the_whole_machine() {
+        let c = cfg(&[
+            ("SIMGPU_DEVICES", "4"),
+            ("SIMGPU_NUMA", "0,0,1,1"),
+            ("SIMGPU_NVLINK", "0,2;1,3"),
+            ("SIMGPU_VISIBLE_DEVICES", "1,2"),
+        ])
+        .expect("valid");
+        assert_eq!(c.topology.numa, Some(vec![0, 0, 1, 1]));
+        assert_eq!(
+            c.topology.nvlinks,
+            Some(vec![vec![2], vec![3], vec![0], vec![1]])
+        );
+        let error =
+            cfg(&[("SIMGPU_DEVICES", "2"), ("SIMGPU_NVLINK", "0,2")]).expect_err("GPU 2 of 2");
+        assert!(error.contains("GPU 2"), "{error}");
     }
 
     #[test]

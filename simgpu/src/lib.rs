@@ -35,3 +35,4 @@ mod driver;
 mod nvml;
 mod pids;
 mod state;
+mod topology;

@@ -14,6 +14,7 @@ use crate::clock;
 use crate::config::{self, Config};
 use crate::ffi::{cstr, put, write_cstr};
 use crate::state::{self, Shared};
+use crate::topology::Link;
 
 /// A device handle points at one of these (stable for the process).
 #[repr(C)]
@@ -34,6 +35,7 @@ const fn make_devices() -> [NvmlDevice; config::MAX_DEVICES] {
 static DEVICES: [NvmlDevice; config::MAX_DEVICES] = make_devices();
 static INIT_COUNT: AtomicU32 = AtomicU32::new(0);
 
+const NVML_FEATURE_DISABLED: c_uint = 0;
 const NVML_FEATURE_ENABLED: c_uint = 1;
 const NVML_COMPUTEMODE_DEFAULT: c_uint = 0;
 const NVML_DEVICE_ARCH_HOPPER: c_uint = 9;
@@ -319,7 +321,12 @@ fn copy_bytes<const N: usize>(text: &str) -> [u8; N] {
 }
 
 fn pci_info(cfg: &Config, index: usize) -> nvmlPciInfo_t {
-    let bus = cfg.pci_bus(index);
+    pci_info_of_bus(cfg.pci_bus(index))
+}
+
+/// PCI info of the device on `bus` (every simulated GPU is domain 0,
+/// device 0, function 0 of its own bus).
+fn pci_info_of_bus(bus: u32) -> nvmlPciInfo_t {
     nvmlPciInfo_t {
         bus_id_legacy: copy_bytes(&format!("0000:{bus:02X}:00.0")),
         domain: 0,
@@ -670,6 +677,89 @@ nvml_fn! {
             out(current, 0)?;
             out(pending, 0)
         }
+    }
+}
+
+// ---- Topology ---------------------------------------------------------------
+//
+// NUMA nodes and NVLinks come from `SIMGPU_NUMA` / `SIMGPU_NVLINK` (see
+// `crate::topology`), in the machine's device indices: a link's far end is
+// reported by its PCI info even when this process does not see that device.
+
+/// `nvmlNvLinkDeviceType_t` `NVML_NVLINK_DEVICE_TYPE_GPU`: every simulated
+/// link joins two GPUs directly (no NVSwitch).
+const NVML_NVLINK_DEVICE_TYPE_GPU: c_uint = 0;
+
+/// The machine's index of the device behind a handle.
+fn machine_device(h: nvmlDevice_t) -> Result<(&'static Config, usize), nvmlReturn_t> {
+    let (cfg, _, index) = device(h)?;
+    Ok((cfg, cfg.visible[index]))
+}
+
+/// The peer (machine index) of an active link; NVML's codes otherwise:
+/// no NVLink on the machine or an inactive link is `NOT_SUPPORTED`, a link
+/// number past `NVML_NVLINK_MAX_LINKS` `INVALID_ARGUMENT`.
+fn active_link(h: nvmlDevice_t, link: c_uint) -> Result<usize, nvmlReturn_t> {
+    let (cfg, machine) = machine_device(h)?;
+    match cfg.topology.link(machine, link as usize) {
+        Link::Active(peer) => Ok(peer),
+        Link::Inactive | Link::NotSupported => Err(NVML_ERROR_NOT_SUPPORTED),
+        Link::OutOfRange => Err(NVML_ERROR_INVALID_ARGUMENT),
+    }
+}
+
+nvml_fn! {
+    /// The configured NUMA node; `NOT_SUPPORTED` when `SIMGPU_NUMA` is unset
+    /// (as on machines whose GPUs are no NUMA nodes of their own).
+    fn nvmlDeviceGetNumaNodeId(dev: nvmlDevice_t, node: *mut c_uint) {
+        let (cfg, machine) = machine_device(dev)?;
+        let numa = cfg.topology.numa_node(machine).ok_or(NVML_ERROR_NOT_SUPPORTED)?;
+        // SAFETY: NVML out-pointer.
+        unsafe { out(node, numa) }
+    }
+}
+
+nvml_fn! {
+    /// `nvmlGpuTopologyLevel_t` of the two devices' closest common ancestor:
+    /// `INTERNAL` for one device, `NODE` on one NUMA node, else `SYSTEM`.
+    fn nvmlDeviceGetTopologyCommonAncestor(device1: nvmlDevice_t, device2: nvmlDevice_t, path_info: *mut c_uint) {
+        let (cfg, a) = machine_device(device1)?;
+        let (_, b) = machine_device(device2)?;
+        // SAFETY: NVML out-pointer.
+        unsafe { out(path_info, cfg.topology.common_ancestor(a, b)) }
+    }
+}
+
+nvml_fn! {
+    /// `NVML_FEATURE_ENABLED` for a connected link, `DISABLED` for one of
+    /// the device's other links.
+    fn nvmlDeviceGetNvLinkState(dev: nvmlDevice_t, link: c_uint, is_active: *mut c_uint) {
+        let (cfg, machine) = machine_device(dev)?;
+        let state = match cfg.topology.link(machine, link as usize) {
+            Link::Active(_) => NVML_FEATURE_ENABLED,
+            Link::Inactive => NVML_FEATURE_DISABLED,
+            Link::NotSupported => return Err(NVML_ERROR_NOT_SUPPORTED),
+            Link::OutOfRange => return Err(NVML_ERROR_INVALID_ARGUMENT),
+        };
+        // SAFETY: NVML out-pointer.
+        unsafe { out(is_active, state) }
+    }
+}
+
+nvml_fn! {
+    /// The PCI info of the GPU at the far end of an active link.
+    fn nvmlDeviceGetNvLinkRemotePciInfo_v2(dev: nvmlDevice_t, link: c_uint, pci: *mut nvmlPciInfo_t) {
+        let peer = active_link(dev, link)?;
+        // SAFETY: NVML out-pointer.
+        unsafe { out(pci, pci_info_of_bus(config::machine_pci_bus(peer))) }
+    }
+}
+
+nvml_fn! {
+    fn nvmlDeviceGetNvLinkRemoteDeviceType(dev: nvmlDevice_t, link: c_uint, kind: *mut c_uint) {
+        active_link(dev, link)?;
+        // SAFETY: NVML out-pointer.
+        unsafe { out(kind, NVML_NVLINK_DEVICE_TYPE_GPU) }
     }
 }
 

@@ -144,6 +144,7 @@ fn build_node(i: usize, gpus: usize) -> Node {
                 sm_count: 132,
                 split_count: 10,
                 numa: Some((g / 4) as u32),
+                nvlink_island: None,
                 healthy: true,
             })
             .collect(),

@@ -357,6 +357,7 @@ pub fn gpus() -> Vec<vgpu_cluster::decision::InventoryGpu> {
             sm_count: 132,
             split_count: 10,
             numa: Some(index),
+            nvlink_island: None,
             healthy: true,
         })
         .collect()

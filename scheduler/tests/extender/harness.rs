@@ -87,6 +87,7 @@ pub fn inventory(node: &str, gpus: &[Gpu]) -> String {
                 sm_count: 72,
                 split_count: g.split,
                 numa: Some(0),
+                nvlink_island: None,
                 healthy: g.healthy,
             })
             .collect(),

@@ -239,6 +239,11 @@ api!(Nvml {
     nvmlDeviceGetTemperature(d: nvmlDevice_t, sensor: c_uint, t: *mut c_uint) -> nvmlReturn_t;
     nvmlDeviceGetPowerUsage(d: nvmlDevice_t, p: *mut c_uint) -> nvmlReturn_t;
     nvmlDeviceGetCudaComputeCapability(d: nvmlDevice_t, a: *mut c_int, b: *mut c_int) -> nvmlReturn_t;
+    nvmlDeviceGetNumaNodeId(d: nvmlDevice_t, n: *mut c_uint) -> nvmlReturn_t;
+    nvmlDeviceGetTopologyCommonAncestor(a: nvmlDevice_t, b: nvmlDevice_t, level: *mut c_uint) -> nvmlReturn_t;
+    nvmlDeviceGetNvLinkState(d: nvmlDevice_t, link: c_uint, active: *mut c_uint) -> nvmlReturn_t;
+    nvmlDeviceGetNvLinkRemotePciInfo_v2(d: nvmlDevice_t, link: c_uint, p: *mut nvmlPciInfo_t) -> nvmlReturn_t;
+    nvmlDeviceGetNvLinkRemoteDeviceType(d: nvmlDevice_t, link: c_uint, kind: *mut c_uint) -> nvmlReturn_t;
 });
 
 /// Asserts a CUDA call succeeded, naming the call.

@@ -176,6 +176,23 @@ fn nvml_xid_events_are_injected_and_reported_once() {
 }
 
 #[test]
+fn nvml_reports_the_configured_numa_nodes_and_nvlinks() {
+    let machine = |tag: &str| {
+        TestEnv::new(tag)
+            .var("SIMGPU_DEVICES", 4)
+            .var("SIMGPU_NUMA", "0,0,1,1")
+            .var("SIMGPU_NVLINK", "0,2;1,3")
+    };
+    machine("topology").run("nvml_topology", &[("TOPOLOGY_CASE", "islands".into())]);
+    machine("topology-one")
+        .var("SIMGPU_VISIBLE_DEVICES", 2)
+        .run("nvml_topology", &[("TOPOLOGY_CASE", "one_visible".into())]);
+    TestEnv::new("topology-flat")
+        .var("SIMGPU_DEVICES", 2)
+        .run("nvml_topology", &[("TOPOLOGY_CASE", "flat".into())]);
+}
+
+#[test]
 fn pools_reserve_chunks_and_release_at_sync_and_trim() {
     TestEnv::new("pool")
         .var("SIMGPU_MEMORY", "1Gi")

@@ -34,6 +34,7 @@ pub fn run(name: &str) {
         "timing" => timing(),
         "nvml_processes" => nvml_process_list(),
         "nvml_events" => nvml_events(),
+        "nvml_topology" => nvml_topology(),
         "pool" => pool(),
         "vmm" => vmm(),
         "fork" => fork(),
@@ -1537,5 +1538,144 @@ fn nvml_events() {
         assert_eq!((data.device, data.event_data), (d0, 63));
         assert_eq!(inject(5, 48), u64::MAX, "no such device");
         assert_eq!(free(set), NVML_SUCCESS);
+    }
+}
+
+fn no_pci() -> nvmlPciInfo_t {
+    nvmlPciInfo_t {
+        bus_id_legacy: [0; 16],
+        domain: 0,
+        bus: 0,
+        device: 0,
+        pci_device_id: 0,
+        pci_sub_system_id: 0,
+        bus_id: [0; 32],
+    }
+}
+
+/// Every active link of `d` as the bus id of its far end, the way NVML
+/// clients walk them (links 0..NVML_NVLINK_MAX_LINKS).
+fn nvlink_remotes(nv: &Nvml, d: nvmlDevice_t) -> Vec<String> {
+    let mut remotes = Vec::new();
+    for link in 0..18 {
+        let mut state = 7;
+        assert_eq!(
+            nv.nvmlDeviceGetNvLinkState(d, link, &mut state),
+            NVML_SUCCESS
+        );
+        let mut pci = no_pci();
+        let remote = nv.nvmlDeviceGetNvLinkRemotePciInfo_v2(d, link, &mut pci);
+        let mut kind = 7;
+        let kind_result = nv.nvmlDeviceGetNvLinkRemoteDeviceType(d, link, &mut kind);
+        match state {
+            1 => {
+                assert_eq!(remote, NVML_SUCCESS);
+                assert_eq!(
+                    (kind_result, kind),
+                    (NVML_SUCCESS, 0),
+                    "a GPU at the far end"
+                );
+                let text: Vec<c_char> = pci.bus_id.iter().map(|&b| b as c_char).collect();
+                remotes.push(buf_str(&text));
+            }
+            0 => {
+                assert_eq!(remote, NVML_ERROR_NOT_SUPPORTED, "inactive link {link}");
+                assert_eq!(kind_result, NVML_ERROR_NOT_SUPPORTED);
+            }
+            other => panic!("link state {other}"),
+        }
+    }
+    let mut state = 0;
+    assert_eq!(
+        nv.nvmlDeviceGetNvLinkState(d, 18, &mut state),
+        NVML_ERROR_INVALID_ARGUMENT
+    );
+    remotes
+}
+
+/// NUMA nodes, common ancestors and NVLinks as `SIMGPU_NUMA` /
+/// `SIMGPU_NVLINK` configure them; `TOPOLOGY_CASE` picks the machine.
+fn nvml_topology() {
+    let lib = Lib::open();
+    let nv = Nvml::load(&lib);
+    assert_eq!(nv.nvmlInit_v2(), NVML_SUCCESS);
+    let case = std::env::var("TOPOLOGY_CASE").expect("TOPOLOGY_CASE");
+    match case.as_str() {
+        // 4 GPUs, NUMA 0,0,1,1, islands {0,2} {1,3} (across NUMA nodes).
+        "islands" => {
+            let d: Vec<nvmlDevice_t> = (0..4).map(|i| nvml_device(&nv, i)).collect();
+            let numa: Vec<c_uint> = d
+                .iter()
+                .map(|&dev| {
+                    let mut node = 99;
+                    assert_eq!(nv.nvmlDeviceGetNumaNodeId(dev, &mut node), NVML_SUCCESS);
+                    node
+                })
+                .collect();
+            assert_eq!(numa, vec![0, 0, 1, 1]);
+            let level = |a: usize, b: usize| {
+                let mut level = 99;
+                assert_eq!(
+                    nv.nvmlDeviceGetTopologyCommonAncestor(d[a], d[b], &mut level),
+                    NVML_SUCCESS
+                );
+                level
+            };
+            assert_eq!(level(0, 0), 0, "INTERNAL");
+            assert_eq!(level(0, 1), 40, "NODE");
+            assert_eq!(level(2, 3), 40, "NODE");
+            assert_eq!(level(0, 2), 50, "SYSTEM");
+            assert_eq!(level(3, 0), 50, "SYSTEM");
+            assert_eq!(nvlink_remotes(&nv, d[0]), vec!["00000000:03:00.0"]);
+            assert_eq!(nvlink_remotes(&nv, d[1]), vec!["00000000:04:00.0"]);
+            assert_eq!(nvlink_remotes(&nv, d[2]), vec!["00000000:01:00.0"]);
+            assert_eq!(nvlink_remotes(&nv, d[3]), vec!["00000000:02:00.0"]);
+            let mut out = 0;
+            assert_eq!(
+                nv.nvmlDeviceGetNumaNodeId(null_mut(), &mut out),
+                NVML_ERROR_INVALID_ARGUMENT
+            );
+            assert_eq!(
+                nv.nvmlDeviceGetNumaNodeId(d[0], null_mut()),
+                NVML_ERROR_INVALID_ARGUMENT
+            );
+            assert_eq!(
+                nv.nvmlDeviceGetTopologyCommonAncestor(d[0], d[1], null_mut()),
+                NVML_ERROR_INVALID_ARGUMENT
+            );
+        }
+        // The same machine seen from a container holding GPU 2 only: its
+        // link still reaches GPU 0's bus.
+        "one_visible" => {
+            let d = nvml_device(&nv, 0);
+            let mut node = 99;
+            assert_eq!(nv.nvmlDeviceGetNumaNodeId(d, &mut node), NVML_SUCCESS);
+            assert_eq!(node, 1);
+            assert_eq!(nvlink_remotes(&nv, d), vec!["00000000:01:00.0"]);
+        }
+        // No topology configured: NUMA and NVLink unsupported, one node.
+        "flat" => {
+            let (a, b) = (nvml_device(&nv, 0), nvml_device(&nv, 1));
+            let mut out = 99;
+            assert_eq!(
+                nv.nvmlDeviceGetNumaNodeId(a, &mut out),
+                NVML_ERROR_NOT_SUPPORTED
+            );
+            assert_eq!(
+                nv.nvmlDeviceGetNvLinkState(a, 0, &mut out),
+                NVML_ERROR_NOT_SUPPORTED
+            );
+            let mut pci = no_pci();
+            assert_eq!(
+                nv.nvmlDeviceGetNvLinkRemotePciInfo_v2(a, 0, &mut pci),
+                NVML_ERROR_NOT_SUPPORTED
+            );
+            assert_eq!(
+                nv.nvmlDeviceGetTopologyCommonAncestor(a, b, &mut out),
+                NVML_SUCCESS
+            );
+            assert_eq!(out, 40, "NODE");
+        }
+        other => panic!("unknown TOPOLOGY_CASE {other}"),
     }
 }
