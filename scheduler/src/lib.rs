@@ -26,6 +26,7 @@
 //! - [`claim_controller`]: binds claims to the ElasticGPUs it provisions.
 //! - [`reservation`]: the GPU slice an ElasticGPU holds for its claim.
 //! - [`leader`]: leader election among replicas.
+//! - [`views`]: nvidia-gpu-scheduler's watchable GPU pod and node views.
 //! - [`cli`]: command-line flags.
 
 pub mod api;
@@ -47,6 +48,7 @@ pub mod reservation;
 pub mod scheduler;
 pub mod server;
 pub mod state;
+pub mod views;
 pub mod webhook;
 
 use crate::api::{ApiError, ApiSource, KubeApi};
@@ -120,7 +122,11 @@ pub async fn start(
     )));
     let local_addr = listener.local_addr().map_err(StartError::Listener)?;
     let (shutdown, _) = tokio::sync::watch::channel(false);
-    let router = server::router(scheduler.clone(), Arc::new(metrics::ServerMetrics::new()?));
+    let router = server::router(
+        scheduler.clone(),
+        Arc::new(metrics::ServerMetrics::new()?),
+        shutdown.subscribe(),
+    );
     let server = tokio::spawn(server::serve(
         listener,
         router.clone(),

@@ -31,7 +31,7 @@ use crate::leader::Leadership;
 use crate::node_leases::Liveness;
 use crate::policy::{node_score, GpuPolicy, NodePolicy};
 use crate::requests::{parse_pod, PodRequest, RequestDefaults, ResourceNames};
-use crate::state::{now_unix_ms, ClusterState, FastMap, Inventory, SharedState};
+use crate::state::{now_unix_ms, ClusterState, FastMap, Inventory, SharedState, Snapshot};
 use crate::webhook::AdmissionPolicy;
 use k8s_openapi::api::core::v1::{Container, Pod, PodSpec, ResourceRequirements};
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
@@ -384,13 +384,17 @@ impl Scheduler {
     }
 
     /// `GET /debug/state`.
-    pub fn debug_state(&self) -> Reply {
-        let snapshot = self.state.read().snapshot(
+    /// The state as `GET /debug/state` shows it.
+    pub fn snapshot(&self) -> Snapshot {
+        self.state.read().snapshot(
             now_unix_ms(),
             self.config.unbound_grace,
             self.config.node_lease_grace,
-        );
-        Reply::json(200, &snapshot)
+        )
+    }
+
+    pub fn debug_state(&self) -> Reply {
+        Reply::json(200, &self.snapshot())
     }
 
     pub(crate) fn parse(&self, pod: &Pod) -> Result<PodRequest, String> {

@@ -5,6 +5,7 @@
 
 use crate::metrics::{ServerMetrics, Verb};
 use crate::scheduler::{Reply, Scheduler};
+use crate::views::{self, View};
 use axum::body::{Body, Bytes};
 use axum::extract::{DefaultBodyLimit, State};
 use axum::http::{header, StatusCode};
@@ -52,11 +53,17 @@ pub enum ServerError {
 struct Served {
     scheduler: Arc<Scheduler>,
     metrics: Arc<ServerMetrics>,
+    /// Becomes true when the servers stop: open watches end.
+    stopping: tokio::sync::watch::Receiver<bool>,
 }
 
 /// The routes; `metrics` records each verb's time and is served at
 /// `GET /metrics`.
-pub fn router(scheduler: Arc<Scheduler>, metrics: Arc<ServerMetrics>) -> Router {
+pub fn router(
+    scheduler: Arc<Scheduler>,
+    metrics: Arc<ServerMetrics>,
+    stopping: tokio::sync::watch::Receiver<bool>,
+) -> Router {
     Router::new()
         .route("/filter", post(filter))
         .route("/prioritize", post(prioritize))
@@ -91,8 +98,14 @@ pub fn router(scheduler: Arc<Scheduler>, metrics: Arc<ServerMetrics>) -> Router 
         .route("/readyz", get(readyz))
         .route("/metrics", get(serve_metrics))
         .route("/debug/state", get(debug_state))
+        .route("/apis/nvidia-gpu-scheduler/v1/gpupods", get(gpu_pods))
+        .route("/apis/nvidia-gpu-scheduler/v1/gpunodes", get(gpu_nodes))
         .layer(DefaultBodyLimit::max(MAX_BODY_BYTES))
-        .with_state(Served { scheduler, metrics })
+        .with_state(Served {
+            scheduler,
+            metrics,
+            stopping,
+        })
 }
 
 fn respond(reply: Reply) -> Response {
@@ -208,6 +221,24 @@ async fn serve_metrics(State(served): State<Served>) -> Response {
 
 async fn debug_state(State(served): State<Served>) -> Response {
     respond(served.scheduler.debug_state())
+}
+
+async fn gpu_pods(State(served): State<Served>, uri: axum::http::Uri) -> Response {
+    views::serve(
+        View::GpuPods,
+        served.scheduler,
+        uri.query(),
+        served.stopping,
+    )
+}
+
+async fn gpu_nodes(State(served): State<Served>, uri: axum::http::Uri) -> Response {
+    views::serve(
+        View::GpuNodes,
+        served.scheduler,
+        uri.query(),
+        served.stopping,
+    )
 }
 
 /// Loads a PEM certificate chain and private key for HTTPS.

@@ -379,6 +379,16 @@ impl ClusterState {
         self.pods.len()
     }
 
+    /// Every pod with a decision.
+    pub fn pods(&self) -> impl Iterator<Item = &PodRecord> {
+        self.pods.values()
+    }
+
+    /// How many changes the state has taken (grows with every one).
+    pub fn updates(&self) -> u64 {
+        self.updates
+    }
+
     /// The newest resource versions seen from the API, pods and nodes (how
     /// far the watches have got).
     pub fn seen_versions(&self) -> (u64, u64) {

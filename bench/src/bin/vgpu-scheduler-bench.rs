@@ -350,6 +350,7 @@ async fn main() -> anyhow::Result<()> {
     let router = vgpu_scheduler::server::router(
         scheduler.clone(),
         Arc::new(vgpu_scheduler::metrics::ServerMetrics::new()?),
+        tokio::sync::watch::channel(false).1,
     );
     let server = tokio::spawn(vgpu_scheduler::server::serve(
         listener,

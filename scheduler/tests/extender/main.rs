@@ -11,4 +11,5 @@ mod preempt;
 mod rejections;
 mod restart;
 mod tls;
+mod views;
 mod webhook;
