@@ -8,8 +8,11 @@
 //!   the device plugin exchange through annotations, and the protocol that
 //!   matches kubelet's `Allocate` calls to pods.
 //! - [`report`]: errors written as one message for Kubernetes components.
+//! - [`scaling`]: device memory scaling (HAMi's `deviceMemoryScaling`):
+//!   what a GPU offers, and how a grant splits into device memory and swap.
 
 pub mod client;
 pub mod decision;
 pub mod report;
 pub mod resources;
+pub mod scaling;

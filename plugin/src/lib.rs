@@ -119,11 +119,12 @@ pub async fn run(
     );
     for gpu in &gpus {
         tracing::info!(
-            "GPU {} {} ({}, {} MiB, {} SMs, NUMA {:?})",
+            "GPU {} {} ({}, {} MiB, offered as {} MiB, {} SMs, NUMA {:?})",
             gpu.index,
             gpu.uuid,
             gpu.model,
             gpu.memory_bytes >> 20,
+            gpu.offered_bytes() >> 20,
             gpu.sm_count,
             gpu.numa
         );
