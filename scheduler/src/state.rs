@@ -1033,6 +1033,7 @@ impl ClusterState {
                     uuid: gpu.uuid.clone(),
                     model: gpu.model.clone(),
                     memory_bytes: gpu.memory_bytes,
+                    offered_memory_bytes: gpu.offered_bytes(),
                     split_count: gpu.split_count,
                     healthy: gpu.healthy,
                     usage: *usage,
@@ -1255,7 +1256,10 @@ pub struct NodeSnapshot {
 pub struct GpuSnapshot {
     pub uuid: String,
     pub model: String,
+    /// Physical memory.
     pub memory_bytes: u64,
+    /// What grants count against (`usage.memoryBytes` is out of this).
+    pub offered_memory_bytes: u64,
     pub split_count: u32,
     pub healthy: bool,
     pub usage: Usage,
@@ -1277,6 +1281,7 @@ mod tests {
             heartbeat_unix_ms: now_unix_ms(),
             gpus: (0..gpus)
                 .map(|i| InventoryGpu {
+                    offered_memory_bytes: None,
                     utilization_percent: None,
                     uuid: format!("GPU-{name}-{i}"),
                     index: i,

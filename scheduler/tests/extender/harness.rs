@@ -75,6 +75,7 @@ pub fn inventory(node: &str, gpus: &[Gpu], heartbeat_unix_ms: u64) -> String {
             .iter()
             .enumerate()
             .map(|(i, g)| InventoryGpu {
+                offered_memory_bytes: None,
                 utilization_percent: None,
                 uuid: uuid(node, i),
                 index: i as u32,
