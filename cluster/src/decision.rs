@@ -45,6 +45,7 @@
 //!    its controller replaces it), never a container served twice or a
 //!    later container matched to the wrong record.
 
+use crate::scaling::{MemoryScaling, MemorySplit};
 use serde::{Deserialize, Serialize};
 use thiserror::Error;
 use vgpu_node_contract::region::{RegionLimits, MAX_DEVICES};
@@ -67,7 +68,16 @@ pub struct InventoryGpu {
     pub uuid: String,
     pub index: u32,
     pub model: String,
+    /// The GPU's physical memory.
     pub memory_bytes: u64,
+    /// The memory it offers containers when the node scales memory
+    /// ([`crate::scaling`], HAMi's `deviceMemoryScaling`): what the
+    /// extender counts grants against. Absent (a node without scaling, or
+    /// a plugin older than the field): [`Self::memory_bytes`]; an extender
+    /// older than the field counts the physical memory, so it never
+    /// oversubscribes.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub offered_memory_bytes: Option<u64>,
     pub sm_count: u32,
     /// How many containers may share it at most.
     pub split_count: u32,
@@ -84,6 +94,13 @@ pub struct InventoryGpu {
     /// measured, or from an agent that does not measure it.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub utilization_percent: Option<u32>,
+}
+
+impl InventoryGpu {
+    /// The memory grants on this GPU may add up to.
+    pub fn offered_bytes(&self) -> u64 {
+        self.offered_memory_bytes.unwrap_or(self.memory_bytes)
+    }
 }
 
 /// A node's GPUs, as published by its plugin.
@@ -115,8 +132,34 @@ pub struct DeviceGrant {
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct NodeLimits {
     pub policy: UtilizationPolicy,
-    /// Host memory each device may borrow as swap (none when absent).
+    /// Host memory each device may borrow as swap beyond its grant (none
+    /// when absent).
     pub swap_limit: Option<u64>,
+    /// How grants are split into device memory and swap.
+    pub memory_scaling: MemoryScaling,
+}
+
+impl NodeLimits {
+    /// What a grant of `grant` bytes comes to on this node: the device
+    /// memory cap, and the swap allowance, which is the grant's part in
+    /// host memory ([`MemoryScaling::split`]) plus the node-wide
+    /// `swap_limit`. The two add up because they are different things: the
+    /// scaled part is memory the extender granted (counted against the
+    /// GPU's offer), the node-wide swap lets every container go beyond its
+    /// grant; so a container can always use its grant plus `swap_limit`,
+    /// scaled or not.
+    pub fn memory(&self, grant: u64) -> MemorySplit {
+        let split = self.memory_scaling.split(grant);
+        MemorySplit {
+            device: split.device,
+            swap: split.swap.saturating_add(self.swap_limit.unwrap_or(0)),
+        }
+    }
+
+    /// Whether containers get `CUDA_OVERSUBSCRIBE` (some swap to use).
+    pub fn oversubscribes(&self) -> bool {
+        self.swap_limit.is_some_and(|bytes| bytes > 0) || self.memory_scaling.oversubscribes()
+    }
 }
 
 /// The region limits a container's grants come to, its devices in the
@@ -134,10 +177,11 @@ pub fn region_limits(
         ..RegionLimits::default()
     };
     for (i, grant) in grants.iter().take(MAX_DEVICES).enumerate() {
-        limits.memory_limit[i] = grant.memory_bytes;
+        let memory = node.memory(grant.memory_bytes);
+        limits.memory_limit[i] = memory.device;
         limits.sm_limit[i] = share_cap(grant.cores_percent);
         limits.sm_burst[i] = grant.burst_percent.unwrap_or(0);
-        limits.swap_limit[i] = node.swap_limit.unwrap_or(0);
+        limits.swap_limit[i] = memory.swap;
     }
     limits
 }
@@ -294,6 +338,7 @@ mod tests {
         let node = NodeLimits {
             policy: UtilizationPolicy::Force,
             swap_limit: Some(1 << 30),
+            memory_scaling: MemoryScaling::ONE,
         };
         let limits = region_limits(&[&b, &a], None, &node);
         assert_eq!(limits.memory_limit[..3], [8 << 30, 4 << 30, 0]);
@@ -307,6 +352,43 @@ mod tests {
             region_limits(&[&a], Some(-2), &NodeLimits::default()).priority,
             -2
         );
+    }
+
+    #[test]
+    fn scaled_grants_are_split_into_device_memory_and_swap() {
+        const GIB: u64 = 1 << 30;
+        let grant = |uuid: &str, memory_bytes| DeviceGrant {
+            uuid: uuid.into(),
+            memory_bytes,
+            cores_percent: 50,
+            burst_percent: None,
+        };
+        let two: MemoryScaling = "2".parse().expect("2");
+        let scaled = NodeLimits {
+            memory_scaling: two,
+            ..NodeLimits::default()
+        };
+        assert!(scaled.oversubscribes());
+        assert!(!NodeLimits::default().oversubscribes());
+        // Two pods of 24 GiB on one 24 GiB card at scaling 2: each gets 12
+        // GiB on the device and 12 GiB of swap.
+        let whole_card = grant("GPU-a", 24 * GIB);
+        let limits = region_limits(&[&whole_card], None, &scaled);
+        assert_eq!(limits.memory_limit[..2], [12 * GIB, 0]);
+        assert_eq!(limits.swap_limit[..2], [12 * GIB, 0]);
+        // The node-wide swap comes on top of the scaled part.
+        let both = NodeLimits {
+            swap_limit: Some(GIB),
+            ..scaled
+        };
+        let other = grant("GPU-b", 3 * GIB);
+        let limits = region_limits(&[&whole_card, &other], None, &both);
+        assert_eq!(limits.memory_limit[..2], [12 * GIB, 3 * GIB / 2]);
+        assert_eq!(limits.swap_limit[..2], [13 * GIB, 3 * GIB / 2 + GIB]);
+        // An uncapped grant stays uncapped, with the node-wide swap only.
+        let uncapped = grant("GPU-c", 0);
+        let limits = region_limits(&[&uncapped], None, &both);
+        assert_eq!((limits.memory_limit[0], limits.swap_limit[0]), (0, GIB));
     }
 
     #[test]
@@ -412,6 +494,7 @@ mod tests {
             version: FORMAT_VERSION,
             gpus: vec![InventoryGpu {
                 utilization_percent: None,
+                offered_memory_bytes: None,
                 uuid: "GPU-a".into(),
                 index: 0,
                 model: "NVIDIA H100".into(),
@@ -448,6 +531,25 @@ mod tests {
         let text = parsed.to_json();
         assert!(text.contains(r#""nvlinkIsland":2"#), "{text}");
         assert_eq!(NodeInventory::parse(&text).expect("parse"), parsed);
+    }
+
+    #[test]
+    fn offered_memory_is_optional_in_the_format() {
+        // An annotation written before the field existed (or by a node
+        // without scaling) offers the physical memory.
+        let old = r#"{"version":1,"heartbeatUnixMs":5,"gpus":[{"uuid":"GPU-a","index":0,
+            "model":"m","memoryBytes":1024,"smCount":1,"splitCount":2,"numa":null,"healthy":true}]}"#;
+        let parsed = NodeInventory::parse(old).expect("parse");
+        assert_eq!(parsed.gpus[0].offered_memory_bytes, None);
+        assert_eq!(parsed.gpus[0].offered_bytes(), 1024);
+        assert!(!parsed.to_json().contains("offeredMemoryBytes"));
+        let mut scaled = parsed;
+        scaled.gpus[0].offered_memory_bytes = Some(2048);
+        let text = scaled.to_json();
+        assert!(text.contains(r#""offeredMemoryBytes":2048"#), "{text}");
+        let back = NodeInventory::parse(&text).expect("parse");
+        assert_eq!(back.gpus[0].offered_bytes(), 2048);
+        assert_eq!(back.gpus[0].memory_bytes, 1024);
     }
 
     #[test]

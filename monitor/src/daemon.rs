@@ -42,9 +42,13 @@ pub struct MonitorConfig {
     pub hami_names: bool,
     /// Load NVML (from this path, or the default name when `None`).
     pub nvml: Option<Option<PathBuf>>,
-    /// Restore the limits a region's decision granted, with what the node
-    /// adds to them (the device plugin's policy and swap); `None`: never.
-    pub restore: Option<NodeLimits>,
+    /// What the node adds to the limits a decision grants (the device
+    /// plugin's policy, swap and memory scaling): what a grant comes to in
+    /// a region.
+    pub node: NodeLimits,
+    /// Restore the limits a region's decision granted when they were
+    /// changed from inside.
+    pub restore: bool,
 }
 
 impl MonitorConfig {
@@ -63,7 +67,8 @@ impl MonitorConfig {
             cleanup_grace: Some(Duration::from_secs(300)),
             hami_names: false,
             nvml: None,
-            restore: Some(NodeLimits::default()),
+            node: NodeLimits::default(),
+            restore: true,
         }
     }
 }
@@ -307,9 +312,11 @@ impl Monitor {
                             device.sm_burst = grant.burst_percent.unwrap_or(0);
                             // Restoring a cap frees nothing: what was taken
                             // above it while it was raised stays visible.
-                            if grant.memory_bytes > 0 {
-                                over_cap_bytes =
-                                    device.memory_used.saturating_sub(grant.memory_bytes);
+                            // The cap is the grant's device part (all of
+                            // it unless the node scales memory).
+                            let cap = self.config.node.memory(grant.memory_bytes).device;
+                            if cap > 0 {
+                                over_cap_bytes = device.memory_used.saturating_sub(cap);
                             }
                         }
                         None => {
@@ -409,7 +416,7 @@ impl Monitor {
             }
             // The region is writable by the container it limits: put back
             // what the decision granted if it was changed from inside.
-            if let (Some(node), Some(grants)) = (&self.config.restore, granted) {
+            if let Some(grants) = granted.filter(|_| self.config.restore) {
                 let mut ordered: Vec<&DeviceGrant> = grants.iter().collect();
                 // Devices are numbered in NVML (PCI) order, as the device
                 // plugin numbered them; without NVML, the decision's order.
@@ -417,7 +424,7 @@ impl Monitor {
                 let priority = pod
                     .as_ref()
                     .and_then(|p| p.priorities.get(&region.container).copied());
-                let limits = region_limits(&ordered, priority, node);
+                let limits = region_limits(&ordered, priority, &self.config.node);
                 if region.region().restore_limits(&limits) {
                     let restored = self.restored.entry(region.key.clone()).or_insert(0);
                     *restored += 1;

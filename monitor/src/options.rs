@@ -8,6 +8,7 @@ use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::time::Duration;
 use vgpu_cluster::decision::NodeLimits;
+use vgpu_cluster::scaling::MemoryScaling;
 use vgpu_node_contract::shim_env::UtilizationPolicy;
 use vgpu_node_contract::size::{parse_size, SizeError};
 
@@ -82,6 +83,14 @@ pub struct Options {
     #[arg(long, value_name = "SIZE", value_parser = size)]
     pub swap_limit: Option<u64>,
 
+    /// The device plugin's device memory scaling (give both its
+    /// `--device-memory-scaling` value): above 1 a grant's cap is its
+    /// device part and the rest is swap, as restored and as the memory
+    /// over the cap is measured against.
+    #[arg(long, value_name = "FACTOR", default_value_t = MemoryScaling::ONE,
+          allow_negative_numbers = true)]
+    pub device_memory_scaling: MemoryScaling,
+
     /// Never restore a region's limits (only report its memory over the cap).
     #[arg(long)]
     pub no_restore: bool,
@@ -143,10 +152,12 @@ impl Options {
                 .then(|| Duration::from_secs(self.cleanup_grace_seconds)),
             hami_names: self.hami_metric_names,
             nvml: (!self.no_nvml).then(|| Some(self.nvml_library.clone())),
-            restore: (!self.no_restore).then_some(NodeLimits {
+            node: NodeLimits {
                 policy: self.core_policy,
                 swap_limit: self.swap_limit.filter(|bytes| *bytes > 0),
-            }),
+                memory_scaling: self.device_memory_scaling,
+            },
+            restore: !self.no_restore,
         }
     }
 
@@ -183,6 +194,34 @@ mod tests {
         assert_eq!(config.cleanup_grace, Some(Duration::from_secs(300)));
         assert!(config.arbitration);
         assert!(!config.hami_names);
+        assert!(config.restore);
+        assert_eq!(config.node, NodeLimits::default());
+    }
+
+    #[test]
+    fn the_node_limits_are_the_plugins_flags() {
+        let options = Options::try_parse_from([
+            "vgpu-monitor",
+            "--core-policy",
+            "force",
+            "--swap-limit",
+            "1g",
+            "--device-memory-scaling",
+            "1.5",
+            "--no-restore",
+        ])
+        .expect("parse");
+        let config = options.monitor_config();
+        assert!(!config.restore);
+        assert_eq!(config.node.policy, UtilizationPolicy::Force);
+        assert_eq!(config.node.swap_limit, Some(1 << 30));
+        assert_eq!(config.node.memory_scaling.get(), 1.5);
+        for bad in ["0", "-2", "NaN", "lots"] {
+            let error = Options::try_parse_from(["vgpu-monitor", "--device-memory-scaling", bad])
+                .expect_err(bad)
+                .to_string();
+            assert!(error.contains("device memory scaling"), "{bad}: {error}");
+        }
     }
 
     #[test]

@@ -181,3 +181,76 @@ fn without_a_decision_nothing_is_restored() {
     // No decision to hold it to (no API): the region is left as it is.
     assert_eq!(region.device_limit(0), 8 * GIB);
 }
+
+#[test]
+fn on_a_scaled_node_the_cap_restored_is_the_grants_device_part() {
+    let host = HostDir::new("tampering-scaled");
+    let api = KubeApi::start();
+    api.add_namespace("team-s");
+    api.add_node(NODE);
+    // A 4 GiB grant on a node at --device-memory-scaling 2 with a node-wide
+    // --swap-limit of 1 GiB.
+    let uid = api.add_bound_pod(
+        "team-s",
+        "scaled-0",
+        NODE,
+        decision_annotations(NODE, "main", 2),
+    );
+    let key = format!("{uid}_main");
+    // Created as the device plugin creates it: 2 GiB on the device, 2 GiB
+    // of the grant plus the node's 1 GiB as swap.
+    let mut granted = RegionLimits::default();
+    granted.memory_limit[0] = 2 * GIB;
+    granted.swap_limit[0] = 3 * GIB;
+    granted.sm_limit[0] = 30;
+    granted.priority = 2;
+    let region = host.create_region(&key, &granted);
+    region.set_device_uuid(0, "GPU-k8s");
+
+    // From inside: the whole grant moved onto the device, no swap, and
+    // 3 GiB taken there.
+    let device = &region.layout().devices[0];
+    device.memory_limit.store(4 * GIB, Ordering::Relaxed);
+    device.swap_limit.store(0, Ordering::Relaxed);
+    charge(&region, 0, 0, 0, 3 * GIB);
+
+    let monitor = MonitorProcess::start(
+        MonitorProcess::command(),
+        &[
+            "--containers-dir",
+            host.root.to_str().expect("utf8"),
+            "--no-nvml",
+            "--kubeconfig",
+            api.kubeconfig(),
+            "--node-name",
+            NODE,
+            "--no-arbitration",
+            "--swap-limit",
+            "1g",
+            "--device-memory-scaling",
+            "2",
+        ],
+    );
+    let device_labels = [
+        ("namespace", "team-s"),
+        ("pod", "scaled-0"),
+        ("container", "main"),
+        ("device_index", "0"),
+    ];
+    let over = monitor.wait_for_metrics(Duration::from_secs(10), |samples| {
+        value(
+            samples,
+            "vgpu_container_memory_over_cap_bytes",
+            &device_labels,
+        )
+        .filter(|bytes| *bytes > 0.0)
+    });
+    // Over the device part (2 GiB), not over the grant (4 GiB).
+    assert_eq!(over, GIB as f64);
+    assert_eq!(
+        region.limits(),
+        granted.as_stored(),
+        "the plugin's split is back"
+    );
+    assert_eq!(device.swap_limit.load(Ordering::Relaxed), 3 * GIB);
+}

@@ -12,6 +12,7 @@ use thiserror::Error;
 use vgpu_cluster::decision::{
     region_limits, ContainerDecision, DeviceGrant, InventoryGpu, NodeLimits,
 };
+use vgpu_cluster::scaling::MemoryScaling;
 use vgpu_node_contract::region::{Region, RegionLimits, MAX_DEVICES};
 use vgpu_node_contract::shim_env::{ShimConfig, UtilizationPolicy, DEFAULT_CONTEXT_RESERVE};
 
@@ -42,9 +43,13 @@ pub struct Settings {
     /// loaded only where the image sets `LD_PRELOAD` itself).
     pub preload_host: Option<PathBuf>,
     pub policy: UtilizationPolicy,
-    /// Host memory each GPU may lend a container as swap; `Some` turns on
-    /// `CUDA_OVERSUBSCRIBE`.
+    /// Host memory each GPU may lend a container as swap beyond its grant;
+    /// `Some` turns on `CUDA_OVERSUBSCRIBE`.
     pub swap_limit: Option<u64>,
+    /// HAMi's `deviceMemoryScaling`: the GPUs offer their memory times
+    /// this, and above 1 each grant is split into device memory and swap
+    /// (`CUDA_OVERSUBSCRIBE` on).
+    pub memory_scaling: MemoryScaling,
     /// `VGPU_CONTEXT_RESERVE` for every container, if set.
     pub context_reserve: Option<u64>,
 }
@@ -55,6 +60,7 @@ impl Settings {
         NodeLimits {
             policy: self.policy,
             swap_limit: self.swap_limit,
+            memory_scaling: self.memory_scaling,
         }
     }
 }
@@ -193,16 +199,17 @@ pub fn plan(
     // The shim's configuration, typed: the decision's bytes and percents
     // go straight into the region's limits, and the environment is written
     // from the same value the region is created with.
+    let node = settings.node_limits();
     let mut config = ShimConfig {
         region_path: region_container.display().to_string(),
         region_path_set: true,
-        oversubscribe: settings.swap_limit.is_some(),
+        oversubscribe: node.oversubscribes(),
         context_reserve: settings.context_reserve.unwrap_or(DEFAULT_CONTEXT_RESERVE),
         measure_contexts: settings.context_reserve.is_none(),
         ..ShimConfig::default()
     };
     let ordered: Vec<&DeviceGrant> = grants.iter().map(|(_, grant)| *grant).collect();
-    config.limits = region_limits(&ordered, container.priority, &settings.node_limits());
+    config.limits = region_limits(&ordered, container.priority, &node);
 
     let mut envs: BTreeMap<String, String> = config.to_env(grants.len()).into_iter().collect();
     let uuids: Vec<&str> = grants.iter().map(|(_, g)| g.uuid.as_str()).collect();
@@ -300,6 +307,7 @@ mod tests {
             preload_host: Some(base.join("ld.so.preload")),
             policy: UtilizationPolicy::Default,
             swap_limit: None,
+            memory_scaling: MemoryScaling::ONE,
             context_reserve: None,
         }
     }
@@ -307,6 +315,7 @@ mod tests {
     fn gpus() -> Vec<InventoryGpu> {
         (0..3)
             .map(|index| InventoryGpu {
+                offered_memory_bytes: None,
                 utilization_percent: None,
                 uuid: format!("GPU-{index}"),
                 index,
@@ -434,6 +443,73 @@ mod tests {
         assert_eq!(plan.limits.swap_limit[0], 8 << 30);
         assert_eq!(plan.limits.policy, UtilizationPolicy::Force as u32);
         assert_eq!(plan.mounts.len(), 2);
+    }
+
+    #[test]
+    fn at_scaling_two_a_whole_card_grant_is_half_device_half_swap() {
+        const GIB: u64 = 1 << 30;
+        let mut node = settings(Path::new("/b"));
+        node.memory_scaling = "2".parse().expect("2");
+        let card = |index: u32| InventoryGpu {
+            memory_bytes: 24 * GIB,
+            offered_memory_bytes: Some(48 * GIB),
+            ..gpus()[index as usize].clone()
+        };
+        let gpus = [card(0), card(1)];
+        // Two pods of 24 GiB on the one 24 GiB card.
+        for pod in ["pod-a", "pod-b"] {
+            let plan = plan(
+                &node,
+                pod,
+                &container(vec![grant("GPU-0", 24 * GIB, 50)], None),
+                &gpus,
+            )
+            .expect("plan");
+            let env = |k: &str| plan.envs.get(k).map(String::as_str);
+            assert_eq!(env("CUDA_OVERSUBSCRIBE"), Some("true"));
+            assert_eq!(env("CUDA_DEVICE_MEMORY_LIMIT_0"), Some("12288m"));
+            assert_eq!(env("VGPU_SWAP_LIMIT_0"), Some("12288m"));
+            assert_eq!(plan.limits.memory_limit[0], 12 * GIB);
+            assert_eq!(plan.limits.swap_limit[0], 12 * GIB);
+        }
+        // The node-wide swap comes on top, per device.
+        node.swap_limit = Some(GIB);
+        let plan = plan(
+            &node,
+            "pod-c",
+            &container(
+                vec![grant("GPU-1", 2 * GIB, 20), grant("GPU-0", 24 * GIB, 20)],
+                None,
+            ),
+            &gpus,
+        )
+        .expect("plan");
+        let env = |k: &str| plan.envs.get(k).map(String::as_str);
+        assert_eq!(env("CUDA_DEVICE_MEMORY_LIMIT_0"), Some("12288m"));
+        assert_eq!(env("VGPU_SWAP_LIMIT_0"), Some("13312m"));
+        assert_eq!(env("CUDA_DEVICE_MEMORY_LIMIT_1"), Some("1024m"));
+        assert_eq!(env("VGPU_SWAP_LIMIT_1"), Some("2048m"));
+        // What the shim reads back from the environment is the region's.
+        let read = ShimConfig::from_lookup(|key| plan.envs.get(key).cloned()).expect("env");
+        assert_eq!(read.limits.memory_limit, plan.limits.memory_limit);
+        assert_eq!(read.limits.swap_limit, plan.limits.swap_limit);
+    }
+
+    #[test]
+    fn without_scaling_or_swap_nothing_is_oversubscribed() {
+        let mut node = settings(Path::new("/b"));
+        node.memory_scaling = "0.5".parse().expect("0.5");
+        let plan = plan(
+            &node,
+            "u",
+            &container(vec![grant("GPU-0", 4 << 30, 50)], None),
+            &gpus(),
+        )
+        .expect("plan");
+        assert_eq!(plan.envs.get("CUDA_OVERSUBSCRIBE"), None);
+        assert_eq!(plan.envs.get("VGPU_SWAP_LIMIT_0"), None);
+        assert_eq!(plan.limits.memory_limit[0], 4 << 30);
+        assert_eq!(plan.limits.swap_limit[0], 0);
     }
 
     #[test]

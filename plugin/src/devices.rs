@@ -191,6 +191,7 @@ mod tests {
 
     fn gpu(uuid: &str, healthy: bool, numa: Option<u32>) -> InventoryGpu {
         InventoryGpu {
+            offered_memory_bytes: None,
             utilization_percent: None,
             uuid: uuid.into(),
             index: 0,

@@ -14,17 +14,27 @@ use std::time::Duration;
 use tokio::sync::watch;
 use vgpu_cluster::decision::{InventoryGpu, NodeInventory, FORMAT_VERSION};
 use vgpu_cluster::resources::ResourceNames;
+use vgpu_cluster::scaling::MemoryScaling;
 use vgpu_nvml_host::GpuFacts;
 
 /// Longest wait before retrying a failed write.
 const RETRY: Duration = Duration::from_secs(5);
 
 /// The inventory entries for the GPUs NVML describes, each shared by at
-/// most `split_count` containers, all healthy to start with.
-pub fn inventory_gpus(facts: Vec<GpuFacts>, split_count: u32) -> Vec<InventoryGpu> {
+/// most `split_count` containers, offering their memory times `scaling`,
+/// all healthy to start with.
+pub fn inventory_gpus(
+    facts: Vec<GpuFacts>,
+    split_count: u32,
+    scaling: MemoryScaling,
+) -> Vec<InventoryGpu> {
     facts
         .into_iter()
         .map(|gpu| InventoryGpu {
+            // Left out unscaled, so such a node's annotation reads as it
+            // always did.
+            offered_memory_bytes: (scaling != MemoryScaling::ONE)
+                .then(|| scaling.offered(gpu.memory_bytes)),
             utilization_percent: None,
             uuid: gpu.uuid,
             index: gpu.index,
@@ -68,13 +78,14 @@ pub fn inventory(gpus: &[InventoryGpu], load: &LoadFigures) -> NodeInventory {
 /// Each amount is the most that the containers placed on this node can ask
 /// for in total (the extender never over-commits a GPU), so kubelet's
 /// admission, which does count them, never refuses what the extender
-/// placed: memory in MiB and Elastic GPU memory: the GPUs' memory; memory
-/// percentage, cores and Elastic GPU cores: 100 per GPU; priority, which is
-/// not an amount: the most it could sum to, every slot at the largest
-/// priority.
+/// placed: memory in MiB and Elastic GPU memory: the memory the GPUs offer
+/// (their memory times the node's device memory scaling); memory
+/// percentage (of that offer), cores and Elastic GPU cores: 100 per GPU;
+/// priority, which is not an amount: the most it could sum to, every slot
+/// at the largest priority.
 pub fn share_capacity(gpus: &[InventoryGpu], names: &ResourceNames) -> BTreeMap<String, u64> {
     let count = gpus.len() as u64;
-    let memory_mib: u64 = gpus.iter().map(|gpu| gpu.memory_bytes >> 20).sum();
+    let memory_mib: u64 = gpus.iter().map(|gpu| gpu.offered_bytes() >> 20).sum();
     let slots: u64 = gpus.iter().map(|gpu| u64::from(gpu.split_count)).sum();
     let mut amounts = BTreeMap::new();
     for (name, amount) in [
@@ -174,6 +185,7 @@ mod tests {
 
     fn gpu(index: u32, mib: u64, split_count: u32) -> InventoryGpu {
         InventoryGpu {
+            offered_memory_bytes: None,
             utilization_percent: None,
             uuid: format!("GPU-{index}"),
             index,
@@ -199,7 +211,7 @@ mod tests {
             nvlink_peers: vec![1],
             nvlink_island: Some(1),
         }];
-        let gpus = inventory_gpus(facts, 7);
+        let gpus = inventory_gpus(facts, 7, MemoryScaling::default());
         assert_eq!(gpus.len(), 1);
         let gpu = &gpus[0];
         assert_eq!((gpu.index, gpu.uuid.as_str()), (3, "GPU-d"));
@@ -221,6 +233,41 @@ mod tests {
         // The GPU count is kubelet's to report.
         assert!(!amounts.contains_key("nvidia.com/gpu"));
         assert_eq!(amounts.len(), 6);
+    }
+
+    fn facts(index: u32, mib: u64) -> GpuFacts {
+        GpuFacts {
+            uuid: format!("GPU-{index}"),
+            index,
+            model: "Simulated".into(),
+            memory_bytes: mib << 20,
+            sm_count: 132,
+            numa: None,
+            nvlink_peers: Vec::new(),
+            nvlink_island: None,
+        }
+    }
+
+    #[test]
+    fn a_scaled_node_offers_its_memory_times_the_factor() {
+        let two: MemoryScaling = "2".parse().expect("2");
+        let gpus = inventory_gpus(vec![facts(0, 24576), facts(1, 8192)], 10, two);
+        assert_eq!(gpus[0].memory_bytes, 24576 << 20, "physical kept");
+        assert_eq!(gpus[0].offered_memory_bytes, Some(49152 << 20));
+        assert_eq!(gpus[1].offered_bytes(), 16384 << 20);
+        let amounts = share_capacity(&gpus, &ResourceNames::default());
+        // Kubelet admits two pods of 24 GiB on the one 24 GiB card.
+        assert_eq!(amounts["nvidia.com/gpumem"], 65536);
+        assert_eq!(amounts["elasticgpu.io/gpu-memory"], 65536);
+        // Percentages are of the offer: still 100 per GPU.
+        assert_eq!(amounts["nvidia.com/gpumem-percentage"], 200);
+
+        let plain = inventory_gpus(vec![facts(0, 24576)], 10, MemoryScaling::ONE);
+        assert_eq!(plain[0].offered_memory_bytes, None);
+        assert_eq!(
+            share_capacity(&plain, &ResourceNames::default())["nvidia.com/gpumem"],
+            24576
+        );
     }
 
     #[test]

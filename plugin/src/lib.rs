@@ -123,11 +123,12 @@ pub async fn run(
     );
     for gpu in &gpus {
         tracing::info!(
-            "GPU {} {} ({}, {} MiB, {} SMs, NUMA {:?}, NVLink island {:?})",
+            "GPU {} {} ({}, {} MiB, offered as {} MiB, {} SMs, NUMA {:?}, NVLink island {:?})",
             gpu.index,
             gpu.uuid,
             gpu.model,
             gpu.memory_bytes >> 20,
+            gpu.offered_bytes() >> 20,
             gpu.sm_count,
             gpu.numa,
             gpu.nvlink_island

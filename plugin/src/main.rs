@@ -15,7 +15,11 @@ fn main() -> anyhow::Result<()> {
     init_logging(options.log_level);
 
     let nvml = Arc::new(vgpu_nvml_host::open(Some(&options.nvml_library))?);
-    let gpus = inventory_gpus(vgpu_nvml_host::describe(&nvml)?, options.split_count);
+    let gpus = inventory_gpus(
+        vgpu_nvml_host::describe(&nvml)?,
+        options.split_count,
+        options.device_memory_scaling,
+    );
     let health = NvmlHealth::new(
         Arc::clone(&nvml),
         gpus.iter().map(|g| g.uuid.clone()).collect(),

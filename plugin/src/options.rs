@@ -8,6 +8,7 @@ use clap::{Parser, ValueEnum};
 use std::path::PathBuf;
 use std::time::Duration;
 use vgpu_cluster::node_lease::DEFAULT_LEASE_DURATION_SECONDS;
+use vgpu_cluster::scaling::MemoryScaling;
 use vgpu_node_contract::shim_env::UtilizationPolicy;
 use vgpu_node_contract::size::{parse_size, SizeError};
 
@@ -136,11 +137,22 @@ pub struct Options {
     #[arg(long, value_enum, default_value_t = Policy::Default)]
     pub core_policy: Policy,
 
-    /// Host memory each GPU may lend a container as swap beyond its cap
+    /// Host memory each GPU may lend a container as swap beyond its grant
     /// (sets CUDA_OVERSUBSCRIBE=true and VGPU_SWAP_LIMIT). Sizes take
-    /// k/m/g/t suffixes (binary).
+    /// k/m/g/t suffixes (binary). With --device-memory-scaling above 1 it
+    /// is added to the swap part of each grant.
     #[arg(long, value_name = "SIZE", value_parser = size)]
     pub swap_limit: Option<u64>,
+
+    /// HAMi's deviceMemoryScaling: each GPU offers its memory times this
+    /// factor (a number above 0; 1: no scaling). Above 1 the GPU is
+    /// oversubscribed: a container granted G bytes gets G / FACTOR of
+    /// device memory as its cap and the rest as host-memory swap
+    /// (CUDA_OVERSUBSCRIBE=true, VGPU_SWAP_LIMIT). Memory percentages are
+    /// of the offered memory. Give the monitor the same value.
+    #[arg(long, value_name = "FACTOR", default_value_t = MemoryScaling::ONE,
+          allow_negative_numbers = true)]
+    pub device_memory_scaling: MemoryScaling,
 
     /// VGPU_CONTEXT_RESERVE for every container: device memory charged per
     /// CUDA context. Unset, the shim measures what each context holds
@@ -222,6 +234,7 @@ impl Options {
             preload_host: (!self.no_preload).then(|| self.preload_file.clone()),
             policy: self.core_policy.into(),
             swap_limit: self.swap_limit.filter(|bytes| *bytes > 0),
+            memory_scaling: self.device_memory_scaling,
             context_reserve: self.context_reserve,
         }
     }
@@ -261,6 +274,7 @@ mod tests {
         );
         assert!(settings.preload_host.is_some());
         assert_eq!(settings.swap_limit, None);
+        assert_eq!(settings.memory_scaling, MemoryScaling::ONE);
         assert_eq!(
             options.kubelet_settings().dir,
             PathBuf::from("/var/lib/kubelet/device-plugins")
@@ -269,6 +283,7 @@ mod tests {
         for flag in [
             "--split-count",
             "--swap-limit",
+            "--device-memory-scaling",
             "--ignored-xids",
             "--containers-dir",
         ] {
@@ -303,5 +318,32 @@ mod tests {
             Options::try_parse_from(["p", "--node-name", "n", "--swap-limit", "1.5g"]).is_err()
         );
         assert!(Options::try_parse_from(["p", "--node-name", "n", "--split-count", "0"]).is_err());
+    }
+
+    #[test]
+    fn device_memory_scaling_takes_a_positive_number() {
+        let parse = |value: &str| {
+            Options::try_parse_from(["p", "--node-name", "n", "--device-memory-scaling", value])
+        };
+        let options = parse("2").expect("2");
+        assert_eq!(options.allocate_settings().memory_scaling.get(), 2.0);
+        assert_eq!(
+            parse("0.75").expect("0.75").device_memory_scaling.get(),
+            0.75
+        );
+        for (bad, words) in [
+            ("0", "above 0"),
+            ("-1", "above 0"),
+            ("NaN", "above 0"),
+            ("inf", "above 0"),
+            ("two", "not a number"),
+            ("", "not a number"),
+        ] {
+            let error = parse(bad).expect_err(bad).to_string();
+            assert!(
+                error.contains("--device-memory-scaling") && error.contains(words),
+                "{bad}: {error}"
+            );
+        }
     }
 }

@@ -369,7 +369,7 @@ fn unsatisfiable(scheduler: &Scheduler, share: &ClaimShare) -> Option<String> {
     for (_, node) in state.nodes() {
         let healthy = node.gpus.gpus.iter().filter(|g| g.healthy);
         most_gpus = most_gpus.max(healthy.clone().count() as u64);
-        largest_mib = largest_mib.max(healthy.map(|g| g.memory_bytes >> 20).max().unwrap_or(0));
+        largest_mib = largest_mib.max(healthy.map(|g| g.offered_bytes() >> 20).max().unwrap_or(0));
     }
     if share.count > most_gpus {
         return Some(format!(

@@ -75,6 +75,8 @@ impl Usage {
 /// rejection or write a decision).
 #[derive(Clone, Debug)]
 pub struct HotGpu {
+    /// The memory the GPU offers (its memory times the node's device
+    /// memory scaling): what grants, and memory percentages, count against.
     pub memory_bytes: u64,
     pub split_count: u32,
     pub healthy: bool,
@@ -105,7 +107,7 @@ impl NodeGpus {
         let hot = gpus
             .iter()
             .map(|g| HotGpu {
-                memory_bytes: g.memory_bytes,
+                memory_bytes: g.offered_bytes(),
                 split_count: g.split_count,
                 healthy: g.healthy,
                 utilization_percent: g.utilization_percent,
@@ -621,7 +623,7 @@ pub fn describe_problem(
         GpuProblem::TooSmall { need } => write!(
             out,
             "{uuid} has only {} MiB in all, container needs {} MiB",
-            mib(gpu.memory_bytes),
+            mib(gpu.offered_bytes()),
             mib(need)
         ),
         GpuProblem::HeldExclusively => write!(
@@ -706,6 +708,7 @@ mod tests {
 
     fn gpu(index: u32, model: &str, memory_gib: u64) -> InventoryGpu {
         InventoryGpu {
+            offered_memory_bytes: None,
             utilization_percent: None,
             uuid: format!("GPU-{index}"),
             index,
@@ -754,6 +757,84 @@ mod tests {
 
     fn chosen(scratch: &Scratch) -> Vec<usize> {
         scratch.grants.iter().map(|g| g.gpu).collect()
+    }
+
+    #[test]
+    fn a_scaled_gpu_takes_grants_up_to_its_offer() {
+        // One 24 GiB card on a node at device memory scaling 2.
+        let card = InventoryGpu {
+            offered_memory_bytes: Some(48 * GIB),
+            ..gpu(0, "A10", 24)
+        };
+        let node = NodeGpus::new(vec![card]);
+        let whole_card = request(vec![container("c", ContainerKind::App, 1, 24, 10)]);
+        let mut scratch = Scratch::default();
+        place_pod(
+            &node,
+            &[Usage::default()],
+            &whole_card,
+            GpuPolicy::Binpack,
+            &mut scratch,
+        )
+        .expect("the first fits");
+        assert_eq!(scratch.grants[0].memory_bytes, 24 * GIB);
+        // Two pods of 24 GiB fit the one 24 GiB card...
+        let one = used(24, 10, 1);
+        place_pod(&node, &[one], &whole_card, GpuPolicy::Binpack, &mut scratch)
+            .expect("the second fits");
+        // ...and a third does not, the message counting the offer.
+        let two = used(48, 20, 2);
+        let miss = place_pod(&node, &[two], &whole_card, GpuPolicy::Binpack, &mut scratch)
+            .expect_err("the third does not");
+        assert_eq!(
+            miss.problems,
+            vec![(
+                0,
+                GpuProblem::Memory {
+                    free: 0,
+                    need: 24 * GIB
+                }
+            )]
+        );
+        let too_big = request(vec![container("c", ContainerKind::App, 1, 49, 10)]);
+        let miss = place_pod(
+            &node,
+            &[Usage::default()],
+            &too_big,
+            GpuPolicy::Binpack,
+            &mut scratch,
+        )
+        .expect_err("more than the offer");
+        let text = explain(&node, &too_big, &miss);
+        assert!(text.contains("has only 49152 MiB in all"), "{text}");
+
+        // A percentage is of the offer: 50 percent is 24 GiB, twice.
+        let mut half = request(vec![container("c", ContainerKind::App, 1, 0, 10)]);
+        half.containers[0].memory = MemoryRequest::Percent(50);
+        place_pod(&node, &[one], &half, GpuPolicy::Binpack, &mut scratch).expect("fits");
+        assert_eq!(scratch.grants[0].memory_bytes, 24 * GIB);
+        // The whole memory is the whole offer.
+        let mut whole = half.clone();
+        whole.containers[0].memory = MemoryRequest::Whole;
+        place_pod(
+            &node,
+            &[Usage::default()],
+            &whole,
+            GpuPolicy::Binpack,
+            &mut scratch,
+        )
+        .expect("fits");
+        assert_eq!(scratch.grants[0].memory_bytes, 48 * GIB);
+        // Unscaled, the same card takes one such pod.
+        let plain = NodeGpus::new(vec![gpu(0, "A10", 24)]);
+        assert!(place_pod(
+            &plain,
+            &[one],
+            &whole_card,
+            GpuPolicy::Binpack,
+            &mut scratch
+        )
+        .is_err());
     }
 
     #[test]

@@ -57,7 +57,10 @@ impl ContainerKind {
     }
 }
 
-/// Device memory wanted on each vGPU.
+/// Device memory wanted on each vGPU. On a node that scales device memory
+/// (HAMi's `deviceMemoryScaling`) a GPU's memory here is what it offers,
+/// its physical memory times the factor: a percentage is of that, and the
+/// whole of it is that.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum MemoryRequest {
     Bytes(u64),

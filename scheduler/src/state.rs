@@ -1080,6 +1080,7 @@ impl ClusterState {
                     uuid: gpu.uuid.clone(),
                     model: gpu.model.clone(),
                     memory_bytes: gpu.memory_bytes,
+                    offered_memory_bytes: gpu.offered_bytes(),
                     split_count: gpu.split_count,
                     healthy: gpu.healthy,
                     usage: *usage,
@@ -1306,7 +1307,10 @@ pub struct NodeSnapshot {
 pub struct GpuSnapshot {
     pub uuid: String,
     pub model: String,
+    /// Physical memory.
     pub memory_bytes: u64,
+    /// What grants count against (`usage.memoryBytes` is out of this).
+    pub offered_memory_bytes: u64,
     pub split_count: u32,
     pub healthy: bool,
     pub usage: Usage,
@@ -1327,6 +1331,7 @@ mod tests {
             version: FORMAT_VERSION,
             gpus: (0..gpus)
                 .map(|i| InventoryGpu {
+                    offered_memory_bytes: None,
                     utilization_percent: None,
                     uuid: format!("GPU-{name}-{i}"),
                     index: i,

@@ -154,3 +154,86 @@ fn the_swap_allowance_holds_across_processes_and_comes_back_after_a_kill() {
     );
     finish(third, third_reader);
 }
+
+/// The environment the device plugin gives a container granted `grant`
+/// bytes of one GPU on a node at device memory scaling `scaling`: the
+/// same conversion (`region_limits`) and the same writer (`to_env`).
+fn scaled_grant_env(scaling: &str, grant: u64) -> Vec<(String, String)> {
+    use vgpu_cluster::decision::{region_limits, DeviceGrant, NodeLimits};
+    use vgpu_node_contract::shim_env::ShimConfig;
+    let node = NodeLimits {
+        memory_scaling: scaling.parse().expect("scaling"),
+        ..NodeLimits::default()
+    };
+    let grant = DeviceGrant {
+        uuid: "GPU-simulated".into(),
+        memory_bytes: grant,
+        cores_percent: 100,
+        burst_percent: None,
+    };
+    let config = ShimConfig {
+        oversubscribe: node.oversubscribes(),
+        limits: region_limits(&[&grant], None, &node),
+        // The sandbox charges contexts nothing (VGPU_CONTEXT_RESERVE=0),
+        // so the whole grant is the workload's.
+        measure_contexts: true,
+        ..ShimConfig::default()
+    };
+    config.to_env(1)
+}
+
+#[test]
+fn at_scaling_two_two_containers_each_fill_the_whole_card_and_read_every_byte_back() {
+    // A 2 GiB card stands for a 24 GiB one: both containers' memory is
+    // real host memory here (device memory in the simulated GPU, and the
+    // swap), and this machine cannot hold 48 GiB of it.
+    let card = 2048 * MIB;
+    let env = scaled_grant_env("2", card as u64);
+    let value = |key: &str| env.iter().find(|(k, _)| k == key).map(|(_, v)| v.as_str());
+    assert_eq!(value("CUDA_DEVICE_MEMORY_LIMIT_0"), Some("1024m"));
+    assert_eq!(value("VGPU_SWAP_LIMIT_0"), Some("1024m"));
+    assert_eq!(value("CUDA_OVERSUBSCRIBE"), Some("true"));
+
+    let mut sandbox = Sandbox::new("scaled", 1, "2Gi");
+    for (key, value) in &env {
+        sandbox.set(key, value);
+    }
+    let mut running = Vec::new();
+    for container in ["a", "b"] {
+        // Each container has its own region, as the plugin gives it.
+        let region = sandbox.dir.join(format!("region-{container}.cache"));
+        sandbox.set(
+            "CUDA_DEVICE_MEMORY_SHARED_CACHE",
+            region.to_str().expect("utf8"),
+        );
+        // One 64 MiB buffer more than the grant is asked for.
+        let (child, reader, values) = spill(&sandbox, "dlsym", "2214592512", "67108864");
+        assert_eq!(
+            number(&values, "chunks"),
+            32,
+            "{container}: the whole grant, 2 GiB: {values:?}"
+        );
+        assert_eq!(number(&values, "refusal"), 2, "{container}: not more");
+        assert_eq!(
+            number(&values, "equal"),
+            1,
+            "{container}: every byte written reads back"
+        );
+        assert_eq!(
+            number(&values, "host_chunks"),
+            16,
+            "{container}: half of it in host memory"
+        );
+        assert_eq!(number(&values, "mem_total"), card, "{container}");
+        let region = Region::open_existing(&region).expect("region");
+        assert_eq!(region.device_swap_used(0), 1 << 30, "{container}");
+        running.push((child, reader, region));
+    }
+    // The two device parts fill the card and no more.
+    assert_eq!(driver_used(&sandbox), card, "two 1 GiB device parts");
+    for (child, reader, region) in running {
+        let after = finish(child, reader);
+        assert_eq!(number(&after, "free_after"), card, "everything returned");
+        assert_eq!(region.device_swap_used(0), 0);
+    }
+}

@@ -105,7 +105,8 @@ def free_capacity(cc: ChartCluster, held: dict) -> dict[str, list[dict]]:
         free[node.name] = []
         for gpu in inventory["gpus"]:
             entry = held.get((node.name, gpu["uuid"]), {"mib": 0, "cores": 0, "containers": 0})
-            free[node.name].append({"mib": (gpu["memoryBytes"] >> 20) - entry["mib"],
+            offered = gpu.get("offeredMemoryBytes", gpu["memoryBytes"])
+            free[node.name].append({"mib": (offered >> 20) - entry["mib"],
                                     "cores": 100 - entry["cores"], "slots": SPLIT - entry["containers"]})
     return free
 

@@ -68,7 +68,7 @@ def test_the_chart_runs_on_simulated_nodes(chart_cluster):
         # The plugin offers the share resources in the node's status (with
         # the chart's RBAC), so kube-scheduler's retry hint sees a node
         # that can hold what a vGPU pod asks for.
-        gpu_mib = sum(gpu["memoryBytes"] >> 20 for gpu in inventory["gpus"])
+        gpu_mib = sum(gpu.get("offeredMemoryBytes", gpu["memoryBytes"]) >> 20 for gpu in inventory["gpus"])
         shares = wait_for(f"{node.name}'s share resources in its status", lambda node=node: {
             name: quantity for name, quantity in kubectl_json(cluster, "get", "node", node.name)
             ["status"].get("allocatable", {}).items() if name in (

@@ -144,7 +144,8 @@ def _accepts(binary, arguments):
                 "webhook": {"caBundle": "Q0E=", "allowPrivileged": True},
             },
             "node": {
-                "devicePlugin": {"swapLimit": "8g", "contextReserve": "128m", "preload": False},
+                "devicePlugin": {"swapLimit": "8g", "contextReserve": "128m", "preload": False,
+                                 "deviceMemoryScaling": 1.5},
                 "monitor": {"arbitration": False, "hamiMetricNames": True},
             },
         },
@@ -275,7 +276,8 @@ def test_the_webhook_is_called_on_the_secure_port():
 
 
 def test_node_agent_paths_agree():
-    objects = render({"hostDir": "/opt/vgpu", "node": {"devicePlugin": {"corePolicy": "force", "swapLimit": "8Gi"}}})
+    objects = render({"hostDir": "/opt/vgpu", "node": {"devicePlugin": {"corePolicy": "force", "swapLimit": "8Gi",
+                                                                        "deviceMemoryScaling": 2}}})
     node = find(objects, "DaemonSet", "-node")
     volumes = {v["name"]: v for v in node["spec"]["template"]["spec"]["volumes"]}
     plugin = container(node, "device-plugin")
@@ -302,8 +304,9 @@ def test_node_agent_paths_agree():
     assert host_path(install, target) == "/opt/vgpu/libvgpu.so"
     assert host_path(plugin, pf["device-plugin-dir"]) == "/var/lib/kubelet/device-plugins"
     # The monitor restores containers' limits with what the plugin adds.
-    for flag in ("core-policy", "swap-limit"):
+    for flag in ("core-policy", "swap-limit", "device-memory-scaling"):
         assert mf.get(flag) == pf.get(flag), flag
+    assert pf["device-memory-scaling"] == "2"
     # Both read their node from the downward API.
     for c in (plugin, monitor):
         env = {e["name"]: e for e in c["env"]}
@@ -380,6 +383,9 @@ def test_kube_scheduler_follows_the_cluster_version_unless_pinned():
         ({"node": {"devicePlugin": {"splitCount": 0}}}, "splitCount"),
         ({"node": {"devicePlugin": {"corePolicy": "always"}}}, "corePolicy"),
         ({"node": {"devicePlugin": {"swapLimit": "lots"}}}, "swapLimit"),
+        ({"node": {"devicePlugin": {"deviceMemoryScaling": 0}}}, "deviceMemoryScaling"),
+        ({"node": {"devicePlugin": {"deviceMemoryScaling": -1.5}}}, "deviceMemoryScaling"),
+        ({"node": {"devicePlugin": {"deviceMemoryScaling": "2"}}}, "deviceMemoryScaling"),
         ({"scheduler": {"extender": {"gpuPolicy": "fastest"}}}, "gpuPolicy"),
         ({"scheduler": {"extender": {"nodePolicy": "nearest"}}}, "nodePolicy"),
         ({"scheduler": {"extender": {"port": 70000}}}, "port"),

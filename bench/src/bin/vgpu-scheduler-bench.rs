@@ -136,6 +136,7 @@ fn build_node(i: usize, gpus: usize) -> Node {
         version: FORMAT_VERSION,
         gpus: (0..gpus)
             .map(|g| InventoryGpu {
+                offered_memory_bytes: None,
                 utilization_percent: None,
                 uuid: format!("GPU-{i:05}{g:03}-5e1f-4c6e-a1b2-c3d4e5f6a7b8"),
                 index: g as u32,

@@ -336,6 +336,7 @@ pub fn in_process_config(
             preload_host: Some(dir.join("ld.so.preload")),
             policy: vgpu_node_contract::shim_env::UtilizationPolicy::Default,
             swap_limit: None,
+            memory_scaling: Default::default(),
             context_reserve: None,
         },
         resync: Duration::from_secs(1),
@@ -349,6 +350,7 @@ pub fn in_process_config(
 pub fn gpus() -> Vec<vgpu_cluster::decision::InventoryGpu> {
     (0..2)
         .map(|index| vgpu_cluster::decision::InventoryGpu {
+            offered_memory_bytes: None,
             utilization_percent: None,
             uuid: format!("GPU-0000000{index}-aaaa-bbbb-cccc-dddddddddddd"),
             index,

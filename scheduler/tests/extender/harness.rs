@@ -79,6 +79,7 @@ pub fn inventory(node: &str, gpus: &[Gpu]) -> String {
             .iter()
             .enumerate()
             .map(|(i, g)| InventoryGpu {
+                offered_memory_bytes: None,
                 utilization_percent: None,
                 uuid: uuid(node, i),
                 index: i as u32,
