@@ -265,6 +265,76 @@ fn idle_capacity_is_lent_up_to_the_burst_and_given_back_to_its_owner() {
     borrower_work.finish();
 }
 
+/// KubeShare's two kinds of pod on one GPU, with the limits the webhook
+/// and the device plugin give them: an opportunistic pod
+/// (`sharedgpu/priority` 0, request 0.3, limit 0.9: share 30 %, burst
+/// 90 %, `CUDA_TASK_PRIORITY` 2) and a guaranteed one (priority 50,
+/// request 0.5: share 50 %, `CUDA_TASK_PRIORITY` 1). The opportunistic pod
+/// fills the capacity the guaranteed one leaves idle, is paused while the
+/// guaranteed one runs, and fills it again once it stops.
+#[test]
+fn an_opportunistic_pod_fills_idle_capacity_and_gives_it_back() {
+    let host = HostDir::new("opportunistic");
+    let base = Sandbox::new("opportunistic", 1, "16Gi");
+    let mut meter = BusyMeter::new(&base);
+    let _monitor = RunningMonitor::start(&host);
+    let opportunistic = tenant(
+        &base,
+        &host,
+        "uid-o_opportunistic",
+        &[
+            ("CUDA_DEVICE_SM_LIMIT", "30"),
+            ("VGPU_SM_BURST_LIMIT", "90"),
+            ("CUDA_TASK_PRIORITY", "2"),
+        ],
+    );
+    let guaranteed = tenant(
+        &base,
+        &host,
+        "uid-g_guaranteed",
+        &[("CUDA_DEVICE_SM_LIMIT", "50"), ("CUDA_TASK_PRIORITY", "1")],
+    );
+    // The guaranteed pod's container has started (its region exists) and
+    // is idle.
+    Workload::start(&guaranteed, "burst", "k1ms", 0.0, 1).finish();
+    let filler = Workload::start(&opportunistic, "burst", "k1ms", 15.0, 1);
+    let pid = filler.pid();
+    // Shares over 2 s, after `settle` seconds.
+    let measure = |meter: &mut BusyMeter, pids: &[u32], settle: u64| {
+        let from = read_all(meter, pids);
+        wait_until(from[0].at_ns + settle * 1_000_000_000);
+        let settled = read_all(meter, pids);
+        wait_until(settled[0].at_ns + 2_000_000_000);
+        shares(meter, &settled, pids)
+    };
+
+    let idle = measure(&mut meter, &[pid], 1)[0];
+    eprintln!("opportunistic: {idle:.1} % with the guaranteed pod idle (target 90)");
+    assert_near("opportunistic, the GPU otherwise idle", idle, 90.0);
+
+    let work = Workload::start(&guaranteed, "burst", "k1ms", 3.5, 1);
+    let pids = [pid, work.pid()];
+    let busy = measure(&mut meter, &pids, 1);
+    eprintln!(
+        "opportunistic: {:.1} %, guaranteed {:.1} % while it runs (targets 0, 50)",
+        busy[0], busy[1]
+    );
+    assert!(
+        busy[0] < 3.0,
+        "the opportunistic pod gives the GPU back: {:.1} %",
+        busy[0]
+    );
+    assert_near("guaranteed, running", busy[1], 50.0);
+
+    // After the monitor's activity window the opportunistic pod fills the
+    // GPU again.
+    work.finish();
+    let again = measure(&mut meter, &[pid], 2)[0];
+    eprintln!("opportunistic: {again:.1} % after the guaranteed pod stopped (target 90)");
+    assert_near("opportunistic, the GPU idle again", again, 90.0);
+    filler.finish();
+}
+
 #[test]
 fn decisions_follow_the_counters_and_shares_are_restored_on_shutdown() {
     use vgpu_node_contract::region::{RegionLimits, SHARE_UNLIMITED};
