@@ -7,7 +7,9 @@ Tesla V100s, two of 16 GiB each.
 - KubeShare's seed pod (labels only, `schedulerName: kubeshare-scheduler`)
   runs on its model at half a GPU; its seed Job's five pods run.
 - nvidia-gpu-scheduler's `gpu.model` annotation takes a pod to its model;
-  a model no node has leaves it Pending, the event saying why.
+  a model no node has leaves it Pending, the event saying why; a second
+  kube-scheduler configured with that project's extender stanza (v1 format,
+  bind verb added) places such a pod through our extender.
 - An opportunistic pod (KubeShare priority 0) is evicted by the real
   kube-scheduler's preemption, through our preempt verb, to place a
   guaranteed one; the other opportunistic pod is left alone.
@@ -33,6 +35,7 @@ import pytest
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from chartcluster import EXTENDER_PORT, ChartCluster, extender_address, kubectl_json, wait_for  # noqa: E402
+from controlplane import free_port  # noqa: E402
 
 NAMESPACE = "kubeshare"
 FILL = HERE / "workloads/fill.py"
@@ -180,6 +183,63 @@ def test_the_gpu_model_annotation_takes_a_pod_to_its_model(chart_cluster):
                     timeout=60, log=cc.logs)
     assert not pod_json(cc, "on-a100")["spec"].get("nodeName")
     delete(cc, "on-v100", "on-a100")
+
+
+def test_the_nvidia_gpu_scheduler_stanza_places_pods(chart_cluster):
+    """A kube-scheduler of the cluster's own, configured with
+    nvidia-gpu-scheduler's extender stanza (its urlPrefix, filter,
+    prioritize and preempt verbs; in today's v1 format, and with our bind
+    verb added, as scheduler/README.md says) places a pod with the
+    gpu.model annotation on its model through our extender."""
+    cc = chart_cluster
+    workdir = cc.workdir / "nvidia-gpu-scheduler"
+    workdir.mkdir(exist_ok=True)
+    config = workdir / "config.yaml"
+    config.write_text(json.dumps({
+        "apiVersion": "kubescheduler.config.k8s.io/v1", "kind": "KubeSchedulerConfiguration",
+        "clientConnection": {"kubeconfig": str(cc.cluster.admin_kubeconfig)},
+        "leaderElection": {"leaderElect": False},
+        "profiles": [{"schedulerName": "nvidia-gpu-scheduler"}],
+        "extenders": [{
+            "urlPrefix": f"http://{extender_address(cc)}:{EXTENDER_PORT}/apis/nvidia-gpu-scheduler/v1/schedule",
+            "filterVerb": "filter", "prioritizeVerb": "prioritize", "preemptVerb": "preempt",
+            "bindVerb": "bind", "weight": 1, "enableHTTPS": False, "nodeCacheCapable": True,
+            "ignorable": False, "managedResources": [{"name": "nvidia.com/gpu", "ignoredByScheduler": False}],
+        }],
+    }))
+    log = open(workdir / "kube-scheduler.log", "w")  # noqa: SIM115 -- open while it runs
+    scheduler = subprocess.Popen(cc.cluster.command([
+        str(cc.cluster.bin / "kube-scheduler"), f"--config={config}", "--bind-address=127.0.0.1",
+        f"--secure-port={free_port()}", "--v=2"]), stdout=log, stderr=subprocess.STDOUT)
+    log.close()
+    try:
+        pod = {"apiVersion": "v1", "kind": "Pod",
+               "metadata": {"name": "ngs", "namespace": NAMESPACE,
+                            "annotations": {"nvidia-gpu-scheduler/gpu.model": "Tesla-V100-SXM2-16GB"}},
+               "spec": {"schedulerName": "nvidia-gpu-scheduler", "restartPolicy": "Never",
+                        "terminationGracePeriodSeconds": 1,
+                        "containers": [{"name": "pytorch", "image": "cuda",
+                                        "command": [sys.executable, str(FILL), "256"],
+                                        "resources": {"limits": {"nvidia.com/gpu": "1",
+                                                                 "nvidia.com/gpumem": "2048"}}}]}}
+        created = json.loads(cc.cluster.kubectl("create", "-f", "-", "-o", "json", input=json.dumps(pod)).stdout)
+        assert created["spec"]["schedulerName"] == "nvidia-gpu-scheduler", "a named scheduler is kept"
+        found = wait_for("the pod placed by nvidia-gpu-scheduler's stanza running",
+                         lambda: (p := pod_json(cc, "ngs")) and p["status"].get("phase") == "Running" and p,
+                         timeout=90, log=lambda: cc.logs() + "\n--- nvidia-gpu-scheduler kube-scheduler\n"
+                         + (workdir / "kube-scheduler.log").read_text(errors="replace")[-3000:])
+        assert found["spec"]["nodeName"] == "node-2", "the V100 node"
+        assert "vgpu.io/decision" in found["metadata"]["annotations"], "our extender decided it"
+        events = kubectl_json(cc.cluster, "get", "events", "-n", NAMESPACE,
+                              "--field-selector", "involvedObject.name=ngs")["items"]
+        assert any(e["reason"] == "Scheduled" and e.get("reportingComponent") == "nvidia-gpu-scheduler"
+                   for e in events), events
+        got = report(cc, found)
+        assert got["device_totals_mib"] == [2048], got
+        delete(cc, "ngs")
+    finally:
+        scheduler.terminate()
+        scheduler.wait(timeout=30)
 
 
 def test_a_guaranteed_pod_preempts_an_opportunistic_one(chart_cluster):
