@@ -15,6 +15,7 @@
 //! - [`inventory`]: the node annotation.
 //! - [`lease`]: the node's Lease, renewed to show the plugin is alive.
 //! - [`load`]: the GPUs' measured, smoothed utilization.
+//! - [`pod_resources`]: the records checked against kubelet's at start.
 //! - [`options`]: the command line.
 
 pub mod allocate;
@@ -26,14 +27,21 @@ pub mod kubelet;
 pub mod lease;
 pub mod load;
 pub mod options;
+pub mod pod_resources;
 pub mod protocol;
 pub mod service;
 
-/// Kubelet's device plugin API, v1beta1, generated from `proto/api.proto`.
+/// Kubelet's device plugin API, v1beta1, generated from `proto/api.proto`,
+/// and the part of its PodResources API, v1, the plugin reads
+/// (`proto/podresources.proto`).
 pub mod api {
     pub mod v1beta1 {
         #![allow(clippy::all, missing_docs)]
         tonic::include_proto!("v1beta1");
+    }
+    pub mod podresources_v1 {
+        #![allow(clippy::all, missing_docs)]
+        tonic::include_proto!("v1");
     }
 }
 
@@ -57,6 +65,9 @@ pub struct PluginConfig {
     pub resync: Duration,
     /// `leaseDurationSeconds` of the node's Lease.
     pub lease_duration_seconds: u32,
+    /// Kubelet's PodResources socket, to check the records against at
+    /// start ([`pod_resources`]); `None`: not checked.
+    pub pod_resources_socket: Option<std::path::PathBuf>,
     /// The resource names; those of the shares are offered in the node's
     /// status.
     pub resources: vgpu_cluster::resources::ResourceNames,
@@ -157,6 +168,11 @@ pub async fn run(
         config.resync,
         shutdown.clone(),
     ));
+    if let Some(socket) = config.pod_resources_socket.clone() {
+        let cluster = cluster.clone();
+        let resource = config.kubelet.resource_name.clone();
+        tokio::spawn(async move { pod_resources::check(&cluster, &socket, &resource).await });
+    }
     let lease_task = tokio::spawn(lease::renew(
         cluster.clone(),
         config.lease_duration_seconds,

@@ -45,6 +45,7 @@ fn main() -> anyhow::Result<()> {
         settings: options.allocate_settings(),
         resync: Duration::from_secs(options.resync_seconds),
         lease_duration_seconds: options.lease_duration_seconds,
+        pod_resources_socket: Some(options.pod_resources_socket.clone()),
         resources: options.share_resources.names(&options.resource_name),
         load,
     };

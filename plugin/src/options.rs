@@ -4,6 +4,7 @@ use crate::allocate::Settings;
 use crate::cluster::ApiSource;
 use crate::health::DEFAULT_IGNORED_XIDS;
 use crate::kubelet::KubeletSettings;
+use crate::pod_resources::DEFAULT_POD_RESOURCES_SOCKET;
 use clap::{Parser, ValueEnum};
 use std::path::PathBuf;
 use std::time::Duration;
@@ -167,6 +168,12 @@ pub struct Options {
     #[arg(long, default_value_t = DEFAULT_LEASE_DURATION_SECONDS, value_name = "SECONDS",
           value_parser = clap::value_parser!(u32).range(1..=3600))]
     pub lease_duration_seconds: u32,
+
+    /// Kubelet's PodResources API socket: at start the plugin checks its
+    /// allocation records against what kubelet says each container holds,
+    /// and logs every difference. Not there: not checked.
+    #[arg(long, default_value = DEFAULT_POD_RESOURCES_SOCKET, value_name = "PATH")]
+    pub pod_resources_socket: PathBuf,
 
     /// Seconds between rewrites of an unchanged inventory annotation and
     /// share capacities (they are also written at start and on every

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -63,6 +64,30 @@ def extender_address(cc: ChartCluster) -> str:
     if len(running) != 1:
         raise AssertionError(f"expected one running scheduler pod, found {len(running)}")
     return running[0]["status"]["podIP"]
+
+
+def pids_of(pod: str, program: str) -> list[int]:
+    """Processes of container program `program` in pod `pod` (simulated
+    containers carry HOSTNAME=<pod name>, as kubelet's do)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            if os.path.basename(os.readlink(entry / "exe")) != program:
+                continue
+            if f"HOSTNAME={pod}".encode() in (entry / "environ").read_bytes().split(b"\0"):
+                found.append(int(entry.name))
+        except OSError:
+            continue
+    return found
+
+
+def kill_9(pod: str, program: str) -> None:
+    pids = pids_of(pod, program)
+    assert pids, f"no {program} process in pod {pod}"
+    for pid in pids:
+        os.kill(pid, signal.SIGKILL)
 
 
 def kubectl_json(cluster: ControlPlane, *args: str):

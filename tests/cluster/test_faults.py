@@ -20,7 +20,15 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from chartcluster import RELEASE_NAMESPACE, ChartCluster, compile_workload, kubectl_json, wait_for  # noqa: E402
+from chartcluster import (  # noqa: E402
+    RELEASE_NAMESPACE,
+    ChartCluster,
+    compile_workload,
+    kill_9,
+    kubectl_json,
+    pids_of,
+    wait_for,
+)
 from placement import (  # noqa: E402
     assert_not_overcommitted,
     gpu_container,
@@ -78,30 +86,6 @@ def submit(cc: ChartCluster, pods: list[dict], submitters: int = 2, after: int =
         thread.join()
     assert not errors, errors
     return refused[0]
-
-
-def pids_of(pod: str, program: str) -> list[int]:
-    """Processes of container program `program` in pod `pod` (simulated
-    containers carry HOSTNAME=<pod name>, as kubelet's do)."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            if os.path.basename(os.readlink(entry / "exe")) != program:
-                continue
-            if f"HOSTNAME={pod}".encode() in (entry / "environ").read_bytes().split(b"\0"):
-                found.append(int(entry.name))
-        except OSError:
-            continue
-    return found
-
-
-def kill_9(pod: str, program: str) -> None:
-    pids = pids_of(pod, program)
-    assert pids, f"no {program} process in pod {pod}"
-    for pid in pids:
-        os.kill(pid, signal.SIGKILL)
 
 
 def pod_names(cc: ChartCluster, selector: str) -> list[dict]:

@@ -16,6 +16,9 @@ Tesla V100s, two of 16 GiB each.
 - A group of 5 with threshold 0.6 where only 2 fit: none is bound, each
   pod's events say why; where 3 fit: three are bound, two wait.
 - Bad labels are refused at creation with the label named.
+- A restarted device plugin checks its allocation records against
+  kubelet's PodResources API (served by kubelet's own code on the
+  simulated node) and names the container whose record is missing.
 - Node health by the device plugins' Leases: with the plugins unable to
   renew (their RoleBinding in kube-node-lease deleted), a pod is still
   placed before the Leases run out; after their duration and the grace
@@ -34,7 +37,15 @@ import pytest
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from chartcluster import EXTENDER_PORT, ChartCluster, extender_address, kubectl_json, wait_for  # noqa: E402
+from chartcluster import (  # noqa: E402
+    EXTENDER_PORT,
+    RELEASE_NAMESPACE,
+    ChartCluster,
+    extender_address,
+    kill_9,
+    kubectl_json,
+    wait_for,
+)
 from controlplane import free_port  # noqa: E402
 
 NAMESPACE = "kubeshare"
@@ -381,3 +392,33 @@ def test_nodes_whose_plugins_stop_renewing_their_leases_get_no_new_pods(chart_cl
     assert running(cc, "renewed")["spec"]["nodeName"] == "node-2"
     assert running(cc, "after-expiry", timeout=120)["spec"]["nodeName"] == "node-2"
     delete(cc, "before-expiry", "after-expiry", "renewed")
+
+
+def test_a_restarted_plugin_checks_its_records_against_kubelets(chart_cluster):
+    cc = chart_cluster
+    model = {"sharedgpu/gpu_model": "Tesla-V100-SXM2-16GB", "sharedgpu/priority": "10"}
+    for name in ("kept", "unrecorded"):
+        create(cc, kubeshare_pod(name, {"sharedgpu/gpu_request": "0.25", **model}))
+    for name in ("kept", "unrecorded"):
+        running(cc, name)
+    # One pod's allocation record goes missing (kubelet still holds its
+    # devices); then node-2's plugin is killed and restarted by its pod.
+    cc.cluster.kubectl("annotate", "pod", "unrecorded", "-n", NAMESPACE, "vgpu.io/allocated-")
+    agent = next(p for p in kubectl_json(cc.cluster, "get", "pods", "-n", RELEASE_NAMESPACE,
+                                         "-l", "app.kubernetes.io/component=node")["items"]
+                 if p["spec"]["nodeName"] == "node-2")["metadata"]["name"]
+    node = cc.node("node-2")
+
+    def plugin_log() -> str:
+        return node.container_log(RELEASE_NAMESPACE, agent, "device-plugin")
+    checks_before = plugin_log().count("PodResources check:")
+    kill_9(agent, "vgpu-device-plugin")
+
+    def checked():
+        log = plugin_log()
+        return log if log.count("container(s) agree with kubelet's records") > checks_before else None
+    log = wait_for("the restarted plugin's PodResources check", checked, timeout=90, log=cc.logs)
+    assert "PodResources check: 1 container(s) agree with kubelet's records, 1 differ" in log, log[-3000:]
+    finding = next((line for line in log.splitlines() if "no allocation is recorded" in line), "")
+    assert "pod=kubeshare/unrecorded" in finding, log[-3000:]
+    delete(cc, "kept", "unrecorded")

@@ -341,6 +341,7 @@ pub fn in_process_config(
         },
         resync: Duration::from_secs(1),
         lease_duration_seconds: 2,
+        pod_resources_socket: None,
         resources: Default::default(),
         load: None,
     }

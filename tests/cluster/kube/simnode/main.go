@@ -155,6 +155,9 @@ func run(c *config) error {
 	}
 	go node.run(ctx)
 	pods := newPodManager(c, client, devices)
+	if err := servePodResources(ctx, c.hostRoot, pods, devices); err != nil {
+		return err
+	}
 	logger.Info("node up", "address", c.address, "deviceSockets", socketDir)
 	pods.run(ctx)
 	logger.Info("stopping: containers stay as they are, as when a kubelet stops")

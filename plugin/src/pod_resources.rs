@@ -1,0 +1,451 @@
+//! Checking the plugin's records against kubelet's when the plugin starts:
+//! kubelet's PodResources API (v1 `List`) says which devices of the
+//! plugin's resource each container holds; the pods' decisions and
+//! allocation records ([`vgpu_cluster::decision`]) say what the plugin
+//! served. After a plugin restart the two should agree; where they do not,
+//! the plugin says so, container by container (it changes nothing: the
+//! records are the truth the extender counts by, and kubelet's are its
+//! own).
+//!
+//! Kubelet's `List` leaves init containers out (all but sidecars), so they
+//! are not checked.
+
+use crate::api::podresources_v1::pod_resources_lister_client::PodResourcesListerClient;
+use crate::api::podresources_v1::ListPodResourcesRequest;
+use crate::cluster::Cluster;
+use crate::devices::parse_device_id;
+use k8s_openapi::api::core::v1::Pod;
+use std::collections::{BTreeMap, BTreeSet};
+use std::path::{Path, PathBuf};
+use thiserror::Error;
+use vgpu_cluster::decision::{
+    parse_allocated, Decision, ALLOCATED_ANNOTATION, DECISION_ANNOTATION,
+};
+
+/// Where kubelet serves its PodResources API.
+pub const DEFAULT_POD_RESOURCES_SOCKET: &str = "/var/lib/kubelet/pod-resources/kubelet.sock";
+
+#[derive(Debug, Error)]
+pub enum PodResourcesError {
+    #[error("connecting to kubelet's PodResources API at {socket}")]
+    Connect {
+        socket: PathBuf,
+        #[source]
+        source: tonic::transport::Error,
+    },
+    #[error("kubelet's PodResources List")]
+    List(#[source] tonic::Status),
+}
+
+/// `(namespace, pod, container)`.
+type ContainerKey = (String, String, String);
+
+/// The device IDs of `resource` that kubelet says each container holds
+/// (containers holding none are left out).
+pub async fn kubelet_holdings(
+    socket: &Path,
+    resource: &str,
+) -> Result<BTreeMap<ContainerKey, Vec<String>>, PodResourcesError> {
+    let channel = crate::kubelet::connect_unix(socket)
+        .await
+        .map_err(|source| PodResourcesError::Connect {
+            socket: socket.to_path_buf(),
+            source,
+        })?;
+    let list = PodResourcesListerClient::new(channel)
+        .list(ListPodResourcesRequest {})
+        .await
+        .map_err(PodResourcesError::List)?
+        .into_inner();
+    let mut held = BTreeMap::new();
+    for pod in list.pod_resources {
+        for container in pod.containers {
+            let ids: Vec<String> = container
+                .devices
+                .into_iter()
+                .filter(|devices| devices.resource_name == resource)
+                .flat_map(|devices| devices.device_ids)
+                .collect();
+            if !ids.is_empty() {
+                held.insert(
+                    (pod.namespace.clone(), pod.name.clone(), container.name),
+                    ids,
+                );
+            }
+        }
+    }
+    Ok(held)
+}
+
+/// One container whose records and kubelet's disagree.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Finding {
+    /// `namespace/name`.
+    pub pod: String,
+    pub container: String,
+    pub what: String,
+}
+
+/// The outcome of a check.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Report {
+    /// Containers whose records and kubelet's agree.
+    pub agreeing: usize,
+    pub findings: Vec<Finding>,
+}
+
+/// What the API says of one pod decided for this node.
+struct Recorded {
+    decision: Decision,
+    allocated: Vec<String>,
+}
+
+fn recorded(pod: &Pod, node: &str) -> Option<Result<Recorded, String>> {
+    let annotations = pod.metadata.annotations.as_ref()?;
+    let decision = match Decision::parse(annotations.get(DECISION_ANNOTATION)?) {
+        Ok(decision) => decision,
+        Err(error) => return Some(Err(error.to_string())),
+    };
+    if decision.node != node {
+        return None;
+    }
+    let allocated = match annotations
+        .get(ALLOCATED_ANNOTATION)
+        .map(|t| parse_allocated(t))
+    {
+        None => Vec::new(),
+        Some(Ok(allocated)) => allocated,
+        Some(Err(error)) => return Some(Err(error.to_string())),
+    };
+    Some(Ok(Recorded {
+        decision,
+        allocated,
+    }))
+}
+
+fn finished(pod: &Pod) -> bool {
+    matches!(
+        pod.status.as_ref().and_then(|s| s.phase.as_deref()),
+        Some("Succeeded" | "Failed")
+    )
+}
+
+/// Compares kubelet's `held` (for the plugin's `resource`) with the
+/// records on `pods`, the pods bound to `node`.
+pub fn compare(
+    held: &BTreeMap<ContainerKey, Vec<String>>,
+    pods: &[Pod],
+    node: &str,
+    resource: &str,
+) -> Report {
+    let mut report = Report::default();
+    let mut explained: BTreeSet<&ContainerKey> = BTreeSet::new();
+    let find = |pod: &str, container: &str, what: String| Finding {
+        pod: pod.to_string(),
+        container: container.to_string(),
+        what,
+    };
+    for pod in pods {
+        let namespace = pod.metadata.namespace.clone().unwrap_or_default();
+        let name = pod.metadata.name.clone().unwrap_or_default();
+        let key_of = |container: &str| (namespace.clone(), name.clone(), container.to_string());
+        let shown = format!("{namespace}/{name}");
+        if finished(pod) {
+            // Kubelet may list a finished pod's containers until it is
+            // removed; nothing is running to disagree about.
+            for (key, _) in held.range(key_of("")..) {
+                if key.0 != namespace || key.1 != name {
+                    break;
+                }
+                explained.insert(key);
+            }
+            continue;
+        }
+        let recorded = match recorded(pod, node) {
+            None => continue,
+            Some(Err(error)) => {
+                report.findings.push(find(
+                    &shown,
+                    "",
+                    format!("its vGPU records are unreadable: {error}"),
+                ));
+                continue;
+            }
+            Some(Ok(recorded)) => recorded,
+        };
+        for container in recorded.decision.containers.iter().filter(|c| !c.init) {
+            let key = key_of(&container.name);
+            let ids = held.get_key_value(&key);
+            if let Some((key, _)) = ids {
+                explained.insert(key);
+            }
+            let is_allocated = recorded.allocated.contains(&container.name);
+            let decided: BTreeSet<&str> =
+                container.devices.iter().map(|d| d.uuid.as_str()).collect();
+            match (is_allocated, ids.map(|(_, ids)| ids)) {
+                (true, Some(ids)) if ids.len() != container.devices.len() => {
+                    report.findings.push(find(
+                        &shown,
+                        &container.name,
+                        format!(
+                            "kubelet holds {} {resource} device(s) for it ({}), its decision {} GPU(s)",
+                            ids.len(),
+                            ids.join(", "),
+                            container.devices.len()
+                        ),
+                    ))
+                }
+                (true, Some(ids)) => {
+                    let outside: Vec<&str> = ids
+                        .iter()
+                        .filter(|id| {
+                            parse_device_id(id).is_none_or(|(uuid, _)| !decided.contains(uuid))
+                        })
+                        .map(String::as_str)
+                        .collect();
+                    if outside.is_empty() {
+                        report.agreeing += 1;
+                    } else {
+                        report.findings.push(find(
+                            &shown,
+                            &container.name,
+                            format!(
+                                "kubelet counts {} against it, outside its decided GPUs {}; \
+                                 the container uses the decided ones",
+                                outside.join(", "),
+                                decided.iter().copied().collect::<Vec<_>>().join(", ")
+                            ),
+                        ))
+                    }
+                }
+                (true, None) => report.findings.push(find(
+                    &shown,
+                    &container.name,
+                    format!(
+                        "recorded as allocated, but kubelet holds no {resource} for it (its admission \
+                         failed after the record was written, or kubelet lost its device checkpoint); \
+                         its GPUs count as taken until the pod is deleted"
+                    ),
+                )),
+                (false, Some(ids)) => report.findings.push(find(
+                    &shown,
+                    &container.name,
+                    format!(
+                        "kubelet holds {} for it, but no allocation is recorded: it did not get its \
+                         vGPU limits from this plugin",
+                        ids.join(", ")
+                    ),
+                )),
+                // Decided, not admitted yet.
+                (false, None) => {}
+            }
+        }
+        // A container kubelet lists for this pod that its decision does
+        // not name falls to the loop below.
+    }
+    for (key, ids) in held {
+        if !explained.contains(key) {
+            report.findings.push(find(
+                &format!("{}/{}", key.0, key.1),
+                &key.2,
+                format!(
+                    "kubelet holds {} for it, but its pod has no vGPU decision for node {node}: \
+                     it runs without vGPU limits",
+                    ids.join(", ")
+                ),
+            ));
+        }
+    }
+    report
+}
+
+/// Checks the records of the pods on the plugin's node against what
+/// kubelet at `socket` says their containers hold of `resource`, and logs
+/// the outcome; `None` when it could not be checked (said why).
+pub async fn check(cluster: &Cluster, socket: &Path, resource: &str) -> Option<Report> {
+    if !socket.exists() {
+        tracing::info!(
+            "kubelet's PodResources API is not at {}: the allocation records are not checked against kubelet's",
+            socket.display()
+        );
+        return None;
+    }
+    let held = match kubelet_holdings(socket, resource).await {
+        Ok(held) => held,
+        Err(error) => {
+            tracing::warn!(
+                error = &error as &dyn std::error::Error,
+                "the allocation records are not checked against kubelet's"
+            );
+            return None;
+        }
+    };
+    let pods = match cluster.pods_on_node().await {
+        Ok(pods) => pods,
+        Err(error) => {
+            tracing::warn!(
+                error = &error as &dyn std::error::Error,
+                "the allocation records are not checked against kubelet's"
+            );
+            return None;
+        }
+    };
+    let report = compare(&held, &pods, cluster.node(), resource);
+    for finding in &report.findings {
+        tracing::warn!(
+            pod = %finding.pod,
+            container = %finding.container,
+            "PodResources check: {}",
+            finding.what
+        );
+    }
+    tracing::info!(
+        "PodResources check: {} container(s) agree with kubelet's records, {} differ",
+        report.agreeing,
+        report.findings.len()
+    );
+    Some(report)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use vgpu_cluster::decision::{ContainerDecision, DeviceGrant, FORMAT_VERSION};
+
+    fn pod(name: &str, node: &str, containers: &[(&str, &[&str])], allocated: &[&str]) -> Pod {
+        let decision = Decision {
+            version: FORMAT_VERSION,
+            node: node.into(),
+            decided_unix_ms: 1,
+            containers: containers
+                .iter()
+                .map(|(name, gpus)| ContainerDecision {
+                    name: name.to_string(),
+                    init: false,
+                    devices: gpus
+                        .iter()
+                        .map(|uuid| DeviceGrant {
+                            uuid: uuid.to_string(),
+                            memory_bytes: 1 << 30,
+                            cores_percent: 10,
+                            burst_percent: None,
+                        })
+                        .collect(),
+                    priority: None,
+                })
+                .collect(),
+        };
+        serde_json::from_value(serde_json::json!({
+            "metadata": {
+                "name": name, "namespace": "ns",
+                "annotations": {
+                    DECISION_ANNOTATION: decision.to_json(),
+                    ALLOCATED_ANNOTATION: serde_json::to_string(allocated).expect("JSON"),
+                },
+            },
+            "status": { "phase": "Running" },
+        }))
+        .expect("pod")
+    }
+
+    fn held(entries: &[(&str, &str, &[&str])]) -> BTreeMap<ContainerKey, Vec<String>> {
+        entries
+            .iter()
+            .map(|(pod, container, ids)| {
+                (
+                    ("ns".to_string(), pod.to_string(), container.to_string()),
+                    ids.iter().map(|id| id.to_string()).collect(),
+                )
+            })
+            .collect()
+    }
+
+    const R: &str = "nvidia.com/gpu";
+
+    #[test]
+    fn records_that_match_kubelets_agree() {
+        let pods = [
+            pod("a", "n1", &[("main", &["GPU-0"])], &["main"]),
+            pod("b", "n1", &[("x", &["GPU-0", "GPU-1"])], &["x"]),
+            // Decided, not admitted: kubelet holds nothing yet.
+            pod("c", "n1", &[("main", &["GPU-1"])], &[]),
+            // Another node's.
+            pod("d", "n2", &[("main", &["GPU-9"])], &["main"]),
+        ];
+        let kubelet = held(&[
+            ("a", "main", &["GPU-0::3"]),
+            ("b", "x", &["GPU-0::1", "GPU-1::0"]),
+        ]);
+        let report = compare(&kubelet, &pods, "n1", R);
+        assert_eq!(report.findings, vec![]);
+        assert_eq!(report.agreeing, 2);
+    }
+
+    #[test]
+    fn every_kind_of_disagreement_is_named() {
+        let pods = [
+            pod("lost", "n1", &[("main", &["GPU-0"])], &["main"]),
+            pod("unrecorded", "n1", &[("main", &["GPU-0"])], &[]),
+            pod("count", "n1", &[("main", &["GPU-0", "GPU-1"])], &["main"]),
+            pod("elsewhere", "n1", &[("main", &["GPU-0"])], &["main"]),
+        ];
+        let kubelet = held(&[
+            ("unrecorded", "main", &["GPU-0::0"]),
+            ("count", "main", &["GPU-0::1"]),
+            ("elsewhere", "main", &["GPU-1::4"]),
+            ("stranger", "main", &["GPU-1::5"]),
+        ]);
+        let report = compare(&kubelet, &pods, "n1", R);
+        assert_eq!(report.agreeing, 0);
+        let said: Vec<(String, &str)> = report
+            .findings
+            .iter()
+            .map(|f| (format!("{} {}", f.pod, f.container), f.what.as_str()))
+            .collect();
+        let has = |who: &str, words: &str| {
+            assert!(
+                said.iter()
+                    .any(|(w, what)| w == who && what.contains(words)),
+                "{who}: {words:?} not in {said:#?}"
+            )
+        };
+        has(
+            "ns/lost main",
+            "recorded as allocated, but kubelet holds no nvidia.com/gpu",
+        );
+        has(
+            "ns/unrecorded main",
+            "kubelet holds GPU-0::0 for it, but no allocation is recorded",
+        );
+        has(
+            "ns/count main",
+            "kubelet holds 1 nvidia.com/gpu device(s) for it (GPU-0::1), its decision 2",
+        );
+        has(
+            "ns/elsewhere main",
+            "kubelet counts GPU-1::4 against it, outside its decided GPUs GPU-0",
+        );
+        has(
+            "ns/stranger main",
+            "its pod has no vGPU decision for node n1",
+        );
+        assert_eq!(said.len(), 5);
+    }
+
+    #[test]
+    fn finished_pods_and_unreadable_records() {
+        let mut done = pod("done", "n1", &[("main", &["GPU-0"])], &["main"]);
+        if let Some(status) = done.status.as_mut() {
+            status.phase = Some("Succeeded".into());
+        }
+        let mut broken = pod("broken", "n1", &[("main", &["GPU-0"])], &["main"]);
+        if let Some(annotations) = broken.metadata.annotations.as_mut() {
+            annotations.insert(ALLOCATED_ANNOTATION.into(), "main".into());
+        }
+        let kubelet = held(&[("done", "main", &["GPU-0::0"])]);
+        let report = compare(&kubelet, &[done, broken], "n1", R);
+        assert_eq!(report.agreeing, 0);
+        assert_eq!(report.findings.len(), 1, "{:?}", report.findings);
+        assert!(report.findings[0].what.contains("unreadable"));
+    }
+}
