@@ -524,6 +524,14 @@ async fn list_or_watch_leases(State(api): State<Arc<FakeApi>>, uri: Uri) -> Resp
     list_or_watch(api, Kind::Lease, uri).await
 }
 
+/// The Lease `name` as stored, as the API server answers a write.
+fn stored_lease(api: &FakeApi, name: &str) -> Response {
+    match lock(&api.store).leases.get(name) {
+        Some(lease) => ok_json(&with_type(lease, Kind::Lease)),
+        None => not_found("leases", name),
+    }
+}
+
 async fn create_lease(State(api): State<Arc<FakeApi>>, body: Bytes) -> Response {
     let lease: Value = match serde_json::from_slice(&body) {
         Ok(lease) => lease,
@@ -538,10 +546,7 @@ async fn create_lease(State(api): State<Arc<FakeApi>>, body: Bytes) -> Response 
         );
     }
     api.put_lease(lease);
-    match lock(&api.store).leases.get(&name) {
-        Some(lease) => ok_json(&with_type(lease, Kind::Lease)),
-        None => not_found("leases", &name),
-    }
+    stored_lease(&api, &name)
 }
 
 async fn patch_lease(
@@ -562,10 +567,7 @@ async fn patch_lease(
     };
     merge_patch(&mut lease, &patch);
     api.put_lease(lease);
-    match lock(&api.store).leases.get(&name) {
-        Some(lease) => ok_json(&with_type(lease, Kind::Lease)),
-        None => not_found("leases", &name),
-    }
+    stored_lease(&api, &name)
 }
 
 /// The node a `spec.nodeName=<node>` field selector asks for, if any.

@@ -7,6 +7,7 @@ the extender's pod is a ready Service endpoint."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -21,7 +22,7 @@ REPO = HERE.parent.parent
 CHART = REPO / "deploy/helm/vgpu"
 TARGET = Path(os.environ.get("VGPU_TARGET_DIR", REPO / "target/release")).resolve()
 sys.path.insert(0, str(HERE))
-from controlplane import ControlPlane, ControlPlaneError, wait_for  # noqa: E402
+from controlplane import ControlPlane, ControlPlaneError, free_port, wait_for  # noqa: E402
 from nodenet import TestNetwork  # noqa: E402
 from simnodes import NodeImage, SimulatedNode, enable_forwarding  # noqa: E402
 
@@ -88,6 +89,34 @@ def kill_9(pod: str, program: str) -> None:
     assert pids, f"no {program} process in pod {pod}"
     for pid in pids:
         os.kill(pid, signal.SIGKILL)
+
+
+@contextlib.contextmanager
+def extra_kube_scheduler(cc: ChartCluster, name: str, extender: dict):
+    """A kube-scheduler of the cluster's own beside the chart's, with one
+    profile `name` calling `extender` (a KubeSchedulerConfiguration
+    extender stanza); yields its log's path and stops it at the end."""
+    workdir = cc.workdir / name
+    workdir.mkdir(exist_ok=True)
+    config = workdir / "config.yaml"
+    config.write_text(json.dumps({
+        "apiVersion": "kubescheduler.config.k8s.io/v1", "kind": "KubeSchedulerConfiguration",
+        "clientConnection": {"kubeconfig": str(cc.cluster.admin_kubeconfig)},
+        "leaderElection": {"leaderElect": False},
+        "profiles": [{"schedulerName": name}],
+        "extenders": [extender],
+    }))
+    log_path = workdir / "kube-scheduler.log"
+    log = open(log_path, "w")  # noqa: SIM115 -- open while it runs
+    scheduler = subprocess.Popen(cc.cluster.command([
+        str(cc.cluster.bin / "kube-scheduler"), f"--config={config}", "--bind-address=127.0.0.1",
+        f"--secure-port={free_port()}", "--v=2"]), stdout=log, stderr=subprocess.STDOUT)
+    log.close()
+    try:
+        yield log_path
+    finally:
+        scheduler.terminate()
+        scheduler.wait(timeout=30)
 
 
 def kubectl_json(cluster: ControlPlane, *args: str):

@@ -28,10 +28,10 @@ from chartcluster import (  # noqa: E402
     ChartCluster,
     compile_workload,
     extender_address,
+    extra_kube_scheduler,
     kubectl_json,
     wait_for,
 )
-from controlplane import free_port  # noqa: E402
 
 NAMESPACE = "elastic"
 FILL = HERE / "workloads/fill.py"
@@ -108,27 +108,13 @@ def test_the_elastic_gpu_scheduler_stanza_places_pods(chart_cluster):
     file it names is gone since Kubernetes 1.23), schedules through our
     extender over plain HTTP while the webhook is served over HTTPS."""
     cc = chart_cluster
-    workdir = cc.workdir / "elastic-scheduler"
-    workdir.mkdir(exist_ok=True)
-    config = workdir / "config.yaml"
-    config.write_text(json.dumps({
-        "apiVersion": "kubescheduler.config.k8s.io/v1", "kind": "KubeSchedulerConfiguration",
-        "clientConnection": {"kubeconfig": str(cc.cluster.admin_kubeconfig)},
-        "leaderElection": {"leaderElect": False},
-        "profiles": [{"schedulerName": "elastic-gpu-scheduler"}],
-        "extenders": [{
-            "urlPrefix": f"http://{extender_address(cc)}:{EXTENDER_PORT}/scheduler",
-            "filterVerb": "filter", "prioritizeVerb": "priorities", "bindVerb": "bind",
-            "weight": 1, "enableHTTPS": False, "nodeCacheCapable": True,
-            "managedResources": [{"name": "elasticgpu.io/gpu-memory"}, {"name": "elasticgpu.io/gpu-core"}],
-        }],
-    }))
-    log = open(workdir / "kube-scheduler.log", "w")  # noqa: SIM115 -- open while it runs
-    scheduler = subprocess.Popen(cc.cluster.command([
-        str(cc.cluster.bin / "kube-scheduler"), f"--config={config}", "--bind-address=127.0.0.1",
-        f"--secure-port={free_port()}", "--v=2"]), stdout=log, stderr=subprocess.STDOUT)
-    log.close()
-    try:
+    stanza = {
+        "urlPrefix": f"http://{extender_address(cc)}:{EXTENDER_PORT}/scheduler",
+        "filterVerb": "filter", "prioritizeVerb": "priorities", "bindVerb": "bind",
+        "weight": 1, "enableHTTPS": False, "nodeCacheCapable": True,
+        "managedResources": [{"name": "elasticgpu.io/gpu-memory"}, {"name": "elasticgpu.io/gpu-core"}],
+    }
+    with extra_kube_scheduler(cc, "elastic-gpu-scheduler", stanza) as scheduler_log:
         pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "stanza", "namespace": NAMESPACE},
                "spec": {"schedulerName": "elastic-gpu-scheduler", "restartPolicy": "Never",
                         "terminationGracePeriodSeconds": 1,
@@ -146,7 +132,7 @@ def test_the_elastic_gpu_scheduler_stanza_places_pods(chart_cluster):
             return found if found["status"].get("phase") == "Running" else None
         found = wait_for("the pod placed by the Elastic stanza running", running, timeout=90,
                          log=lambda: cc.logs() + "\n--- elastic kube-scheduler\n"
-                         + (workdir / "kube-scheduler.log").read_text(errors="replace")[-3000:])
+                         + scheduler_log.read_text(errors="replace")[-3000:])
         # Our extender decided it (its record is on the pod) and kube-scheduler's
         # profile reported the placement.
         assert "vgpu.io/decision" in found["metadata"]["annotations"]
@@ -158,9 +144,6 @@ def test_the_elastic_gpu_scheduler_stanza_places_pods(chart_cluster):
         assert got["device_totals_mib"] == [512], got
         assert (got["error"], got["allocated_mib"]) == (2, 512 - CONTEXT_RESERVE_MIB), got
         cc.cluster.kubectl("delete", "pod", "stanza", "-n", NAMESPACE, "--wait=true", "--timeout=60s")
-    finally:
-        scheduler.terminate()
-        scheduler.wait(timeout=30)
 
 
 def test_bad_elastic_requests_get_clear_errors(chart_cluster):

@@ -42,11 +42,11 @@ from chartcluster import (  # noqa: E402
     RELEASE_NAMESPACE,
     ChartCluster,
     extender_address,
+    extra_kube_scheduler,
     kill_9,
     kubectl_json,
     wait_for,
 )
-from controlplane import free_port  # noqa: E402
 
 NAMESPACE = "kubeshare"
 FILL = HERE / "workloads/fill.py"
@@ -203,27 +203,13 @@ def test_the_nvidia_gpu_scheduler_stanza_places_pods(chart_cluster):
     verb added, as scheduler/README.md says) places a pod with the
     gpu.model annotation on its model through our extender."""
     cc = chart_cluster
-    workdir = cc.workdir / "nvidia-gpu-scheduler"
-    workdir.mkdir(exist_ok=True)
-    config = workdir / "config.yaml"
-    config.write_text(json.dumps({
-        "apiVersion": "kubescheduler.config.k8s.io/v1", "kind": "KubeSchedulerConfiguration",
-        "clientConnection": {"kubeconfig": str(cc.cluster.admin_kubeconfig)},
-        "leaderElection": {"leaderElect": False},
-        "profiles": [{"schedulerName": "nvidia-gpu-scheduler"}],
-        "extenders": [{
-            "urlPrefix": f"http://{extender_address(cc)}:{EXTENDER_PORT}/apis/nvidia-gpu-scheduler/v1/schedule",
-            "filterVerb": "filter", "prioritizeVerb": "prioritize", "preemptVerb": "preempt",
-            "bindVerb": "bind", "weight": 1, "enableHTTPS": False, "nodeCacheCapable": True,
-            "ignorable": False, "managedResources": [{"name": "nvidia.com/gpu", "ignoredByScheduler": False}],
-        }],
-    }))
-    log = open(workdir / "kube-scheduler.log", "w")  # noqa: SIM115 -- open while it runs
-    scheduler = subprocess.Popen(cc.cluster.command([
-        str(cc.cluster.bin / "kube-scheduler"), f"--config={config}", "--bind-address=127.0.0.1",
-        f"--secure-port={free_port()}", "--v=2"]), stdout=log, stderr=subprocess.STDOUT)
-    log.close()
-    try:
+    stanza = {
+        "urlPrefix": f"http://{extender_address(cc)}:{EXTENDER_PORT}/apis/nvidia-gpu-scheduler/v1/schedule",
+        "filterVerb": "filter", "prioritizeVerb": "prioritize", "preemptVerb": "preempt",
+        "bindVerb": "bind", "weight": 1, "enableHTTPS": False, "nodeCacheCapable": True,
+        "ignorable": False, "managedResources": [{"name": "nvidia.com/gpu", "ignoredByScheduler": False}],
+    }
+    with extra_kube_scheduler(cc, "nvidia-gpu-scheduler", stanza) as scheduler_log:
         pod = {"apiVersion": "v1", "kind": "Pod",
                "metadata": {"name": "ngs", "namespace": NAMESPACE,
                             "annotations": {"nvidia-gpu-scheduler/gpu.model": "Tesla-V100-SXM2-16GB"}},
@@ -238,7 +224,7 @@ def test_the_nvidia_gpu_scheduler_stanza_places_pods(chart_cluster):
         found = wait_for("the pod placed by nvidia-gpu-scheduler's stanza running",
                          lambda: (p := pod_json(cc, "ngs")) and p["status"].get("phase") == "Running" and p,
                          timeout=90, log=lambda: cc.logs() + "\n--- nvidia-gpu-scheduler kube-scheduler\n"
-                         + (workdir / "kube-scheduler.log").read_text(errors="replace")[-3000:])
+                         + scheduler_log.read_text(errors="replace")[-3000:])
         assert found["spec"]["nodeName"] == "node-2", "the V100 node"
         assert "vgpu.io/decision" in found["metadata"]["annotations"], "our extender decided it"
         events = kubectl_json(cc.cluster, "get", "events", "-n", NAMESPACE,
@@ -248,9 +234,6 @@ def test_the_nvidia_gpu_scheduler_stanza_places_pods(chart_cluster):
         got = report(cc, found)
         assert got["device_totals_mib"] == [2048], got
         delete(cc, "ngs")
-    finally:
-        scheduler.terminate()
-        scheduler.wait(timeout=30)
 
 
 def test_a_guaranteed_pod_preempts_an_opportunistic_one(chart_cluster):
