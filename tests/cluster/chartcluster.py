@@ -128,8 +128,10 @@ class ChartCluster:
     with the real helm, its pods running on those nodes."""
 
     def __init__(self, workdir: Path, nodes: int, gpus: int = 2, memory: str = "16Gi", helm_args: tuple = (),
-                 gpu_names: tuple = ()):
-        """`gpu_names[i]`, where given, names node i+1's GPUs."""
+                 gpu_names: tuple = (), gpu_env: dict[str, str] | None = None):
+        """`gpu_names[i]`, where given, names node i+1's GPUs; `gpu_env`
+        sets up every node's simulated GPUs further."""
+        self.gpu_env = gpu_env or {}
         self.workdir = workdir
         self.gpu_names = gpu_names
         self.count, self.gpus, self.memory, self.helm_args = nodes, gpus, memory, helm_args
@@ -149,7 +151,8 @@ class ChartCluster:
                 node = SimulatedNode(self.cluster, self.network, index, self.image, self.nodes_dir / f"node-{index}",
                                      gpus=self.gpus, memory=self.memory, labels={"gpu": "on"},
                                      simulated_gpu=TARGET / "libsimgpu.so",
-                                     gpu_name=self.gpu_names[index - 1] if index <= len(self.gpu_names) else None)
+                                     gpu_name=self.gpu_names[index - 1] if index <= len(self.gpu_names) else None,
+                                     gpu_env=self.gpu_env)
                 self.nodes.append(node)
                 node.start()
             # What the NVIDIA container toolkit sets up on a GPU cluster;

@@ -84,13 +84,16 @@ class NodeImage:
 class SimulatedNode:
     """A node named `name` (number `index`, 1-250) with `gpus` simulated
     GPUs of `memory` each, named `gpu_name` (the simulated GPU's own name
-    when None)."""
+    when None), with the simulated GPU's further settings in `gpu_env`
+    (e.g. its topology: SIMGPU_NUMA, SIMGPU_NVLINK)."""
 
     def __init__(self, cluster: ControlPlane, hub: TestNetwork, index: int, image: NodeImage, workdir: Path,
                  name: str | None = None, gpus: int = 2, memory: str = "16Gi", labels: dict[str, str] | None = None,
-                 simulated_gpu: Path | None = None, gpu_name: str | None = None):
+                 simulated_gpu: Path | None = None, gpu_name: str | None = None,
+                 gpu_env: dict[str, str] | None = None):
         self.cluster = cluster
         self.gpu_name = gpu_name
+        self.gpu_env = gpu_env or {}
         self.hub = hub
         self.index = index
         self.image = image
@@ -140,6 +143,7 @@ class SimulatedNode:
         }
         if self.gpu_name:
             runtime_env["SIMGPU_NAME"] = self.gpu_name
+        runtime_env.update(self.gpu_env)
         argv = [
             str(self.cluster.bin / "simnode"), f"--name={self.name}", f"--kubeconfig={self.cluster.admin_kubeconfig}",
             f"--address={self.address}", f"--host-root={self.host_root}", f"--rootfs={self.image.root}",
