@@ -44,8 +44,8 @@ fn main() -> ExitCode {
             (i32::from(result.is_err()), result.err().map(Into::into))
         }
         Command::Set(args) => {
-            let result = places::resolve(&args.target, &roots)
-                .map_err(set::SetError::from)
+            let result = set::validate(&args)
+                .and_then(|()| places::resolve(&args.target, &roots).map_err(set::SetError::from))
                 .and_then(|path| set::set(&path, &args).map(|now| (path, now)));
             match result {
                 Ok((path, now)) => {

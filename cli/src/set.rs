@@ -57,11 +57,22 @@ impl From<BelowUse> for SetError {
     }
 }
 
-/// Applies `args` to the region at `path`; returns the new limits, described.
-pub fn set(path: &Path, args: &SetArgs) -> Result<String, SetError> {
+/// Checks what the command line asks, before any region is looked up.
+pub fn validate(args: &SetArgs) -> Result<(), SetError> {
     if args.memory.is_none() && args.cores.is_none() && args.burst.is_none() {
         return Err(SetError::Nothing);
     }
+    if let (Some(cores), Some(burst)) = (args.cores, args.burst) {
+        if burst < cores {
+            return Err(SetError::BurstBelowShare { burst, cores });
+        }
+    }
+    Ok(())
+}
+
+/// Applies `args` to the region at `path`; returns the new limits, described.
+pub fn set(path: &Path, args: &SetArgs) -> Result<String, SetError> {
+    validate(args)?;
     match Origin::of_dir(&places::dir_name_of(path)) {
         Origin::Local { .. } => {}
         Origin::Kubernetes { pod_uid, container } => {
