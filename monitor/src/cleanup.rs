@@ -39,14 +39,9 @@ pub enum CleanupError {
     Outside { path: PathBuf, root: PathBuf },
 }
 
-/// Whether any active slot of `region` is held by a live process. A probe
-/// that fails counts as live (never delete on uncertainty).
-pub fn has_live_process(region: &Region) -> bool {
-    region
-        .active_slots()
-        .take(MAX_SLOTS)
-        .any(|slot| region.slot_is_live(slot).unwrap_or(true))
-}
+/// Whether any active slot of `region` is held by a live process (a failed
+/// probe counts as live: never delete on uncertainty).
+pub use vgpu_node_contract::figures::has_live_process;
 
 /// Whether any active slot's owner has died (there is something to reclaim).
 pub fn has_dead_slot(region: &Region) -> bool {

@@ -6,8 +6,10 @@
 //!   shim reads (HAMi-core compatible names), and its one conversion to the
 //!   region's limits.
 //! - [`region`]: the per-container shared-memory region file.
+//! - [`figures`]: what a region holds, read as figures (monitor, `vgpu`).
 //! - [`process`]: a process's PID as NVML and the host know it.
 
+pub mod figures;
 pub mod process;
 pub mod region;
 pub mod shim_env;

@@ -352,6 +352,15 @@ pub struct CapExceeded {
     pub requested: u64,
 }
 
+/// New limits that would put a memory cap below what is already in use.
+#[derive(Clone, Copy, Debug, Error, PartialEq, Eq)]
+#[error("device {device}: a cap of {limit} bytes is below the {used} bytes in use")]
+pub struct BelowUse {
+    pub device: usize,
+    pub limit: u64,
+    pub used: u64,
+}
+
 /// A mapped region file.
 pub struct Region {
     base: NonNull<RegionLayout>,
@@ -780,6 +789,39 @@ impl Region {
             }
         }
         changed
+    }
+
+    /// Replaces the region's limits while its processes run (the `vgpu`
+    /// command's `set`). Refused, changing nothing, when a memory cap would
+    /// fall below what the container holds on that device: checked under the
+    /// region mutex, so no reservation can slip in between. Each device's
+    /// effective share restarts at its new share, which is what the shim
+    /// applies until a node monitor arbitrates again.
+    pub fn update_limits(
+        &self,
+        limits: &RegionLimits,
+    ) -> Result<Result<(), BelowUse>, RegionError> {
+        let layout = self.layout();
+        self.with_lock(|| {
+            for (device, record) in layout.devices.iter().enumerate() {
+                let limit = limits.memory_limit[device];
+                let used = record.used.load(Ordering::Relaxed);
+                if limit != UNCAPPED && used > limit {
+                    return Err(BelowUse {
+                        device,
+                        limit,
+                        used,
+                    });
+                }
+            }
+            self.store_limits(limits);
+            for (device, record) in layout.devices.iter().enumerate() {
+                record
+                    .sm_effective
+                    .store(limits.initial_effective(device), Ordering::Relaxed);
+            }
+            Ok(())
+        })
     }
 
     /// Claims a free slot for process `pid` (as `getpid()` gives it), whose
@@ -1508,6 +1550,40 @@ mod tests {
             .store(12345, Ordering::Relaxed);
         region.recount_totals();
         assert_eq!(region.device_used(0), 100);
+        let _ = std::fs::remove_file(&path);
+    }
+
+    #[test]
+    fn limits_updated_while_running_refuse_a_cap_below_use() {
+        let path = temp_path("update");
+        let mut first = limits(1000);
+        first.sm_limit[0] = 60;
+        let region = Region::open_or_create(&path, &first).expect("create");
+        let slot = region.claim_slot(4, 0).expect("slot");
+        region
+            .reserve(slot, 0, MemoryKind::Data, 600)
+            .expect("io")
+            .expect("fits");
+        let mut lower = first;
+        lower.memory_limit[0] = 500;
+        lower.sm_limit[0] = 20;
+        assert_eq!(
+            region.update_limits(&lower).expect("io"),
+            Err(BelowUse {
+                device: 0,
+                limit: 500,
+                used: 600
+            })
+        );
+        assert_eq!(region.limits(), first.as_stored(), "nothing changed");
+        lower.memory_limit[0] = 600;
+        region.update_limits(&lower).expect("io").expect("at use");
+        assert_eq!(region.limits(), lower.as_stored());
+        let device = &region.layout().devices[0];
+        assert_eq!(device.sm_effective.load(Ordering::Relaxed), 2000);
+        lower.sm_limit[0] = 0;
+        region.update_limits(&lower).expect("io").expect("uncapped");
+        assert_eq!(device.sm_effective.load(Ordering::Relaxed), SHARE_UNLIMITED);
         let _ = std::fs::remove_file(&path);
     }
 }

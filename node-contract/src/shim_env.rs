@@ -36,6 +36,12 @@ pub const ENV_SWAP_LIMIT: &str = "VGPU_SWAP_LIMIT";
 /// `gpu_limit`). Only a node monitor lends it; alone the share is the cap.
 pub const ENV_SM_BURST_LIMIT: &str = "VGPU_SM_BURST_LIMIT";
 
+/// CUDA's device numbering. The device plugin and `vgpu run --devices` set
+/// it to `PCI_BUS_ID`, so that device `i` is numbered as NVML and
+/// nvidia-smi number it (the driver's default puts the fastest first).
+/// Not read by the shim.
+pub const ENV_DEVICE_ORDER: &str = "CUDA_DEVICE_ORDER";
+
 /// Region path used when `CUDA_DEVICE_MEMORY_SHARED_CACHE` is unset.
 pub const DEFAULT_REGION_PATH: &str = "/tmp/cudevshr.cache";
 /// Per-context charge when `VGPU_CONTEXT_RESERVE` is unset, and the floor

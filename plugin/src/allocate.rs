@@ -21,7 +21,7 @@ pub const ENV_VISIBLE_DEVICES: &str = "NVIDIA_VISIBLE_DEVICES";
 /// CUDA's device numbering; set to PCI order so that device `i` in the
 /// container is the `i`-th GPU of `NVIDIA_VISIBLE_DEVICES`, which is what
 /// the per-device limit variables are numbered by.
-pub const ENV_DEVICE_ORDER: &str = "CUDA_DEVICE_ORDER";
+pub use vgpu_node_contract::shim_env::ENV_DEVICE_ORDER;
 
 /// Where things are, on the host and in containers, and the node-wide
 /// settings written into every container's environment.

@@ -89,9 +89,26 @@ impl Workload {
         seconds: f64,
         devices: u32,
     ) -> Self {
-        let mut child = sandbox
-            .command(&programs_dir().join("workload"))
-            .args([pattern, kernel, &seconds.to_string(), &devices.to_string()])
+        let mut command = sandbox.command(&programs_dir().join("workload"));
+        command.args(Self::args(pattern, kernel, seconds, devices));
+        Self::spawn(&mut command)
+    }
+
+    /// The arguments of `workload PATTERN KERNEL SECONDS DEVICES`, for a
+    /// test that starts it through another program (`vgpu run`).
+    pub fn args(pattern: &str, kernel: &str, seconds: f64, devices: u32) -> Vec<String> {
+        vec![
+            pattern.to_string(),
+            kernel.to_string(),
+            seconds.to_string(),
+            devices.to_string(),
+        ]
+    }
+
+    /// Starts `command`, which runs the workload (maybe through another
+    /// program that passes its stdout on), and waits until it is ready.
+    pub fn spawn(command: &mut std::process::Command) -> Self {
+        let mut child = command
             .stdout(Stdio::piped())
             .stderr(Stdio::inherit())
             .spawn()

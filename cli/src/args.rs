@@ -1,0 +1,262 @@
+//! The command line: subcommands, their help, and the parsers that check
+//! every value before anything starts.
+
+use clap::{Args, Parser, Subcommand};
+use std::ffi::OsString;
+use std::path::PathBuf;
+use vgpu_node_contract::region::MAX_DEVICES;
+use vgpu_node_contract::size::{parse_percent, parse_size};
+
+const EXAMPLES: &str = "\
+Examples:
+  vgpu run --memory 8g --cores 30 -- python train.py
+  vgpu run --name team --memory 4g --cores 50 -- ./worker   # run it again: same cap, shared
+  vgpu ls
+  vgpu inspect team --json
+  vgpu set team --cores 20
+
+Regions live in --root: /usr/local/vgpu/containers for root (the directory
+the node monitor watches), else $XDG_RUNTIME_DIR/vgpu, else /tmp/vgpu-<uid>.";
+
+/// Share an NVIDIA GPU between programs on one machine, without Kubernetes:
+/// each run gets a memory cap and a compute share that the vgpu shim
+/// (libvgpu.so) enforces, kept in a region file that `ls`, `inspect` and
+/// the node monitor read.
+#[derive(Debug, Parser)]
+#[command(name = "vgpu", version, after_help = EXAMPLES)]
+pub struct Cli {
+    /// Directory holding one directory per region [default: see below]
+    #[arg(long, global = true, env = "VGPU_ROOT", value_name = "DIR")]
+    pub root: Option<PathBuf>,
+
+    /// Level of vgpu's own log lines on stderr (error, warn, info, debug, trace)
+    #[arg(long, global = true, default_value = "warn", value_name = "LEVEL")]
+    pub log_level: tracing::Level,
+
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    /// Run a command under the shim with a memory cap and a compute share
+    Run(RunArgs),
+    /// List the regions you can see, with their limits and use
+    Ls(LsArgs),
+    /// Show one region: limits and use per GPU, and its processes
+    Inspect(InspectArgs),
+    /// Change a local region's limits while it runs
+    Set(SetArgs),
+}
+
+const RUN_EXAMPLES: &str = "\
+Examples:
+  vgpu run --memory 8g --cores 30 -- python train.py
+  vgpu run --memory 16g --swap 16g --devices 0,1 -- ./big-model
+  vgpu run --name team --memory 4g --cores 50 -- ./worker-a &
+  vgpu run --name team --memory 4g --cores 50 -- ./worker-b   # shares worker-a's 4 GiB and 50 %
+
+Runs with one --name share one region: one cap and one share for all their
+processes, like the processes of one container. A run that names other
+limits than the region's is refused while anything runs in it; an idle
+region takes the new limits.
+
+The shim: --library, else $VGPU_LIBRARY, else libvgpu.so next to the vgpu
+binary (a cargo target directory), else /usr/local/vgpu/libvgpu.so (where
+the Helm chart installs it on nodes).
+
+Exit status: the command's own; 128+N if it was killed by signal N; 127 if
+it was not found, 126 if it could not be executed; 2 for an invalid value
+(one line on stderr); 125 if vgpu could not set up the run. vgpu writes
+nothing on stdout. SIGTERM and SIGHUP are passed on to the command; SIGINT
+and SIGQUIT reach it from the terminal, and vgpu waits for it.";
+
+/// Run a command under the shim with a memory cap and a compute share.
+#[derive(Debug, Args)]
+#[command(after_help = RUN_EXAMPLES)]
+pub struct RunArgs {
+    /// Device memory cap per GPU: bytes or k/m/g/t, K/M/G/T, Ki/Mi/Gi/Ti (all binary)
+    #[arg(long, value_parser = memory_cap, value_name = "SIZE")]
+    pub memory: Option<u64>,
+
+    /// Compute share per GPU in percent, 1-100 (100: the whole GPU)
+    #[arg(long, value_parser = cores, value_name = "PERCENT")]
+    pub cores: Option<u32>,
+
+    /// Share in percent the run may use while the GPU is otherwise idle
+    /// (at least --cores); only a node monitor lends it
+    #[arg(long, value_parser = cores, value_name = "PERCENT", requires = "cores")]
+    pub burst: Option<u32>,
+
+    /// Host memory per GPU that allocations beyond the memory cap may use
+    /// (turns on CUDA_OVERSUBSCRIBE)
+    #[arg(long, value_parser = memory_cap, value_name = "SIZE")]
+    pub swap: Option<u64>,
+
+    /// GPUs the command sees, by index in PCI order as nvidia-smi lists them
+    /// (CUDA_VISIBLE_DEVICES); all when not given
+    #[arg(long, value_parser = device_list, value_name = "I,J,...")]
+    pub devices: Option<DeviceList>,
+
+    /// Region to run in: letters, digits, '-' and '.'; runs naming the same
+    /// region share its limits [default: one region per run, run-<pid>]
+    #[arg(long, value_parser = region_name, value_name = "NAME")]
+    pub name: Option<String>,
+
+    /// The shim to preload
+    #[arg(long, env = "VGPU_LIBRARY", value_name = "PATH")]
+    pub library: Option<PathBuf>,
+
+    /// The command and its arguments
+    #[arg(
+        required = true,
+        num_args = 1..,
+        trailing_var_arg = true,
+        allow_hyphen_values = true,
+        value_name = "COMMAND"
+    )]
+    pub command: Vec<OsString>,
+}
+
+/// List the regions you can see, with their limits and use.
+#[derive(Debug, Args)]
+#[command(after_help = "Examples:\n  vgpu ls\n  vgpu ls --json | jq '.[].name'")]
+pub struct LsArgs {
+    /// Print a JSON array instead of a table
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// Show one region: limits and use per GPU, and its processes.
+#[derive(Debug, Args)]
+#[command(
+    after_help = "Examples:\n  vgpu inspect team\n  vgpu inspect /usr/local/vgpu/containers/<podUID>_<container> --json"
+)]
+pub struct InspectArgs {
+    /// A region's name (as `vgpu run --name` gave it, or its directory's
+    /// name), or the path of its directory or region file
+    #[arg(value_name = "NAME|PATH")]
+    pub target: String,
+
+    /// Print JSON instead of text
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// Change a local region's limits while it runs.
+#[derive(Debug, Args)]
+#[command(after_help = "\
+Examples:
+  vgpu set team --cores 20
+  vgpu set team --memory 4g --cores 60 --burst 90
+
+Only regions made by `vgpu run` can be changed: a Kubernetes container's
+limits come from its pod's scheduling decision. A memory cap below what the
+region's processes hold now is refused. The new share applies within the
+shim's next throttling period (milliseconds).")]
+pub struct SetArgs {
+    /// A region's name or the path of its directory or region file
+    #[arg(value_name = "NAME|PATH")]
+    pub target: String,
+
+    /// New device memory cap per GPU (0: none)
+    #[arg(long, value_parser = memory_cap, value_name = "SIZE")]
+    pub memory: Option<u64>,
+
+    /// New compute share per GPU in percent, 1-100
+    #[arg(long, value_parser = cores, value_name = "PERCENT")]
+    pub cores: Option<u32>,
+
+    /// New burst share in percent (at least the share)
+    #[arg(long, value_parser = cores, value_name = "PERCENT")]
+    pub burst: Option<u32>,
+}
+
+/// GPU indices, each once.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct DeviceList(pub Vec<u32>);
+
+fn memory_cap(text: &str) -> Result<u64, String> {
+    parse_size(text).map_err(|error| error.to_string())
+}
+
+fn cores(text: &str) -> Result<u32, String> {
+    match parse_percent(text) {
+        Ok(0) => Err("a share of 0 % would never run; give 1 to 100".to_string()),
+        Ok(percent) => Ok(percent),
+        Err(error) => Err(error.to_string()),
+    }
+}
+
+fn device_list(text: &str) -> Result<DeviceList, String> {
+    let mut devices = Vec::new();
+    for item in text.split(',') {
+        let index: u32 = item
+            .trim()
+            .parse()
+            .map_err(|_| format!("{item:?} is not a GPU index (0, 1, ...)"))?;
+        if index as usize >= MAX_DEVICES {
+            return Err(format!("GPU {index}: at most {MAX_DEVICES} GPUs (0-15)"));
+        }
+        if devices.contains(&index) {
+            return Err(format!("GPU {index} is named twice"));
+        }
+        devices.push(index);
+    }
+    Ok(DeviceList(devices))
+}
+
+/// Longest region name; the directory name adds `local-`.
+const MAX_NAME_LEN: usize = 63;
+
+/// A name that makes a safe directory name which the node monitor and the
+/// device plugin can never take for a pod's (`<podUID>_<container>`: no `_`).
+fn region_name(text: &str) -> Result<String, String> {
+    let valid = !text.is_empty()
+        && text.len() <= MAX_NAME_LEN
+        && text
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'.')
+        && !text.starts_with('.');
+    if valid {
+        Ok(text.to_string())
+    } else {
+        Err(format!(
+            "{text:?}: a name is 1 to {MAX_NAME_LEN} letters, digits, '-' and '.', not starting with '.'"
+        ))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn values_are_checked() {
+        assert_eq!(memory_cap("8g"), Ok(8 << 30));
+        assert!(memory_cap("8x").is_err());
+        assert_eq!(cores("30"), Ok(30));
+        assert!(cores("101").is_err());
+        assert!(cores("0").is_err());
+        assert_eq!(device_list("1,0"), Ok(DeviceList(vec![1, 0])));
+        assert!(device_list("0,0").is_err());
+        assert!(device_list("16").is_err());
+        assert!(device_list("a").is_err());
+        assert!(region_name("team-1.a").is_ok());
+        for bad in ["", "a_b", "../x", ".x", "a/b", &"x".repeat(64)] {
+            assert!(region_name(bad).is_err(), "{bad:?}");
+        }
+    }
+
+    #[test]
+    fn the_command_keeps_its_own_flags() {
+        let cli = Cli::try_parse_from(["vgpu", "run", "--cores", "30", "--", "sh", "-c", "x"])
+            .expect("parse");
+        let Command::Run(run) = cli.command else {
+            panic!("not run")
+        };
+        assert_eq!(run.cores, Some(30));
+        assert_eq!(run.command, ["sh", "-c", "x"]);
+        <Cli as clap::CommandFactory>::command().debug_assert();
+    }
+}

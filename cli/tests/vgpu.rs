@@ -1,0 +1,409 @@
+//! `vgpu` end to end: the built binary runs the testkit's C programs under
+//! the shim on a simulated GPU, with regions in a directory of the test's
+//! own. Shares are the simulated driver's own record of device time.
+
+use std::io::Write;
+use std::os::unix::fs::PermissionsExt;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output, Stdio};
+use vgpu_node_contract::region::{Region, RegionLimits};
+use vgpu_testkit::compute::{device_share, wait_until, BusyMeter, Reading, Workload};
+use vgpu_testkit::*;
+
+/// Allowed error, in percentage points of the device (as the monitor's
+/// arbitration tests allow).
+const TOLERANCE: f64 = 4.0;
+const GIB: i128 = 1 << 30;
+
+fn assert_near(what: &str, achieved: f64, target: f64) {
+    assert!(
+        (achieved - target).abs() <= TOLERANCE,
+        "{what}: achieved {achieved:.2} %, target {target} %"
+    );
+}
+
+/// A simulated GPU and a region root for `vgpu`.
+struct Local {
+    sandbox: Sandbox,
+    root: PathBuf,
+}
+
+impl Local {
+    fn new(name: &str, memory: &str) -> Self {
+        let sandbox = Sandbox::new(name, 1, memory);
+        let root = sandbox.dir.join("regions");
+        Self { sandbox, root }
+    }
+
+    /// `vgpu ARGS...` with the simulated GPU's environment (and none of
+    /// the sandbox's own shim settings: vgpu makes those).
+    fn vgpu(&self, args: &[&str]) -> Command {
+        let mut command = self
+            .sandbox
+            .command_without_shim(Path::new(env!("CARGO_BIN_EXE_vgpu")));
+        command
+            .env_remove("CUDA_DEVICE_MEMORY_SHARED_CACHE")
+            .env("VGPU_ROOT", &self.root)
+            .env("VGPU_LIBRARY", shim_library())
+            .args(args);
+        command
+    }
+
+    /// `vgpu run RUN_ARGS... -- PROGRAM PROGRAM_ARGS...`.
+    fn run(&self, run_args: &[&str], program: &Path, program_args: &[&str]) -> Command {
+        let mut command = self.vgpu(&["run"]);
+        command
+            .args(run_args)
+            .arg("--")
+            .arg(program)
+            .args(program_args);
+        command
+    }
+
+    fn probe(&self, run_args: &[&str], probe_args: &[&str]) -> Command {
+        let mut args = vec!["dlsym"];
+        args.extend_from_slice(probe_args);
+        self.run(run_args, &programs_dir().join("probe"), &args)
+    }
+
+    fn workload(&self, run_args: &[&str], seconds: f64) -> Workload {
+        let args = Workload::args("sync", "k1ms", seconds, 1);
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        Workload::spawn(&mut self.run(run_args, &programs_dir().join("workload"), &args))
+    }
+
+    fn json(&self, args: &[&str]) -> serde_json::Value {
+        let output = run_ok(&mut self.vgpu(args));
+        serde_json::from_slice(&output.stdout).expect("vgpu prints JSON")
+    }
+}
+
+fn stderr(output: &Output) -> String {
+    String::from_utf8_lossy(&output.stderr).into_owned()
+}
+
+/// The share of the device between two readings, over `seconds` after `from`.
+fn measure(meter: &mut BusyMeter, seconds: f64) -> f64 {
+    let from: Reading = meter.read(0, 0);
+    wait_until(from.at_ns + (seconds * 1e9) as u64);
+    device_share(from, meter.read(0, 0))
+}
+
+#[test]
+fn a_run_cannot_allocate_beyond_its_memory_cap() {
+    let local = Local::new("cli-cap", "8Gi");
+    let output = run_ok(&mut local.probe(&["--memory", "1g"], &["fill", "67108864"]));
+    let values = key_values(&output);
+    assert_eq!(number(&values, "chunks"), 16, "{values:?}");
+    assert_eq!(number(&values, "allocated"), GIB);
+    assert_eq!(number(&values, "refusal"), 2, "CUDA_ERROR_OUT_OF_MEMORY");
+    assert_eq!(number(&values, "mem_total"), GIB);
+    // The region is the run's own, under the root.
+    let regions: Vec<String> = std::fs::read_dir(&local.root)
+        .expect("root made")
+        .map(|entry| {
+            entry
+                .expect("entry")
+                .file_name()
+                .to_string_lossy()
+                .into_owned()
+        })
+        .collect();
+    assert_eq!(regions.len(), 1, "{regions:?}");
+    assert!(regions[0].starts_with("local-run-"), "{regions:?}");
+}
+
+#[test]
+fn a_run_holds_its_compute_share() {
+    let local = Local::new("cli-share", "16Gi");
+    let mut meter = BusyMeter::new(&local.sandbox);
+    let workload = local.workload(&["--cores", "30"], 4.5);
+    // The first second settles the throttling; the next three are measured.
+    measure(&mut meter, 1.0);
+    let steady = measure(&mut meter, 3.0);
+    eprintln!("--cores 30: measured {steady:.2} %");
+    assert_near("--cores 30", steady, 30.0);
+    workload.finish();
+}
+
+#[test]
+fn runs_with_one_name_share_one_cap_and_other_limits_are_refused() {
+    let local = Local::new("cli-name", "8Gi");
+    let team = ["--name", "team", "--memory", "1g"];
+    let mut holder = spawn_until_ready(&mut local.probe(&team, &["hold", "805306368"]));
+    // 768 MiB of the shared 1 GiB is taken: 4 chunks of 64 MiB are left.
+    let values = key_values(&run_ok(&mut local.probe(&team, &["fill", "67108864"])));
+    assert_eq!(number(&values, "chunks"), 4, "{values:?}");
+    assert_eq!(number(&values, "free_after"), 256 * MIB, "{values:?}");
+
+    let refused = local
+        .run(
+            &["--name", "team", "--memory", "2g"],
+            Path::new("true"),
+            &[],
+        )
+        .output()
+        .expect("run vgpu");
+    assert_eq!(refused.status.code(), Some(125), "{}", stderr(&refused));
+    let message = stderr(&refused);
+    assert_eq!(message.lines().count(), 1, "{message}");
+    assert!(message.contains("other limits"), "{message}");
+    assert!(message.contains("memory 1 GiB"), "{message}");
+
+    drop(holder.stdin.take());
+    assert!(holder.wait().expect("holder").success());
+    // Idle now: a run with other limits takes the name over.
+    let values = key_values(&run_ok(&mut local.probe(
+        &["--name", "team", "--memory", "512m"],
+        &["fill", "67108864"],
+    )));
+    assert_eq!(number(&values, "chunks"), 8, "{values:?}");
+}
+
+#[test]
+fn invalid_values_are_one_line_and_exit_2() {
+    let local = Local::new("cli-usage", "1Gi");
+    let cases: &[(&[&str], &str)] = &[
+        (&["run", "--memory", "8x", "--", "true"], "8x"),
+        (&["run", "--cores", "101", "--", "true"], "101"),
+        (&["run", "--cores", "0", "--", "true"], "0"),
+        (&["run", "--memory", "1g"], "COMMAND"),
+        (&["run", "--devices", "0,0", "--", "true"], "twice"),
+        (&["run", "--name", "a_b", "--", "true"], "a_b"),
+        (&["run", "--burst", "50", "--", "true"], "--cores"),
+        (
+            &["run", "--library", "/nonexistent/libvgpu.so", "--", "true"],
+            "/nonexistent",
+        ),
+        (&["set", "x"], "nothing to change"),
+        (&["frobnicate"], "frobnicate"),
+    ];
+    for (args, mentions) in cases {
+        let output = local.vgpu(args).output().expect("run vgpu");
+        let message = stderr(&output);
+        assert_eq!(output.status.code(), Some(2), "{args:?}: {message}");
+        assert_eq!(message.lines().count(), 1, "{args:?}: {message:?}");
+        assert!(message.starts_with("vgpu: "), "{args:?}: {message:?}");
+        assert!(message.contains(mentions), "{args:?}: {message:?}");
+        assert!(output.stdout.is_empty(), "{args:?}");
+    }
+    assert!(!local.root.exists(), "nothing was set up");
+}
+
+#[test]
+fn the_commands_status_and_output_are_passed_through() {
+    let local = Local::new("cli-status", "1Gi");
+    let sh = Path::new("sh");
+    let status = |command: &mut Command| command.output().expect("run vgpu");
+
+    let seven = status(&mut local.run(&[], sh, &["-c", "exit 7"]));
+    assert_eq!(seven.status.code(), Some(7));
+    assert!(seven.stderr.is_empty(), "{}", stderr(&seven));
+
+    let missing = status(&mut local.run(&[], Path::new("no-such-program-here"), &[]));
+    assert_eq!(missing.status.code(), Some(127));
+    assert!(
+        stderr(&missing).contains("not found"),
+        "{}",
+        stderr(&missing)
+    );
+
+    let plain = local.sandbox.dir.join("not-executable");
+    std::fs::write(&plain, "#!/bin/sh\n").expect("write");
+    std::fs::set_permissions(&plain, std::fs::Permissions::from_mode(0o644)).expect("chmod");
+    let denied = status(&mut local.run(&[], &plain, &[]));
+    assert_eq!(denied.status.code(), Some(126), "{}", stderr(&denied));
+
+    let killed = status(&mut local.run(&[], sh, &["-c", "kill -TERM $$"]));
+    assert_eq!(killed.status.code(), Some(128 + 15));
+
+    // stdout is the command's alone; the limits reach it through the
+    // shim's variables, replacing inherited ones.
+    let mut echo = local.run(
+        &["--memory", "1g", "--cores", "30", "--devices", "1,0"],
+        sh,
+        &[
+            "-c",
+            "echo $CUDA_VISIBLE_DEVICES $CUDA_DEVICE_ORDER $CUDA_DEVICE_MEMORY_LIMIT_0 \
+             $CUDA_DEVICE_MEMORY_LIMIT_3 $CUDA_DEVICE_SM_LIMIT_0",
+        ],
+    );
+    echo.env("CUDA_DEVICE_MEMORY_LIMIT_3", "5g");
+    let echoed = run_ok(&mut echo);
+    assert_eq!(
+        String::from_utf8_lossy(&echoed.stdout),
+        "1,0 PCI_BUS_ID 1024m 1024m 30\n"
+    );
+}
+
+/// The first device of the region named `name` in `vgpu ls --json`.
+fn listed<'a>(list: &'a serde_json::Value, name: &str) -> &'a serde_json::Value {
+    list.as_array()
+        .expect("an array")
+        .iter()
+        .find(|entry| entry["name"] == name)
+        .unwrap_or_else(|| panic!("{name} not listed: {list}"))
+}
+
+#[test]
+fn ls_and_inspect_show_limits_and_processes() {
+    let local = Local::new("cli-ls", "8Gi");
+    let known = [
+        "--name", "known", "--memory", "1g", "--cores", "30", "--burst", "60",
+    ];
+    let mut holder = spawn_until_ready(&mut local.probe(&known, &["hold", "268435456"]));
+    let holder_pid = holder.id();
+
+    let list = local.json(&["ls", "--json"]);
+    let region = listed(&list, "known");
+    assert_eq!(region["origin"], "local");
+    let device = &region["devices"][0];
+    assert_eq!(device["limits"]["memory"], 1u64 << 30);
+    assert_eq!(device["limits"]["cores"], 30);
+    assert_eq!(device["limits"]["burst"], 60);
+    assert_eq!(device["memory_used"], 256u64 << 20);
+    assert_eq!(device["effective_cores"], 30.0);
+    let processes = region["processes"].as_array().expect("processes");
+    assert_eq!(processes.len(), 1, "{region}");
+    assert_eq!(processes[0]["live"], true);
+    assert_eq!(processes[0]["memory"][0]["bytes"], 256u64 << 20);
+    // The probe is vgpu's child: its PID is not vgpu's.
+    assert_ne!(processes[0]["pid"], holder_pid);
+
+    let inspected = local.json(&["inspect", "known", "--json"]);
+    assert_eq!(inspected["devices"], region["devices"]);
+    assert_eq!(inspected["path"], region["path"]);
+    let text = run_ok(&mut local.vgpu(&["inspect", "known"]));
+    let text = String::from_utf8_lossy(&text.stdout);
+    assert!(text.contains("cores 30 %, burst 60 %"), "{text}");
+    let table = run_ok(&mut local.vgpu(&["ls"]));
+    let table = String::from_utf8_lossy(&table.stdout);
+    assert!(
+        table.lines().any(|line| line.starts_with("known ")),
+        "{table}"
+    );
+
+    drop(holder.stdin.take());
+    assert!(holder.wait().expect("holder").success());
+    let after = local.json(&["inspect", "known", "--json"]);
+    assert_eq!(after["devices"][0]["memory_used"], 0);
+
+    let missing = local.vgpu(&["inspect", "nobody"]).output().expect("vgpu");
+    assert_eq!(missing.status.code(), Some(1));
+    assert_eq!(stderr(&missing).lines().count(), 1);
+}
+
+#[test]
+fn set_changes_a_running_share_and_refuses_what_it_must() {
+    let local = Local::new("cli-set", "8Gi");
+    let mut meter = BusyMeter::new(&local.sandbox);
+    let workload = local.workload(&["--name", "live", "--cores", "60"], 8.0);
+    measure(&mut meter, 1.0);
+    let before = measure(&mut meter, 2.0);
+    run_ok(&mut local.vgpu(&["set", "live", "--cores", "20"]));
+    // The shim reads the share from the region at every throttling period:
+    // half a second is ample for the debt of the old share to be paid.
+    measure(&mut meter, 0.5);
+    let after = measure(&mut meter, 2.0);
+    eprintln!("set --cores 60 -> 20: measured {before:.2} % -> {after:.2} %");
+    assert_near("before set", before, 60.0);
+    assert_near("after set", after, 20.0);
+    let region = local.json(&["inspect", "live", "--json"]);
+    assert_eq!(region["devices"][0]["limits"]["cores"], 20);
+    drop(workload);
+
+    // A cap below what is held now is refused; at or above, it applies.
+    let mut holder = spawn_until_ready(
+        &mut local.probe(&["--name", "mem", "--memory", "1g"], &["hold", "536870912"]),
+    );
+    let refused = local
+        .vgpu(&["set", "mem", "--memory", "256m"])
+        .output()
+        .expect("vgpu");
+    assert_eq!(refused.status.code(), Some(1));
+    assert!(stderr(&refused).contains("refused"), "{}", stderr(&refused));
+    run_ok(&mut local.vgpu(&["set", "mem", "--memory", "768m"]));
+    let region = local.json(&["inspect", "mem", "--json"]);
+    assert_eq!(region["devices"][0]["limits"]["memory"], 768u64 << 20);
+    drop(holder.stdin.take());
+    assert!(holder.wait().expect("holder").success());
+
+    // A Kubernetes container's region keeps the pod's limits.
+    let pod_dir = local.root.join("1b4e28ba-2fa1-11d2_main");
+    std::fs::create_dir_all(&pod_dir).expect("pod dir");
+    let mut limits = RegionLimits::default();
+    limits.sm_limit[0] = 50;
+    drop(Region::open_or_create(&pod_dir.join("region.cache"), &limits).expect("pod region"));
+    let refused = local
+        .vgpu(&["set", "1b4e28ba-2fa1-11d2_main", "--cores", "20"])
+        .output()
+        .expect("vgpu");
+    assert_eq!(refused.status.code(), Some(1));
+    let message = stderr(&refused);
+    assert!(message.contains("pod's scheduling decision"), "{message}");
+    let list = local.json(&["ls", "--json"]);
+    let pod = listed(&list, "1b4e28ba-2fa1-11d2_main");
+    assert_eq!(pod["origin"], "kubernetes");
+    assert_eq!(pod["devices"][0]["limits"]["cores"], 50);
+}
+
+#[test]
+fn an_unprivileged_user_runs_in_its_runtime_directory() {
+    if places_writable_by_nobody().is_none() {
+        eprintln!("skipped: not root, or setpriv missing");
+        return;
+    }
+    let mut local = Local::new("cli-nobody", "8Gi");
+    // The simulated GPU keeps its state in the sandbox: let the user in.
+    std::fs::set_permissions(&local.sandbox.dir, std::fs::Permissions::from_mode(0o777))
+        .expect("chmod");
+    let runtime = local.sandbox.dir.join("run-user");
+    std::fs::create_dir(&runtime).expect("runtime dir");
+    std::os::unix::fs::chown(&runtime, Some(NOBODY), Some(NOBODY)).expect("chown");
+    local
+        .sandbox
+        .set("XDG_RUNTIME_DIR", &runtime.display().to_string());
+    let mut command = Command::new("setpriv");
+    let inner = local.probe(&["--name", "mine", "--memory", "1g"], &["fill", "67108864"]);
+    command
+        .args(["--reuid=65534", "--regid=65534", "--clear-groups", "--"])
+        .arg(inner.get_program())
+        .args(inner.get_args())
+        .env_clear()
+        .envs(inner.get_envs().filter_map(|(k, v)| Some((k, v?))))
+        .env_remove("VGPU_ROOT")
+        .stdin(Stdio::null());
+    let output = command.output().expect("setpriv");
+    assert!(output.status.success(), "{}", stderr(&output));
+    let values = key_values(&output);
+    assert_eq!(number(&values, "chunks"), 16, "{values:?}");
+    let region = runtime.join("vgpu/local-mine/region.cache");
+    let meta = std::fs::metadata(&region).expect("region in $XDG_RUNTIME_DIR/vgpu");
+    assert_eq!(std::os::unix::fs::MetadataExt::uid(&meta), NOBODY);
+    let dir_mode = std::fs::metadata(runtime.join("vgpu"))
+        .expect("root")
+        .permissions()
+        .mode();
+    assert_eq!(dir_mode & 0o777, 0o700);
+    let _ = std::io::stderr().flush();
+}
+
+const NOBODY: u32 = 65534;
+
+/// Whether this test can switch to `nobody`: it runs as root and
+/// `setpriv` exists, and `nobody` can reach the built programs.
+fn places_writable_by_nobody() -> Option<()> {
+    let root = std::fs::metadata("/proc/self").ok()?;
+    if std::os::unix::fs::MetadataExt::uid(&root) != 0 {
+        return None;
+    }
+    let probe = Command::new("setpriv")
+        .args(["--reuid=65534", "--regid=65534", "--clear-groups", "--"])
+        .arg(programs_dir().join("probe"))
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .status()
+        .ok()?;
+    // The probe prints its usage and exits 2 when it could be executed.
+    (probe.code() == Some(2)).then_some(())
+}
