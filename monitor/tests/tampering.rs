@@ -15,26 +15,34 @@ const NODE: &str = "gpu-node-5";
 /// The pod of the test without an API server (no pod to name it).
 const UID: &str = "7c6b5a49-3827-4165-9f0e-d1c2b3a4f5e6";
 
+/// The region of container `main` of pod `namespace/pod`, bound to NODE
+/// with the decision `decision_annotations` writes, created as the device
+/// plugin creates it with `granted`; with the pod's UID.
+fn granted_region(
+    host: &HostDir,
+    api: &KubeApi,
+    namespace: &str,
+    pod: &str,
+    granted: &RegionLimits,
+) -> (String, vgpu_node_contract::region::Region) {
+    api.add_namespace(namespace);
+    api.add_node(NODE);
+    let uid = api.add_bound_pod(namespace, pod, NODE, decision_annotations(NODE, "main", 2));
+    let region = host.create_region(&format!("{uid}_main"), granted);
+    region.set_device_uuid(0, "GPU-k8s");
+    (uid, region)
+}
+
 #[test]
 fn limits_changed_from_inside_are_restored_and_the_memory_over_the_cap_reported() {
     let host = HostDir::new("tampering");
     let api = KubeApi::start();
-    api.add_namespace("team-c");
-    api.add_node(NODE);
-    let uid = api.add_bound_pod(
-        "team-c",
-        "tuner-0",
-        NODE,
-        decision_annotations(NODE, "main", 2),
-    );
-    let key = format!("{uid}_main");
     // Created as the device plugin creates it for the decision (4 GiB, 30 %).
     let mut granted = RegionLimits::default();
     granted.memory_limit[0] = 4 * GIB;
     granted.sm_limit[0] = 30;
     granted.priority = 2;
-    let region = host.create_region(&key, &granted);
-    region.set_device_uuid(0, "GPU-k8s");
+    let (uid, region) = granted_region(&host, &api, "team-c", "tuner-0", &granted);
 
     // From inside: the cap raised to 64 GiB, no compute cap, 6 GiB taken.
     let device = &region.layout().devices[0];
@@ -186,26 +194,15 @@ fn without_a_decision_nothing_is_restored() {
 fn on_a_scaled_node_the_cap_restored_is_the_grants_device_part() {
     let host = HostDir::new("tampering-scaled");
     let api = KubeApi::start();
-    api.add_namespace("team-s");
-    api.add_node(NODE);
     // A 4 GiB grant on a node at --device-memory-scaling 2 with a node-wide
-    // --swap-limit of 1 GiB.
-    let uid = api.add_bound_pod(
-        "team-s",
-        "scaled-0",
-        NODE,
-        decision_annotations(NODE, "main", 2),
-    );
-    let key = format!("{uid}_main");
-    // Created as the device plugin creates it: 2 GiB on the device, 2 GiB
-    // of the grant plus the node's 1 GiB as swap.
+    // --swap-limit of 1 GiB, created as the device plugin creates it: 2 GiB
+    // on the device, 2 GiB of the grant plus the node's 1 GiB as swap.
     let mut granted = RegionLimits::default();
     granted.memory_limit[0] = 2 * GIB;
     granted.swap_limit[0] = 3 * GIB;
     granted.sm_limit[0] = 30;
     granted.priority = 2;
-    let region = host.create_region(&key, &granted);
-    region.set_device_uuid(0, "GPU-k8s");
+    let (_, region) = granted_region(&host, &api, "team-s", "scaled-0", &granted);
 
     // From inside: the whole grant moved onto the device, no swap, and
     // 3 GiB taken there.
