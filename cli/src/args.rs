@@ -47,6 +47,8 @@ pub enum Command {
     Inspect(InspectArgs),
     /// Change a local region's limits while it runs
     Set(SetArgs),
+    /// Every region's GPUs over an interval: memory, share, utilization
+    Top(TopArgs),
 }
 
 const RUN_EXAMPLES: &str = "\
@@ -141,6 +143,34 @@ pub struct InspectArgs {
     /// Print JSON instead of text
     #[arg(long)]
     pub json: bool,
+}
+
+/// Every region's GPUs over an interval: memory used against the cap, swap,
+/// configured and effective share, achieved utilization, time throttled,
+/// launches, out-of-memory events.
+#[derive(Debug, Args)]
+#[command(after_help = "\
+Examples:
+  vgpu top --once
+  vgpu top --once --interval-ms 5000 --sort util
+
+Only the plain-text form (--once) is built so far: one table, measured over
+--interval-ms, then vgpu exits. UTIL is the device time the shim granted
+over the interval, as the node monitor measures a capped container; THROT
+the time spent waiting for the share.")]
+pub struct TopArgs {
+    /// Print one table and exit (required: the live view is not built yet)
+    #[arg(long)]
+    pub once: bool,
+
+    /// Milliseconds between the two readings the figures are measured over
+    #[arg(long, default_value_t = 1000, value_name = "MS",
+          value_parser = clap::value_parser!(u64).range(100..=600_000))]
+    pub interval_ms: u64,
+
+    /// The column rows are sorted by
+    #[arg(long, value_enum, default_value_t = crate::top::SortKey::Name)]
+    pub sort: crate::top::SortKey,
 }
 
 /// Change a local region's limits while it runs.

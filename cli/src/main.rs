@@ -7,6 +7,7 @@ mod places;
 mod run;
 mod set;
 mod show;
+mod top;
 
 use args::{Cli, Command};
 use clap::Parser;
@@ -54,6 +55,17 @@ fn main() -> ExitCode {
                 }
                 Err(error) => (error.exit_code(), Some(error.into())),
             }
+        }
+        Command::Top(args) => {
+            if !args.once {
+                eprintln!("vgpu: top: only --once is built so far (one table, then exit)");
+                return ExitCode::from(2);
+            }
+            let interval = std::time::Duration::from_millis(args.interval_ms);
+            let mut rows = top::sample(&roots, interval);
+            top::sort(&mut rows, args.sort);
+            let result = top::write(&rows, interval, &mut std::io::stdout().lock());
+            (i32::from(result.is_err()), result.err().map(Into::into))
         }
     };
     if let Some(error) = error {

@@ -142,7 +142,7 @@ pub enum Entry {
 
 /// Opens a region for reading, refusing symlinks as the monitor does (a
 /// container can write its own directory).
-fn open(path: &Path) -> Result<Region, ShowError> {
+pub(crate) fn open(path: &Path) -> Result<Region, ShowError> {
     let meta = std::fs::symlink_metadata(path).map_err(|source| {
         ShowError::Region(RegionError::Io {
             path: path.to_path_buf(),

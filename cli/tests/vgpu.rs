@@ -407,3 +407,48 @@ fn places_writable_by_nobody() -> Option<()> {
     // The probe prints its usage and exits 2 when it could be executed.
     (probe.code() == Some(2)).then_some(())
 }
+
+#[test]
+fn top_once_measures_each_regions_gpu_over_its_interval() {
+    let local = Local::new("cli-top", "16Gi");
+    // An idle region: a run that allocated, freed and ended.
+    run_ok(&mut local.probe(&["--name", "idle", "--memory", "1g"], &["fill", "67108864"]));
+    let workload = local.workload(&["--name", "busy", "--cores", "30"], 6.0);
+    let mut meter = BusyMeter::new(&local.sandbox);
+    // The first second settles the throttling.
+    measure(&mut meter, 1.0);
+    let output =
+        run_ok(&mut local.vgpu(&["top", "--once", "--interval-ms", "2000", "--sort", "util"]));
+    let text = String::from_utf8_lossy(&output.stdout).into_owned();
+    workload.finish();
+    let lines: Vec<&str> = text.lines().collect();
+    assert!(lines[0].starts_with("NAME"), "{text}");
+    assert!(
+        lines[1].starts_with("busy "),
+        "sorted by utilization: {text}"
+    );
+    assert!(lines[2].starts_with("idle "), "{text}");
+    assert!(
+        lines[3].contains("2 region GPU(s)") && lines[3].contains("over 2000 ms"),
+        "{text}"
+    );
+    let busy: Vec<&str> = lines[1].split_whitespace().collect();
+    // NAME GPU MEMORY/CAP SWAP SHARE EFF UTIL THROT LAUNCHES OOM
+    assert_eq!(busy[4], "30%", "{text}");
+    let utilization: f64 = busy[6].trim_end_matches('%').parse().expect("UTIL");
+    eprintln!("vgpu top: busy at {utilization:.1} % (share 30)");
+    assert_near("vgpu top's UTIL for a run at 30 %", utilization, 30.0);
+    assert!(busy[8].parse::<u64>().expect("LAUNCHES") > 0, "{text}");
+    let idle: Vec<&str> = lines[2].split_whitespace().collect();
+    assert_eq!(idle[2], "0B/1GiB", "{text}");
+    assert_eq!(idle[6], "0.0%", "{text}");
+
+    // Without --once: not built yet, said so.
+    let refused = local.vgpu(&["top"]).output().expect("vgpu");
+    assert_eq!(refused.status.code(), Some(2));
+    assert!(
+        stderr(&refused).contains("only --once"),
+        "{}",
+        stderr(&refused)
+    );
+}
