@@ -45,7 +45,7 @@ pub enum PlaceError {
     NotFound { target: String, roots: String },
 }
 
-fn io_error(path: &Path, op: &'static str) -> impl FnOnce(std::io::Error) -> PlaceError {
+pub fn io_error(path: &Path, op: &'static str) -> impl FnOnce(std::io::Error) -> PlaceError {
     let path = path.to_path_buf();
     move |source| PlaceError::Io { path, op, source }
 }

@@ -9,7 +9,7 @@ use crate::args::RunArgs;
 use crate::places::{self, PlaceError, REGION_FILE};
 use std::ffi::OsString;
 use std::fs::File;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use thiserror::Error;
 use vgpu_node_contract::figures::has_live_process;
 use vgpu_node_contract::region::{Region, RegionError, RegionLimits, MAX_DEVICES, UNCAPPED};
@@ -34,13 +34,6 @@ pub enum RunError {
     Place(#[from] PlaceError),
     #[error(transparent)]
     Region(#[from] RegionError),
-    #[error("{path}: {op}: {source}")]
-    Io {
-        path: PathBuf,
-        op: &'static str,
-        #[source]
-        source: std::io::Error,
-    },
     #[error("region {name:?} is in use with other limits ({current}); run with those, or change them with `vgpu set {name}`")]
     LimitsDiffer { name: String, current: String },
     #[error("{command}: command not found")]
@@ -67,9 +60,10 @@ impl RunError {
     }
 }
 
+/// An I/O failure on `path`, as the places' own.
 fn io_error(path: &Path, op: &'static str) -> impl FnOnce(std::io::Error) -> RunError {
-    let path = path.to_path_buf();
-    move |source| RunError::Io { path, op, source }
+    let place = places::io_error(path, op);
+    move |source| RunError::Place(place(source))
 }
 
 /// The limits a run asks for, the same on every GPU.
