@@ -154,6 +154,19 @@ pub fn plan(
     container: &ContainerDecision,
     gpus: &[InventoryGpu],
 ) -> Result<ContainerPlan, AllocateError> {
+    let dir_name = container_dir_name(pod_uid, &container.name)?;
+    plan_in_dir(settings, &dir_name, container, gpus)
+}
+
+/// [`plan`] for the region directory `dir_name` under the containers
+/// directory (the DRA driver keeps one per claim, which all of the claim's
+/// containers share).
+pub fn plan_in_dir(
+    settings: &Settings,
+    dir_name: &str,
+    container: &ContainerDecision,
+    gpus: &[InventoryGpu],
+) -> Result<ContainerPlan, AllocateError> {
     let name = &container.name;
     if container.devices.len() > MAX_DEVICES {
         return Err(AllocateError::TooManyGpus {
@@ -191,8 +204,7 @@ pub fn plan(
     }
     grants.sort_by_key(|(index, _)| *index);
 
-    let dir_name = container_dir_name(pod_uid, name)?;
-    let host_dir = settings.containers_dir.join(&dir_name);
+    let host_dir = settings.containers_dir.join(dir_name);
     let region_host = host_dir.join(&settings.region_file);
     let region_container = settings.container_dir.join(&settings.region_file);
 

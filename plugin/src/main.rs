@@ -18,13 +18,16 @@ fn main() -> anyhow::Result<()> {
     let gpus = inventory_gpus(
         vgpu_nvml_host::describe(&nvml)?,
         options.split_count,
-        options.device_memory_scaling,
+        options.container.device_memory_scaling,
     );
     let health = NvmlHealth::new(
         Arc::clone(&nvml),
         gpus.iter().map(|g| g.uuid.clone()).collect(),
-        HealthTracker::new(options.ignored_xids.iter().copied(), options.recovery()),
-        Duration::from_millis(options.health_probe_ms),
+        HealthTracker::new(
+            options.health.ignored_xids.iter().copied(),
+            options.health.recovery(),
+        ),
+        Duration::from_millis(options.health.health_probe_ms),
     );
     let load = match options.load_sample_seconds {
         0 => None,

@@ -5,7 +5,7 @@ use crate::cluster::ApiSource;
 use crate::health::DEFAULT_IGNORED_XIDS;
 use crate::kubelet::KubeletSettings;
 use crate::pod_resources::DEFAULT_POD_RESOURCES_SOCKET;
-use clap::{Parser, ValueEnum};
+use clap::{Args, Parser, ValueEnum};
 use std::path::PathBuf;
 use std::time::Duration;
 use vgpu_cluster::node_lease::DEFAULT_LEASE_DURATION_SECONDS;
@@ -90,6 +90,74 @@ pub struct Options {
     #[arg(long, default_value = "libnvidia-ml.so.1", value_name = "PATH")]
     pub nvml_library: PathBuf,
 
+    #[command(flatten)]
+    pub container: ContainerFlags,
+
+    /// leaseDurationSeconds of the node's Lease
+    /// (kube-node-lease/vgpu-<node>), renewed every quarter of it: the
+    /// scheduler extender places no new vGPU pods on the node once the
+    /// Lease has gone unrenewed this long (plus its grace).
+    #[arg(long, default_value_t = DEFAULT_LEASE_DURATION_SECONDS, value_name = "SECONDS",
+          value_parser = clap::value_parser!(u32).range(1..=3600))]
+    pub lease_duration_seconds: u32,
+
+    /// Kubelet's PodResources API socket: at start the plugin checks its
+    /// allocation records against what kubelet says each container holds,
+    /// and logs every difference. Not there: not checked.
+    #[arg(long, default_value = DEFAULT_POD_RESOURCES_SOCKET, value_name = "PATH")]
+    pub pod_resources_socket: PathBuf,
+
+    /// Seconds between rewrites of an unchanged inventory annotation and
+    /// share capacities (they are also written at start and on every
+    /// change; the rewrite repairs a node object that was recreated).
+    /// Whether the plugin is alive is told by its Lease, not by this.
+    #[arg(long, default_value_t = 300, value_name = "SECONDS",
+          value_parser = clap::value_parser!(u64).range(1..))]
+    pub resync_seconds: u64,
+
+    /// Seconds between samples of each GPU's utilization, which is
+    /// smoothed and published in the node inventory (when it moved by 5
+    /// points or more, at most every 10 s) for the extender's load-aware
+    /// policies; 0: not measured.
+    #[arg(long, default_value_t = 5, value_name = "SECONDS")]
+    pub load_sample_seconds: u64,
+
+    #[command(flatten)]
+    pub health: HealthFlags,
+
+    #[command(flatten)]
+    pub api: ApiFlags,
+
+    /// Log level of the plugin's own messages: error, warn, info, debug or
+    /// trace (to stderr; the libraries it uses log warnings and errors only).
+    #[arg(long, default_value = "info", value_name = "LEVEL")]
+    pub log_level: tracing::Level,
+}
+
+impl Options {
+    pub fn api_source(&self) -> ApiSource {
+        self.api.source()
+    }
+
+    pub fn allocate_settings(&self) -> Settings {
+        self.container.settings()
+    }
+
+    pub fn kubelet_settings(&self) -> KubeletSettings {
+        KubeletSettings {
+            dir: self.device_plugin_dir.clone(),
+            endpoint: self.socket_name.clone(),
+            resource_name: self.resource_name.clone(),
+            poll: Duration::from_millis(self.kubelet_poll_ms.max(10)),
+        }
+    }
+}
+
+/// What every container gets, and where: the shim, its `ld.so.preload`,
+/// the containers' region directories, and the node-wide settings of the
+/// shim (shared by the device plugin and the DRA driver).
+#[derive(Clone, Debug, Args)]
+pub struct ContainerFlags {
     /// The shim (libvgpu.so) on the host; mounted read-only into containers.
     #[arg(
         long,
@@ -160,36 +228,28 @@ pub struct Options {
     /// (at least 256 MiB); set, exactly this is charged.
     #[arg(long, value_name = "SIZE", value_parser = size)]
     pub context_reserve: Option<u64>,
+}
 
-    /// leaseDurationSeconds of the node's Lease
-    /// (kube-node-lease/vgpu-<node>), renewed every quarter of it: the
-    /// scheduler extender places no new vGPU pods on the node once the
-    /// Lease has gone unrenewed this long (plus its grace).
-    #[arg(long, default_value_t = DEFAULT_LEASE_DURATION_SECONDS, value_name = "SECONDS",
-          value_parser = clap::value_parser!(u32).range(1..=3600))]
-    pub lease_duration_seconds: u32,
+impl ContainerFlags {
+    pub fn settings(&self) -> Settings {
+        Settings {
+            containers_dir: self.containers_dir.clone(),
+            region_file: self.region_file.clone(),
+            container_dir: self.container_dir.clone(),
+            library_host: self.library.clone(),
+            library_container: self.container_library.clone(),
+            preload_host: (!self.no_preload).then(|| self.preload_file.clone()),
+            policy: self.core_policy.into(),
+            swap_limit: self.swap_limit.filter(|bytes| *bytes > 0),
+            memory_scaling: self.device_memory_scaling,
+            context_reserve: self.context_reserve,
+        }
+    }
+}
 
-    /// Kubelet's PodResources API socket: at start the plugin checks its
-    /// allocation records against what kubelet says each container holds,
-    /// and logs every difference. Not there: not checked.
-    #[arg(long, default_value = DEFAULT_POD_RESOURCES_SOCKET, value_name = "PATH")]
-    pub pod_resources_socket: PathBuf,
-
-    /// Seconds between rewrites of an unchanged inventory annotation and
-    /// share capacities (they are also written at start and on every
-    /// change; the rewrite repairs a node object that was recreated).
-    /// Whether the plugin is alive is told by its Lease, not by this.
-    #[arg(long, default_value_t = 300, value_name = "SECONDS",
-          value_parser = clap::value_parser!(u64).range(1..))]
-    pub resync_seconds: u64,
-
-    /// Seconds between samples of each GPU's utilization, which is
-    /// smoothed and published in the node inventory (when it moved by 5
-    /// points or more, at most every 10 s) for the extender's load-aware
-    /// policies; 0: not measured.
-    #[arg(long, default_value_t = 5, value_name = "SECONDS")]
-    pub load_sample_seconds: u64,
-
+/// When a GPU counts as unhealthy, and as recovered.
+#[derive(Clone, Debug, Args)]
+pub struct HealthFlags {
     /// XIDs that do not make a GPU unhealthy (application errors), comma
     /// separated.
     #[arg(long, value_delimiter = ',', value_name = "LIST",
@@ -205,7 +265,18 @@ pub struct Options {
     /// Milliseconds between health probes of every GPU.
     #[arg(long, default_value_t = 5000, value_name = "MS")]
     pub health_probe_ms: u64,
+}
 
+impl HealthFlags {
+    pub fn recovery(&self) -> Option<Duration> {
+        (self.health_recovery_seconds > 0)
+            .then(|| Duration::from_secs(self.health_recovery_seconds))
+    }
+}
+
+/// How the API server is reached.
+#[derive(Clone, Debug, Args)]
+pub struct ApiFlags {
     /// Reach the API server through this kubeconfig file (default: the
     /// pod's service account).
     #[arg(long, value_name = "PATH", conflicts_with = "apiserver_url")]
@@ -215,49 +286,15 @@ pub struct Options {
     /// `kubectl proxy` and tests).
     #[arg(long, value_name = "URL")]
     pub apiserver_url: Option<String>,
-
-    /// Log level of the plugin's own messages: error, warn, info, debug or
-    /// trace (to stderr; the libraries it uses log warnings and errors only).
-    #[arg(long, default_value = "info", value_name = "LEVEL")]
-    pub log_level: tracing::Level,
 }
 
-impl Options {
-    pub fn api_source(&self) -> ApiSource {
+impl ApiFlags {
+    pub fn source(&self) -> ApiSource {
         match (&self.apiserver_url, &self.kubeconfig) {
             (Some(url), _) => ApiSource::Url(url.clone()),
             (None, Some(path)) => ApiSource::Kubeconfig(path.clone()),
             (None, None) => ApiSource::InCluster,
         }
-    }
-
-    pub fn allocate_settings(&self) -> Settings {
-        Settings {
-            containers_dir: self.containers_dir.clone(),
-            region_file: self.region_file.clone(),
-            container_dir: self.container_dir.clone(),
-            library_host: self.library.clone(),
-            library_container: self.container_library.clone(),
-            preload_host: (!self.no_preload).then(|| self.preload_file.clone()),
-            policy: self.core_policy.into(),
-            swap_limit: self.swap_limit.filter(|bytes| *bytes > 0),
-            memory_scaling: self.device_memory_scaling,
-            context_reserve: self.context_reserve,
-        }
-    }
-
-    pub fn kubelet_settings(&self) -> KubeletSettings {
-        KubeletSettings {
-            dir: self.device_plugin_dir.clone(),
-            endpoint: self.socket_name.clone(),
-            resource_name: self.resource_name.clone(),
-            poll: Duration::from_millis(self.kubelet_poll_ms.max(10)),
-        }
-    }
-
-    pub fn recovery(&self) -> Option<Duration> {
-        (self.health_recovery_seconds > 0)
-            .then(|| Duration::from_secs(self.health_recovery_seconds))
     }
 }
 
@@ -272,7 +309,7 @@ mod tests {
         let options = Options::try_parse_from(["p", "--node-name", "n1"]).expect("parse");
         assert_eq!(options.resource_name, "nvidia.com/gpu");
         assert_eq!(options.split_count, 10);
-        assert_eq!(options.ignored_xids, DEFAULT_IGNORED_XIDS);
+        assert_eq!(options.health.ignored_xids, DEFAULT_IGNORED_XIDS);
         assert_eq!(options.api_source(), ApiSource::InCluster);
         let settings = options.allocate_settings();
         assert_eq!(
@@ -316,9 +353,9 @@ mod tests {
             "http://127.0.0.1:1",
         ])
         .expect("parse");
-        assert_eq!(options.swap_limit, Some(8 << 30));
-        assert_eq!(options.context_reserve, Some(128 << 20));
-        assert_eq!(options.ignored_xids, vec![13, 43]);
+        assert_eq!(options.container.swap_limit, Some(8 << 30));
+        assert_eq!(options.container.context_reserve, Some(128 << 20));
+        assert_eq!(options.health.ignored_xids, vec![13, 43]);
         assert_eq!(options.allocate_settings().policy, UtilizationPolicy::Force);
         assert!(matches!(options.api_source(), ApiSource::Url(_)));
         assert!(
@@ -335,7 +372,11 @@ mod tests {
         let options = parse("2").expect("2");
         assert_eq!(options.allocate_settings().memory_scaling.get(), 2.0);
         assert_eq!(
-            parse("0.75").expect("0.75").device_memory_scaling.get(),
+            parse("0.75")
+                .expect("0.75")
+                .container
+                .device_memory_scaling
+                .get(),
             0.75
         );
         for (bad, words) in [

@@ -1,0 +1,258 @@
+//! Preparing and releasing claims on this node: what kubelet's
+//! `NodePrepareResources` and `NodeUnprepareResources` do, without gRPC or
+//! the API server (the claim is given).
+//!
+//! Prepare turns the claim's allocation into one region (per claim: all
+//! the containers that use the claim share its caps, as processes of one
+//! container do), created with the consumed memory and share, and a CDI
+//! spec that gives each of those containers the shim's environment and
+//! mounts. Both are named by the claim's UID, so preparing again gives the
+//! same answer and releasing needs nothing but the UID.
+
+use crate::cdi::{self, CdiError, Mount};
+use crate::checkpoint::{Checkpoint, CheckpointError, PreparedClaim, PreparedDevice};
+use crate::claim::{allocated_gpus, ClaimError};
+use k8s_openapi::api::resource::v1::ResourceClaim;
+use std::collections::BTreeSet;
+use std::path::{Path, PathBuf};
+use std::sync::{Mutex, PoisonError, RwLock};
+use thiserror::Error;
+use vgpu_cluster::decision::{ContainerDecision, InventoryGpu};
+use vgpu_device_plugin::allocate::{self, AllocateError, Settings};
+
+/// The prefix of a claim's region directory, `claim-<uid>`, under the
+/// containers directory (no `_`: it is not a pod's container).
+pub const CLAIM_DIR_PREFIX: &str = "claim-";
+
+#[derive(Debug, Error)]
+pub enum DriverError {
+    #[error(transparent)]
+    Claim(#[from] ClaimError),
+    #[error(transparent)]
+    Allocate(#[from] AllocateError),
+    #[error(transparent)]
+    Cdi(#[from] CdiError),
+    #[error(transparent)]
+    Checkpoint(#[from] CheckpointError),
+    #[error("{path}: remove the claim's region directory")]
+    RemoveRegion {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+/// Where things go on this node.
+#[derive(Clone, Debug)]
+pub struct DriverConfig {
+    /// The node's name, which is also its pool's.
+    pub node: String,
+    pub settings: Settings,
+    /// Where CDI specs are written (the container runtime reads them).
+    pub cdi_dir: PathBuf,
+    /// The record of prepared claims.
+    pub checkpoint: PathBuf,
+}
+
+/// The node's GPUs and its prepared claims.
+#[derive(Debug)]
+pub struct Driver {
+    config: DriverConfig,
+    gpus: RwLock<Vec<InventoryGpu>>,
+    checkpoint: Mutex<Checkpoint>,
+}
+
+/// The name of a claim's region directory.
+pub fn claim_dir_name(uid: &str) -> Result<String, CdiError> {
+    Ok(format!("{CLAIM_DIR_PREFIX}{}", cdi::checked(uid)?))
+}
+
+impl Driver {
+    /// Loads the record of prepared claims (one that cannot be read is
+    /// moved aside and logged) and writes the node's `ld.so.preload`.
+    pub fn new(config: DriverConfig, gpus: Vec<InventoryGpu>) -> Result<Self, DriverError> {
+        let (checkpoint, aside) = Checkpoint::load(&config.checkpoint)?;
+        if let Some((path, reason)) = aside {
+            tracing::error!(
+                "the record of prepared claims could not be read ({reason}); moved to {} and starting afresh: claims are prepared again as kubelet asks",
+                path.display()
+            );
+        }
+        allocate::write_preload(&config.settings)?;
+        Ok(Self {
+            config,
+            gpus: RwLock::new(gpus),
+            checkpoint: Mutex::new(checkpoint),
+        })
+    }
+
+    pub fn node(&self) -> &str {
+        &self.config.node
+    }
+
+    pub fn cdi_dir(&self) -> &Path {
+        &self.config.cdi_dir
+    }
+
+    /// The node's GPUs with their health now.
+    pub fn gpus(&self) -> Vec<InventoryGpu> {
+        self.gpus
+            .read()
+            .unwrap_or_else(PoisonError::into_inner)
+            .clone()
+    }
+
+    /// Marks a GPU healthy or not; whether that changed anything.
+    pub fn set_health(&self, uuid: &str, healthy: bool) -> bool {
+        let mut gpus = self.gpus.write().unwrap_or_else(PoisonError::into_inner);
+        match gpus.iter_mut().find(|gpu| gpu.uuid == uuid) {
+            Some(gpu) if gpu.healthy != healthy => {
+                gpu.healthy = healthy;
+                true
+            }
+            _ => false,
+        }
+    }
+
+    /// What kubelet was told for `uid`, if it was prepared.
+    pub fn prepared(&self, uid: &str) -> Option<PreparedClaim> {
+        self.checkpoint
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .get(uid)
+            .cloned()
+    }
+
+    /// The UIDs of every prepared claim.
+    pub fn prepared_uids(&self) -> Vec<String> {
+        self.checkpoint
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .claims()
+            .keys()
+            .cloned()
+            .collect()
+    }
+
+    /// Prepares the claim kubelet named by `uid`, whose current object is
+    /// `claim`. A claim prepared before gets the same answer.
+    pub fn prepare(&self, uid: &str, claim: &ResourceClaim) -> Result<PreparedClaim, DriverError> {
+        let mut checkpoint = self
+            .checkpoint
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        if let Some(prepared) = checkpoint.get(uid) {
+            return Ok(prepared.clone());
+        }
+        let gpus = self.gpus();
+        let allocated = allocated_gpus(claim, uid, &self.config.node, &gpus)?;
+        let namespace = claim.metadata.namespace.clone().unwrap_or_default();
+        let name = claim.metadata.name.clone().unwrap_or_default();
+        let decision = ContainerDecision {
+            name: format!("claim {namespace}/{name}"),
+            init: false,
+            devices: allocated.iter().map(|gpu| gpu.grant.clone()).collect(),
+            priority: None,
+        };
+        let plan = allocate::plan_in_dir(
+            &self.config.settings,
+            &claim_dir_name(uid)?,
+            &decision,
+            &gpus,
+        )?;
+        allocate::prepare(&plan)?;
+        let mounts = plan
+            .mounts
+            .iter()
+            .map(|mount| {
+                Mount::bind(
+                    Path::new(&mount.host_path),
+                    Path::new(&mount.container_path),
+                    mount.read_only,
+                )
+            })
+            .collect();
+        cdi::write_spec(
+            &self.config.cdi_dir,
+            uid,
+            &cdi::claim_spec(uid, &plan.envs, mounts),
+        )?;
+        // The spec's edits are the claim's, whatever GPU a container's
+        // request got: name the CDI device once per request, so that a
+        // container is given it once.
+        let id = cdi::device_id(uid)?;
+        let mut named: BTreeSet<&str> = BTreeSet::new();
+        let devices = allocated
+            .iter()
+            .map(|gpu| {
+                // Every request is marked named (no short circuit).
+                let fresh = gpu
+                    .requests
+                    .iter()
+                    .map(|request| named.insert(request.as_str()))
+                    .filter(|inserted| *inserted)
+                    .count()
+                    > 0;
+                PreparedDevice {
+                    requests: gpu.requests.clone(),
+                    pool: self.config.node.clone(),
+                    device: gpu.device.clone(),
+                    cdi_device_ids: if fresh { vec![id.clone()] } else { Vec::new() },
+                    share_id: gpu.share_ids.first().cloned(),
+                }
+            })
+            .collect();
+        let prepared = PreparedClaim {
+            namespace,
+            name,
+            devices,
+        };
+        checkpoint.insert(uid, prepared.clone())?;
+        tracing::info!(
+            "prepared claim {}/{} ({uid}): {}",
+            prepared.namespace,
+            prepared.name,
+            allocated
+                .iter()
+                .map(|gpu| format!(
+                    "{} {} MiB {} %",
+                    gpu.device,
+                    gpu.grant.memory_bytes >> 20,
+                    gpu.grant.cores_percent
+                ))
+                .collect::<Vec<_>>()
+                .join(", ")
+        );
+        Ok(prepared)
+    }
+
+    /// Releases the claim `uid`: its CDI spec, its region directory and
+    /// its record. Releasing a claim that is not prepared succeeds.
+    pub fn unprepare(&self, uid: &str) -> Result<(), DriverError> {
+        let mut checkpoint = self
+            .checkpoint
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        cdi::remove_spec(&self.config.cdi_dir, uid)?;
+        let dir = self
+            .config
+            .settings
+            .containers_dir
+            .join(claim_dir_name(uid)?);
+        match std::fs::remove_dir_all(&dir) {
+            Err(source) if source.kind() != std::io::ErrorKind::NotFound => {
+                return Err(DriverError::RemoveRegion { path: dir, source })
+            }
+            _ => {}
+        }
+        let known = checkpoint.get(uid).cloned();
+        checkpoint.remove(uid)?;
+        match known {
+            Some(claim) => {
+                tracing::info!("released claim {}/{} ({uid})", claim.namespace, claim.name)
+            }
+            None => tracing::info!("released claim {uid}, which was not prepared here"),
+        }
+        Ok(())
+    }
+}
