@@ -8,6 +8,7 @@
 //! spec giving the claim's containers the shim ([`driver`]); at
 //! `NodeUnprepareResources` it removes both.
 
+pub mod authority;
 pub mod cdi;
 pub mod checkpoint;
 pub mod claim;

@@ -3,6 +3,7 @@
 
 use crate::api::dra_v1 as dra;
 use crate::api::registration;
+use crate::authority::AuthorityFix;
 use crate::checkpoint::PreparedClaim;
 use crate::driver::Driver;
 use crate::slice::DRIVER_NAME;
@@ -13,6 +14,7 @@ use thiserror::Error;
 use tokio::net::UnixListener;
 use tokio::sync::watch;
 use tokio_stream::wrappers::UnixListenerStream;
+use tokio_stream::StreamExt;
 use tonic::transport::Server;
 use tonic::{Request, Response, Status};
 
@@ -250,7 +252,10 @@ pub async fn serve(
             DraService::new(driver, claims),
         ))
         .serve_with_incoming_shutdown(dra_incoming, stopped(shutdown.clone()));
-    let registration_incoming = listen(&sockets.registration)?;
+    // Kubelet's registration client sends the socket's path as the HTTP/2
+    // authority; see `authority`.
+    let registration_incoming =
+        listen(&sockets.registration)?.map(|connection| connection.map(AuthorityFix::new));
     let registration_server = Server::builder()
         .add_service(registration::registration_server::RegistrationServer::new(
             RegistrationService {

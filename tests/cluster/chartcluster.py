@@ -27,6 +27,8 @@ from nodenet import TestNetwork  # noqa: E402
 from simnodes import NodeImage, SimulatedNode, enable_forwarding  # noqa: E402
 
 RELEASE_NAMESPACE = "vgpu-system"
+# The node label (the chart's dra.nodeLabel) that moves a node to DRA.
+DRA_NODE_LABEL = "vgpu.io/allocation"
 
 
 def shim_library() -> Path:
@@ -39,7 +41,7 @@ def image(cluster: ControlPlane, root: Path, shared: list[Path]) -> NodeImage:
     the test workloads: our binaries where the Dockerfile puts them, the
     real kube-scheduler on PATH, this Python for the workloads."""
     binaries = {f"/usr/local/bin/{name}": TARGET / name
-                for name in ("vgpu-device-plugin", "vgpu-monitor", "vgpu-scheduler")}
+                for name in ("vgpu-device-plugin", "vgpu-dra", "vgpu-monitor", "vgpu-scheduler")}
     binaries["/usr/local/lib/vgpu/libvgpu.so"] = shim_library()
     binaries["/usr/local/bin/kube-scheduler"] = cluster.bin / "kube-scheduler"
     for path in binaries.values():
@@ -128,9 +130,12 @@ class ChartCluster:
     with the real helm, its pods running on those nodes."""
 
     def __init__(self, workdir: Path, nodes: int, gpus: int = 2, memory: str = "16Gi", helm_args: tuple = (),
-                 gpu_names: tuple = (), gpu_env: dict[str, str] | None = None):
+                 gpu_names: tuple = (), gpu_env: dict[str, str] | None = None, dra: bool = False):
         """`gpu_names[i]`, where given, names node i+1's GPUs; `gpu_env`
-        sets up every node's simulated GPUs further."""
+        sets up every node's simulated GPUs further. With `dra`, every node
+        is labelled to offer its GPUs through the DRA driver, and the chart
+        is installed with it."""
+        self.dra = dra
         self.gpu_env = gpu_env or {}
         self.workdir = workdir
         self.gpu_names = gpu_names
@@ -149,7 +154,8 @@ class ChartCluster:
             self.image = image(self.cluster, self.workdir / "image", shared)
             for index in range(1, self.count + 1):
                 node = SimulatedNode(self.cluster, self.network, index, self.image, self.nodes_dir / f"node-{index}",
-                                     gpus=self.gpus, memory=self.memory, labels={"gpu": "on"},
+                                     gpus=self.gpus, memory=self.memory,
+                                     labels={"gpu": "on", **({DRA_NODE_LABEL: "dra"} if self.dra else {})},
                                      simulated_gpu=TARGET / "libsimgpu.so",
                                      gpu_name=self.gpu_names[index - 1] if index <= len(self.gpu_names) else None,
                                      gpu_env=self.gpu_env)
@@ -161,7 +167,8 @@ class ChartCluster:
                 "apiVersion": "node.k8s.io/v1", "kind": "RuntimeClass", "metadata": {"name": "nvidia"},
                 "handler": "nvidia"}))
             self.cluster.helm("install", "vgpu", str(CHART), "-n", RELEASE_NAMESPACE, "--create-namespace",
-                              "--set", "image.pullPolicy=Never", *self.helm_args)
+                              "--set", "image.pullPolicy=Never",
+                              *(("--set", "dra.enabled=true") if self.dra else ()), *self.helm_args)
             self.wait_until_serving()
         except BaseException:
             self.__exit__()
@@ -210,6 +217,10 @@ class ChartCluster:
         the webhook's Service has a ready endpoint."""
         def plugins_registered():
             nodes = kubectl_json(self.cluster, "get", "nodes")["items"]
+            if self.dra:
+                slices = kubectl_json(self.cluster, "get", "resourceslices")["items"]
+                drivers = {item["spec"].get("nodeName") for item in slices if item["spec"]["driver"] == "vgpu.io"}
+                return len(nodes) == self.count and all(node["metadata"]["name"] in drivers for node in nodes)
             counts = [int(node["status"].get("allocatable", {}).get("nvidia.com/gpu", "0")) for node in nodes]
             published = all("vgpu.io/node-gpus" in node["metadata"].get("annotations", {}) for node in nodes)
             return len(nodes) == self.count and all(counts) and published

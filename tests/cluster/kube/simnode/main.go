@@ -9,7 +9,9 @@
 // folder the test prepares (the "image"), with the pod's volumes, the
 // device plugins' environment and mounts, and its own PID namespace unless
 // the pod asks for the host's. It reports pod status to the API server and
-// finishes deletions as kubelet does.
+// finishes deletions as kubelet does. It also runs kubelet's DRA manager
+// and plugin registry (dra.go): ResourceClaims are prepared through their
+// drivers and the CDI specs they write are applied to the containers.
 //
 // Host paths (hostPath volumes, the paths device plugins answer with, the
 // device-plugin folder) are taken relative to --host-root: every node has
@@ -154,7 +156,11 @@ func run(c *config) error {
 		return err
 	}
 	go node.run(ctx)
-	pods := newPodManager(c, client, devices)
+	draNode, err := startDRA(ctx, c, client)
+	if err != nil {
+		return err
+	}
+	pods := newPodManager(c, client, devices, draNode)
 	if err := servePodResources(ctx, c.hostRoot, pods, devices); err != nil {
 		return err
 	}

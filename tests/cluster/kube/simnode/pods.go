@@ -41,6 +41,7 @@ type podManager struct {
 	config  *config
 	client  kubernetes.Interface
 	devices *deviceManager
+	dra     *draNode
 
 	mu      sync.Mutex
 	workers map[types.UID]*podWorker
@@ -48,8 +49,8 @@ type podManager struct {
 	wake    chan struct{}
 }
 
-func newPodManager(c *config, client kubernetes.Interface, devices *deviceManager) *podManager {
-	return &podManager{config: c, client: client, devices: devices,
+func newPodManager(c *config, client kubernetes.Interface, devices *deviceManager, dra *draNode) *podManager {
+	return &podManager{config: c, client: client, devices: devices, dra: dra,
 		workers: map[types.UID]*podWorker{}, wake: make(chan struct{}, 1)}
 }
 
@@ -128,9 +129,17 @@ func (m *podManager) gone(pod *v1.Pod) {
 
 func (m *podManager) forget(uid types.UID) {
 	m.mu.Lock()
+	var pod *v1.Pod
+	if worker := m.workers[uid]; worker != nil {
+		worker.mu.Lock()
+		pod = worker.pod
+		worker.mu.Unlock()
+	}
 	delete(m.workers, uid)
 	m.mu.Unlock()
 	m.devices.release(uid)
+	// Kubelet releases a pod's claims once its containers are gone.
+	m.dra.unprepare(context.Background(), pod)
 }
 
 // admitLoop admits pods one at a time, in arrival order, as kubelet's
@@ -363,6 +372,19 @@ func (w *podWorker) runPod(ctx context.Context) {
 			return
 		}
 	}
+	// The pod's ResourceClaims, through their drivers, before any
+	// container starts; retried as kubelet retries its pod syncs.
+	for attempt := 0; ; attempt++ {
+		err := w.manager.dra.prepare(ctx, w.pod)
+		if err == nil {
+			break
+		}
+		logger.Info("preparing the pod's claims", "err", err.Error())
+		w.setWaiting("ContainerCreating", "prepare dynamic resources: "+err.Error())
+		if !w.sleep(backoff(attempt)) {
+			return
+		}
+	}
 	for _, c := range w.containers {
 		if !c.isInit {
 			continue
@@ -577,6 +599,14 @@ func (w *podWorker) containerSpec(ctx context.Context, pod *v1.Pod, c *container
 			env.set(key, given.envs[key])
 		}
 	}
+	claimEnv, claimMounts, err := w.manager.dra.containerEdits(pod, &c.spec)
+	if err != nil {
+		return nil, fmt.Errorf("CDI devices of the container's claims: %w", err)
+	}
+	for _, kv := range claimEnv {
+		key, value, _ := strings.Cut(kv, "=")
+		env.set(key, value)
+	}
 	for _, from := range c.spec.EnvFrom {
 		var data map[string][]byte
 		var err error
@@ -651,6 +681,7 @@ func (w *podWorker) containerSpec(ctx context.Context, pod *v1.Pod, c *container
 			}
 		}
 	}
+	mounts = append(mounts, claimMounts...)
 	hostname := pod.Name
 	if pod.Spec.HostNetwork {
 		hostname = cfg.name

@@ -1,0 +1,267 @@
+"""GPUs shared by amount through Dynamic Resource Allocation, on the real
+control plane (kube-apiserver, kube-controller-manager and the default
+kube-scheduler, 1.36, where consumable capacity is on by default) with the
+chart's vgpu-dra driver on a simulated node whose kubelet side is kubelet's
+own DRA code (plugin registry watcher and DRA manager; the node applies the
+CDI specs, there being no container runtime).
+
+- The driver's ResourceSlice, accepted by the API server, offers both 24 GiB
+  GPUs as shareable devices with `memory` and `cores` capacities.
+- Claims for 4 GiB/30 % and 8 GiB/50 % land on one GPU, placed by the real
+  kube-scheduler; 16 GiB then lands on the other; a claim that fits neither
+  stays Pending with the scheduler's reason.
+- The claims' regions hold exactly what the allocation consumed, and the
+  workloads are held there: the 4 GiB claim's memory cap stops its
+  allocations, the 50 % claim's kernels get about half the GPU.
+- The driver is killed and restarts between Prepare and Unprepare: the
+  pod's deletion still releases its claim (CDI spec and region gone), and a
+  new claim is prepared by the restarted driver.
+- A GPU marked unhealthy (an XID on the simulated GPU) leaves the slice, and
+  a claim only it could hold stays Pending.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+from chartcluster import (  # noqa: E402
+    REPO,
+    TARGET,
+    ChartCluster,
+    compile_workload,
+    kill_9,
+    kubectl_json,
+    wait_for,
+)
+
+NAMESPACE = "dra"
+FILL = HERE / "workloads/fill.py"
+GIB = 1 << 30
+
+
+@pytest.fixture(scope="module")
+def dra_cluster(tmp_path_factory):
+    with ChartCluster(tmp_path_factory.mktemp("dra-cluster"), nodes=1, gpus=2, memory="24Gi", dra=True) as running:
+        running.cluster.kubectl("create", "namespace", NAMESPACE)
+        yield running
+
+
+def claim(name: str, memory: str | None, cores: str | None, device_class: str = "vgpu.io") -> dict:
+    capacity = {key: value for key, value in (("memory", memory), ("cores", cores)) if value is not None}
+    exactly = {"deviceClassName": device_class}
+    if capacity:
+        exactly["capacity"] = {"requests": capacity}
+    return {"apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim",
+            "metadata": {"name": name, "namespace": NAMESPACE},
+            "spec": {"devices": {"requests": [{"name": "gpu", "exactly": exactly}]}}}
+
+
+def pod(name: str, claim_name: str, command: list[str]) -> dict:
+    return {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name, "namespace": NAMESPACE},
+            "spec": {"restartPolicy": "Never", "terminationGracePeriodSeconds": 1,
+                     "resourceClaims": [{"name": "gpu", "resourceClaimName": claim_name}],
+                     "containers": [{"name": "main", "image": "cuda:test", "command": command,
+                                     "resources": {"claims": [{"name": "gpu"}]}}]}}
+
+
+def create(cc: ChartCluster, *objects: dict) -> None:
+    for item in objects:
+        cc.cluster.kubectl("create", "-f", "-", input=json.dumps(item))
+
+
+def allocation(cc: ChartCluster, name: str) -> dict | None:
+    found = kubectl_json(cc.cluster, "get", "resourceclaim", name, "-n", NAMESPACE)
+    return (found.get("status") or {}).get("allocation")
+
+
+def allocated(cc: ChartCluster, name: str) -> dict:
+    """The claim's one result, once kube-scheduler allocated it."""
+    done = wait_for(f"claim {name} allocated", lambda: allocation(cc, name), timeout=90, log=cc.logs)
+    results = done["devices"]["results"]
+    assert len(results) == 1, results
+    return results[0]
+
+
+def running(cc: ChartCluster, name: str) -> dict:
+    def phase():
+        found = kubectl_json(cc.cluster, "get", "pod", name, "-n", NAMESPACE)
+        return found if found["status"].get("phase") in ("Running", "Succeeded", "Failed") else None
+    found = wait_for(f"pod {name} running", phase, timeout=90, log=cc.logs)
+    assert found["status"]["phase"] == "Running", json.dumps(found["status"], indent=1)
+    return found
+
+
+def pending_reason(cc: ChartCluster, name: str) -> str:
+    def unschedulable():
+        found = kubectl_json(cc.cluster, "get", "pod", name, "-n", NAMESPACE)
+        for condition in found["status"].get("conditions", []):
+            if condition["type"] == "PodScheduled" and condition.get("reason") == "Unschedulable":
+                return condition.get("message") or "(no message)"
+        return None
+    return wait_for(f"pod {name} unschedulable", unschedulable, timeout=60, log=cc.logs)
+
+
+def region_limits(cc: ChartCluster, claim_uid: str) -> list[dict]:
+    """The limits in the claim's region, as `vgpu inspect` reads them."""
+    node = cc.nodes[0]
+    path = node.host_root / f"usr/local/vgpu/containers/claim-{claim_uid}/region.cache"
+    shown = subprocess.run([str(TARGET / "vgpu"), "inspect", str(path), "--json"],
+                           capture_output=True, text=True, check=True)
+    return [device["limits"] for device in json.loads(shown.stdout)["devices"]]
+
+
+def uid_of(cc: ChartCluster, name: str) -> str:
+    return kubectl_json(cc.cluster, "get", "resourceclaim", name, "-n", NAMESPACE)["metadata"]["uid"]
+
+
+def test_the_slice_offers_both_gpus_by_amount(dra_cluster):
+    cc = dra_cluster
+    slices = [item for item in kubectl_json(cc.cluster, "get", "resourceslices")["items"]
+              if item["spec"]["driver"] == "vgpu.io"]
+    assert len(slices) == 1, slices
+    spec = slices[0]["spec"]
+    assert spec["nodeName"] == cc.nodes[0].name
+    assert spec["pool"]["name"] == cc.nodes[0].name
+    devices = {device["name"]: device for device in spec["devices"]}
+    assert sorted(devices) == ["gpu-0", "gpu-1"], devices
+    for device in devices.values():
+        assert device["allowMultipleAllocations"] is True
+        assert device["capacity"]["memory"]["value"] in ("24Gi", str(24 * GIB)), device
+        assert device["capacity"]["cores"]["value"] == "100", device
+        assert device["capacity"]["memory"]["requestPolicy"]["validRange"]["step"] in ("1Mi", str(1 << 20))
+        assert device["attributes"]["uuid"]["string"].startswith("GPU-"), device
+    classes = {item["metadata"]["name"] for item in kubectl_json(cc.cluster, "get", "deviceclasses")["items"]}
+    assert {"vgpu.io", "vgpu.io-exclusive"} <= classes
+
+
+def test_claims_share_a_gpu_by_amount_and_are_held_there(dra_cluster):
+    cc = dra_cluster
+    workload = compile_workload("workload", cc.workdir, source=REPO / "testkit/programs/workload.c")
+    # One at a time, so that kube-scheduler's choices are deterministic:
+    # it takes the first device that fits.
+    create(cc, claim("small", "4Gi", "30"), pod("small", "small", [sys.executable, str(FILL), "256"]))
+    small = allocated(cc, "small")
+    create(cc, claim("half", "8Gi", "50"),
+           pod("half", "half", ["/bin/sh", "-c", f"{workload} sync k1ms 4; exec sleep 600"]))
+    half = allocated(cc, "half")
+    assert small["device"] == half["device"], (small, half)
+    assert small["consumedCapacity"] == {"memory": "4Gi", "cores": "30"}, small
+    assert half["consumedCapacity"] == {"memory": "8Gi", "cores": "50"}, half
+    create(cc, claim("big", "16Gi", None), pod("big", "big", [sys.executable, str(FILL), "1024"]))
+    big = allocated(cc, "big")
+    assert big["device"] != small["device"], (small, big)
+    # 12 GiB and 20 % are left on the first GPU, 8 GiB on the second.
+    create(cc, claim("toomuch", "10Gi", "30"), pod("toomuch", "toomuch", [sys.executable, str(FILL), "256"]))
+    reason = pending_reason(cc, "toomuch")
+    assert "cannot allocate all claims" in reason, reason
+    assert allocation(cc, "toomuch") is None
+
+    for name in ("small", "half", "big"):
+        running(cc, name)
+    # The regions hold what the allocation consumed, exactly.
+    assert region_limits(cc, uid_of(cc, "small"))[0] == {"memory": 4 * GIB, "cores": 30, "burst": None, "swap": None}
+    assert region_limits(cc, uid_of(cc, "half"))[0] == {"memory": 8 * GIB, "cores": 50, "burst": None, "swap": None}
+    # No cores named: none reserved, so no share cap.
+    assert region_limits(cc, uid_of(cc, "big"))[0] == {"memory": 16 * GIB, "cores": None, "burst": None, "swap": None}
+
+    node = cc.nodes[0]
+    line = wait_for("small's workload report", lambda: node.container_log(NAMESPACE, "small", "main").strip(),
+                    timeout=30, log=cc.logs)
+    report = json.loads(line.splitlines()[-1])
+    # 256 MiB chunks under a 4 GiB cap: the shim refuses the allocation
+    # that would pass it (CUDA_ERROR_OUT_OF_MEMORY), and the device shows
+    # the cap as its total.
+    assert report["error"] == 2, report
+    assert report["total_mib"] == 4096, report
+    assert 3072 <= report["allocated_mib"] <= 4096, report
+
+    log = wait_for("half's kernels done", lambda: "launches=" in node.container_log(NAMESPACE, "half", "main")
+                   and node.container_log(NAMESPACE, "half", "main"), timeout=60, log=cc.logs)
+    launches = int(log.split("launches=")[1].split()[0])
+    # 1 ms kernels back to back for 4 s: at a 50 % share about 2000 run.
+    share = launches / 4000
+    print(f"\nclaim half (cores 50): {launches} launches of 1 ms in 4 s = {100 * share:.1f} % of the GPU")
+    assert 0.40 <= share <= 0.58, launches
+
+    for name in ("small", "half", "big", "toomuch"):
+        cc.cluster.kubectl("delete", "pod", name, "-n", NAMESPACE, "--wait=true", "--timeout=60s")
+        cc.cluster.kubectl("delete", "resourceclaim", name, "-n", NAMESPACE, "--wait=true", "--timeout=60s")
+
+
+def test_a_restarted_driver_releases_what_it_prepared(dra_cluster):
+    cc = dra_cluster
+    node = cc.nodes[0]
+    create(cc, claim("kept", "2Gi", "20"), pod("kept", "kept", [sys.executable, str(FILL), "256"]))
+    running(cc, "kept")
+    uid = uid_of(cc, "kept")
+    spec = node.host_root / f"var/run/cdi/vgpu.io-claim_{uid}.json"
+    region = node.host_root / f"usr/local/vgpu/containers/claim-{uid}"
+    assert spec.is_file() and region.is_dir()
+    edits = json.loads(spec.read_text())["devices"][0]["containerEdits"]
+    assert "CUDA_DEVICE_SM_LIMIT_0=20" in edits["env"] or "CUDA_DEVICE_SM_LIMIT=20" in edits["env"], edits
+
+    driver_pod = next(item["metadata"]["name"] for item in kubectl_json(
+        cc.cluster, "get", "pods", "-n", "vgpu-system", "-l", "app.kubernetes.io/component=dra")["items"])
+    kill_9(driver_pod, "vgpu-dra")
+
+    def restarted():
+        found = kubectl_json(cc.cluster, "get", "pod", driver_pod, "-n", "vgpu-system")
+        statuses = found["status"].get("containerStatuses", [])
+        return any(status["restartCount"] >= 1 and status.get("ready") for status in statuses)
+    wait_for("the driver restarted", restarted, timeout=60, log=cc.logs)
+
+    cc.cluster.kubectl("delete", "pod", "kept", "-n", NAMESPACE, "--wait=true", "--timeout=60s")
+    wait_for("the claim's CDI spec and region removed by the restarted driver",
+             lambda: not spec.exists() and not region.exists(), timeout=60, log=cc.logs)
+    cc.cluster.kubectl("delete", "resourceclaim", "kept", "-n", NAMESPACE, "--wait=true", "--timeout=60s")
+
+    create(cc, claim("after", "1Gi", "10"), pod("after", "after", [sys.executable, str(FILL), "256"]))
+    running(cc, "after")
+    assert region_limits(cc, uid_of(cc, "after"))[0]["memory"] == GIB
+    cc.cluster.kubectl("delete", "pod", "after", "-n", NAMESPACE, "--wait=true", "--timeout=60s")
+    cc.cluster.kubectl("delete", "resourceclaim", "after", "-n", NAMESPACE, "--wait=true", "--timeout=60s")
+
+
+def inject_xid(cc: ChartCluster, device: int, xid: int) -> None:
+    """An XID on the node's simulated GPU, as the driver's NVML sees it."""
+    node = cc.nodes[0]
+    env = {**os.environ, "SIMGPU_DEVICES": str(cc.gpus), "SIMGPU_MEMORY": cc.memory,
+           "SIMGPU_STATE": str(node.workdir / "simgpu.state"), "SIMGPU_UUID_SEED": str(node.index)}
+    subprocess.run([sys.executable, "-c",
+                    "import ctypes, sys; lib = ctypes.CDLL(sys.argv[1]);"
+                    "lib.simgpu_inject_xid.restype = ctypes.c_uint64;"
+                    "lib.simgpu_inject_xid(int(sys.argv[2]), int(sys.argv[3]))",
+                    str(TARGET / "libsimgpu.so"), str(device), str(xid)], env=env, check=True)
+
+
+def test_an_unhealthy_gpu_leaves_the_slice(dra_cluster):
+    cc = dra_cluster
+
+    def devices():
+        for item in kubectl_json(cc.cluster, "get", "resourceslices")["items"]:
+            if item["spec"]["driver"] == "vgpu.io":
+                return sorted(device["name"] for device in item["spec"].get("devices") or [])
+        return []
+    assert devices() == ["gpu-0", "gpu-1"]
+    # Fill GPU 0, so that a further claim could only go to GPU 1.
+    create(cc, claim("whole", None, None, device_class="vgpu.io-exclusive"),
+           pod("whole", "whole", [sys.executable, str(FILL), "1024"]))
+    taken = allocated(cc, "whole")["device"]
+    running(cc, "whole")
+    other = 1 if taken == "gpu-0" else 0
+    inject_xid(cc, other, 79)
+    wait_for(f"gpu-{other} gone from the slice", lambda: devices() == [taken], timeout=60, log=cc.logs)
+    create(cc, claim("stranded", "1Gi", "10"), pod("stranded", "stranded", [sys.executable, str(FILL), "256"]))
+    reason = pending_reason(cc, "stranded")
+    assert "cannot allocate all claims" in reason, reason
+    for name in ("whole", "stranded"):
+        cc.cluster.kubectl("delete", "pod", name, "-n", NAMESPACE, "--wait=true", "--timeout=60s")
+        cc.cluster.kubectl("delete", "resourceclaim", name, "-n", NAMESPACE, "--wait=true", "--timeout=60s")
