@@ -7,10 +7,14 @@
 //! window. Cases run a few at a time, each on its own simulated device.
 //!
 //! `cargo build --release && cargo run --release -p vgpu-bench --bin vgpu-accuracy`
+//! (`--save FILE` keeps the results as JSON, `--plot FILE` draws them as
+//! SVG; `vgpu-plot` draws saved results again).
 
 use anyhow::{bail, Context, Result};
+use std::path::PathBuf;
 use std::sync::Mutex;
 use std::time::Duration;
+use vgpu_bench::{AccuracyCase, AccuracyResults, RunInfo, SavedResults};
 use vgpu_testkit::compute::measure_single;
 
 const LIMITS: [u32; 6] = [5, 10, 25, 50, 75, 90];
@@ -23,6 +27,8 @@ struct Options {
     limits: Vec<u32>,
     patterns: Vec<String>,
     kernels: Vec<String>,
+    save: Option<PathBuf>,
+    plot: Option<PathBuf>,
 }
 
 fn parse_list<T: std::str::FromStr>(text: &str, what: &str) -> Result<Vec<T>> {
@@ -42,6 +48,8 @@ fn parse_options() -> Result<Options> {
         limits: LIMITS.to_vec(),
         patterns: PATTERNS.iter().map(|p| p.to_string()).collect(),
         kernels: KERNELS.iter().map(|k| k.to_string()).collect(),
+        save: None,
+        plot: None,
     };
     let mut args = std::env::args().skip(1);
     while let Some(arg) = args.next() {
@@ -60,6 +68,14 @@ fn parse_options() -> Result<Options> {
             "--limits" => options.limits = parse_list(&value()?, "limit")?,
             "--patterns" => options.patterns = parse_list(&value()?, "pattern")?,
             "--kernels" => options.kernels = parse_list(&value()?, "kernel")?,
+            "--quick" => {
+                options.window = Duration::from_secs(2);
+                options.limits = vec![25, 75];
+                options.patterns = vec!["burst".into(), "graph".into()];
+                options.kernels = vec!["k1ms".into()];
+            }
+            "--save" => options.save = Some(PathBuf::from(value()?)),
+            "--plot" => options.plot = Some(PathBuf::from(value()?)),
             "-h" | "--help" => {
                 println!(
                     "vgpu-accuracy: achieved compute share against the limit on the simulated GPU.\n\n\
@@ -67,7 +83,10 @@ fn parse_options() -> Result<Options> {
                      --jobs N           cases run at once (default 4)\n  \
                      --limits 5,10,...  limits in percent (default 5,10,25,50,75,90)\n  \
                      --patterns LIST    burst, sync, streams, graph (default all)\n  \
-                     --kernels LIST     k20us, k1ms, k30ms (default all)\n\n\
+                     --kernels LIST     k20us, k1ms, k30ms (default all)\n  \
+                     --quick            4 cases (25 and 75 %, burst and graph, k1ms), 2 s each\n  \
+                     --save FILE        write the results as JSON (vgpu-plot draws them again)\n  \
+                     --plot FILE        draw achieved against target as SVG\n\n\
                      Needs release builds (cargo build --release)."
                 );
                 std::process::exit(0);
@@ -120,29 +139,36 @@ fn main() -> Result<()> {
     let results = results
         .into_inner()
         .map_err(|_| anyhow::anyhow!("a case panicked"))?;
+    let cases = cases
+        .into_iter()
+        .zip(results)
+        .map(|((limit, pattern, kernel), result)| {
+            let result = result.context("a case did not finish")?;
+            Ok(AccuracyCase {
+                limit,
+                pattern,
+                kernel,
+                achieved: result.steady,
+                first_second: result.first_second,
+            })
+        })
+        .collect::<Result<Vec<_>>>()?;
+    let results = AccuracyResults {
+        run: RunInfo::of_this_process(),
+        window_seconds: options.window.as_secs_f64(),
+        cases,
+    };
     println!(
         "vgpu-accuracy: simulated GPU, {:.0} s window after a 1 s start, achieved = device time the process got\n",
         options.window.as_secs_f64()
     );
-    println!("| limit | pattern | kernel | achieved | error | first second |");
-    println!("|---:|---|---|---:|---:|---:|");
-    let mut errors = Vec::new();
-    for ((limit, pattern, kernel), result) in cases.iter().zip(&results) {
-        let result = result.context("a case did not finish")?;
-        let error = result.steady - *limit as f64;
-        errors.push((error.abs(), format!("{limit} {pattern} {kernel}")));
-        println!(
-            "| {limit} % | {pattern} | {kernel} | {:.2} % | {:+.2} | {:.1} % |",
-            result.steady, error, result.first_second
-        );
+    print!("{}", results.tables());
+    let saved = SavedResults::Accuracy(results);
+    if let Some(path) = &options.save {
+        saved.save(path)?;
     }
-    errors.sort_by(|a, b| b.0.total_cmp(&a.0));
-    let within = errors.iter().filter(|(e, _)| *e <= 2.0).count();
-    println!(
-        "\n{within} of {} cases within 2 points; largest error {:.2} points ({})",
-        errors.len(),
-        errors.first().map(|e| e.0).unwrap_or(0.0),
-        errors.first().map(|e| e.1.as_str()).unwrap_or("-")
-    );
+    if let Some(path) = &options.plot {
+        saved.save_plot(path)?;
+    }
     Ok(())
 }

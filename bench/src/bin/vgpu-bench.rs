@@ -5,10 +5,15 @@
 //! `cargo build --release && cargo run --release -p vgpu-bench --bin vgpu-bench`.
 //! Every figure is a median over repeats; the ratio columns compare runs
 //! taken in the same pass, which is what survives a noisy shared machine.
+//! `--save FILE` keeps the results as JSON and `--plot FILE` draws them as
+//! bars against the driver alone (SVG); `vgpu-plot` draws saved results again.
 
 use anyhow::{bail, Context, Result};
 use std::io::{BufRead, BufReader, Write};
+use std::path::PathBuf;
 use std::process::{Child, Stdio};
+use vgpu_bench::overhead::TABLE_HEADER;
+use vgpu_bench::{CallCost, OverheadResults, Percentiles, RunInfo, SavedResults, StartUpCost};
 use vgpu_testkit::{programs_dir, Sandbox};
 
 #[derive(Clone, Copy)]
@@ -21,6 +26,8 @@ struct Options {
     repeats: usize,
     alloc_iterations: u64,
     launch_iterations: u64,
+    save: Option<PathBuf>,
+    plot: Option<PathBuf>,
 }
 
 fn parse_options() -> Result<Options> {
@@ -28,12 +35,14 @@ fn parse_options() -> Result<Options> {
         repeats: 7,
         alloc_iterations: 200_000,
         launch_iterations: 20_000_000,
+        save: None,
+        plot: None,
     };
     let mut args = std::env::args().skip(1);
     while let Some(arg) = args.next() {
+        let mut text = |name: &str| args.next().with_context(|| format!("{name} needs a value"));
         let mut value = |name: &str| -> Result<u64> {
-            args.next()
-                .with_context(|| format!("{name} needs a value"))?
+            text(name)?
                 .parse()
                 .with_context(|| format!("{name} needs a whole number"))
         };
@@ -43,6 +52,8 @@ fn parse_options() -> Result<Options> {
             "--launch-iterations" => {
                 options.launch_iterations = value("--launch-iterations")?.max(1)
             }
+            "--save" => options.save = Some(PathBuf::from(text("--save")?)),
+            "--plot" => options.plot = Some(PathBuf::from(text("--plot")?)),
             "--quick" => {
                 options.repeats = 3;
                 options.alloc_iterations = 20_000;
@@ -54,7 +65,9 @@ fn parse_options() -> Result<Options> {
                      Options:\n  --repeats N            runs per figure (median reported; default 7)\n  \
                      --alloc-iterations N   alloc+free pairs per run (default 200000)\n  \
                      --launch-iterations N  launches per run (default 20000000)\n  \
-                     --quick                small runs, for a smoke test\n\n\
+                     --quick                small runs, for a smoke test\n  \
+                     --save FILE            write the results as JSON (vgpu-plot draws them again)\n  \
+                     --plot FILE            draw the table as bars against the driver alone (SVG)\n\n\
                      Needs release builds of libvgpu.so and libsimgpu.so (cargo build --release)."
                 );
                 std::process::exit(0);
@@ -248,6 +261,12 @@ fn paired(options: &Options, count: usize, args: &[&str]) -> Result<(f64, f64)> 
     Ok((median(&mut driver), median(&mut shim)))
 }
 
+/// Prints a row as soon as it is measured: a full run takes minutes.
+fn print_row(row: &str) {
+    print!("{row}");
+    let _ = std::io::stdout().flush();
+}
+
 fn main() -> Result<()> {
     let options = parse_options()?;
     let alloc_iterations = options.alloc_iterations.to_string();
@@ -256,20 +275,28 @@ fn main() -> Result<()> {
         "vgpu-bench: simulated GPU, {} repeats per figure (median)\n",
         options.repeats
     );
-    println!("| measurement | driver alone | with shim | added | ratio |");
-    println!("|---|---:|---:|---:|---:|");
+    print!("{TABLE_HEADER}");
+    let mut calls = Vec::new();
+    let mut record = |call: CallCost| {
+        print_row(&call.table_row());
+        calls.push(call);
+    };
     for processes in [1usize, 8] {
         let (driver, shim) = paired(
             &options,
             processes,
             &["alloc", &alloc_iterations, "1048576"],
         )?;
-        println!(
-            "| cuMemAlloc_v2 + cuMemFree_v2 (1 MiB), {processes} process{} | {driver:.0} ns | {shim:.0} ns | {:.0} ns | {:.2}x |",
-            if processes == 1 { "" } else { "es" },
-            shim - driver,
-            shim / driver
-        );
+        let plural = if processes == 1 { "" } else { "es" };
+        record(CallCost {
+            measurement: format!(
+                "cuMemAlloc_v2 + cuMemFree_v2 (1 MiB), {processes} process{plural}"
+            ),
+            short: format!("alloc + free 1 MiB, {processes} process{plural}"),
+            baseline_ns: driver,
+            measured_ns: shim,
+            decimals: 0,
+        });
     }
     // Every 1 MiB allocation spills: the cap is below it.
     let (mut device_pairs, mut spilled_pairs) = (Vec::new(), Vec::new());
@@ -293,18 +320,21 @@ fn main() -> Result<()> {
             &["alloc", &alloc_iterations, "1048576"],
         )?));
     }
-    let (device_pair, spilled_pair) = (median(&mut device_pairs), median(&mut spilled_pairs));
-    println!(
-        "| cuMemAlloc_v2 + cuMemFree_v2 (1 MiB) served from host swap, against one in device memory (both with shim) | {device_pair:.0} ns | {spilled_pair:.0} ns | {:.0} ns | {:.2}x |",
-        spilled_pair - device_pair,
-        spilled_pair / device_pair
-    );
+    record(CallCost {
+        measurement: "cuMemAlloc_v2 + cuMemFree_v2 (1 MiB) served from host swap, against one in device memory (both with shim)".into(),
+        short: "alloc + free 1 MiB from host swap ÷ device memory".into(),
+        baseline_ns: median(&mut device_pairs),
+        measured_ns: median(&mut spilled_pairs),
+        decimals: 0,
+    });
     let (driver, shim) = paired(&options, 1, &["launch", &launch_iterations])?;
-    println!(
-        "| cuLaunchKernel refused by the driver (hook only), no compute cap | {driver:.1} ns | {shim:.1} ns | {:.1} ns | {:.2}x |",
-        shim - driver,
-        shim / driver
-    );
+    record(CallCost {
+        measurement: "cuLaunchKernel refused by the driver (hook only), no compute cap".into(),
+        short: "launch refused by the driver (the hook alone)".into(),
+        baseline_ns: driver,
+        measured_ns: shim,
+        decimals: 1,
+    });
     let kernel_iterations = (options.launch_iterations / 10).max(1);
     let (mut driver, mut uncapped, mut capped, mut waiting) =
         (Vec::new(), Vec::new(), Vec::new(), Vec::new());
@@ -333,24 +363,34 @@ fn main() -> Result<()> {
         }
         in_hand.push(total);
     }
-    let in_hand = median(&mut in_hand);
-    let (driver, uncapped) = (median(&mut driver), median(&mut uncapped));
-    let (capped, waiting) = (median(&mut capped), median(&mut waiting));
-    println!(
-        "| cuLaunchKernel of a 1 ns kernel, no compute cap | {driver:.1} ns | {uncapped:.1} ns | {:.1} ns | {:.2}x |",
-        uncapped - driver,
-        uncapped / driver
-    );
-    println!(
-        "| cuLaunchKernel of a 1 ns kernel, 99 % cap, tokens in hand | {driver:.1} ns | {in_hand:.1} ns | {:.1} ns | {:.2}x |",
-        in_hand - driver,
-        in_hand / driver
-    );
-    println!(
-        "| cuLaunchKernel of a 1 ns kernel, 99 % cap, at the cap (of which {waiting:.1} ns waiting) | {driver:.1} ns | {capped:.1} ns | {:.1} ns | {:.2}x |",
-        capped - driver,
-        capped / driver
-    );
+    let driver = median(&mut driver);
+    let waiting = median(&mut waiting);
+    for (measurement, short, measured_ns) in [
+        (
+            "cuLaunchKernel of a 1 ns kernel, no compute cap".to_string(),
+            "launch of a 1 ns kernel, no compute cap",
+            median(&mut uncapped),
+        ),
+        (
+            "cuLaunchKernel of a 1 ns kernel, 99 % cap, tokens in hand".to_string(),
+            "launch of a 1 ns kernel, 99 % cap, tokens in hand",
+            median(&mut in_hand),
+        ),
+        (
+            format!("cuLaunchKernel of a 1 ns kernel, 99 % cap, at the cap (of which {waiting:.1} ns waiting)"),
+            "launch of a 1 ns kernel, 99 % cap, at the cap",
+            median(&mut capped),
+        ),
+    ] {
+        record(CallCost {
+            measurement,
+            short: short.into(),
+            baseline_ns: driver,
+            measured_ns,
+            decimals: 1,
+        });
+    }
+    let mut start_ups = Vec::new();
     for (processes, region_exists) in [(1usize, false), (64, false), (64, true)] {
         let (mut driver, mut shim, mut own) = (Vec::new(), Vec::new(), Vec::new());
         for _ in 0..options.repeats {
@@ -375,35 +415,40 @@ fn main() -> Result<()> {
                 shim.len()
             );
         }
-        let label = format!(
-            "{processes} process{} starting at once, region {}",
-            if processes == 1 { "" } else { "es" },
-            if region_exists {
-                "already there"
-            } else {
-                "created by them"
-            }
-        );
-        let (d50, s50) = (percentile(&mut driver, 0.5), percentile(&mut shim, 0.5));
-        let (d99, s99) = (percentile(&mut driver, 0.99), percentile(&mut shim, 0.99));
-        println!(
-            "| first cuInit, {label}: p50 / p99 | {:.3} / {:.3} ms | {:.3} / {:.3} ms | {:.3} / {:.3} ms | |",
-            d50 / 1e6,
-            d99 / 1e6,
-            s50 / 1e6,
-            s99 / 1e6,
-            (s50 - d50) / 1e6,
-            (s99 - d99) / 1e6
-        );
         let mut wall: Vec<f64> = own.iter().map(|(wall, _)| *wall).collect();
         let mut cpu: Vec<f64> = own.iter().map(|(_, cpu)| *cpu).collect();
-        println!(
-            "| shim's own set-up in it, {label}: p50 / p99 wall (cpu) | | {:.3} / {:.3} ms ({:.3} / {:.3} ms) | | |",
-            percentile(&mut wall, 0.5) / 1e6,
-            percentile(&mut wall, 0.99) / 1e6,
-            percentile(&mut cpu, 0.5) / 1e6,
-            percentile(&mut cpu, 0.99) / 1e6
-        );
+        let start_up = StartUpCost {
+            processes,
+            region_exists,
+            driver_ms: milliseconds(&mut driver),
+            shim_ms: milliseconds(&mut shim),
+            shim_own_wall_ms: milliseconds(&mut wall),
+            shim_own_cpu_ms: milliseconds(&mut cpu),
+        };
+        print_row(&start_up.table_rows());
+        start_ups.push(start_up);
+    }
+    let saved = SavedResults::Overhead(OverheadResults {
+        run: RunInfo::of_this_process(),
+        repeats: options.repeats,
+        alloc_iterations: options.alloc_iterations,
+        launch_iterations: options.launch_iterations,
+        calls,
+        start_ups,
+    });
+    if let Some(path) = &options.save {
+        saved.save(path)?;
+    }
+    if let Some(path) = &options.plot {
+        saved.save_plot(path)?;
     }
     Ok(())
+}
+
+/// The p50 and p99 of nanosecond figures, in milliseconds.
+fn milliseconds(nanoseconds: &mut [f64]) -> Percentiles {
+    Percentiles {
+        p50: percentile(nanoseconds, 0.5) / 1e6,
+        p99: percentile(nanoseconds, 0.99) / 1e6,
+    }
 }
