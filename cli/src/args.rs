@@ -14,6 +14,9 @@ Examples:
   vgpu ls
   vgpu inspect team --json
   vgpu set team --cores 20
+  vgpu top                      # live, every second; s/n/m/u/t sort, q quits
+  vgpu top --once --sort util   # one plain table, for scripts
+  vgpu demo                     # a cap and a share holding, on this machine's GPU or a simulated one
 
 Regions live in --root: /usr/local/vgpu/containers for root (the directory
 the node monitor watches), else $XDG_RUNTIME_DIR/vgpu, else /tmp/vgpu-<uid>.";
@@ -47,8 +50,10 @@ pub enum Command {
     Inspect(InspectArgs),
     /// Change a local region's limits while it runs
     Set(SetArgs),
-    /// Every region's GPUs over an interval: memory, share, utilization
+    /// Every region's GPUs, live: memory, share, utilization, throttling
     Top(TopArgs),
+    /// Show a memory cap and a compute share holding, on a real or simulated GPU
+    Demo(DemoArgs),
 }
 
 const RUN_EXAMPLES: &str = "\
@@ -145,32 +150,77 @@ pub struct InspectArgs {
     pub json: bool,
 }
 
-/// Every region's GPUs over an interval: memory used against the cap, swap,
-/// configured and effective share, achieved utilization, time throttled,
-/// launches, out-of-memory events.
+/// Every region's GPUs, measured over an interval: memory used against the
+/// cap, swap, configured and effective share, achieved utilization, time
+/// throttled, launches, out-of-memory events.
 #[derive(Debug, Args)]
 #[command(after_help = "\
 Examples:
-  vgpu top --once
-  vgpu top --once --interval-ms 5000 --sort util
+  vgpu top
+  vgpu top --interval-ms 250 --sort util
+  vgpu top --once --interval-ms 5000 --sort util > top.txt
 
-Only the plain-text form (--once) is built so far: one table, measured over
---interval-ms, then vgpu exits. UTIL is the device time the shim granted
-over the interval, as the node monitor measures a capped container; THROT
-the time spent waiting for the share.")]
+Without --once, a live table in the terminal, read again every
+--interval-ms. Keys: s sorts by the next column, n/m/u/t by name, memory,
+utilization or throttled time (the sorted column's title is marked *);
+q, Esc or Ctrl-C quit. Regions that appear or vanish do so at the next
+refresh. The live view needs a terminal; elsewhere use --once.
+
+--once prints one plain table, measured over --interval-ms, and exits.
+
+UTIL is the device time the shim granted over the interval, as the node
+monitor measures a capped container; THROT the time spent waiting for the
+share; LAUNCHES the kernel launches in the interval; OOM the allocations
+refused since the region was made.")]
 pub struct TopArgs {
-    /// Print one table and exit (required: the live view is not built yet)
+    /// Print one plain table and exit, instead of the live view
     #[arg(long)]
     pub once: bool,
 
-    /// Milliseconds between the two readings the figures are measured over
+    /// Milliseconds between readings (the live view's refresh; with --once,
+    /// the interval the one table is measured over)
     #[arg(long, default_value_t = 1000, value_name = "MS",
           value_parser = clap::value_parser!(u64).range(100..=600_000))]
     pub interval_ms: u64,
 
-    /// The column rows are sorted by
+    /// The column rows are sorted by (the live view starts with it)
     #[arg(long, value_enum, default_value_t = crate::top::SortKey::Name)]
     pub sort: crate::top::SortKey,
+}
+
+/// Show a memory cap and a compute share holding.
+#[derive(Debug, Args)]
+#[command(after_help = "\
+Examples:
+  vgpu demo
+  vgpu demo --simulated
+
+Runs two small CUDA programs (built with vgpu from testkit/programs) without
+and with `vgpu run`, keeping its regions in a temporary directory of its own
+(not --root) that it removes afterwards:
+
+  memory   allocates 256 MiB buffers until refused: without vgpu up to the
+           device's size, under `vgpu run --memory 4g` up to the 4 GiB cap;
+           then NVML, read under the shim, reports the cap as the device's
+           size. On a real GPU the device is not filled without vgpu (other
+           programs may be using it): NVML's total is shown instead.
+  compute  launches 1 ms kernels flat out: without vgpu it takes the whole
+           device, under `vgpu run --cores 30` 30 % of its time.
+
+It runs on this machine's NVIDIA GPU (device 0) when the driver is there
+(/dev/nvidiactl and a libcuda.so.1 that loads), else on the simulated GPU
+(libsimgpu.so, found next to the vgpu binary), and says which. On the
+simulated GPU, the device's time is the simulated driver's own record; on a
+real one, the kernels completed times their 1 ms over the time they took.
+Exit status 1 if the cap did not hold or a step failed.")]
+pub struct DemoArgs {
+    /// Use the simulated GPU even when a real one is present
+    #[arg(long)]
+    pub simulated: bool,
+
+    /// The shim to preload (as for `vgpu run`)
+    #[arg(long, env = "VGPU_LIBRARY", value_name = "PATH")]
+    pub library: Option<PathBuf>,
 }
 
 /// Change a local region's limits while it runs.

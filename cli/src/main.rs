@@ -3,6 +3,8 @@
 //! regions (see `vgpu --help`).
 
 mod args;
+mod demo;
+mod live;
 mod places;
 mod run;
 mod set;
@@ -57,16 +59,23 @@ fn main() -> ExitCode {
             }
         }
         Command::Top(args) => {
-            if !args.once {
-                eprintln!("vgpu: top: only --once is built so far (one table, then exit)");
-                return ExitCode::from(2);
-            }
             let interval = std::time::Duration::from_millis(args.interval_ms);
-            let mut rows = top::sample(&roots, interval);
-            top::sort(&mut rows, args.sort);
-            let result = top::write(&rows, interval, &mut std::io::stdout().lock());
-            (i32::from(result.is_err()), result.err().map(Into::into))
+            if args.once {
+                let mut rows = top::sample(&roots, interval);
+                top::sort(&mut rows, args.sort);
+                let result = top::write(&rows, interval, &mut std::io::stdout().lock());
+                (i32::from(result.is_err()), result.err().map(Into::into))
+            } else {
+                match live::run(&roots, interval, args.sort) {
+                    Ok(()) => (0, None),
+                    Err(error) => (error.exit_code(), Some(error.into())),
+                }
+            }
         }
+        Command::Demo(args) => match demo::run(&args, &mut std::io::stdout().lock()) {
+            Ok(()) => (0, None),
+            Err(error) => (1, Some(error.into())),
+        },
     };
     if let Some(error) = error {
         eprintln!("vgpu: {}", one_line(&error));

@@ -1,17 +1,18 @@
-//! `vgpu top --once`: every region the user can see, with what each GPU of
-//! it did over one interval: memory used against the cap, swap, the
+//! `vgpu top`'s figures: every region the user can see, with what each GPU
+//! of it did over one interval: memory used against the cap, swap, the
 //! configured and effective share, the achieved utilization (device time
 //! the shim granted over the interval, as the node monitor measures a
 //! capped container), the time throttled, launches, out-of-memory events.
-//! Read twice, `interval` apart, with the node monitor's own region reader
-//! ([`vgpu_node_contract::figures`]).
+//! Measured between two readings with the node monitor's own region reader
+//! ([`vgpu_node_contract::figures`]); `--once` prints them as a plain table
+//! (here), the live view draws them in the terminal (`live.rs`).
 
 use crate::places::{self, Origin};
 use std::collections::BTreeMap;
 use std::io::Write;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
-use vgpu_node_contract::figures::{read_figures, DeviceFigures};
+use vgpu_node_contract::figures::read_figures;
 use vgpu_node_contract::region::{Region, SHARE_FULL, SHARE_UNLIMITED};
 use vgpu_node_contract::size::human_bytes;
 
@@ -26,6 +27,19 @@ pub enum SortKey {
     Util,
     /// Time throttled, most first.
     Throttled,
+}
+
+impl SortKey {
+    /// The next key in the order of the columns, back to the first after
+    /// the last (the live view's `s`).
+    pub fn next(self) -> Self {
+        match self {
+            Self::Name => Self::Memory,
+            Self::Memory => Self::Util,
+            Self::Util => Self::Throttled,
+            Self::Throttled => Self::Name,
+        }
+    }
 }
 
 /// One GPU of one region over the interval.
@@ -50,7 +64,7 @@ pub struct Row {
 }
 
 /// A region's name as `ls` shows it.
-fn name_of(path: &std::path::Path) -> String {
+fn name_of(path: &Path) -> String {
     let dir = places::dir_name_of(path);
     match Origin::of_dir(&dir) {
         Origin::Local { name } => name,
@@ -63,56 +77,135 @@ fn percent_of(delta_ns: u64, interval: Duration) -> f64 {
     (delta_ns as f64 * 100.0 / interval_ns).min(100.0)
 }
 
-/// The rows for the regions under `roots`, read `interval` apart; a
-/// region that vanishes or cannot be read in between is left out.
-pub fn sample(roots: &[PathBuf], interval: Duration) -> Vec<Row> {
-    let regions: Vec<(String, Region)> = roots
+/// One GPU of one region as read at one instant.
+#[derive(Clone, Debug, PartialEq)]
+struct DeviceReading {
+    index: usize,
+    memory_used: u64,
+    memory_cap: Option<u64>,
+    swap_used: u64,
+    share: Option<u32>,
+    effective: Option<f64>,
+    /// Running totals: rates are their differences between two readings.
+    granted_ns: u64,
+    throttled_ns: u64,
+    launches: u64,
+    oom_events: u64,
+}
+
+/// One region as read at one instant.
+#[derive(Clone, Debug, PartialEq)]
+struct RegionReading {
+    path: PathBuf,
+    name: String,
+    devices: Vec<DeviceReading>,
+}
+
+/// Every region under some roots, as read at one instant.
+#[derive(Clone, Debug)]
+pub struct Reading {
+    at: Instant,
+    regions: Vec<RegionReading>,
+}
+
+impl Reading {
+    /// When it was read.
+    pub fn at(&self) -> Instant {
+        self.at
+    }
+}
+
+/// Reads every region under `roots` now. A region that vanishes or cannot
+/// be read while the roots are listed is left out: it is not there.
+pub fn read(roots: &[PathBuf]) -> Reading {
+    let at = Instant::now();
+    let regions = roots
         .iter()
         .flat_map(|root| places::list_regions(root))
         .filter_map(|path| {
             let region = crate::show::open(&path).ok()?;
-            Some((name_of(&path), region))
+            Some(read_region(path, &region))
         })
         .collect();
-    let before: Vec<BTreeMap<usize, DeviceFigures>> = regions
-        .iter()
-        .map(|(_, region)| by_index(read_figures(region).devices))
-        .collect();
-    let started = Instant::now();
-    std::thread::sleep(interval);
-    let elapsed = started.elapsed();
-    let mut rows = Vec::new();
-    for ((name, region), before) in regions.iter().zip(before) {
-        let limits = region.limits();
-        for (index, now) in by_index(read_figures(region).devices) {
-            let was = before.get(&index);
-            let delta = |now: u64, was: Option<u64>| now.saturating_sub(was.unwrap_or(now));
+    Reading { at, regions }
+}
+
+fn read_region(path: PathBuf, region: &Region) -> RegionReading {
+    let limits = region.limits();
+    let devices = read_figures(region)
+        .devices
+        .into_iter()
+        .map(|figures| {
+            let index = figures.index;
             let share = limits.sm_limit[index];
-            let effective = now.sm_effective;
-            rows.push(Row {
-                name: name.clone(),
-                device: index,
+            let effective = figures.sm_effective;
+            DeviceReading {
+                index,
                 memory_used: region.device_used(index),
                 memory_cap: (limits.memory_limit[index] != 0).then_some(limits.memory_limit[index]),
                 swap_used: region.device_swap_used(index),
                 share: (share != 0).then_some(share),
                 effective: (effective != SHARE_UNLIMITED && effective < SHARE_FULL)
                     .then(|| f64::from(effective) * 100.0 / f64::from(SHARE_FULL)),
-                utilization: percent_of(delta(now.granted_ns, was.map(|w| w.granted_ns)), elapsed),
-                throttled: percent_of(
-                    delta(now.throttled_ns, was.map(|w| w.throttled_ns)),
-                    elapsed,
-                ),
-                launches: delta(now.launches, was.map(|w| w.launches)),
-                oom_events: now.oom_events,
+                granted_ns: figures.granted_ns,
+                throttled_ns: figures.throttled_ns,
+                launches: figures.launches,
+                oom_events: figures.oom_events,
+            }
+        })
+        .collect();
+    RegionReading {
+        name: name_of(&path),
+        path,
+        devices,
+    }
+}
+
+/// The rows for the regions in `now`, their rates measured since `before`.
+/// A region or GPU that `before` lacks (it appeared in between) shows no
+/// use yet; one that `now` lacks (it vanished) has no row.
+pub fn rows_between(before: &Reading, now: &Reading) -> Vec<Row> {
+    let elapsed = now.at.saturating_duration_since(before.at);
+    let earlier: BTreeMap<(&Path, usize), &DeviceReading> = before
+        .regions
+        .iter()
+        .flat_map(|region| {
+            region
+                .devices
+                .iter()
+                .map(move |device| ((region.path.as_path(), device.index), device))
+        })
+        .collect();
+    let mut rows = Vec::new();
+    for region in &now.regions {
+        for device in &region.devices {
+            let was = earlier.get(&(region.path.as_path(), device.index));
+            let delta = |now: u64, then: fn(&DeviceReading) -> u64| {
+                now.saturating_sub(was.map_or(now, |was| then(was)))
+            };
+            rows.push(Row {
+                name: region.name.clone(),
+                device: device.index,
+                memory_used: device.memory_used,
+                memory_cap: device.memory_cap,
+                swap_used: device.swap_used,
+                share: device.share,
+                effective: device.effective,
+                utilization: percent_of(delta(device.granted_ns, |d| d.granted_ns), elapsed),
+                throttled: percent_of(delta(device.throttled_ns, |d| d.throttled_ns), elapsed),
+                launches: delta(device.launches, |d| d.launches),
+                oom_events: device.oom_events,
             });
         }
     }
     rows
 }
 
-fn by_index(devices: Vec<DeviceFigures>) -> BTreeMap<usize, DeviceFigures> {
-    devices.into_iter().map(|d| (d.index, d)).collect()
+/// The rows for the regions under `roots`, read `interval` apart.
+pub fn sample(roots: &[PathBuf], interval: Duration) -> Vec<Row> {
+    let before = read(roots);
+    std::thread::sleep(interval);
+    rows_between(&before, &read(roots))
 }
 
 /// Sorts `rows` by `key`.
@@ -131,36 +224,74 @@ fn compact(bytes: u64) -> String {
     human_bytes(bytes).replace(' ', "")
 }
 
+/// A column of the table: its title, its width in the plain table, and
+/// the sort key that orders rows by it, if any.
+pub struct Column {
+    pub title: &'static str,
+    pub width: usize,
+    pub sorted_by: Option<SortKey>,
+}
+
+const fn column(title: &'static str, width: usize, sorted_by: Option<SortKey>) -> Column {
+    Column {
+        title,
+        width,
+        sorted_by,
+    }
+}
+
+/// The table's columns, in order; [`cells`] gives a row's values for them.
+pub const COLUMNS: [Column; 10] = [
+    column("NAME", 24, Some(SortKey::Name)),
+    column("GPU", 3, None),
+    column("MEMORY/CAP", 21, Some(SortKey::Memory)),
+    column("SWAP", 9, None),
+    column("SHARE", 6, None),
+    column("EFF", 6, None),
+    column("UTIL", 6, Some(SortKey::Util)),
+    column("THROT", 6, Some(SortKey::Throttled)),
+    column("LAUNCHES", 9, None),
+    column("OOM", 4, None),
+];
+
+/// A row's values for [`COLUMNS`], as the plain table and the live view
+/// both show them.
+pub fn cells(row: &Row) -> [String; 10] {
+    let cap = row.memory_cap.map_or_else(|| "-".to_string(), compact);
+    [
+        row.name.clone(),
+        row.device.to_string(),
+        format!("{}/{}", compact(row.memory_used), cap),
+        compact(row.swap_used),
+        row.share
+            .map_or_else(|| "100%".to_string(), |share| format!("{share}%")),
+        row.effective
+            .map_or_else(|| "-".to_string(), |effective| format!("{effective:.0}%")),
+        format!("{:.1}%", row.utilization),
+        format!("{:.1}%", row.throttled),
+        row.launches.to_string(),
+        row.oom_events.to_string(),
+    ]
+}
+
 /// Writes `rows` as a plain table (for scripts: one line per GPU of a
 /// region, columns separated by spaces, a header first).
 pub fn write(rows: &[Row], interval: Duration, out: &mut impl Write) -> std::io::Result<()> {
-    writeln!(
-        out,
-        "{:<24} {:>3} {:>21} {:>9} {:>6} {:>6} {:>6} {:>6} {:>9} {:>4}",
-        "NAME", "GPU", "MEMORY/CAP", "SWAP", "SHARE", "EFF", "UTIL", "THROT", "LAUNCHES", "OOM"
-    )?;
+    let line = |values: [&str; 10]| {
+        let mut line = String::new();
+        for (index, (column, value)) in COLUMNS.iter().zip(values).enumerate() {
+            if index == 0 {
+                line.push_str(&format!("{value:<width$}", width = column.width));
+            } else {
+                line.push_str(&format!(" {value:>width$}", width = column.width));
+            }
+        }
+        line
+    };
+    writeln!(out, "{}", line(COLUMNS.map(|column| column.title)))?;
     for row in rows {
-        let cap = row.memory_cap.map_or_else(|| "-".to_string(), compact);
-        let share = row
-            .share
-            .map_or_else(|| "100%".to_string(), |s| format!("{s}%"));
-        let effective = row
-            .effective
-            .map_or_else(|| "-".to_string(), |e| format!("{e:.0}%"));
-        writeln!(
-            out,
-            "{:<24} {:>3} {:>21} {:>9} {:>6} {:>6} {:>5.1}% {:>5.1}% {:>9} {:>4}",
-            row.name,
-            row.device,
-            format!("{}/{}", compact(row.memory_used), cap),
-            compact(row.swap_used),
-            share,
-            effective,
-            row.utilization,
-            row.throttled,
-            row.launches,
-            row.oom_events
-        )?;
+        let values = cells(row);
+        writeln!(out, "{}", line(values.each_ref().map(String::as_str)))?;
     }
     writeln!(
         out,
@@ -200,6 +331,64 @@ mod tests {
         assert_eq!(names(&rows), ["a", "c", "b"]);
         sort(&mut rows, SortKey::Util);
         assert_eq!(names(&rows), ["c", "b", "a"]);
+    }
+
+    fn region(name: &str, granted_ns: u64, launches: u64) -> RegionReading {
+        RegionReading {
+            path: PathBuf::from(format!("/regions/local-{name}/region.cache")),
+            name: name.into(),
+            devices: vec![DeviceReading {
+                index: 0,
+                memory_used: 0,
+                memory_cap: None,
+                swap_used: 0,
+                share: Some(30),
+                effective: None,
+                granted_ns,
+                throttled_ns: 0,
+                launches,
+                oom_events: 0,
+            }],
+        }
+    }
+
+    #[test]
+    fn rates_are_measured_between_two_readings_of_the_same_region() {
+        let start = Instant::now();
+        let before = Reading {
+            at: start,
+            regions: vec![region("steady", 1_000_000_000, 7), region("gone", 0, 0)],
+        };
+        let now = Reading {
+            at: start + Duration::from_secs(2),
+            regions: vec![
+                region("steady", 1_600_000_000, 67),
+                region("new", 9_000_000_000, 500),
+            ],
+        };
+        let rows = rows_between(&before, &now);
+        let names: Vec<&str> = rows.iter().map(|row| row.name.as_str()).collect();
+        assert_eq!(names, ["steady", "new"], "a vanished region has no row");
+        assert!((rows[0].utilization - 30.0).abs() < 1e-9, "{rows:?}");
+        assert_eq!(rows[0].launches, 60);
+        assert_eq!(rows[1].utilization, 0.0, "no earlier reading: no use yet");
+        assert_eq!(rows[1].launches, 0);
+    }
+
+    #[test]
+    fn the_sort_key_cycles_through_every_sortable_column() {
+        let sortable: Vec<SortKey> = COLUMNS
+            .iter()
+            .filter_map(|column| column.sorted_by)
+            .collect();
+        let mut key = SortKey::Name;
+        let mut seen = Vec::new();
+        for _ in 0..sortable.len() {
+            seen.push(key);
+            key = key.next();
+        }
+        assert_eq!(seen, sortable);
+        assert_eq!(key, SortKey::Name);
     }
 
     #[test]

@@ -443,12 +443,305 @@ fn top_once_measures_each_regions_gpu_over_its_interval() {
     assert_eq!(idle[2], "0B/1GiB", "{text}");
     assert_eq!(idle[6], "0.0%", "{text}");
 
-    // Without --once: not built yet, said so.
+    // The live view needs a terminal; a pipe is told to use --once.
     let refused = local.vgpu(&["top"]).output().expect("vgpu");
     assert_eq!(refused.status.code(), Some(2));
+    let message = stderr(&refused);
+    assert_eq!(message.lines().count(), 1, "{message}");
     assert!(
-        stderr(&refused).contains("only --once"),
-        "{}",
-        stderr(&refused)
+        message.contains("not a terminal") && message.contains("--once"),
+        "{message}"
     );
+    assert!(refused.stdout.is_empty());
+}
+
+/// A tmux server of the test's own (its own socket and no user
+/// configuration) with one session, `top`, running a shell command in a
+/// terminal of 200 x 50.
+struct Tmux {
+    socket: PathBuf,
+}
+
+impl Tmux {
+    const SESSION: &'static str = "top";
+
+    fn start(dir: &Path, command: &str) -> Self {
+        match Command::new("tmux").arg("-V").output() {
+            Ok(output) if output.status.success() => {}
+            _ => panic!(
+                "tmux is missing: the live `vgpu top` is tested in a real terminal through tmux; \
+                 install it (apt-get install tmux)"
+            ),
+        }
+        let tmux = Self {
+            socket: dir.join("tmux.socket"),
+        };
+        let started = tmux
+            .command()
+            .args([
+                "-f",
+                "/dev/null",
+                "new-session",
+                "-d",
+                "-x",
+                "200",
+                "-y",
+                "50",
+                "-s",
+                Self::SESSION,
+            ])
+            .arg(command)
+            .status()
+            .expect("run tmux");
+        assert!(started.success(), "tmux new-session failed");
+        tmux
+    }
+
+    fn command(&self) -> Command {
+        let mut command = Command::new("tmux");
+        command.arg("-S").arg(&self.socket);
+        command
+    }
+
+    fn send_keys(&self, keys: &str) {
+        let sent = self
+            .command()
+            .args(["send-keys", "-t", Self::SESSION, keys])
+            .status()
+            .expect("tmux send-keys");
+        assert!(sent.success());
+    }
+
+    /// What the pane shows now.
+    fn screen(&self) -> String {
+        let output = self
+            .command()
+            .args(["capture-pane", "-p", "-t", Self::SESSION])
+            .output()
+            .expect("tmux capture-pane");
+        assert!(output.status.success(), "{}", stderr(&output));
+        String::from_utf8_lossy(&output.stdout).into_owned()
+    }
+
+    /// A `#{...}` format of the pane (`alternate_on`, `pane_dead`).
+    fn format(&self, format: &str) -> String {
+        let output = self
+            .command()
+            .args(["display-message", "-p", "-t", Self::SESSION, format])
+            .output()
+            .expect("tmux display-message");
+        String::from_utf8_lossy(&output.stdout).trim().to_string()
+    }
+
+    /// Polls the pane until `condition` holds on it, for at most 20 s.
+    fn wait_for(&self, what: &str, condition: impl Fn(&str) -> bool) -> String {
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
+        loop {
+            let screen = self.screen();
+            if condition(&screen) {
+                return screen;
+            }
+            assert!(
+                std::time::Instant::now() < deadline,
+                "the pane never showed {what}; it shows:\n{screen}"
+            );
+            std::thread::sleep(std::time::Duration::from_millis(50));
+        }
+    }
+}
+
+impl Drop for Tmux {
+    fn drop(&mut self) {
+        let _ = self.command().arg("kill-server").status();
+    }
+}
+
+/// The line of the live table that shows region `name`, and its place.
+fn table_line<'a>(screen: &'a str, name: &str) -> Option<(usize, &'a str)> {
+    screen
+        .lines()
+        .enumerate()
+        .find(|(_, line)| line.split_whitespace().next() == Some(name))
+}
+
+/// Whether the regions' lines come in this order, each shown.
+fn in_order(screen: &str, names: &[&str]) -> bool {
+    let places: Option<Vec<usize>> = names
+        .iter()
+        .map(|name| table_line(screen, name).map(|(at, _)| at))
+        .collect();
+    places.is_some_and(|places| places.windows(2).all(|pair| pair[0] < pair[1]))
+}
+
+/// The header line of the live table.
+fn header(screen: &str) -> &str {
+    screen
+        .lines()
+        .find(|line| line.trim_start().starts_with("NAME"))
+        .unwrap_or("")
+}
+
+/// The UTIL column of a row of the live table, in percent.
+fn utilization(line: &str) -> f64 {
+    // NAME GPU MEMORY/CAP SWAP SHARE EFF UTIL THROT LAUNCHES OOM
+    line.split_whitespace()
+        .nth(6)
+        .and_then(|value| value.trim_end_matches('%').parse().ok())
+        .unwrap_or(0.0)
+}
+
+#[test]
+fn top_live_shows_regions_sorts_by_key_drops_a_vanished_region_and_quits() {
+    let local = Local::new("cli-top-live", "16Gi");
+    let probe = |name: &str| {
+        run_ok(&mut local.probe(&["--name", name, "--memory", "512m"], &["fill", "67108864"]));
+    };
+    probe("alpha");
+    probe("gone");
+    let mut holder = spawn_until_ready(&mut local.probe(
+        &["--name", "zeta", "--memory", "1g", "--cores", "30"],
+        &["hold", "268435456"],
+    ));
+    let busy = local.workload(&["--name", "busy", "--cores", "30"], 30.0);
+
+    // After vgpu: its status and whether the terminal is back in canonical
+    // (cooked) mode, then `cat` keeps the pane open to be read (output
+    // written just before a pane's last process ends can be lost).
+    let command = format!(
+        "VGPU_ROOT='{}' '{}' top --interval-ms 250; \
+         echo EXIT=$? MODE=$(stty -a | tr ' ' '\\n' | grep -x -- '-*icanon'); exec cat",
+        local.root.display(),
+        env!("CARGO_BIN_EXE_vgpu")
+    );
+    let tmux = Tmux::start(&local.sandbox.dir, &command);
+
+    // Every region, by name, once the first interval has been measured.
+    let screen = tmux.wait_for("every region, sorted by name, busy measured", |screen| {
+        in_order(screen, &["alpha", "busy", "gone", "zeta"])
+            && table_line(screen, "busy").is_some_and(|(_, line)| utilization(line) > 0.0)
+    });
+    assert!(header(&screen).contains("NAME*"), "{screen}");
+    assert!(screen.contains("sorted by NAME"), "{screen}");
+    assert!(screen.contains("q quit"), "{screen}");
+    assert_eq!(tmux.format("#{alternate_on}"), "1", "the alternate screen");
+    let (_, zeta) = table_line(&screen, "zeta").expect("zeta");
+    assert!(zeta.contains("256MiB/1GiB"), "{screen}");
+    assert_eq!(zeta.split_whitespace().nth(4), Some("30%"), "{screen}");
+    let (_, busy_line) = table_line(&screen, "busy").expect("busy");
+    eprintln!("live vgpu top, busy at --cores 30: {busy_line}");
+
+    // m: by memory, most first: zeta holds 256 MiB, the others next to
+    // nothing (busy's module image, a few bytes).
+    tmux.send_keys("m");
+    let screen = tmux.wait_for("the rows by memory", |screen| {
+        header(screen).contains("MEMORY/CAP*")
+            && ["alpha", "busy", "gone"]
+                .iter()
+                .all(|other| in_order(screen, &["zeta", other]))
+    });
+    assert!(!header(&screen).contains("NAME*"), "{screen}");
+
+    // s: the next column, utilization: busy runs, the others do not.
+    tmux.send_keys("s");
+    let screen = tmux.wait_for("the rows by utilization", |screen| {
+        header(screen).contains("UTIL*") && in_order(screen, &["busy", "alpha", "gone", "zeta"])
+    });
+    assert!(screen.contains("sorted by UTIL"), "{screen}");
+
+    // A region removed under it disappears at the next refresh.
+    std::fs::remove_dir_all(local.root.join("local-gone")).expect("remove a region");
+    let screen = tmux.wait_for("the removed region gone", |screen| {
+        table_line(screen, "gone").is_none() && in_order(screen, &["busy", "alpha", "zeta"])
+    });
+    assert!(screen.contains("3 region GPU(s)"), "{screen}");
+
+    // q quits with status 0, the terminal back to its normal screen and
+    // out of raw mode.
+    tmux.send_keys("q");
+    let screen = tmux.wait_for("the exit status", |screen| screen.contains("EXIT="));
+    assert!(screen.contains("EXIT=0 MODE=icanon"), "{screen}");
+    assert!(
+        table_line(&screen, "busy").is_none(),
+        "the table is gone: {screen}"
+    );
+    assert_eq!(tmux.format("#{alternate_on}"), "0", "the normal screen");
+
+    drop(holder.stdin.take());
+    assert!(holder.wait().expect("holder").success());
+    // vgpu run passes SIGTERM on to the workload.
+    let mut busy = busy;
+    let killed = Command::new("kill")
+        .args(["-TERM", &busy.pid().to_string()])
+        .status()
+        .expect("kill");
+    assert!(killed.success());
+    let status = busy.child.wait().expect("busy's run");
+    assert_eq!(status.code(), Some(128 + 15), "{status}");
+}
+
+#[test]
+fn demo_on_the_simulated_gpu_shows_the_cap_holding_and_the_share_measured() {
+    let demo = Command::new(env!("CARGO_BIN_EXE_vgpu"))
+        .args(["demo", "--simulated"])
+        .env("VGPU_LIBRARY", shim_library())
+        .env_remove("LD_PRELOAD")
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("run vgpu demo");
+    let demo_pid = demo.id();
+    let output = demo.wait_with_output().expect("vgpu demo's output");
+    let text = String::from_utf8_lossy(&output.stdout).into_owned();
+    assert!(output.status.success(), "{text}\n{}", stderr(&output));
+    eprintln!("{text}");
+    assert!(text.contains("runs on the simulated GPU"), "{text}");
+    assert!(text.contains("--simulated"), "says why: {text}");
+    // The cap: allocations under `vgpu run --memory 4g` stop at it.
+    let capped = text
+        .lines()
+        .find(|line| line.trim_start().starts_with("under vgpu run --memory 4g:"))
+        .unwrap_or_else(|| panic!("no capped line: {text}"));
+    let allocated: u64 = capped
+        .split("allocated ")
+        .nth(1)
+        .and_then(|rest| rest.split(' ').next())
+        .and_then(|number| number.parse().ok())
+        .unwrap_or_else(|| panic!("no allocation in {capped:?}"));
+    assert!(allocated > 0 && allocated <= 4096, "{text}");
+    assert!(capped.contains("CUDA_ERROR_OUT_OF_MEMORY"), "{text}");
+    assert!(capped.contains("cuMemGetInfo total 4096 MiB"), "{text}");
+    assert!(
+        text.contains(&format!("The 4096 MiB cap held: {allocated} MiB allocated")),
+        "{text}"
+    );
+    // The share: what the simulated GPU recorded under --cores 30.
+    let measured: f64 = text
+        .split("The 30 % share measured ")
+        .nth(1)
+        .and_then(|rest| rest.split(' ').next())
+        .and_then(|number| number.parse().ok())
+        .unwrap_or_else(|| panic!("no measured share: {text}"));
+    assert_near("vgpu demo's share at --cores 30", measured, 30.0);
+    let alone: f64 = text
+        .split(" % without vgpu)")
+        .next()
+        .and_then(|before| before.rsplit('(').next())
+        .and_then(|number| number.parse().ok())
+        .unwrap_or_else(|| panic!("no share without vgpu: {text}"));
+    assert!(
+        alone > 60.0,
+        "without vgpu the loop takes the device: {text}"
+    );
+    let demo_dirs = std::fs::read_dir(std::env::temp_dir())
+        .expect("temporary directory")
+        .filter_map(Result::ok)
+        .filter(|entry| {
+            entry
+                .file_name()
+                .to_string_lossy()
+                .starts_with(&format!("vgpu-demo-{demo_pid}-"))
+        })
+        .count();
+    assert_eq!(demo_dirs, 0, "the demo removed its directory");
 }

@@ -11,6 +11,7 @@
  *   KERNEL   k20us | k1ms | k30ms (the simulated kernel's duration)
  *   DEVICES  run the pattern on devices 0..DEVICES-1 at once, one thread
  *            each (default 1)
+ * On a real GPU the kernels are PTX that spin on the GPU's clock for as long.
  * Prints "ready" once every device has its context and module, then runs
  * for SECONDS and prints launches=N. The driver is reached through dlsym so
  * the shim, when preloaded, sees every call. */
@@ -43,6 +44,26 @@ static CUresult (*GraphInstantiate)(CUgraphExec *, CUgraph, unsigned long long);
 static CUresult (*GraphLaunch)(CUgraphExec, CUstream);
 
 static const char module_image[] = "SIMGPU-MODULE\nk20us 20us\nk1ms 1ms\nk30ms 30ms\n";
+
+/* A real driver refuses the simulated module; there the same kernels are
+ * PTX (compiled by the driver for the GPU it finds) that spin for their
+ * duration on the GPU's nanosecond clock, so a kernel takes as long on a
+ * real GPU as on the simulated one (`vgpu demo` runs on both). */
+#define SPIN_KERNEL(name, ns)            \
+    ".visible .entry " name "()\n"       \
+    "{\n"                                \
+    "  .reg .pred %p;\n"                 \
+    "  .reg .b64 %t<3>;\n"               \
+    "  mov.u64 %t0, %globaltimer;\n"     \
+    "  add.u64 %t1, %t0, " ns ";\n"      \
+    "spin:\n"                            \
+    "  mov.u64 %t2, %globaltimer;\n"     \
+    "  setp.lt.u64 %p, %t2, %t1;\n"      \
+    "  @%p bra spin;\n"                  \
+    "  ret;\n"                           \
+    "}\n"
+static const char ptx_image[] = ".version 6.0\n.target sm_50\n.address_size 64\n" SPIN_KERNEL(
+    "k20us", "20000") SPIN_KERNEL("k1ms", "1000000") SPIN_KERNEL("k30ms", "30000000");
 static const char *pattern, *kernel_name;
 static double seconds;
 static pthread_barrier_t ready_barrier;
@@ -81,7 +102,7 @@ static void *run(void *argument) {
     CUfunction function;
     CHECK(DeviceGet(&device, ordinal));
     CHECK(CtxCreate(&context, 0, device));
-    CHECK(ModuleLoadData(&module, module_image));
+    if (ModuleLoadData(&module, module_image) != CUDA_SUCCESS) CHECK(ModuleLoadData(&module, ptx_image));
     CHECK(ModuleGetFunction(&function, module, kernel_name));
     CUstream streams[4];
     for (int i = 0; i < 4; i++) CHECK(StreamCreate(&streams[i], 1 /* non-blocking */));
