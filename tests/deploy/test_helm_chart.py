@@ -648,3 +648,42 @@ def test_opportunistic_pods_get_a_class_below_the_default_that_preempts_nobody()
     assert not [o for o in objects if o["kind"] == "PriorityClass"]
     extender_flags = flags(container(find(objects, "Deployment", "-scheduler"), "extender"))
     assert extender_flags["opportunistic-priority-class"] == "batch-low=-5"
+
+
+def test_dra_nodes_run_the_driver_instead_of_the_device_plugin():
+    """With dra.enabled the nodes labelled vgpu.io/allocation=dra run the
+    vgpu-dra driver (with arguments it accepts, and the rights it needs) and
+    the node agent's device plugin stays off them; both DeviceClasses are
+    there. (The API server itself accepts them in tests/cluster/test_dra.py:
+    this schema version has no resource.k8s.io/v1.)"""
+    objects = render({"dra": {"enabled": True}})
+    classes = {o["metadata"]["name"]: o for o in objects if o["kind"] == "DeviceClass"}
+    assert sorted(classes) == ["vgpu.io", "vgpu.io-exclusive"]
+    assert classes["vgpu.io"]["spec"]["selectors"] == [{"cel": {"expression": 'device.driver == "vgpu.io"'}}]
+    parameters = classes["vgpu.io-exclusive"]["spec"]["config"][0]["opaque"]["parameters"]
+    assert parameters == {"apiVersion": "vgpu.io/v1", "kind": "GpuConfig", "exclusive": True}
+
+    driver = find(objects, "DaemonSet", "-dra")
+    assert driver["spec"]["template"]["spec"]["nodeSelector"] == {"gpu": "on", "vgpu.io/allocation": "dra"}
+    c = container(driver, "dra-driver")
+    result = _accepts("vgpu-dra", c["args"])
+    assert result.returncode == 0, f"vgpu-dra {c['args']}:\n{result.stderr}"
+    mounted = {m["mountPath"] for m in c["volumeMounts"]}
+    assert {"/var/lib/kubelet/plugins/vgpu.io", "/var/lib/kubelet/plugins_registry", "/var/run/cdi"} <= mounted
+    account = driver["spec"]["template"]["spec"]["serviceAccountName"]
+    for group, resource, verb in [("resource.k8s.io", "resourceslices", "create"),
+                                  ("resource.k8s.io", "resourceslices", "patch"),
+                                  ("resource.k8s.io", "resourceclaims", "get"), ("", "nodes", "get")]:
+        assert rules_allow(objects, account, group, resource, verb), (resource, verb)
+
+    node = find(objects, "DaemonSet", "-node")
+    terms = node["spec"]["template"]["spec"]["affinity"]["nodeAffinity"][
+        "requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"]
+    assert terms == [{"matchExpressions": [{"key": "vgpu.io/allocation", "operator": "NotIn", "values": ["dra"]}]}]
+    for obj in objects:
+        if not obj["apiVersion"].startswith("resource.k8s.io/"):
+            kubernetes_validate.validate(obj, KUBE_VERSION, strict=True)
+    # Off by default: no driver, no classes, no affinity.
+    plain = render()
+    assert not [o for o in plain if o["kind"] == "DeviceClass" or o["metadata"]["name"].endswith("-dra")]
+    assert "affinity" not in find(plain, "DaemonSet", "-node")["spec"]["template"]["spec"]
