@@ -130,12 +130,12 @@ class ChartCluster:
     with the real helm, its pods running on those nodes."""
 
     def __init__(self, workdir: Path, nodes: int, gpus: int = 2, memory: str = "16Gi", helm_args: tuple = (),
-                 gpu_names: tuple = (), gpu_env: dict[str, str] | None = None, dra: bool = False):
+                 gpu_names: tuple = (), gpu_env: dict[str, str] | None = None, dra_nodes: int = 0):
         """`gpu_names[i]`, where given, names node i+1's GPUs; `gpu_env`
-        sets up every node's simulated GPUs further. With `dra`, every node
-        is labelled to offer its GPUs through the DRA driver, and the chart
-        is installed with it."""
-        self.dra = dra
+        sets up every node's simulated GPUs further. The first `dra_nodes`
+        nodes are labelled to offer their GPUs through the DRA driver (the
+        chart is then installed with it); the others run the device plugin."""
+        self.dra_nodes = dra_nodes
         self.gpu_env = gpu_env or {}
         self.workdir = workdir
         self.gpu_names = gpu_names
@@ -155,7 +155,8 @@ class ChartCluster:
             for index in range(1, self.count + 1):
                 node = SimulatedNode(self.cluster, self.network, index, self.image, self.nodes_dir / f"node-{index}",
                                      gpus=self.gpus, memory=self.memory,
-                                     labels={"gpu": "on", **({DRA_NODE_LABEL: "dra"} if self.dra else {})},
+                                     labels={"gpu": "on",
+                                             **({DRA_NODE_LABEL: "dra"} if index <= self.dra_nodes else {})},
                                      simulated_gpu=TARGET / "libsimgpu.so",
                                      gpu_name=self.gpu_names[index - 1] if index <= len(self.gpu_names) else None,
                                      gpu_env=self.gpu_env)
@@ -168,7 +169,7 @@ class ChartCluster:
                 "handler": "nvidia"}))
             self.cluster.helm("install", "vgpu", str(CHART), "-n", RELEASE_NAMESPACE, "--create-namespace",
                               "--set", "image.pullPolicy=Never",
-                              *(("--set", "dra.enabled=true") if self.dra else ()), *self.helm_args)
+                              *(("--set", "dra.enabled=true") if self.dra_nodes else ()), *self.helm_args)
             self.wait_until_serving()
         except BaseException:
             self.__exit__()
@@ -213,16 +214,20 @@ class ChartCluster:
         return "\n".join(parts)
 
     def wait_until_serving(self) -> None:
-        """Every node's plugin has registered and published its GPUs, and
-        the webhook's Service has a ready endpoint."""
+        """Every node's plugin has registered and published its GPUs (a DRA
+        node's driver: its ResourceSlice), and the webhook's Service has a
+        ready endpoint."""
         def plugins_registered():
             nodes = kubectl_json(self.cluster, "get", "nodes")["items"]
-            if self.dra:
+            dra = [node for node in nodes if node["metadata"]["labels"].get(DRA_NODE_LABEL) == "dra"]
+            plugin = [node for node in nodes if node not in dra]
+            if dra:
                 slices = kubectl_json(self.cluster, "get", "resourceslices")["items"]
                 drivers = {item["spec"].get("nodeName") for item in slices if item["spec"]["driver"] == "vgpu.io"}
-                return len(nodes) == self.count and all(node["metadata"]["name"] in drivers for node in nodes)
-            counts = [int(node["status"].get("allocatable", {}).get("nvidia.com/gpu", "0")) for node in nodes]
-            published = all("vgpu.io/node-gpus" in node["metadata"].get("annotations", {}) for node in nodes)
+                if not all(node["metadata"]["name"] in drivers for node in dra):
+                    return False
+            counts = [int(node["status"].get("allocatable", {}).get("nvidia.com/gpu", "0")) for node in plugin]
+            published = all("vgpu.io/node-gpus" in node["metadata"].get("annotations", {}) for node in plugin)
             return len(nodes) == self.count and all(counts) and published
         wait_for("every node's plugin registered with its kubelet and published its GPUs", plugins_registered,
                  timeout=120, log=self.logs)

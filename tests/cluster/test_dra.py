@@ -49,7 +49,8 @@ GIB = 1 << 30
 
 @pytest.fixture(scope="module")
 def dra_cluster(tmp_path_factory):
-    with ChartCluster(tmp_path_factory.mktemp("dra-cluster"), nodes=1, gpus=2, memory="24Gi", dra=True) as running:
+    with ChartCluster(tmp_path_factory.mktemp("dra-cluster"), nodes=1, gpus=2, memory="24Gi",
+                      dra_nodes=1) as running:
         running.cluster.kubectl("create", "namespace", NAMESPACE)
         yield running
 
