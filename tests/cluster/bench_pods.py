@@ -2,11 +2,16 @@
 """Pods per second, created to Running, on the chart installed in the real
 control plane with simulated nodes: pods that ask for a vGPU (through our
 webhook, kube-scheduler with our extender, and kubelet's device-plugin code
-calling our plugin) against pods that ask for none, placed by the same
-kube-scheduler (the chart's, by `schedulerName`; it calls no extender for
-them), in alternating rounds of one run. Also the extender's own time per
-verb from its `/metrics`, over the vGPU rounds (kube-scheduler has no
-per-extender latency figure).
+calling our plugin), pods that claim a share of a GPU through DRA (a
+ResourceClaimTemplate of the vgpu.io DeviceClass: claims made by
+kube-controller-manager, allocated by the default kube-scheduler against
+our drivers' ResourceSlices, prepared by kubelet's DRA code calling our
+driver), against pods that ask for neither, placed by the chart's
+kube-scheduler (by `schedulerName`; it calls no extender for them), in
+rotating rounds of one run. Half the nodes offer their GPUs through DRA,
+half through the device plugin. Also the extender's own time per verb from
+its `/metrics`, over the vGPU rounds (kube-scheduler has no per-extender
+latency figure).
 
 Prints a Markdown table of medians over the rounds. Needs root (network
 namespaces) and the control-plane binaries (tests/cluster/build)."""
@@ -32,10 +37,24 @@ HISTOGRAM = "vgpu_extender_request_duration_seconds"
 VERBS = ("filter", "prioritize", "bind", "mutate")
 
 
+KINDS = ("plain", "vgpu", "dra")
+# What a DRA pod's claim asks for: what a vGPU pod asks for.
+CLAIM_TEMPLATE = "share"
+
+
+def claim_template(namespace: str) -> dict:
+    return {"apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaimTemplate",
+            "metadata": {"name": CLAIM_TEMPLATE, "namespace": namespace},
+            "spec": {"spec": {"devices": {"requests": [{"name": "gpu", "exactly": {
+                "deviceClassName": "vgpu.io", "capacity": {"requests": {"memory": "256Mi", "cores": "5"}}}}]}}}}
+
+
 def pods(kind: str, namespace: str, count: int) -> list[dict]:
     """`count` pods sleeping in their container; `vgpu` ones ask for one vGPU
     the way a HAMi user writes it (no schedulerName: the webhook sets it),
-    `plain` ones name the chart's scheduler and ask for no vGPU."""
+    `dra` ones the same share through a claim from the template (default
+    scheduler), `plain` ones name the chart's scheduler and ask for no
+    GPU."""
     out = []
     for number in range(count):
         container: dict = {"name": "main", "image": "busybox", "command": ["sleep", "3600"]}
@@ -43,6 +62,9 @@ def pods(kind: str, namespace: str, count: int) -> list[dict]:
         if kind == "vgpu":
             container["resources"] = {"limits": {"nvidia.com/gpu": "1", "nvidia.com/gpumem": "256",
                                                  "nvidia.com/gpucores": "5"}}
+        elif kind == "dra":
+            spec["resourceClaims"] = [{"name": "gpu", "resourceClaimTemplateName": CLAIM_TEMPLATE}]
+            container["resources"] = {"claims": [{"name": "gpu"}]}
         else:
             spec["schedulerName"] = SCHEDULER_NAME
         out.append({"apiVersion": "v1", "kind": "Pod",
@@ -105,6 +127,8 @@ def extender_metrics_url(cc: ChartCluster) -> str:
 
 def run_round(cc: ChartCluster, kind: str, namespace: str, count: int, parallel: int, metrics: str | None) -> dict:
     cc.cluster.kubectl("create", "namespace", namespace)
+    if kind == "dra":
+        cc.cluster.kubectl("create", "-f", "-", input=json.dumps(claim_template(namespace)))
     command = cc.cluster.command([sys.executable, str(HERE / "podrate.py"), "--server", cc.cluster.server,
                                   "--pki", str(cc.cluster.pki), "--namespace", namespace,
                                   "--parallel", str(parallel)] + (["--metrics", metrics] if metrics else []))
@@ -135,32 +159,39 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--parallel", type=int, default=4, help="concurrent creators (default 4)")
     parser.add_argument("--node-policy", choices=("binpack", "spread", "random"),
                         help="the extender's node policy (default: the chart's, binpack)")
-    parser.add_argument("--quick", action="store_true", help="3 nodes, 20 pods, 1 round: proves the bench runs")
+    parser.add_argument("--quick", action="store_true", help="4 nodes, 20 pods, 1 round: proves the bench runs")
     parser.add_argument("--workdir", type=Path, help="keep the cluster's files here (default: a temporary folder)")
     options = parser.parse_args(argv)
     if options.quick:
-        options.nodes, options.pods, options.repeats = 3, 20, 1
+        options.nodes, options.pods, options.repeats = 4, 20, 1
     for name in ("nodes", "pods", "repeats", "parallel"):
         if getattr(options, name) < 1:
             parser.error(f"--{name} must be at least 1")
-    # Two GPUs per node, 10 vGPUs each: every round's vGPU pods fit.
-    if options.pods > options.nodes * 2 * 10:
-        parser.error(f"--pods {options.pods} is more vGPU pods than {options.nodes} nodes hold "
-                     f"({options.nodes * 20})")
+    if options.nodes < 2:
+        parser.error("--nodes must be at least 2: half offer their GPUs through DRA, half through the device plugin")
+    dra_nodes = options.nodes // 2
+    plugin_nodes = options.nodes - dra_nodes
+    # Two GPUs per node, 10 vGPUs each (and 20 claims of 5 % each): every
+    # round's GPU pods fit.
+    if options.pods > min(plugin_nodes, dra_nodes) * 2 * 10:
+        parser.error(f"--pods {options.pods} is more GPU pods than {min(plugin_nodes, dra_nodes)} nodes of a "
+                     f"kind hold ({min(plugin_nodes, dra_nodes) * 20})")
     workdir = options.workdir or Path(tempfile.mkdtemp(prefix="vgpu-bench-pods-"))
     started = time.monotonic()
-    rates: dict[str, list[float]] = {"plain": [], "vgpu": []}
-    latencies: dict[str, list[float]] = {"plain": [], "vgpu": []}
+    rates: dict[str, list[float]] = {kind: [] for kind in KINDS}
+    latencies: dict[str, list[float]] = {kind: [] for kind in KINDS}
     verbs = {verb: {"buckets": {}, "sum": 0.0, "count": 0.0} for verb in VERBS}
     # The monitors sample once a second: the nodes' agents share this
     # machine's cores with the control plane.
     helm_args = ["--set", "node.monitor.intervalMs=1000"]
     if options.node_policy:
         helm_args += ["--set", f"scheduler.extender.nodePolicy={options.node_policy}"]
-    with ChartCluster(workdir, nodes=options.nodes, gpus=2, memory=f"{GPU_MIB}Mi", helm_args=tuple(helm_args)) as cc:
+    with ChartCluster(workdir, nodes=options.nodes, gpus=2, memory=f"{GPU_MIB}Mi", helm_args=tuple(helm_args),
+                      dra_nodes=dra_nodes) as cc:
         metrics = extender_metrics_url(cc)
         for round_ in range(options.repeats):
-            order = ("plain", "vgpu") if round_ % 2 == 0 else ("vgpu", "plain")
+            # Each kind goes first, second and third in turn.
+            order = KINDS[round_ % 3:] + KINDS[:round_ % 3]
             for kind in order:
                 result = run_round(cc, kind, f"rate-{kind}-{round_}", options.pods, options.parallel,
                                    metrics if kind == "vgpu" else None)
@@ -175,18 +206,18 @@ def main(argv: list[str]) -> int:
                         verbs[verb]["count"] += delta[verb]["count"]
                 print(f"round {round_ + 1} {kind}: {result['rate']:.1f} pods/s", file=sys.stderr)
 
-    plain_rate, vgpu_rate = statistics.median(rates["plain"]), statistics.median(rates["vgpu"])
+    rate = {kind: statistics.median(rates[kind]) for kind in KINDS}
     print(f"\n{options.pods} pods per round, {options.repeats} round(s) of each kind, {options.nodes} nodes x 2 "
-          f"simulated GPUs, {options.parallel} creators, node policy {options.node_policy or 'binpack'}; "
-          f"medians over rounds ({time.monotonic() - started:.0f} s)\n")
-    print("| figure | no vGPU | one vGPU each | vGPU / no vGPU |")
-    print("|---|---:|---:|---:|")
-    print(f"| pods/s, first create to last Running | {plain_rate:.1f} | {vgpu_rate:.1f} | "
-          f"{vgpu_rate / plain_rate:.2f} |")
+          f"simulated GPUs ({dra_nodes} through DRA), {options.parallel} creators, node policy "
+          f"{options.node_policy or 'binpack'}; medians over rounds ({time.monotonic() - started:.0f} s)\n")
+    print("| figure | no GPU | one vGPU each (extender) | one claim each (DRA) | vGPU / no GPU | DRA / vGPU |")
+    print("|---|---:|---:|---:|---:|---:|")
+    print(f"| pods/s, first create to last Running | {rate['plain']:.1f} | {rate['vgpu']:.1f} | {rate['dra']:.1f} | "
+          f"{rate['vgpu'] / rate['plain']:.2f} | {rate['dra'] / rate['vgpu']:.2f} |")
     for label, q in (("p50", 0.5), ("p99", 0.99)):
-        plain, vgpu = percentile(latencies["plain"], q), percentile(latencies["vgpu"], q)
+        plain, vgpu, dra = (percentile(latencies[kind], q) for kind in KINDS)
         print(f"| one pod, create to Running, {label} | {plain * 1000:.0f} ms | {vgpu * 1000:.0f} ms | "
-              f"{vgpu / plain:.2f} |")
+              f"{dra * 1000:.0f} ms | {vgpu / plain:.2f} | {dra / vgpu:.2f} |")
     print("\n| extender verb (its own time, from its /metrics) | calls | mean | p50 | p99 |")
     print("|---|---:|---:|---:|---:|")
     for verb in VERBS:
