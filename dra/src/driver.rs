@@ -19,10 +19,7 @@ use std::sync::{Mutex, PoisonError, RwLock};
 use thiserror::Error;
 use vgpu_cluster::decision::{ContainerDecision, InventoryGpu};
 use vgpu_device_plugin::allocate::{self, AllocateError, Settings};
-
-/// The prefix of a claim's region directory, `claim-<uid>`, under the
-/// containers directory (no `_`: it is not a pod's container).
-pub const CLAIM_DIR_PREFIX: &str = "claim-";
+use vgpu_node_contract::claim_owner::{ClaimOwner, CLAIM_DIR_PREFIX, CLAIM_OWNER_FILE};
 
 #[derive(Debug, Error)]
 pub enum DriverError {
@@ -34,6 +31,12 @@ pub enum DriverError {
     Cdi(#[from] CdiError),
     #[error(transparent)]
     Checkpoint(#[from] CheckpointError),
+    #[error("{path}: write the claim's owner file")]
+    WriteOwner {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
     #[error("{path}: remove the claim's region directory")]
     RemoveRegion {
         path: PathBuf,
@@ -60,6 +63,22 @@ pub struct Driver {
     config: DriverConfig,
     gpus: RwLock<Vec<InventoryGpu>>,
     checkpoint: Mutex<Checkpoint>,
+}
+
+/// Writes the owner file (replaced whole: the monitor never reads half).
+fn write_owner(path: &Path, owner: &ClaimOwner) -> Result<(), DriverError> {
+    let failed = |source| DriverError::WriteOwner {
+        path: path.to_path_buf(),
+        source,
+    };
+    let text = owner
+        .to_text()
+        .map_err(|error| failed(std::io::Error::other(error)))?;
+    let mut temporary = path.as_os_str().to_owned();
+    temporary.push(".tmp");
+    let temporary = PathBuf::from(temporary);
+    std::fs::write(&temporary, text).map_err(failed)?;
+    std::fs::rename(&temporary, path).map_err(failed)
 }
 
 /// The name of a claim's region directory.
@@ -161,6 +180,21 @@ impl Driver {
             &gpus,
         )?;
         allocate::prepare(&plan)?;
+        // Who the region belongs to, for the node monitor's series.
+        let owner = ClaimOwner {
+            namespace: namespace.clone(),
+            claim: name.clone(),
+            pods: claim
+                .status
+                .as_ref()
+                .and_then(|status| status.reserved_for.as_ref())
+                .into_iter()
+                .flatten()
+                .filter(|consumer| consumer.resource == "pods")
+                .map(|consumer| consumer.name.clone())
+                .collect(),
+        };
+        write_owner(&plan.host_dir.join(CLAIM_OWNER_FILE), &owner)?;
         let mounts = plan
             .mounts
             .iter()

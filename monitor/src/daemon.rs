@@ -279,9 +279,11 @@ impl Monitor {
                 .pod_uid
                 .as_deref()
                 .and_then(|uid| self.pods.lookup(uid));
-            let (namespace, pod_name) = match &pod {
-                Some(pod) => (pod.namespace.clone(), pod.name.clone()),
-                None => (
+            let (namespace, pod_name) = match (&pod, &region.claim) {
+                (Some(pod), _) => (pod.namespace.clone(), pod.name.clone()),
+                // A DRA claim's region: its pods share it.
+                (None, Some(claim)) => (claim.namespace.clone(), claim.pods.join(",")),
+                (None, None) => (
                     String::new(),
                     region.pod_uid.clone().unwrap_or_else(|| region.key.clone()),
                 ),
@@ -291,10 +293,15 @@ impl Monitor {
                 .and_then(|p| p.priorities.get(&region.container).copied())
                 .unwrap_or(figures.priority);
             container_index.insert(region.key.clone(), containers.len());
+            // A DRA claim's series are named by the claim.
+            let container_name = region
+                .claim
+                .as_ref()
+                .map_or_else(|| region.container.clone(), |claim| claim.claim.clone());
             containers.push(ContainerSummary {
                 namespace: namespace.clone(),
                 pod: pod_name.clone(),
-                container: region.container.clone(),
+                container: container_name.clone(),
                 processes: figures.active_slots,
                 ..ContainerSummary::default()
             });
@@ -392,7 +399,7 @@ impl Monitor {
                 devices.push(ContainerDevice {
                     namespace: namespace.clone(),
                     pod: pod_name.clone(),
-                    container: region.container.clone(),
+                    container: container_name.clone(),
                     figures: device.clone(),
                     priority,
                     utilization,

@@ -20,6 +20,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 use thiserror::Error;
+use vgpu_node_contract::claim_owner::{ClaimOwner, CLAIM_DIR_PREFIX, CLAIM_OWNER_FILE};
 use vgpu_node_contract::region::{Region, RegionError, REGION_BYTES};
 
 /// How long a file that could not be used is left alone if it does not change.
@@ -80,6 +81,32 @@ pub struct FileIdentity {
     pub modified_ns: i128,
 }
 
+/// The owner of a DRA claim's region directory, if `name` is one and its
+/// owner file reads (a claim whose file is missing or bad is still
+/// measured, named by its directory).
+fn claim_owner(name: &str, dir: &std::path::Path) -> Option<ClaimOwner> {
+    name.strip_prefix(CLAIM_DIR_PREFIX)?;
+    let path = dir.join(CLAIM_OWNER_FILE);
+    let text = std::fs::read_to_string(&path)
+        .inspect_err(|error| {
+            tracing::warn!(
+                error = error as &dyn std::error::Error,
+                "{}",
+                path.display()
+            )
+        })
+        .ok()?;
+    ClaimOwner::parse(&text)
+        .inspect_err(|error| {
+            tracing::warn!(
+                error = error as &dyn std::error::Error,
+                "{}",
+                path.display()
+            )
+        })
+        .ok()
+}
+
 /// An open container region.
 pub struct ContainerRegion {
     /// The directory name, `<podUID>_<container>`.
@@ -88,6 +115,9 @@ pub struct ContainerRegion {
     pub pod_uid: Option<String>,
     /// Container name from the directory name.
     pub container: String,
+    /// For a DRA claim's region (`claim-<uid>`): whom the claim belongs to,
+    /// as its driver wrote it.
+    pub claim: Option<ClaimOwner>,
     pub dir: PathBuf,
     pub path: PathBuf,
     pub identity: FileIdentity,
@@ -277,6 +307,7 @@ impl Discovery {
             match open_region(&path) {
                 Ok((region, guard, identity)) => {
                     let (pod_uid, container) = split_key(&name);
+                    let claim = claim_owner(&name, &dir);
                     tracing::info!("region {name} opened ({})", path.display());
                     self.rejected.remove(&name);
                     report.added.push(name.clone());
@@ -286,6 +317,7 @@ impl Discovery {
                             key: name,
                             pod_uid,
                             container,
+                            claim,
                             dir,
                             path,
                             identity,

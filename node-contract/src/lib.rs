@@ -8,7 +8,9 @@
 //! - [`region`]: the per-container shared-memory region file.
 //! - [`figures`]: what a region holds, read as figures (monitor, `vgpu`).
 //! - [`process`]: a process's PID as NVML and the host know it.
+//! - [`claim_owner`]: who a DRA claim's region belongs to.
 
+pub mod claim_owner;
 pub mod figures;
 pub mod process;
 pub mod region;

@@ -13,9 +13,13 @@ CDI specs, there being no container runtime).
 - The claims' regions hold exactly what the allocation consumed, and the
   workloads are held there: the 4 GiB claim's memory cap stops its
   allocations, the 50 % claim's kernels get about half the GPU.
+- The node monitor beside the driver names each claim's series by
+  namespace, pod and claim.
 - The driver is killed and restarts between Prepare and Unprepare: the
   pod's deletion still releases its claim (CDI spec and region gone), and a
   new claim is prepared by the restarted driver.
+- The README's ResourceClaimTemplates are accepted; "two GPUs of one
+  model" gets two different GPUs, capped in one region.
 - A GPU marked unhealthy (an XID on the simulated GPU) leaves the slice, and
   a claim only it could hold stays Pending.
 """
@@ -184,6 +188,22 @@ def test_claims_share_a_gpu_by_amount_and_are_held_there(dra_cluster):
     assert report["total_mib"] == 4096, report
     assert 3072 <= report["allocated_mib"] <= 4096, report
 
+    # The node monitor beside the driver names each claim's series by
+    # namespace, pod and claim.
+    def limits() -> list[str]:
+        try:
+            text = node.get(f"http://{node.address}:31992/metrics")
+        except OSError as error:
+            return [f"(monitor not serving: {error})"]
+        return [line for line in text.splitlines() if line.startswith("vgpu_container_memory_limit_bytes{")]
+
+    def named():
+        return [line for line in limits()
+                if 'namespace="dra"' in line and 'pod="small"' in line and 'container="small"' in line]
+    lines = wait_for("the monitor naming the claim", named, timeout=30,
+                     log=lambda: "\n".join(limits()) + "\n" + cc.logs())
+    assert lines[0].endswith(f" {4 * GIB}"), lines
+
     log = wait_for("half's kernels done", lambda: "launches=" in node.container_log(NAMESPACE, "half", "main")
                    and node.container_log(NAMESPACE, "half", "main"), timeout=60, log=cc.logs)
     launches = int(log.split("launches=")[1].split()[0])
@@ -229,6 +249,39 @@ def test_a_restarted_driver_releases_what_it_prepared(dra_cluster):
     assert region_limits(cc, uid_of(cc, "after"))[0]["memory"] == GIB
     cc.cluster.kubectl("delete", "pod", "after", "-n", NAMESPACE, "--wait=true", "--timeout=60s")
     cc.cluster.kubectl("delete", "resourceclaim", "after", "-n", NAMESPACE, "--wait=true", "--timeout=60s")
+
+
+def test_the_readme_templates_are_accepted_and_two_gpus_are_two(dra_cluster):
+    """The README's ResourceClaimTemplates (deploy/examples/dra/) are
+    accepted by the API server; a pod of "two GPUs of one model" gets two
+    different GPUs, each capped in its one region."""
+    cc = dra_cluster
+    examples = REPO / "deploy/examples/dra"
+    for name in ("gpu-4gib-30pct", "two-gpus-one-model", "whole-h100"):
+        cc.cluster.kubectl("apply", "-n", NAMESPACE, "-f", str(examples / f"{name}.yaml"))
+    workload = compile_workload("workload", cc.workdir, source=REPO / "testkit/programs/workload.c")
+    # Kernels on both GPUs for a second (the shim records each GPU it is
+    # used on, which is what `vgpu inspect` lists), then idle.
+    paired = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "paired", "namespace": NAMESPACE},
+              "spec": {"restartPolicy": "Never", "terminationGracePeriodSeconds": 1,
+                       "resourceClaims": [{"name": "gpus", "resourceClaimTemplateName": "two-gpus-one-model"}],
+                       "containers": [{"name": "main", "image": "cuda:test",
+                                       "command": ["/bin/sh", "-c", f"{workload} sync k1ms 1 2; exec sleep 600"],
+                                       "resources": {"claims": [{"name": "gpus"}]}}]}}
+    create(cc, paired)
+    found = running(cc, "paired")
+    node = cc.nodes[0]
+    wait_for("the paired pod's kernels on both GPUs", lambda: "launches=" in node.container_log(
+        NAMESPACE, "paired", "main"), timeout=60, log=cc.logs)
+    claim_name = found["status"]["resourceClaimStatuses"][0]["resourceClaimName"]
+    results = allocation(cc, claim_name)["devices"]["results"]
+    assert sorted(result["device"] for result in results) == ["gpu-0", "gpu-1"], results
+    assert all(result["consumedCapacity"] == {"memory": "8Gi", "cores": "50"} for result in results), results
+    limits = region_limits(cc, uid_of(cc, claim_name))
+    assert limits == [{"memory": 8 * GIB, "cores": 50, "burst": None, "swap": None}] * 2, limits
+    cc.cluster.kubectl("delete", "pod", "paired", "-n", NAMESPACE, "--wait=true", "--timeout=60s")
+    wait_for("the template's claim deleted with its pod", lambda: claim_name not in cc.cluster.kubectl(
+        "get", "resourceclaims", "-n", NAMESPACE, "-o", "name").stdout, timeout=60, log=cc.logs)
 
 
 def inject_xid(cc: ChartCluster, device: int, xid: int) -> None:

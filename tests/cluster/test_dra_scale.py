@@ -72,14 +72,15 @@ def test_200_claims_never_overcommit_and_regions_match_the_allocations(tmp_path)
                                     log=cc.logs)
         claims = {c["metadata"]["name"]: c for c in kubectl_json(cluster, "get", "resourceclaims", "-n",
                                                                   NAMESPACE)["items"]}
-        slices = [s for s in kubectl_json(cluster, "get", "resourceslices")["items"] if s["spec"]["driver"] == "vgpu.io"]
+        slices = [s for s in kubectl_json(cluster, "get", "resourceslices")["items"]
+                  if s["spec"]["driver"] == "vgpu.io"]
         devices = {(s["spec"]["pool"]["name"], d["name"]): d for s in slices for d in s["spec"]["devices"]}
         assert len(devices) == NODES * GPUS
 
         # What the allocation results consume, per GPU.
         consumed = defaultdict(lambda: [0, 0])
         allocated = {}
-        for name, found in claims.items():
+        for found in claims.values():
             allocation = (found.get("status") or {}).get("allocation")
             if not allocation:
                 continue

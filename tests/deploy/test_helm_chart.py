@@ -670,10 +670,19 @@ def test_dra_nodes_run_the_driver_instead_of_the_device_plugin():
     assert result.returncode == 0, f"vgpu-dra {c['args']}:\n{result.stderr}"
     mounted = {m["mountPath"] for m in c["volumeMounts"]}
     assert {"/var/lib/kubelet/plugins/vgpu.io", "/var/lib/kubelet/plugins_registry", "/var/run/cdi"} <= mounted
+    # The node monitor runs beside the driver, as beside the device plugin,
+    # and the monitor's Service selects both kinds of node pod.
+    monitor = container(driver, "monitor")
+    assert monitor == container(find(objects, "DaemonSet", "-node"), "monitor")
+    service = find(objects, "Service", "-monitor")
+    for daemonset in (driver, find(objects, "DaemonSet", "-node")):
+        labels = daemonset["spec"]["template"]["metadata"]["labels"]
+        assert service["spec"]["selector"].items() <= labels.items(), labels
     account = driver["spec"]["template"]["spec"]["serviceAccountName"]
     for group, resource, verb in [("resource.k8s.io", "resourceslices", "create"),
                                   ("resource.k8s.io", "resourceslices", "patch"),
-                                  ("resource.k8s.io", "resourceclaims", "get"), ("", "nodes", "get")]:
+                                  ("resource.k8s.io", "resourceclaims", "get"), ("", "nodes", "get"),
+                                  ("", "pods", "watch"), ("", "events", "create")]:
         assert rules_allow(objects, account, group, resource, verb), (resource, verb)
 
     node = find(objects, "DaemonSet", "-node")

@@ -102,3 +102,70 @@ container's or init container's limits or requests.
 {{- $asks := printf "has(c.resources) && ((has(c.resources.limits) && c.resources.limits.exists(k, k in %s)) || (has(c.resources.requests) && c.resources.requests.exists(k, k in %s)))" $set $set -}}
 object.spec.containers.exists(c, {{ $asks }}) || (has(object.spec.initContainers) && object.spec.initContainers.exists(c, {{ $asks }})){{ if .Values.elasticGPU.crds.enabled }} || (has(object.metadata.annotations) && object.metadata.annotations.exists(k, k.startsWith('egpuc.elasticgpu.io/'))){{ end }} || (has(object.metadata.labels) && object.metadata.labels.exists(k, k.startsWith('sharedgpu/'))){{ with .Values.scheduler.webhook.schedulerAlias }} || (has(object.spec.schedulerName) && object.spec.schedulerName == '{{ . }}'){{ end }}
 {{- end -}}
+
+{{- /* The node monitor's container: the same on device-plugin nodes and on
+DRA nodes. */ -}}
+{{- define "vgpu.monitorContainer" -}}
+{{- $plugin := .Values.node.devicePlugin -}}
+{{- $monitor := .Values.node.monitor -}}
+- name: monitor
+  image: {{ include "vgpu.image" . }}
+  imagePullPolicy: {{ .Values.image.pullPolicy }}
+  command: [/usr/local/bin/vgpu-monitor]
+  args:
+    - --listen=0.0.0.0:{{ $monitor.port }}
+    - --containers-dir=/host/vgpu/containers
+    - --interval-ms={{ $monitor.intervalMs }}
+    - --cleanup-grace-seconds={{ $monitor.cleanupGraceSeconds }}
+    # What the plugin adds to every container's limits: the monitor
+    # restores them, with the decision's, in a region changed from
+    # inside.
+    - --core-policy={{ $plugin.corePolicy }}
+    {{- with $plugin.swapLimit }}
+    - --swap-limit={{ . }}
+    {{- end }}
+    - --device-memory-scaling={{ $plugin.deviceMemoryScaling }}
+    {{- if not $monitor.arbitration }}
+    - --no-arbitration
+    {{- end }}
+    {{- if $monitor.hamiMetricNames }}
+    - --hami-metric-names
+    {{- end }}
+    - --log-level={{ $monitor.logLevel }}
+  env:
+    - name: NODE_NAME
+      valueFrom:
+        fieldRef:
+          fieldPath: spec.nodeName
+    - name: NVIDIA_VISIBLE_DEVICES
+      value: all
+    - name: NVIDIA_DRIVER_CAPABILITIES
+      value: utility
+  ports:
+    - name: metrics
+      containerPort: {{ $monitor.port }}
+      {{- if $monitor.hostPort }}
+      hostPort: {{ $monitor.port }}
+      {{- end }}
+      protocol: TCP
+  readinessProbe:
+    httpGet:
+      path: /healthz
+      port: metrics
+    periodSeconds: 10
+  livenessProbe:
+    httpGet:
+      path: /healthz
+      port: metrics
+    initialDelaySeconds: 10
+    periodSeconds: 30
+  securityContext:
+    allowPrivilegeEscalation: false
+    capabilities:
+      drop: [ALL]
+  resources:
+    {{- toYaml $monitor.resources | nindent 12 }}
+  volumeMounts:
+    - name: vgpu-host
+      mountPath: /host/vgpu
+{{- end }}
