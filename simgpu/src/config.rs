@@ -15,6 +15,7 @@
 //! | `SIMGPU_NVML_DRIVER_VERSION` | NVML driver version string | `580.00.00` |
 //! | `SIMGPU_NUMA` | NUMA node of each device, in device order (`0,0,1,1`) | unknown |
 //! | `SIMGPU_NVLINK` | NVLink groups, `;`-separated, each joined all-to-all (`0,2;1,3`) | no NVLink |
+//! | `SIMGPU_LOST_DEVICES` | devices fallen off the bus, by the machine's index (`1,3`): NVML queries on them answer `NVML_ERROR_GPU_IS_LOST` | none |
 //!
 //! The topology variables are described in [`crate::topology`].
 //!
@@ -54,12 +55,19 @@ pub struct Config {
     pub nvml_driver_version: String,
     /// NUMA nodes and NVLinks, in the machine's indices.
     pub topology: Topology,
+    /// The machine's indices of the devices NVML reports lost.
+    pub lost: Vec<usize>,
 }
 
 impl Config {
     /// `GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx` for device `index`.
     pub fn uuid_string(&self, index: usize) -> String {
         format_uuid(&self.uuids[index])
+    }
+
+    /// Whether visible device `index` has fallen off the bus.
+    pub fn is_lost(&self, index: usize) -> bool {
+        self.lost.contains(&self.visible[index])
     }
 
     /// PCI bus number of device `index` (domain 0, device 0, function 0):
@@ -251,6 +259,10 @@ pub fn from_env(var: impl Fn(&str) -> Option<String>) -> Result<Config, String> 
         Some(v) => parse_visible(&v, &uuids)?,
         None => (0..devices).collect(),
     };
+    let lost = match var("SIMGPU_LOST_DEVICES") {
+        Some(v) => parse_lost(&v, devices)?,
+        None => Vec::new(),
+    };
     Ok(Config {
         devices: visible.len(),
         memory: visible.iter().map(|&i| memory[i]).collect(),
@@ -265,7 +277,33 @@ pub fn from_env(var: impl Fn(&str) -> Option<String>) -> Result<Config, String> 
         driver_version,
         nvml_driver_version,
         topology,
+        lost,
     })
+}
+
+/// The machine's indices `SIMGPU_LOST_DEVICES` names: indices separated by
+/// commas (empty: none).
+fn parse_lost(text: &str, devices: usize) -> Result<Vec<usize>, String> {
+    let mut lost = Vec::new();
+    for item in text
+        .split(',')
+        .map(str::trim)
+        .filter(|item| !item.is_empty())
+    {
+        match item.parse::<usize>() {
+            Ok(index) if index < devices => {
+                if !lost.contains(&index) {
+                    lost.push(index);
+                }
+            }
+            _ => {
+                return Err(format!(
+                    "bad SIMGPU_LOST_DEVICES={text:?}: {item:?} is no device index of this machine (it has {devices})"
+                ))
+            }
+        }
+    }
+    Ok(lost)
 }
 
 #[cfg(test)]
@@ -392,6 +430,33 @@ mod tests {
             let error =
                 cfg(&[("SIMGPU_DEVICES", "2"), ("SIMGPU_VISIBLE_DEVICES", bad)]).expect_err(bad);
             assert!(error.contains("SIMGPU_VISIBLE_DEVICES"), "{error}");
+        }
+    }
+
+    #[test]
+    fn lost_devices_are_named_by_the_machines_index() {
+        let machine =
+            cfg(&[("SIMGPU_DEVICES", "3"), ("SIMGPU_LOST_DEVICES", "2, 0,2")]).expect("valid");
+        assert_eq!(machine.lost, vec![2, 0]);
+        assert_eq!(
+            (0..3).map(|i| machine.is_lost(i)).collect::<Vec<_>>(),
+            vec![true, false, true]
+        );
+        // A container that sees only device 2 sees it lost as its device 0.
+        let container = cfg(&[
+            ("SIMGPU_DEVICES", "3"),
+            ("SIMGPU_LOST_DEVICES", "2"),
+            ("SIMGPU_VISIBLE_DEVICES", "2"),
+        ])
+        .expect("valid");
+        assert!(container.is_lost(0));
+        assert!(cfg(&[("SIMGPU_LOST_DEVICES", "")])
+            .expect("valid")
+            .lost
+            .is_empty());
+        for bad in ["1", "x", "0,-1"] {
+            let error = cfg(&[("SIMGPU_LOST_DEVICES", bad)]).expect_err(bad);
+            assert!(error.contains("SIMGPU_LOST_DEVICES"), "{error}");
         }
     }
 }

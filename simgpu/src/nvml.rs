@@ -84,12 +84,17 @@ fn handle(index: usize) -> nvmlDevice_t {
     &DEVICES[index] as *const NvmlDevice as nvmlDevice_t
 }
 
-/// Validates a device handle: (config, state, device index).
+/// Validates a device handle: (config, state, device index). A device
+/// configured lost (`SIMGPU_LOST_DEVICES`) answers every query with
+/// `NVML_ERROR_GPU_IS_LOST`, as a GPU fallen off the bus does.
 fn device(h: nvmlDevice_t) -> Result<(&'static Config, &'static Shared, usize), nvmlReturn_t> {
     let (cfg, shared) = ready()?;
     let index = (0..cfg.devices)
         .find(|&i| handle(i) == h)
         .ok_or(NVML_ERROR_INVALID_ARGUMENT)?;
+    if cfg.is_lost(index) {
+        return Err(NVML_ERROR_GPU_IS_LOST);
+    }
     Ok((cfg, shared, index))
 }
 

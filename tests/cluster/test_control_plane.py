@@ -71,6 +71,11 @@ def test_the_chart_installs_upgrades_and_uninstalls_with_the_real_helm(cluster):
             "MutatingWebhookConfiguration", "ConfigMap", "Service"} <= kinds, kinds
     webhook = next(item for item in installed if item["kind"] == "MutatingWebhookConfiguration")
     assert webhook["webhooks"][0]["clientConfig"]["caBundle"], "the chart's CA reached the server"
+    # The Grafana dashboard, stored whole for the sidecar to find by its label.
+    dashboard = next(item for item in installed
+                     if item["kind"] == "ConfigMap" and item["metadata"]["name"].endswith("-dashboard"))
+    assert dashboard["metadata"]["labels"]["grafana_dashboard"] == "1"
+    assert json.loads(dashboard["data"]["vgpu.json"]) == json.loads((CHART / "dashboards/vgpu.json").read_text())
 
     cluster.helm("upgrade", "vgpu", str(CHART), "-n", "vgpu-system", "--set", "scheduler.webhook.allowPrivileged=true")
     deployment = next(item for item in objects(cluster, "vgpu") if item["kind"] == "Deployment")

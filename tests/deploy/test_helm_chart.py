@@ -5,6 +5,7 @@ ports agree across the plugin, the extender and kube-scheduler, and every
 account can do what its binary needs)."""
 
 import copy
+import json
 import os
 import pathlib
 import subprocess
@@ -396,6 +397,11 @@ def test_kube_scheduler_follows_the_cluster_version_unless_pinned():
         ({"node": {"devicePluginTypo": {}}}, "devicePluginTypo"),
         ({"opportunistic": {"priorityClass": {"value": 2000000000}}}, "value"),
         ({"scheduler": {"webhook": {"schedulerAlias": "Kube Share"}}}, "schedulerAlias"),
+        ({"grafana": {"dashboard": {"label": "grafana dashboard"}}}, "label"),
+        ({"grafana": {"dashboard": {"labelValue": "x" * 64}}}, "labelValue"),
+        ({"grafana": {"dashboard": {"namespace": "Monitoring"}}}, "namespace"),
+        ({"grafana": {"dashboard": {"annotations": {"grafana_folder": 1}}}}, "grafana_folder"),
+        ({"grafana": {"dashboard": {"label": "app.kubernetes.io/name"}}}, "grafana.dashboard.label"),
     ],
 )
 def test_bad_values_are_refused_with_their_name(values, words):
@@ -539,10 +545,64 @@ def test_service_monitor_scrapes_the_monitor_service():
     (endpoint,) = monitor["spec"]["endpoints"]
     assert endpoint["port"] == service["spec"]["ports"][0]["name"]
     assert endpoint["path"] == "/metrics"
+    # The monitor's own namespace/pod/container labels name the workload's
+    # container; without honorLabels the agent pod's target labels would
+    # replace them.
+    assert endpoint["honorLabels"] is True
+    # Every series gets the node the dashboard's node variable reads.
+    (relabeling,) = endpoint["relabelings"]
+    assert relabeling["sourceLabels"] == ["__meta_kubernetes_pod_node_name"]
+    assert relabeling["targetLabel"] == dashboard_node_label()
     values["node"]["monitor"]["service"] = {"enabled": False}
     with pytest.raises(Exception) as error:
         render(values)
     assert "serviceMonitor" in str(error.value)
+
+
+DASHBOARD = CHART / "dashboards" / "vgpu.json"
+
+
+def dashboard_node_label():
+    """The label the dashboard's `node` variable offers the values of."""
+    variables = json.loads(DASHBOARD.read_text())["templating"]["list"]
+    (node,) = [v for v in variables if v["name"] == "node"]
+    query = node["query"]
+    assert query.startswith("label_values(") and query.endswith(")"), query
+    return query[: -1].rsplit(",", 1)[1].strip()
+
+
+def dashboard_config_map(objects):
+    return find(objects, "ConfigMap", "-dashboard")
+
+
+def test_the_dashboard_ships_for_grafanas_sidecar():
+    # The defaults: in the release's namespace, with the label Grafana's
+    # sidecar looks for by default.
+    config_map = dashboard_config_map(render(namespace="gpu"))
+    metadata = config_map["metadata"]
+    assert metadata["namespace"] == "gpu"
+    assert metadata["labels"]["grafana_dashboard"] == "1"
+    assert "annotations" not in metadata
+    (key,) = config_map["data"]
+    assert key.endswith(".json"), "the sidecar loads *.json keys"
+    shipped = json.loads(config_map["data"][key])
+    assert shipped == json.loads(DASHBOARD.read_text())
+    assert shipped["uid"] and shipped["title"]
+
+    values = {"grafana": {"dashboard": {
+        "namespace": "monitoring",
+        "label": "dashboards.example.com/grafana",
+        "labelValue": "vgpu",
+        "annotations": {"grafana_folder": "GPU"},
+    }}}
+    metadata = dashboard_config_map(render(values))["metadata"]
+    assert metadata["namespace"] == "monitoring"
+    assert metadata["labels"]["dashboards.example.com/grafana"] == "vgpu"
+    assert "grafana_dashboard" not in metadata["labels"]
+    assert metadata["annotations"] == {"grafana_folder": "GPU"}
+
+    values = {"grafana": {"dashboard": {"enabled": False}}}
+    assert not [o for o in render(values) if o["metadata"]["name"].endswith("-dashboard")]
 
 
 ELASTIC_GPU_CRDS = {

@@ -1,8 +1,11 @@
 //! Helpers for the monitor's integration tests: the monitor binary as a
 //! child process, plain HTTP over loopback, Prometheus text parsing, region
-//! set-up, and a real Kubernetes API server with the pods the tests need.
+//! set-up, a real Kubernetes API server with the pods the tests need, and a
+//! real Prometheus server (`prometheus_server`).
 
 #![allow(dead_code)]
+
+pub mod prometheus_server;
 
 use k8s_openapi::api::core::v1::{
     Container, Event, Namespace, Node, Pod, PodSpec, ResourceRequirements,
