@@ -6,6 +6,7 @@ use std::collections::BTreeMap;
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
+use vgpu_device_plugin::daemon;
 use vgpu_device_plugin::health::{HealthTracker, NvmlHealth};
 use vgpu_device_plugin::inventory::inventory_gpus;
 use vgpu_device_plugin::options::{ApiFlags, ContainerFlags, HealthFlags};
@@ -106,7 +107,7 @@ fn node_facts(nvml: &nvml_wrapper::Nvml, uuids: &[String]) -> NodeFacts {
 
 fn main() -> anyhow::Result<()> {
     let options = Options::parse();
-    init_logging(options.log_level);
+    daemon::init_logging(options.log_level, &["vgpu_dra"]);
 
     let nvml = Arc::new(vgpu_nvml_host::open(Some(&options.nvml_library))?);
     // Split count means nothing here: kube-scheduler counts capacity.
@@ -165,7 +166,7 @@ fn main() -> anyhow::Result<()> {
         let client = vgpu_cluster::client::make_client(&options.api.source()).await?;
         let (stop, shutdown) = tokio::sync::watch::channel(false);
         tokio::spawn(async move {
-            wait_for_signal().await;
+            daemon::wait_for_signal().await;
             tracing::info!("stopping");
             let _ = stop.send(true);
         });
@@ -181,44 +182,6 @@ fn main() -> anyhow::Result<()> {
         .await?;
         Ok(())
     })
-}
-
-/// Logs to stderr: the driver's own messages at `level`, its libraries'
-/// at warnings and errors only.
-fn init_logging(level: tracing::Level) {
-    use tracing_subscriber::filter::{LevelFilter, Targets};
-    use tracing_subscriber::prelude::*;
-    let own = LevelFilter::from_level(level);
-    let filter = Targets::new()
-        .with_default(own.min(LevelFilter::WARN))
-        .with_target("vgpu_dra", own)
-        .with_target("vgpu_device_plugin", own)
-        .with_target("vgpu_cluster", own)
-        .with_target("vgpu_nvml_host", own);
-    tracing_subscriber::registry()
-        .with(tracing_subscriber::fmt::layer().with_writer(std::io::stderr))
-        .with(filter)
-        .init();
-}
-
-/// SIGTERM (kubelet stopping the pod) or SIGINT.
-async fn wait_for_signal() {
-    use tokio::signal::unix::{signal, SignalKind};
-    match signal(SignalKind::terminate()) {
-        Ok(mut term) => {
-            tokio::select! {
-                _ = term.recv() => {}
-                _ = tokio::signal::ctrl_c() => {}
-            }
-        }
-        Err(error) => {
-            tracing::warn!(
-                error = &error as &dyn std::error::Error,
-                "cannot watch SIGTERM"
-            );
-            let _ = tokio::signal::ctrl_c().await;
-        }
-    }
 }
 
 #[cfg(test)]

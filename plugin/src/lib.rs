@@ -20,6 +20,7 @@
 
 pub mod allocate;
 pub mod cluster;
+pub mod daemon;
 pub mod devices;
 pub mod health;
 pub mod inventory;
