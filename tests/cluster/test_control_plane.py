@@ -320,7 +320,8 @@ def test_a_hami_pod_goes_through_the_webhook_kube_scheduler_and_the_extender(tmp
         ]}))
         # kube-scheduler as the chart runs it: its configuration from the
         # chart's ConfigMap, as the chart's ServiceAccount.
-        config_map = next(item for item in extender.installed if item["kind"] == "ConfigMap")
+        config_map = next(item for item in extender.installed
+                          if item["kind"] == "ConfigMap" and "config.yaml" in item.get("data", {}))
         config = tmp_path / "kube-scheduler.yaml"
         config.write_text(config_map["data"]["config.yaml"]
                           + f"clientConnection:\n  kubeconfig: {extender.kubeconfig}\n")

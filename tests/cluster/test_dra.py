@@ -59,6 +59,15 @@ def dra_cluster(tmp_path_factory):
         yield running
 
 
+@pytest.fixture(autouse=True)
+def cleared(dra_cluster):
+    """Each test leaves no pod or claim behind, passed or failed, so the
+    next one starts with both GPUs free."""
+    yield
+    for kind in ("pods", "resourceclaims"):
+        dra_cluster.cluster.kubectl("delete", kind, "--all", "-n", NAMESPACE, "--wait=true", "--timeout=120s")
+
+
 def claim(name: str, memory: str | None, cores: str | None, device_class: str = "vgpu.io") -> dict:
     capacity = {key: value for key, value in (("memory", memory), ("cores", cores)) if value is not None}
     exactly = {"deviceClassName": device_class}
@@ -273,7 +282,10 @@ def test_the_readme_templates_are_accepted_and_two_gpus_are_two(dra_cluster):
     node = cc.nodes[0]
     wait_for("the paired pod's kernels on both GPUs", lambda: "launches=" in node.container_log(
         NAMESPACE, "paired", "main"), timeout=60, log=cc.logs)
-    claim_name = found["status"]["resourceClaimStatuses"][0]["resourceClaimName"]
+    # kube-controller-manager made the claim from the template, for this pod.
+    claim_name = next(item["metadata"]["name"] for item in kubectl_json(
+        cc.cluster, "get", "resourceclaims", "-n", NAMESPACE)["items"]
+        if any(owner["uid"] == found["metadata"]["uid"] for owner in item["metadata"].get("ownerReferences", [])))
     results = allocation(cc, claim_name)["devices"]["results"]
     assert sorted(result["device"] for result in results) == ["gpu-0", "gpu-1"], results
     assert all(result["consumedCapacity"] == {"memory": "8Gi", "cores": "50"} for result in results), results

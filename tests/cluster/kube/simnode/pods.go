@@ -898,6 +898,9 @@ func (w *podWorker) status(old v1.PodStatus) v1.PodStatus {
 		QOSClass: old.QOSClass, HostIP: address, HostIPs: []v1.HostIP{{IP: address}},
 		PodIP: address, PodIPs: []v1.PodIP{{IP: address}}, StartTime: w.startTime,
 		Reason: w.reason, Message: w.message,
+		// Not the node's to write: kube-controller-manager records which
+		// ResourceClaim it made for each of the pod's claim templates.
+		ResourceClaimStatuses: old.ResourceClaimStatuses, ExtendedResourceClaimStatus: old.ExtendedResourceClaimStatus,
 	}
 	initialized, allReady, anyRunning, allDone, anyFailed := true, true, false, true, false
 	for _, c := range w.containers {
