@@ -90,15 +90,22 @@ pub struct StartUpCost {
 impl StartUpCost {
     /// "N processes starting at once, region ...", as the table reads.
     pub fn label(&self) -> String {
+        let (plural, region) = self.wording();
         format!(
-            "{} process{} starting at once, region {}",
-            self.processes,
+            "{} process{plural} starting at once, region {region}",
+            self.processes
+        )
+    }
+
+    /// The plural ending of "process" and what the region was.
+    fn wording(&self) -> (&'static str, &'static str) {
+        (
             if self.processes == 1 { "" } else { "es" },
             if self.region_exists {
                 "already there"
             } else {
                 "created by them"
-            }
+            },
         )
     }
 
@@ -125,15 +132,10 @@ impl StartUpCost {
     }
 
     fn short_label(&self) -> String {
+        let (plural, region) = self.wording();
         format!(
-            "first cuInit, {} process{}, region {}",
-            self.processes,
-            if self.processes == 1 { "" } else { "es" },
-            if self.region_exists {
-                "already there"
-            } else {
-                "created by them"
-            }
+            "first cuInit, {} process{plural}, region {region}",
+            self.processes
         )
     }
 }
