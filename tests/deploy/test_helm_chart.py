@@ -756,3 +756,23 @@ def test_dra_nodes_run_the_driver_instead_of_the_device_plugin():
     plain = render()
     assert not [o for o in plain if o["kind"] == "DeviceClass" or o["metadata"]["name"].endswith("-dra")]
     assert "affinity" not in find(plain, "DaemonSet", "-node")["spec"]["template"]["spec"]
+
+
+def test_the_image_holds_every_binary_the_chart_runs():
+    """Each of our binaries a chart container runs is built and copied
+    into the image by deploy/images/Dockerfile."""
+    dockerfile = (ROOT / "deploy/images/Dockerfile").read_text()
+    objects = render({"dra": {"enabled": True}})
+    run = set()
+    for obj in objects:
+        if obj["kind"] not in ("DaemonSet", "Deployment"):
+            continue
+        spec = obj["spec"]["template"]["spec"]
+        for c in spec.get("containers", []) + spec.get("initContainers", []):
+            command = c.get("command", [""])[0]
+            if command.startswith("/usr/local/bin/vgpu-"):
+                run.add(command.rsplit("/", 1)[1])
+    assert {"vgpu-device-plugin", "vgpu-dra", "vgpu-monitor", "vgpu-scheduler"} <= run, run
+    for binary in run:
+        assert f"-p {binary} " in dockerfile, f"the Dockerfile does not build {binary}"
+        assert f"/src/target/release/{binary} " in dockerfile, f"the Dockerfile does not copy {binary}"
