@@ -123,41 +123,108 @@ def test_nvidia_smi_csv_is_parsed_or_refused():
 
 
 class Rows:
+    """Collects what a check reports, as Suite.add does."""
+
     def __init__(self):
         self.rows = []
 
-    def add(self, check, target, measured, outcome):
-        self.rows.append(suite.Row(check, target, measured, outcome))
+    def add(self, check, target, column, measured, outcome):
+        self.rows.append(suite.Row(check, target, {column: suite.Cell(measured, outcome)}))
+
+    def verdicts(self):
+        return [next(iter(r.cells.values())).verdict for r in self.rows]
+
+    def measured(self, index):
+        return next(iter(self.rows[index].cells.values())).measured
 
 
 def test_a_share_passes_only_within_three_points():
     rows = Rows()
-    suite.share_row(rows, "at 50", 50, rate=52.9, uncapped=100, utilization=55)
-    suite.share_row(rows, "at 50", 50, rate=46.9, uncapped=100, utilization=None)
-    assert [r.verdict for r in rows.rows] == ["pass", "fail"]
-    assert "52.9 %" in rows.rows[0].measured and "NVML utilization 55 %" in rows.rows[0].measured
+    suite.share_row(rows, "at 50", "vgpu", 50, rate=52.9, uncapped=100, utilization=55)
+    suite.share_row(rows, "at 50", "vgpu", 50, rate=46.9, uncapped=100, utilization=None)
+    assert rows.verdicts() == ["pass", "fail"]
+    assert "52.9 %" in rows.measured(0) and "NVML utilization 55 %" in rows.measured(0)
 
 
 def test_a_share_with_device_time_is_judged_by_device_time():
     rows = Rows()
     # 29 % of the throughput but 25.5 % of the device's time: the capped
     # GPU ran at higher clocks than the loaded reference.
-    suite.share_row(rows, "at 25", 25, rate=29, uncapped=100, utilization=26, time_share=25.5)
-    suite.share_row(rows, "at 25", 25, rate=25, uncapped=100, utilization=30, time_share=30)
-    assert [r.verdict for r in rows.rows] == ["pass", "fail"]
-    assert "25.5 % of the device's time (29.0 % of the uncapped throughput)" in rows.rows[0].measured
+    suite.share_row(rows, "at 25", "vgpu", 25, rate=29, uncapped=100, utilization=26, time_share=25.5)
+    suite.share_row(rows, "at 25", "vgpu", 25, rate=25, uncapped=100, utilization=30, time_share=30)
+    assert rows.verdicts() == ["pass", "fail"]
+    assert "25.5 % of the device's time (29.0 % of the uncapped throughput)" in rows.measured(0)
 
 
 def test_small_kernels_fail_only_above_their_share():
     rows = Rows()
-    suite.share_row(rows, "small", 50, rate=40, uncapped=100, utilization=40, known_limit=True)
-    suite.share_row(rows, "small", 50, rate=54, uncapped=100, utilization=54, known_limit=True)
-    assert [r.verdict for r in rows.rows] == ["pass", "info", "fail", "info"]
+    suite.share_row(rows, "small", "vgpu", 50, rate=40, uncapped=100, utilization=40, known_limit=True)
+    suite.share_row(rows, "small", "vgpu", 50, rate=54, uncapped=100, utilization=54, known_limit=True)
+    assert rows.verdicts() == ["pass", "info", "fail", "info"]
 
 
-def test_the_table_escapes_cells():
-    table = suite.markdown_table([suite.Row("a|b", "t", "line\nbreak", "pass")])
-    assert table.splitlines()[2] == "| a\\|b | t | line break | pass |"
+def test_containers_running_one_kernel_split_the_device_time_by_their_rates():
+    assert suite.split_by_rate(90, [100, 200]) == [30, 60]
+    assert suite.split_by_rate(None, [1, 2]) == [None, None]
+    assert suite.split_by_rate(90, [0, 0]) == [None, None]
+
+
+def test_the_table_has_a_column_per_library_and_escapes_cells():
+    rows = [suite.Row("a|b", "t", {suite.DRIVER: suite.Cell("line\nbreak", "info"),
+                                   "vgpu": suite.Cell("1", "pass"), "peer": suite.Cell("2", "fail")}),
+            suite.Row("swap", "t", {"vgpu": suite.Cell("3", "pass"), "peer": suite.Cell("none", "n/a")})]
+    table = suite.markdown_table(rows, [suite.DRIVER, "vgpu", "peer"]).splitlines()
+    assert table[0] == "| check | target | driver alone | vgpu | peer |"
+    assert table[2] == "| a\\|b | t | line break | **pass**: 1 | **fail**: 2 |"
+    assert table[3] == "| swap | t |  | **pass**: 3 | **n/a**: none |"
+    # Only judged cells count; n/a and info do not.
+    assert suite.tally(rows, "vgpu") == (2, 0)
+    assert suite.tally(rows, "peer") == (1, 1)
+
+
+def test_a_suite_merges_every_column_of_a_check_into_one_row(tmp_path):
+    state = suite.Suite([suite.Library("vgpu", tmp_path / "a.so")], tmp_path, sys.executable, 4096, None, None)
+    state.add("check", "target", suite.DRIVER, "10", "info")
+    state.add("check", "target", "vgpu", "9", "pass")
+    state.add("other", "target", "vgpu", "1", "fail")
+    assert [r.check for r in state.rows] == ["check", "other"]
+    assert set(state.rows[0].cells) == {suite.DRIVER, "vgpu"}
+
+
+def test_overhead_is_judged_on_the_target_or_the_references_own_spread():
+    steady = [100.0, 100.5, 99.5, 100.2, 99.8]
+    noisy = [100.0, 80.0, 120.0, 90.0, 110.0]
+    # Launch rates (higher is better): a steady reference keeps the target.
+    assert suite.overhead_band(0.97, steady, True) == 0.97
+    # A reference whose middle half reaches 10 % below its median widens it.
+    assert suite.overhead_band(0.97, noisy, True) == pytest.approx(90 / 100)
+    # Times (lower is better): the upper quartile is what widens it.
+    assert suite.overhead_band(0.99, noisy, False) == pytest.approx(100 / 110)
+    rows = Rows()
+    suite.overhead_row(rows, "launch", 0.97, "vgpu", [95.0] * 5, steady, True, 1, "launches/s", 0)
+    suite.overhead_row(rows, "launch", 0.97, "vgpu", [95.0] * 5, noisy, True, 1, "launches/s", 0)
+    suite.overhead_row(rows, "step", 0.99, "vgpu", [2.2] * 5, [2.0] * 5, False, 1e3, "ms", 3)
+    assert rows.verdicts() == ["fail", "pass", "fail"]
+    assert rows.measured(2).startswith("0.909 (passes at 0.990): 2,200.000 ms")
+
+
+def test_prometheus_text_is_parsed_or_refused():
+    text = (
+        "# HELP vgpu_container_memory_used_bytes Device memory.\n"
+        "# TYPE vgpu_container_memory_used_bytes gauge\n"
+        'vgpu_container_memory_used_bytes{namespace="",pod="p",container="holder",device_index="0"} 1.5e9\n'
+        'vgpu_container_memory_used_bytes{namespace="",pod="p",container="spin\\"ner",device_index="0"} 7\n'
+        "vgpu_monitor_regions 2\n"
+    )
+    samples = suite.parse_metrics(text)
+    assert suite.metric(samples, "vgpu_container_memory_used_bytes", container="holder") == 1.5e9
+    assert suite.metric(samples, "vgpu_monitor_regions") == 2
+    # Two samples match, or none: no single answer.
+    assert suite.metric(samples, "vgpu_container_memory_used_bytes") is None
+    assert suite.metric(samples, "vgpu_nothing") is None
+    for bad in ("vgpu_x{a=\"1\"} twelve", "{} 1"):
+        with pytest.raises(ValueError):
+            suite.parse_metrics(bad)
 
 
 def test_a_sampler_without_readings_refuses_to_report_a_peak():
@@ -188,12 +255,32 @@ def test_shim_variables_never_leak_into_a_plain_run(monkeypatch, tmp_path):
                  "PYTORCH_CUDA_ALLOC_CONF", "CUDA_DEVICE_MEMORY_SHARED_CACHE"):
         monkeypatch.setenv(name, "x")
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
-    state = suite.Suite(tmp_path / "libvgpu.so", tmp_path, sys.executable, 4096, None, None)
+    ours = suite.Library("vgpu", tmp_path / "libvgpu.so")
+    peer = suite.Library("peer", tmp_path / "peer.so", extra_env=(("PEER_ONLY", "1"),))
+    state = suite.Suite([ours, peer], tmp_path, sys.executable, 4096, None, None)
     plain = state.plain_env()
     assert not [k for k in plain if suite.SHIM_VARIABLE.match(k)]
     assert plain["CUDA_VISIBLE_DEVICES"] == "0"
-    capped = state.shim_env(cap_mib=4096, share=30)
+    capped = state.shim_env(ours, cap_mib=4096, share=30)
     assert capped["LD_PRELOAD"] == str(tmp_path / "libvgpu.so")
     assert capped["CUDA_DEVICE_MEMORY_LIMIT"] == "4096m" and capped["CUDA_DEVICE_SM_LIMIT"] == "30"
-    assert capped["CUDA_DEVICE_MEMORY_SHARED_CACHE"] != state.shim_env()["CUDA_DEVICE_MEMORY_SHARED_CACHE"]
-    assert "CUDA_DEVICE_MEMORY_SHARED_CACHE" not in state.shim_env(container=False)
+    assert capped["CUDA_DEVICE_MEMORY_SHARED_CACHE"] != state.shim_env(ours)["CUDA_DEVICE_MEMORY_SHARED_CACHE"]
+    assert "CUDA_DEVICE_MEMORY_SHARED_CACHE" not in state.shim_env(ours, container=False)
+    assert "PEER_ONLY" not in capped
+    with_peer = state.shim_env(peer, cap_mib=1024)
+    assert with_peer["LD_PRELOAD"] == str(tmp_path / "peer.so") and with_peer["PEER_ONLY"] == "1"
+
+
+def test_a_missing_peer_is_named(tmp_path):
+    library = tmp_path / "libvgpu.so"
+    library.write_bytes(b"")
+    done = run("--lib", str(library), "--peer", str(tmp_path / "hami.so"), "--nvcc", str(NVCC_ROOT / "bin/nvcc"),
+               "--arch", "sm_90", "--workdir", str(tmp_path), env=nvcc_env())
+    assert done.returncode == 2 and "hami.so: no such file" in done.stderr
+
+
+def test_skip_and_budget_are_checked():
+    done = run("--skip", "nosuch")
+    assert done.returncode == 2 and "--skip: unknown check nosuch" in done.stderr
+    done = run("--budget-s", "0")
+    assert done.returncode == 2 and "--budget-s must be a positive number" in done.stderr

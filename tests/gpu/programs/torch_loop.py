@@ -5,6 +5,11 @@
     python3 torch_loop.py train --chunks C [--steps-per-chunk K]
         a small MLP's training step (forward, backward, AdamW); the median
         step time over C chunks of K steps, each chunk synchronised.
+    python3 torch_loop.py cost --chunks C [--steps-per-chunk K]
+        three steps timed in one process, for the shim's cost on each kind
+        of work: the training step above, a step bound by cuBLAS (four bf16
+        products of 8192), and a step bound by launches (400 element-wise
+        kernels on 1024 numbers); each the median over C chunks of K steps.
 """
 
 import argparse
@@ -35,7 +40,8 @@ def matmul(args) -> dict:
     return {"steps": done, "seconds": elapsed, "rate": done / elapsed}
 
 
-def train(args) -> dict:
+def training_step():
+    """A small MLP's training step, set up; returns the step."""
     import torch
 
     torch.manual_seed(0)
@@ -58,18 +64,69 @@ def train(args) -> dict:
         loss.backward()
         optimiser.step()
 
-    for _ in range(20):
-        step()
-    torch.cuda.synchronize()
-    ready_then_wait_for_go()
+    return step
+
+
+def cublas_step():
+    import torch
+
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+
+    def step():
+        for _ in range(4):
+            torch.mm(a, b)
+
+    return step
+
+
+def launch_step():
+    import torch
+
+    x = torch.ones(1024, device="cuda")
+
+    def step():
+        for _ in range(200):
+            x.mul_(1.0001)
+            x.sub_(0.0001)
+
+    return step
+
+
+def median_step_seconds(step, chunks: int, steps_per_chunk: int) -> float:
+    import torch
+
     times = []
-    for _ in range(args.chunks):
+    for _ in range(chunks):
         start = time.monotonic()
-        for _ in range(args.steps_per_chunk):
+        for _ in range(steps_per_chunk):
             step()
         torch.cuda.synchronize()
-        times.append((time.monotonic() - start) / args.steps_per_chunk)
-    return {"step_seconds": statistics.median(times)}
+        times.append((time.monotonic() - start) / steps_per_chunk)
+    return statistics.median(times)
+
+
+def warmed(*steps):
+    import torch
+
+    for step in steps:
+        for _ in range(20):
+            step()
+    torch.cuda.synchronize()
+
+
+def train(args) -> dict:
+    step = training_step()
+    warmed(step)
+    ready_then_wait_for_go()
+    return {"step_seconds": median_step_seconds(step, args.chunks, args.steps_per_chunk)}
+
+
+def cost(args) -> dict:
+    steps = {"train_seconds": training_step(), "cublas_seconds": cublas_step(), "launch_seconds": launch_step()}
+    warmed(*steps.values())
+    ready_then_wait_for_go()
+    return {name: median_step_seconds(step, args.chunks, args.steps_per_chunk) for name, step in steps.items()}
 
 
 def main() -> None:
@@ -81,8 +138,11 @@ def main() -> None:
     training = modes.add_parser("train")
     training.add_argument("--chunks", type=int, required=True)
     training.add_argument("--steps-per-chunk", type=int, default=10)
+    costs = modes.add_parser("cost")
+    costs.add_argument("--chunks", type=int, required=True)
+    costs.add_argument("--steps-per-chunk", type=int, default=10)
     args = parser.parse_args()
-    report_and_hold({"matmul": matmul, "train": train}[args.mode](args))
+    report_and_hold({"matmul": matmul, "train": train, "cost": cost}[args.mode](args))
 
 
 if __name__ == "__main__":
