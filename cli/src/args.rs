@@ -17,6 +17,7 @@ Examples:
   vgpu top                      # live, every second; s/n/m/u/t sort, q quits
   vgpu top --once --sort util   # one plain table, for scripts
   vgpu demo                     # a cap and a share holding, on this machine's GPU or a simulated one
+  vgpu doctor                   # what vgpu sees here: driver, GPUs, DRA slice, shim, monitor (--json)
 
 Regions live in --root: /usr/local/vgpu/containers for root (the directory
 the node monitor watches), else $XDG_RUNTIME_DIR/vgpu, else /tmp/vgpu-<uid>.";
@@ -54,6 +55,11 @@ pub enum Command {
     Top(TopArgs),
     /// Show a memory cap and a compute share holding, on a real or simulated GPU
     Demo(DemoArgs),
+    /// Check what vgpu sees here: driver, GPUs, the DRA slice, the shim, the monitor
+    Doctor(DoctorArgs),
+    /// `vgpu doctor`'s CUDA program, run under the shim (not for users)
+    #[command(name = "doctor-probe", hide = true)]
+    DoctorProbe,
 }
 
 const RUN_EXAMPLES: &str = "\
@@ -223,6 +229,141 @@ pub struct DemoArgs {
     pub library: Option<PathBuf>,
 }
 
+/// Where `vgpu doctor` scrapes the node monitor unless told otherwise.
+pub const DEFAULT_MONITOR_URL: &str = "http://127.0.0.1:31992/metrics";
+
+/// Check what vgpu sees on this machine, each finding with what to do when
+/// it is wrong.
+#[derive(Debug, Args)]
+#[command(after_help = "\
+Examples:
+  vgpu doctor
+  vgpu doctor --json | jq '.gpus[] | {uuid, memory_total_mib, numa_node}'
+  vgpu doctor --monitor http://10.0.0.7:31992/metrics
+
+Each line is marked ok, warn or fail; a warn or fail line is followed by a
+hint. Sections:
+
+  Driver    NVML loaded from --nvml-library (the device plugin's default),
+            the file the loader found, the driver's version and the CUDA
+            driver version it supports.
+  GPUs      each GPU as the device plugin publishes it in the node
+            inventory, read by the plugin's own code: NVML index, UUID,
+            model, memory (MiB), SMs, NUMA node, NVLink island, PCI bus ID,
+            and health by the plugin's probe (a GPU that does not answer
+            NVML is unhealthy). Memory is unscaled (no
+            --device-memory-scaling).
+  DRA       the devices the DRA driver (vgpu-dra) would publish in this
+            node's ResourceSlice (built by its own code): name, attributes,
+            capacities. The node is --node-name, else $NODE_NAME, else the
+            host name. Unhealthy GPUs are left out, as the driver does.
+  Shim      a CUDA program (this binary, run by `vgpu run` with the shim
+            found as `vgpu run` finds it and a 1 GiB cap, in a temporary
+            region removed afterwards) loads libcuda.so.1, creates a
+            context on GPU 0, and checks that cuMemGetInfo's total is the
+            cap, that memory under the cap can be allocated, and that an
+            allocation past it is refused with CUDA_ERROR_OUT_OF_MEMORY.
+            Progress goes to stderr. Its region is not in the node
+            monitor's directory, so a monitor may log the program once as a
+            process without the shim; doctor reads the monitor before it.
+  Monitor   the node monitor's metrics (GET --monitor): its regions, each
+            container's memory used against its cap and its compute share,
+            and per GPU its health and any process running without the
+            shim. A monitor that cannot be reached at the default address is
+            a warning (machines without Kubernetes run none); at an address
+            given with --monitor, a failure.
+
+--json prints one JSON document instead: every figure (driver and CUDA
+versions; per GPU uuid, name, memory_total_mib, numa_node, pci_bus_id and
+the rest; the ResourceSlice as the API server would receive it; the probe's
+figures; the monitor's figures) and every finding.
+
+Exit status: 0 when nothing failed (warnings allowed), 1 when a check
+failed, 2 for an invalid option.")]
+pub struct DoctorArgs {
+    /// Print one JSON document instead of text
+    #[arg(long)]
+    pub json: bool,
+
+    /// The node monitor's metrics URL, plain HTTP [default: http://127.0.0.1:31992/metrics]
+    #[arg(long, value_name = "URL", value_parser = monitor_url)]
+    pub monitor: Option<MonitorUrl>,
+
+    /// NVML library to load (as the device plugin's --nvml-library)
+    #[arg(long, default_value = "libnvidia-ml.so.1", value_name = "PATH")]
+    pub nvml_library: PathBuf,
+
+    /// The shim to probe (as for `vgpu run`)
+    #[arg(long, env = "VGPU_LIBRARY", value_name = "PATH")]
+    pub library: Option<PathBuf>,
+
+    /// The node's name, for the DRA slice's name and pool [default: the host name]
+    #[arg(long, env = "NODE_NAME", value_name = "NAME")]
+    pub node_name: Option<String>,
+}
+
+/// An `http://host[:port][/path]` URL, checked before anything starts.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct MonitorUrl {
+    /// As given.
+    pub text: String,
+    /// `host:port`, for connecting (port 80 when not given).
+    pub authority: String,
+    /// `host[:port]` as given, for the Host header.
+    pub host: String,
+    /// The request path, `/metrics` when none is given.
+    pub path: String,
+}
+
+fn monitor_url(text: &str) -> Result<MonitorUrl, String> {
+    let rest = text.strip_prefix("http://").ok_or_else(|| {
+        format!("{text:?}: the monitor serves plain HTTP; give http://HOST:PORT/PATH")
+    })?;
+    let (host, path) = match rest.find('/') {
+        Some(at) => (&rest[..at], &rest[at..]),
+        None => (rest, ""),
+    };
+    if host.is_empty() || host.contains(['@', ' ', '?', '#']) {
+        return Err(format!("{text:?}: no host in the URL"));
+    }
+    // A port is what follows the last ':' outside an IPv6 address's brackets.
+    let port_part = match host.rfind(']') {
+        Some(close) => host[close + 1..].strip_prefix(':'),
+        None => host.rsplit_once(':').map(|(_, port)| port),
+    };
+    let authority = match port_part {
+        Some(port) => {
+            port.parse::<u16>()
+                .map_err(|_| format!("{text:?}: {port:?} is not a port"))?;
+            host.to_string()
+        }
+        None => format!("{host}:80"),
+    };
+    let path = if path.is_empty() || path == "/" {
+        "/metrics".to_string()
+    } else {
+        path.to_string()
+    };
+    Ok(MonitorUrl {
+        text: text.to_string(),
+        authority,
+        host: host.to_string(),
+        path,
+    })
+}
+
+impl MonitorUrl {
+    /// The default address, [`DEFAULT_MONITOR_URL`].
+    pub fn default_url() -> Self {
+        Self {
+            text: DEFAULT_MONITOR_URL.to_string(),
+            authority: "127.0.0.1:31992".to_string(),
+            host: "127.0.0.1:31992".to_string(),
+            path: "/metrics".to_string(),
+        }
+    }
+}
+
 /// Change a local region's limits while it runs.
 #[derive(Debug, Args)]
 #[command(after_help = "\
@@ -338,5 +479,35 @@ mod tests {
         assert_eq!(run.cores, Some(30));
         assert_eq!(run.command, ["sh", "-c", "x"]);
         <Cli as clap::CommandFactory>::command().debug_assert();
+    }
+
+    #[test]
+    fn monitor_urls_are_checked() {
+        let url = monitor_url("http://10.0.0.7:31992").expect("valid");
+        assert_eq!(url.authority, "10.0.0.7:31992");
+        assert_eq!(url.path, "/metrics");
+        let url = monitor_url("http://node-a/vgpu/metrics").expect("valid");
+        assert_eq!(url.authority, "node-a:80");
+        assert_eq!(url.host, "node-a");
+        assert_eq!(url.path, "/vgpu/metrics");
+        let url = monitor_url("http://[::1]:31992/metrics").expect("valid");
+        assert_eq!(url.authority, "[::1]:31992");
+        assert_eq!(
+            monitor_url("http://[::1]/").expect("valid").authority,
+            "[::1]:80"
+        );
+        assert_eq!(
+            MonitorUrl::default_url(),
+            monitor_url(DEFAULT_MONITOR_URL).expect("valid")
+        );
+        for bad in [
+            "https://x:1/metrics",
+            "127.0.0.1:31992",
+            "http://",
+            "http://x:port/",
+            "http://x:99999/",
+        ] {
+            assert!(monitor_url(bad).is_err(), "{bad:?}");
+        }
     }
 }

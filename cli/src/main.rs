@@ -4,6 +4,7 @@
 
 mod args;
 mod demo;
+mod doctor;
 mod live;
 mod places;
 mod run;
@@ -73,6 +74,17 @@ fn main() -> ExitCode {
             }
         }
         Command::Demo(args) => match demo::run(&args, &mut std::io::stdout().lock()) {
+            Ok(()) => (0, None),
+            Err(error) => (1, Some(error.into())),
+        },
+        Command::Doctor(args) => match doctor::run(&args, &mut std::io::stdout().lock()) {
+            Ok(failed) => (i32::from(failed), None),
+            Err(error) => (
+                1,
+                Some(anyhow::Error::new(error).context("writing the report")),
+            ),
+        },
+        Command::DoctorProbe => match doctor::probe::child(&mut std::io::stdout().lock()) {
             Ok(()) => (0, None),
             Err(error) => (1, Some(error.into())),
         },

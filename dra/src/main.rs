@@ -2,7 +2,6 @@
 
 use anyhow::Context;
 use clap::Parser;
-use std::collections::BTreeMap;
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
@@ -12,7 +11,7 @@ use vgpu_device_plugin::inventory::inventory_gpus;
 use vgpu_device_plugin::options::{ApiFlags, ContainerFlags, HealthFlags};
 use vgpu_dra::driver::{Driver, DriverConfig};
 use vgpu_dra::service::{Sockets, DRA_SOCKET, REGISTRATION_SOCKET};
-use vgpu_dra::slice::{NodeFacts, DRIVER_NAME};
+use vgpu_dra::slice::{node_facts, DRIVER_NAME};
 
 /// vgpu DRA driver: shares this node's GPUs between ResourceClaims.
 ///
@@ -83,26 +82,6 @@ struct Options {
     /// trace (to stderr; its libraries log warnings and errors only).
     #[arg(long, default_value = "info", value_name = "LEVEL")]
     log_level: tracing::Level,
-}
-
-/// The driver version and compute capabilities NVML reports (left out
-/// where it cannot say).
-fn node_facts(nvml: &nvml_wrapper::Nvml, uuids: &[String]) -> NodeFacts {
-    let compute_capability: BTreeMap<String, String> = uuids
-        .iter()
-        .filter_map(|uuid| {
-            let device = nvml.device_by_uuid(uuid.as_str()).ok()?;
-            let capability = device.cuda_compute_capability().ok()?;
-            Some((
-                uuid.clone(),
-                format!("{}.{}", capability.major, capability.minor),
-            ))
-        })
-        .collect();
-    NodeFacts {
-        driver_version: nvml.sys_driver_version().ok(),
-        compute_capability,
-    }
 }
 
 fn main() -> anyhow::Result<()> {

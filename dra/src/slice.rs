@@ -68,6 +68,27 @@ pub struct NodeFacts {
     pub compute_capability: BTreeMap<String, String>,
 }
 
+/// The driver version and compute capabilities NVML reports (left out
+/// where it cannot say), for the GPUs `uuids`. Here rather than in the
+/// binary so that `vgpu doctor` shows the slice this driver would publish.
+pub fn node_facts(nvml: &nvml_wrapper::Nvml, uuids: &[String]) -> NodeFacts {
+    let compute_capability: BTreeMap<String, String> = uuids
+        .iter()
+        .filter_map(|uuid| {
+            let device = nvml.device_by_uuid(uuid.as_str()).ok()?;
+            let capability = device.cuda_compute_capability().ok()?;
+            Some((
+                uuid.clone(),
+                format!("{}.{}", capability.major, capability.minor),
+            ))
+        })
+        .collect();
+    NodeFacts {
+        driver_version: nvml.sys_driver_version().ok(),
+        compute_capability,
+    }
+}
+
 fn string(value: impl Into<String>) -> DeviceAttribute {
     DeviceAttribute {
         string: Some(value.into()),

@@ -233,8 +233,9 @@ impl NvmlHealth {
     }
 }
 
-/// Asks the GPU `uuid` a few questions a healthy GPU answers.
-fn probe(nvml: &Nvml, uuid: &str) -> Result<(), String> {
+/// Asks the GPU `uuid` a few questions a healthy GPU answers (also what
+/// `vgpu doctor` asks, so it judges health by the plugin's own probe).
+pub fn probe(nvml: &Nvml, uuid: &str) -> Result<(), String> {
     let device = nvml.device_by_uuid(uuid).map_err(|e| e.to_string())?;
     device.memory_info().map_err(|e| e.to_string())?;
     Ok(())
