@@ -45,6 +45,7 @@ import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from xml.etree import ElementTree
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent.parent
@@ -1010,6 +1011,7 @@ def check_node(suite: Suite) -> None:
                 suite.plain_env()))
             total, used = parse_memory_csv(suite.command(
                 ["nvidia-smi", "--query-gpu=memory.total,memory.used", "--format=csv", "--id=0"], suite.plain_env()))
+            doctor = run_doctor(suite, url)
             spinner.result()
             nvml_util = sampler.utilization(read_at - 1.0, read_at)
             for child in (holder, spinner):
@@ -1023,6 +1025,7 @@ def check_node(suite: Suite) -> None:
         except subprocess.TimeoutExpired:
             monitor.kill()
         log.close()
+    doctor_rows(suite, doctor, samples)
     if not samples:
         for check, target in checks.values():
             suite.add(check, target, suite.ours.label, f"no metrics for both containers at {url} in 30 s", "error")
@@ -1061,8 +1064,130 @@ def check_node(suite: Suite) -> None:
                   verdict(within(100 * ratio, 50, 10) and within(100 * ratio, nvml_util, 10)))
 
 
+def parse_smi_xml(text: str) -> dict:
+    """Driver and CUDA versions and each GPU's UUID, model, memory total
+    (MiB) and PCI bus id from `nvidia-smi -q -x`; raises ValueError when a
+    field is missing."""
+    try:
+        root = ElementTree.fromstring(text)
+    except ElementTree.ParseError as exc:
+        raise ValueError(f"nvidia-smi -q -x is not XML: {exc}") from exc
+
+    def field(node, path: str) -> str:
+        found = node.find(path)
+        if found is None or found.text is None:
+            raise ValueError(f"nvidia-smi -q -x has no {path}")
+        return found.text.strip()
+
+    gpus = []
+    for gpu in root.findall("gpu"):
+        total = re.fullmatch(r"(\d+) MiB", field(gpu, "fb_memory_usage/total"))
+        if not total:
+            raise ValueError(f"unparsable memory total {field(gpu, 'fb_memory_usage/total')!r}")
+        gpus.append({"uuid": field(gpu, "uuid"), "name": field(gpu, "product_name"),
+                     "memory_total_mib": int(total[1]), "pci_bus_id": field(gpu, "pci/pci_bus_id")})
+    return {"driver_version": field(root, "driver_version"), "cuda_version": field(root, "cuda_version"),
+            "gpus": gpus}
+
+
+def bus_id_key(bus_id: str | None) -> str | None:
+    """A PCI bus id in one spelling (NVML writes an 8-digit domain, sysfs a
+    4-digit one)."""
+    if not bus_id:
+        return None
+    domain, _, rest = bus_id.strip().lower().partition(":")
+    return f"{int(domain, 16):04x}:{rest}" if rest else bus_id.lower()
+
+
+def sysfs_numa_node(bus_id: str) -> int | None:
+    """The NUMA node the kernel gives the GPU's PCI device (None where it
+    says -1: a machine of one node, or a VM that does not say)."""
+    try:
+        value = int(Path(f"/sys/bus/pci/devices/{bus_id_key(bus_id)}/numa_node").read_text())
+    except (OSError, ValueError):
+        return None
+    return value if value >= 0 else None
+
+
+def run_doctor(suite: Suite, monitor_url: str) -> dict | str:
+    """`vgpu doctor --json` against vgpu's shim and the monitor at
+    `monitor_url`: its report, or why there is none."""
+    if suite.tools.vgpu is None:
+        return "no vgpu binary: name it with --vgpu"
+    argv = [str(suite.tools.vgpu), "doctor", "--json", "--library", str(suite.ours.path),
+            "--monitor", monitor_url.removesuffix("/metrics")]
+    done = subprocess.run(argv, env=suite.plain_env(), capture_output=True, text=True, timeout=120, check=False)
+    (suite.workdir / "logs" / "doctor.json").write_text(done.stdout)
+    (suite.workdir / "logs" / "doctor.stderr").write_text(done.stderr)
+    try:
+        return json.loads(done.stdout)
+    except json.JSONDecodeError:
+        return f"vgpu doctor exited with {done.returncode} and no JSON: {done.stderr.strip()[-300:]}"
+
+
+def doctor_rows(suite: Suite, doctor: dict | str,
+                samples: list[tuple[str, dict[str, str], float]]) -> None:
+    """What `vgpu doctor` says of this node against nvidia-smi -q, sysfs and
+    the monitor's own /metrics."""
+    checks = {
+        "versions": ("vgpu doctor: driver and CUDA versions", "nvidia-smi -q's"),
+        "gpus": ("vgpu doctor: each GPU's UUID, model, memory total and PCI bus id", "nvidia-smi -q's"),
+        "numa": ("vgpu doctor: each GPU's NUMA node", "the kernel's (sysfs numa_node; -1 is none)"),
+        "probe": ("vgpu doctor: the shim loads into a CUDA program and holds a cap",
+                  "the probe's total is its cap, and past the cap is refused"),
+        "monitor": ("vgpu doctor: the monitor's figures for a running container",
+                    "the holder's memory used, as /metrics gives it"),
+    }
+    column = suite.ours.label
+    for library in suite.libraries[1:]:
+        for check, target in checks.values():
+            suite.not_supported(check, target, library, "no doctor in this library")
+    if isinstance(doctor, str):
+        for check, target in checks.values():
+            suite.add(check, target, column, doctor, "error")
+        return
+    smi = parse_smi_xml(suite.command(["nvidia-smi", "-q", "-x"], suite.plain_env()))
+    driver = doctor.get("driver") or {}
+    check, target = checks["versions"]
+    suite.add(check, target, DRIVER, f"{smi['driver_version']}, CUDA {smi['cuda_version']}", "info")
+    mine = f"{driver.get('driver_version')}, CUDA {driver.get('cuda_driver_version')}"
+    suite.add(check, target, column, mine,
+              verdict(driver.get("driver_version") == smi["driver_version"]
+                      and driver.get("cuda_driver_version") == smi["cuda_version"]))
+
+    def facts(gpu: dict) -> tuple:
+        return (gpu.get("uuid"), gpu.get("name"), gpu.get("memory_total_mib"), bus_id_key(gpu.get("pci_bus_id")))
+
+    theirs = sorted(facts(g) for g in smi["gpus"])
+    ours = sorted(facts(g) for g in doctor.get("gpus") or [])
+    check, target = checks["gpus"]
+    suite.add(check, target, DRIVER, "; ".join(" ".join(map(str, f)) for f in theirs), "info")
+    suite.add(check, target, column, "; ".join(" ".join(map(str, f)) for f in ours) or "no GPU",
+              verdict(ours == theirs))
+    kernel = {bus_id_key(g["pci_bus_id"]): sysfs_numa_node(g["pci_bus_id"]) for g in smi["gpus"]}
+    said = {bus_id_key(g.get("pci_bus_id")): g.get("numa_node") for g in doctor.get("gpus") or []}
+    check, target = checks["numa"]
+    suite.add(check, target, DRIVER, f"{kernel}", "info")
+    suite.add(check, target, column, f"{said}", verdict(said == kernel))
+    probe = doctor.get("probe") or {}
+    check, target = checks["probe"]
+    suite.add(check, target, column,
+              f"total {(probe.get('mem_total_bytes') or 0) // MIB} MiB under a {(probe.get('cap_bytes') or 0) // MIB}"
+              f" MiB cap; past the cap: result {probe.get('past_cap_result')}; cap held: {probe.get('cap_held')}"
+              + (f"; failed at {probe.get('failed_step')}: {probe.get('error')}" if probe.get("failed_step") else ""),
+              verdict(bool(probe.get("cap_held")) and probe.get("mem_total_bytes") == probe.get("cap_bytes")))
+    holder = [c for c in (doctor.get("monitor") or {}).get("containers") or [] if c.get("container") == "holder"]
+    expected = metric(samples, "vgpu_container_memory_used_bytes", container="holder") if samples else None
+    check, target = checks["monitor"]
+    found = holder[0].get("memory_used_bytes") if len(holder) == 1 else None
+    suite.add(check, target, column,
+              f"{found / MIB:.0f} MiB against {expected / MIB:.0f} MiB" if found is not None and expected
+              else f"holder: {holder}, /metrics: {expected}",
+              verdict(found is not None and expected is not None and within(found / MIB, expected / MIB, 16)))
+
+
 CHECKS = {
-    "node": (check_node, "vgpu-monitor on the real driver: /metrics against nvidia-smi and NVML"),
+    "node": (check_node, "vgpu-monitor and vgpu doctor on the real driver, against nvidia-smi, sysfs and NVML"),
     "smi": (check_smi, "nvidia-smi under a cap: totals, use, process list, csv"),
     "torch": (check_torch, "PyTorch sees the cap and is stopped by it"),
     "torch-expandable": (check_torch_expandable, "the same with expandable_segments"),

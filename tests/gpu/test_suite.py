@@ -284,3 +284,21 @@ def test_skip_and_budget_are_checked():
     assert done.returncode == 2 and "--skip: unknown check nosuch" in done.stderr
     done = run("--budget-s", "0")
     assert done.returncode == 2 and "--budget-s must be a positive number" in done.stderr
+
+
+def test_nvidia_smi_q_xml_gives_what_doctor_is_compared_with():
+    # Written by nvidia-smi -q -x on an H200 (driver 580.159.04) in the run
+    # recorded in bench/results/gpu/.
+    facts = suite.parse_smi_xml((HERE / "fixtures/nvidia-smi-q-h200.xml").read_text())
+    assert facts["driver_version"] == "580.159.04" and facts["cuda_version"] == "13.0"
+    assert facts["gpus"] == [{"uuid": "GPU-389a632d-48b7-5a24-c3e0-ae1d148dab70", "name": "NVIDIA H200",
+                              "memory_total_mib": 143771, "pci_bus_id": "00000000:00:06.0"}]
+    with pytest.raises(ValueError, match="no driver_version"):
+        suite.parse_smi_xml("<nvidia_smi_log></nvidia_smi_log>")
+    with pytest.raises(ValueError, match="not XML"):
+        suite.parse_smi_xml("No devices were found")
+
+
+def test_bus_ids_compare_in_one_spelling():
+    assert suite.bus_id_key("00000000:3B:00.0") == suite.bus_id_key("0000:3b:00.0") == "0000:3b:00.0"
+    assert suite.bus_id_key(None) is None
