@@ -1115,7 +1115,7 @@ def run_doctor(suite: Suite, monitor_url: str) -> dict | str:
     if suite.tools.vgpu is None:
         return "no vgpu binary: name it with --vgpu"
     argv = [str(suite.tools.vgpu), "doctor", "--json", "--library", str(suite.ours.path),
-            "--monitor", monitor_url.removesuffix("/metrics")]
+            "--monitor", monitor_url]
     done = subprocess.run(argv, env=suite.plain_env(), capture_output=True, text=True, timeout=120, check=False)
     (suite.workdir / "logs" / "doctor.json").write_text(done.stdout)
     (suite.workdir / "logs" / "doctor.stderr").write_text(done.stderr)

@@ -302,3 +302,13 @@ def test_nvidia_smi_q_xml_gives_what_doctor_is_compared_with():
 def test_bus_ids_compare_in_one_spelling():
     assert suite.bus_id_key("00000000:3B:00.0") == suite.bus_id_key("0000:3b:00.0") == "0000:3b:00.0"
     assert suite.bus_id_key(None) is None
+
+
+def test_the_prepare_and_on_gpu_scripts_parse_and_explain_themselves():
+    for script in ("prepare", "on-gpu"):
+        done = subprocess.run(["bash", "-n", HERE / script], capture_output=True, text=True, check=False)
+        assert done.returncode == 0, done.stderr
+    helped = subprocess.run([HERE / "prepare", "--help"], capture_output=True, text=True, check=False)
+    assert helped.returncode == 0 and ".gpu-carry" in helped.stdout and "on-gpu" in helped.stdout
+    refused = subprocess.run([HERE / "prepare", "--bogus"], capture_output=True, text=True, check=False)
+    assert refused.returncode == 2 and "unknown option --bogus" in refused.stderr
