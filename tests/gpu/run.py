@@ -1109,6 +1109,17 @@ def sysfs_numa_node(bus_id: str) -> int | None:
     return value if value >= 0 else None
 
 
+def slice_devices(resource_slice: dict | None) -> list[tuple[str | None, int | None]]:
+    """(UUID, memory capacity in bytes) of each device of a ResourceSlice."""
+    devices = ((resource_slice or {}).get("spec") or {}).get("devices") or []
+    found = []
+    for device in devices:
+        uuid = ((device.get("attributes") or {}).get("uuid") or {}).get("string")
+        memory = ((device.get("capacity") or {}).get("memory") or {}).get("value")
+        found.append((uuid, int(memory) if isinstance(memory, str) and memory.isdigit() else None))
+    return sorted(found, key=str)
+
+
 def run_doctor(suite: Suite, monitor_url: str) -> dict | str:
     """`vgpu doctor --json` against vgpu's shim and the monitor at
     `monitor_url`: its report, or why there is none."""
@@ -1133,6 +1144,7 @@ def doctor_rows(suite: Suite, doctor: dict | str,
         "versions": ("vgpu doctor: driver and CUDA versions", "nvidia-smi -q's"),
         "gpus": ("vgpu doctor: each GPU's UUID, model, memory total and PCI bus id", "nvidia-smi -q's"),
         "numa": ("vgpu doctor: each GPU's NUMA node", "the kernel's (sysfs numa_node; -1 is none)"),
+        "slice": ("vgpu doctor: the DRA ResourceSlice's devices", "one per GPU: its UUID, and its memory as capacity"),
         "probe": ("vgpu doctor: the shim loads into a CUDA program and holds a cap",
                   "the probe's total is its cap, and past the cap is refused"),
         "monitor": ("vgpu doctor: the monitor's figures for a running container",
@@ -1169,6 +1181,11 @@ def doctor_rows(suite: Suite, doctor: dict | str,
     check, target = checks["numa"]
     suite.add(check, target, DRIVER, f"{kernel}", "info")
     suite.add(check, target, column, f"{said}", verdict(said == kernel))
+    offered = slice_devices(doctor.get("resource_slice"))
+    wanted = sorted((g["uuid"], g["memory_total_mib"] * MIB) for g in smi["gpus"])
+    check, target = checks["slice"]
+    suite.add(check, target, column, "; ".join(f"{uuid} {memory // MIB} MiB" for uuid, memory in offered)
+              or "no device", verdict(offered == wanted))
     probe = doctor.get("probe") or {}
     check, target = checks["probe"]
     suite.add(check, target, column,

@@ -312,3 +312,13 @@ def test_the_prepare_and_on_gpu_scripts_parse_and_explain_themselves():
     assert helped.returncode == 0 and ".gpu-carry" in helped.stdout and "on-gpu" in helped.stdout
     refused = subprocess.run([HERE / "prepare", "--bogus"], capture_output=True, text=True, check=False)
     assert refused.returncode == 2 and "unknown option --bogus" in refused.stderr
+
+
+def test_a_resource_slice_gives_each_devices_uuid_and_memory():
+    devices = {"spec": {"devices": [
+        {"name": "gpu-1", "attributes": {"uuid": {"string": "GPU-b"}}, "capacity": {"memory": {"value": "2097152"}}},
+        {"name": "gpu-0", "attributes": {"uuid": {"string": "GPU-a"}}, "capacity": {"memory": {"value": "80Gi"}}},
+    ]}}
+    # A quantity in another spelling is not taken for a figure.
+    assert suite.slice_devices(devices) == [("GPU-a", None), ("GPU-b", 2 * 1024 * 1024)]
+    assert suite.slice_devices(None) == []
