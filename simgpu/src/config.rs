@@ -16,6 +16,10 @@
 //! | `SIMGPU_NUMA` | NUMA node of each device, in device order (`0,0,1,1`) | unknown |
 //! | `SIMGPU_NVLINK` | NVLink groups, `;`-separated, each joined all-to-all (`0,2;1,3`) | no NVLink |
 //! | `SIMGPU_LOST_DEVICES` | devices fallen off the bus, by the machine's index (`1,3`): NVML queries on them answer `NVML_ERROR_GPU_IS_LOST` | none |
+//! | `SIMGPU_TIMING` | `timeline`: a launch places its kernel on the shared timeline at once, with its exact duration; `wall`: each process's device is a thread that runs the queued work in wall-clock time (see [`crate::executor`]) | `timeline` |
+//! | `SIMGPU_LAUNCH_OVERHEAD` | host time each launch call spends before its work reaches the device (a duration) | `4us` with `wall`, else `0ns` |
+//! | `SIMGPU_KERNELS` | durations that replace what module images declare, by kernel name: `k1ms=200us,k30ms=5ms` | none |
+//! | `SIMGPU_KERNEL_JITTER` | how much a kernel's time varies from run to run, as a GPU's does with its clocks: each kernel runs its duration times a factor drawn uniformly from 1 ± this (`5%`, below 100 %) | `0%` |
 //!
 //! The topology variables are described in [`crate::topology`].
 //!
@@ -27,10 +31,26 @@ use std::sync::OnceLock;
 
 use vgpu_node_contract::size::parse_size;
 
+use crate::clock::parse_duration;
 use crate::topology::{self, Topology};
 
 /// Most devices the simulation supports (and the state file lays out).
 pub const MAX_DEVICES: usize = 16;
+
+/// How kernels take their time.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Timing {
+    /// A launch places its kernel on the shared timeline when it is made:
+    /// it starts when the device is free and lasts exactly its duration.
+    Timeline,
+    /// Each process's device is a thread that runs the queued work as it
+    /// comes, in wall-clock time (see [`crate::executor`]).
+    Wall,
+}
+
+/// Host time a launch costs in `wall` timing unless configured: about what
+/// `cuLaunchKernel` takes on current GPUs.
+pub const WALL_LAUNCH_OVERHEAD_NS: u64 = 4_000;
 
 /// The simulated machine, and the devices this process sees of it.
 ///
@@ -57,6 +77,13 @@ pub struct Config {
     pub topology: Topology,
     /// The machine's indices of the devices NVML reports lost.
     pub lost: Vec<usize>,
+    pub timing: Timing,
+    /// Host time a launch call spends before its work reaches the device.
+    pub launch_overhead_ns: u64,
+    /// Kernel durations that replace the modules' own, by name.
+    pub kernel_durations: Vec<(String, u64)>,
+    /// A kernel's time varies by up to this fraction either way.
+    pub kernel_jitter: f64,
 }
 
 impl Config {
@@ -68,6 +95,26 @@ impl Config {
     /// Whether visible device `index` has fallen off the bus.
     pub fn is_lost(&self, index: usize) -> bool {
         self.lost.contains(&self.visible[index])
+    }
+
+    /// How long kernel `name` runs: `SIMGPU_KERNELS`' duration for it, else
+    /// what its module declared.
+    pub fn kernel_duration(&self, name: &str, declared_ns: u64) -> u64 {
+        self.kernel_durations
+            .iter()
+            .find(|(kernel, _)| kernel == name)
+            .map_or(declared_ns, |&(_, ns)| ns)
+    }
+
+    /// How long one run of a kernel of `duration_ns` takes: the duration
+    /// varied by up to `kernel_jitter` either way (uniformly, so on average
+    /// it is the duration).
+    pub fn draw_duration(&self, duration_ns: u64) -> u64 {
+        if self.kernel_jitter <= 0.0 {
+            return duration_ns;
+        }
+        let factor = 1.0 + self.kernel_jitter * (2.0 * uniform() - 1.0);
+        (duration_ns as f64 * factor).round() as u64
     }
 
     /// PCI bus number of device `index` (domain 0, device 0, function 0):
@@ -108,6 +155,21 @@ pub fn get() -> Result<&'static Config, ()> {
         result
     });
     loaded.as_ref().map_err(|_| ())
+}
+
+/// A uniform draw from [0, 1): SplitMix64 over a per-process counter,
+/// seeded from the clock and the pid (not reproducible between runs, and
+/// not meant to be).
+fn uniform() -> f64 {
+    use std::sync::atomic::{AtomicU64, Ordering};
+    static STATE: AtomicU64 = AtomicU64::new(0);
+    if STATE.load(Ordering::Relaxed) == 0 {
+        let seed = (crate::clock::now_ns() ^ u64::from(std::process::id()).rotate_left(32)) | 1;
+        // Another thread may have seeded it first; either seed will do.
+        let _ = STATE.compare_exchange(0, seed, Ordering::Relaxed, Ordering::Relaxed);
+    }
+    let x = splitmix64(STATE.fetch_add(1, Ordering::Relaxed));
+    (x >> 11) as f64 / (1u64 << 53) as f64
 }
 
 fn splitmix64(mut x: u64) -> u64 {
@@ -263,6 +325,34 @@ pub fn from_env(var: impl Fn(&str) -> Option<String>) -> Result<Config, String> 
         Some(v) => parse_lost(&v, devices)?,
         None => Vec::new(),
     };
+    let timing = match var("SIMGPU_TIMING").as_deref().map(str::trim) {
+        None | Some("timeline") => Timing::Timeline,
+        Some("wall") => Timing::Wall,
+        Some(other) => {
+            return Err(format!(
+                "bad SIMGPU_TIMING={other:?}: expected timeline or wall"
+            ))
+        }
+    };
+    let launch_overhead_ns = match var("SIMGPU_LAUNCH_OVERHEAD") {
+        Some(v) => parse_duration(&v)
+            .filter(|&ns| ns <= 1_000_000_000)
+            .ok_or_else(|| {
+                format!("bad SIMGPU_LAUNCH_OVERHEAD={v:?}: expected a duration up to 1s (4us)")
+            })?,
+        None if timing == Timing::Wall => WALL_LAUNCH_OVERHEAD_NS,
+        None => 0,
+    };
+    let kernel_durations = match var("SIMGPU_KERNELS") {
+        Some(v) => parse_kernel_durations(&v)?,
+        None => Vec::new(),
+    };
+    let kernel_jitter = match var("SIMGPU_KERNEL_JITTER") {
+        Some(v) => parse_fraction(&v).ok_or_else(|| {
+            format!("bad SIMGPU_KERNEL_JITTER={v:?}: expected a percentage below 100 (5%)")
+        })?,
+        None => 0.0,
+    };
     Ok(Config {
         devices: visible.len(),
         memory: visible.iter().map(|&i| memory[i]).collect(),
@@ -278,7 +368,46 @@ pub fn from_env(var: impl Fn(&str) -> Option<String>) -> Result<Config, String> 
         nvml_driver_version,
         topology,
         lost,
+        timing,
+        launch_overhead_ns,
+        kernel_durations,
+        kernel_jitter,
     })
+}
+
+/// A percentage from 0 up to (not including) 100 as a fraction: `5%`.
+fn parse_fraction(text: &str) -> Option<f64> {
+    let percent: f64 = text.trim().strip_suffix('%')?.trim().parse().ok()?;
+    (0.0..100.0).contains(&percent).then_some(percent / 100.0)
+}
+
+/// `name=duration` pairs separated by commas (`SIMGPU_KERNELS`).
+fn parse_kernel_durations(text: &str) -> Result<Vec<(String, u64)>, String> {
+    let mut durations: Vec<(String, u64)> = Vec::new();
+    for item in text
+        .split(',')
+        .map(str::trim)
+        .filter(|item| !item.is_empty())
+    {
+        let parsed = item.split_once('=').and_then(|(name, duration)| {
+            let name = name.trim();
+            let ns = parse_duration(duration)?;
+            (!name.is_empty() && !name.contains(char::is_whitespace))
+                .then(|| (name.to_string(), ns))
+        });
+        match parsed {
+            Some((name, ns)) => {
+                durations.retain(|(kernel, _)| *kernel != name);
+                durations.push((name, ns));
+            }
+            None => {
+                return Err(format!(
+                    "bad SIMGPU_KERNELS={text:?}: {item:?} is not NAME=DURATION (k1ms=200us)"
+                ))
+            }
+        }
+    }
+    Ok(durations)
 }
 
 /// The machine's indices `SIMGPU_LOST_DEVICES` names: indices separated by
@@ -357,11 +486,70 @@ mod tests {
             [("SIMGPU_NAME", "")],
             [("SIMGPU_NUMA", "0,1")],
             [("SIMGPU_NVLINK", "0,1")],
+            [("SIMGPU_TIMING", "virtual")],
+            [("SIMGPU_LAUNCH_OVERHEAD", "4")],
+            [("SIMGPU_LAUNCH_OVERHEAD", "2s")],
+            [("SIMGPU_KERNELS", "k1ms")],
+            [("SIMGPU_KERNELS", "k1ms=fast")],
+            [("SIMGPU_KERNELS", "=1ms")],
+            [("SIMGPU_KERNEL_JITTER", "5")],
+            [("SIMGPU_KERNEL_JITTER", "100%")],
+            [("SIMGPU_KERNEL_JITTER", "-1%")],
         ] {
             let err = cfg(&pairs).expect_err("must be rejected");
             assert!(err.contains(pairs[0].0), "{err}");
             assert!(!err.contains('\n'));
         }
+    }
+
+    #[test]
+    fn timing_launch_overhead_and_kernel_durations() {
+        let plain = cfg(&[]).expect("valid");
+        assert_eq!(
+            (plain.timing, plain.launch_overhead_ns),
+            (Timing::Timeline, 0)
+        );
+        assert!(plain.kernel_durations.is_empty());
+        assert_eq!(plain.kernel_duration("k1ms", 1_000_000), 1_000_000);
+        let wall = cfg(&[("SIMGPU_TIMING", "wall")]).expect("valid");
+        assert_eq!(
+            (wall.timing, wall.launch_overhead_ns),
+            (Timing::Wall, WALL_LAUNCH_OVERHEAD_NS)
+        );
+        let tuned = cfg(&[
+            ("SIMGPU_TIMING", "wall"),
+            ("SIMGPU_LAUNCH_OVERHEAD", "10us"),
+            ("SIMGPU_KERNELS", "k1ms=200us, k30ms=5ms,k1ms=250us"),
+        ])
+        .expect("valid");
+        assert_eq!(tuned.launch_overhead_ns, 10_000);
+        assert_eq!(
+            tuned.kernel_duration("k1ms", 1_000_000),
+            250_000,
+            "the last one wins"
+        );
+        assert_eq!(tuned.kernel_duration("k30ms", 30_000_000), 5_000_000);
+        assert_eq!(tuned.kernel_duration("k20us", 20_000), 20_000);
+        let timeline_with_overhead = cfg(&[("SIMGPU_LAUNCH_OVERHEAD", "2us")]).expect("valid");
+        assert_eq!(timeline_with_overhead.launch_overhead_ns, 2_000);
+    }
+
+    #[test]
+    fn jitter_varies_a_kernel_within_its_band_around_its_duration() {
+        let steady = cfg(&[]).expect("valid");
+        assert_eq!(steady.draw_duration(200_000), 200_000);
+        let jittery = cfg(&[("SIMGPU_KERNEL_JITTER", "10%")]).expect("valid");
+        assert_eq!(jittery.kernel_jitter, 0.1);
+        let draws: Vec<u64> = (0..20_000)
+            .map(|_| jittery.draw_duration(200_000))
+            .collect();
+        assert!(draws.iter().all(|d| (180_000..=220_000).contains(d)));
+        let mean = draws.iter().sum::<u64>() as f64 / draws.len() as f64;
+        // The mean of 20000 uniform draws is within 0.2 % of the middle
+        // (its standard error is 0.04 %).
+        assert!((mean / 200_000.0 - 1.0).abs() < 0.002, "{mean}");
+        let low = draws.iter().filter(|&&d| d < 190_000).count();
+        assert!((4_500..5_500).contains(&low), "a quarter below -5 %: {low}");
     }
 
     #[test]

@@ -91,6 +91,9 @@ pub struct Timeline {
     pub last_end: u64,
     /// End times of queued kernels that may still be outstanding.
     pub queue: VecDeque<u64>,
+    /// Wall timing: the device thread's sequence number of the last work
+    /// queued on the stream (0: none).
+    pub last_seq: u64,
 }
 
 impl Timeline {
@@ -130,6 +133,9 @@ pub struct Event {
     /// The capture sequence it was last recorded in (`None` when its last
     /// record was an ordinary one).
     pub captured: Option<u64>,
+    /// Wall timing: recorded but not reached yet by the device thread of
+    /// `.0`, as its operation `.1` (`time` is set when it is).
+    pub pending: Option<(usize, u64)>,
 }
 
 /// A kernel as a graph holds it: what was launched and how long it runs.
@@ -461,6 +467,13 @@ fn proc() -> &'static Proc {
 /// old one, possibly locked by a thread that does not exist here, leaks).
 pub fn forget_after_fork() {
     PROC.store(std::ptr::null_mut(), Ordering::Release);
+    crate::executor::forget_after_fork();
+}
+
+/// Whether kernels run on device threads in wall-clock time
+/// (`SIMGPU_TIMING=wall`) rather than on the precomputed timeline.
+pub fn wall_timing() -> bool {
+    config::get().is_ok_and(|cfg| cfg.timing == config::Timing::Wall)
 }
 
 /// Locks the process state.
@@ -621,6 +634,19 @@ impl Inner {
             self.graph_nodes.remove(&n);
         }
         true
+    }
+
+    /// Wall timing: the last operation queued on any stream of a context.
+    pub fn ctx_last_seq(&self, ctx: u64) -> u64 {
+        let own = self
+            .contexts
+            .get(&ctx)
+            .map_or(0, |c| c.default_stream.last_seq);
+        self.streams
+            .values()
+            .filter(|s| s.ctx == ctx)
+            .map(|s| s.timeline.last_seq)
+            .fold(own, u64::max)
     }
 
     /// When all work queued in a context ends.

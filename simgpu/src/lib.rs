@@ -14,7 +14,9 @@
 //!   process that died (even by SIGKILL) is reclaimed like a real driver does.
 //! * Time is real: a kernel occupies its device exclusively for the duration
 //!   its (text) module declares, and NVML utilization is computed from the
-//!   resulting timeline.
+//!   resulting timeline. By default each launch works its kernel's place on
+//!   the timeline out at once; with `SIMGPU_TIMING=wall` a device thread
+//!   runs the queued work in wall-clock time instead ([`executor`]).
 //!
 //! Nothing is ever printed to stdout; configuration errors are reported in
 //! one line on stderr. No panic crosses the C ABI.
@@ -32,6 +34,7 @@ mod clock;
 mod config;
 mod cu;
 mod driver;
+mod executor;
 mod nvml;
 mod pids;
 mod state;

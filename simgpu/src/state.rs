@@ -5,7 +5,7 @@
 //! | offset | content |
 //! | --- | --- |
 //! | 0 | [`Header`]: magic, layout version, header size, file size, counts, offsets |
-//! | 4096 | 16 × [`DeviceRecord`]: total and used bytes, `busy_until_ns`, ring head, robust process-shared mutex, busy ns, last injected XID event |
+//! | 4096 | 16 × [`DeviceRecord`]: total and used bytes, `busy_until_ns`, ring head, robust process-shared mutex, busy ns, last injected XID event, who holds the device in wall timing and whose turn is next |
 //! | `slots_offset` | 256 × [`SlotRecord`]: pid, per-device used bytes, busy ns, context count |
 //! | `rings_offset` | per device, 65536 × [`KernelRecord`] (start, end, pid) |
 //!
@@ -64,7 +64,8 @@ pub struct DeviceRecord {
     pub total: AtomicU64,
     /// Bytes in use by all processes: the driver's own record.
     pub used: AtomicU64,
-    /// When the last queued kernel ends (`CLOCK_MONOTONIC` ns).
+    /// When the last queued kernel ends (`CLOCK_MONOTONIC` ns); in wall
+    /// timing, when the last kernel ended.
     pub busy_until_ns: AtomicU64,
     /// Kernel records ever appended to this device's ring.
     pub ring_head: AtomicU64,
@@ -76,7 +77,17 @@ pub struct DeviceRecord {
     /// (0: none yet), XID in the low 32 bits. Written by
     /// `simgpu_inject_xid`, read by NVML event sets.
     pub xid_event: AtomicU64,
-    _reserved: [u64; 2],
+    /// Wall timing: the next ticket in the queue for the device.
+    pub ticket_next: AtomicU32,
+    /// Wall timing: the ticket whose holder may take the device next (a
+    /// futex word: waiters sleep on it).
+    pub ticket_serving: AtomicU32,
+    /// Wall timing: slot + 1 of the process holding the device (its turn),
+    /// 0 when it is free. Taking the device is a compare-and-swap of this
+    /// from 0, so two processes' kernels never overlap whatever the tickets
+    /// say.
+    pub holder: AtomicU32,
+    _pad: u32,
 }
 
 /// One process's accounting.
@@ -103,6 +114,15 @@ impl SlotRecord {
             && self.contexts.iter().all(|c| c.load(Ordering::Acquire) == 0)
     }
 }
+
+/// A ticket being served whose holder has not taken the device for this
+/// long belongs to a process that died waiting: the next one is served.
+/// (A live waiter is woken when its turn comes and takes the device within
+/// microseconds.)
+const ORPHAN_TICKET_NS: u64 = 1_000_000_000;
+/// How long a thread waiting for the device sleeps before it checks
+/// whether the holder or the ticket being served belongs to a dead process.
+const OCCUPANCY_CHECK_NS: i64 = 10_000_000;
 
 /// One kernel execution on a device's timeline.
 #[repr(C)]
@@ -490,6 +510,183 @@ impl Shared {
         Ok((start, end))
     }
 
+    /// Wall timing: waits for this process's turn on `device` and takes
+    /// it. Tickets are served in order, and a process keeps the device
+    /// while it has work queued (at most a time slice while others wait),
+    /// as a GPU time-slices contexts: another context's work, its events
+    /// included, progresses only in its own turns. Returns the ticket (to
+    /// hand the device on with [`Shared::release_device`]) and when the
+    /// device's last work ended.
+    pub fn acquire_device(&self, device: usize) -> Result<(u32, u64), StateError> {
+        let machine = self.physical(device);
+        let slot = self.ensure_slot()?;
+        let me = slot as u32 + 1;
+        let rec = self.record(machine);
+        let mut ticket = rec.ticket_next.fetch_add(1, Ordering::AcqRel);
+        // The free device's turn this waiter has seen unclaimed, and since when.
+        let mut unclaimed: Option<(u32, u64)> = None;
+        loop {
+            let serving = rec.ticket_serving.load(Ordering::Acquire);
+            if serving == ticket {
+                if rec
+                    .holder
+                    .compare_exchange(0, me, Ordering::AcqRel, Ordering::Acquire)
+                    .is_ok()
+                {
+                    return Ok((ticket, rec.busy_until_ns.load(Ordering::Acquire)));
+                }
+            } else if (ticket.wrapping_sub(serving) as i32) < 0 {
+                // Our turn passed while we did not take it (passed over as
+                // a dead process's): queue again.
+                ticket = rec.ticket_next.fetch_add(1, Ordering::AcqRel);
+                continue;
+            }
+            if futex_wait(&rec.ticket_serving, serving, OCCUPANCY_CHECK_NS) {
+                continue;
+            }
+            // Nothing moved for a while: the holder, or the owner of the
+            // ticket being served, may have died.
+            let holder = rec.holder.load(Ordering::Acquire);
+            if holder != 0 {
+                unclaimed = None;
+                self.recover_dead_holder(machine, slot, holder, serving);
+                continue;
+            }
+            let now = clock::now_ns();
+            match unclaimed {
+                Some((seen, since)) if seen == serving => {
+                    if now.saturating_sub(since) > ORPHAN_TICKET_NS {
+                        self.pass_over(machine, serving);
+                        unclaimed = None;
+                    }
+                }
+                _ => unclaimed = Some((serving, now)),
+            }
+        }
+    }
+
+    /// Wall timing: whether `device` is free, and nobody waits for it.
+    pub fn device_idle(&self, device: usize) -> bool {
+        let rec = self.record(self.physical(device));
+        rec.holder.load(Ordering::Acquire) == 0
+            && rec.ticket_next.load(Ordering::Acquire) == rec.ticket_serving.load(Ordering::Acquire)
+    }
+
+    /// Wall timing: whether another process waits for `device`.
+    pub fn device_wanted(&self, device: usize) -> bool {
+        let rec = self.record(self.physical(device));
+        let next = rec.ticket_next.load(Ordering::Acquire);
+        let serving = rec.ticket_serving.load(Ordering::Acquire);
+        next.wrapping_sub(serving) > 1
+    }
+
+    /// Wall timing: hands `device`, taken with `ticket`, to the next ticket;
+    /// its work ended at `idle_since`.
+    pub fn release_device(&self, device: usize, ticket: u32, idle_since: u64) {
+        let machine = self.physical(device);
+        let Ok(slot) = self.ensure_slot() else { return };
+        self.record(machine)
+            .busy_until_ns
+            .fetch_max(idle_since, Ordering::AcqRel);
+        self.hand_on(machine, slot as u32 + 1, ticket);
+    }
+
+    /// Wall timing: a kernel of this process runs on `device` (held) from
+    /// `start` to `end`: it goes on the ring and is counted, as a queued
+    /// kernel is in timeline timing (its part after now counts once it has
+    /// run).
+    pub fn record_kernel(&self, device: usize, start: u64, end: u64) -> Result<(), StateError> {
+        let machine = self.physical(device);
+        let slot = self.ensure_slot()?;
+        let rec = self.record(machine);
+        let _guard = self.lock_record(machine)?;
+        let head = rec.ring_head.load(Ordering::Acquire);
+        let record = KernelRecord {
+            start_ns: start,
+            end_ns: end.max(start),
+            pid: self.pid,
+            _pad: 0,
+        };
+        // SAFETY: the index is below RING_CAPACITY, inside this device's
+        // ring, and we hold the device mutex that guards the ring.
+        unsafe {
+            self.ring(machine)
+                .add((head % RING_CAPACITY) as usize)
+                .write_volatile(record)
+        };
+        rec.ring_head.store(head + 1, Ordering::Release);
+        let ns = record.end_ns - record.start_ns;
+        rec.busy_ns.fetch_add(ns, Ordering::AcqRel);
+        self.slot(slot).busy_ns[machine].fetch_add(ns, Ordering::AcqRel);
+        rec.busy_until_ns.fetch_max(record.end_ns, Ordering::AcqRel);
+        Ok(())
+    }
+
+    /// Frees `device` held by `holder` (slot + 1) and serves the ticket
+    /// after `ticket`.
+    fn hand_on(&self, machine: usize, holder: u32, ticket: u32) {
+        let rec = self.record(machine);
+        if rec
+            .holder
+            .compare_exchange(holder, 0, Ordering::AcqRel, Ordering::Acquire)
+            .is_err()
+        {
+            return;
+        }
+        // Only if the turn is still the holder's.
+        let _ = rec.ticket_serving.compare_exchange(
+            ticket,
+            ticket.wrapping_add(1),
+            Ordering::AcqRel,
+            Ordering::Acquire,
+        );
+        futex_wake_all(&rec.ticket_serving);
+    }
+
+    /// Serves the ticket after `serving`, whose owner never took the device.
+    fn pass_over(&self, machine: usize, serving: u32) {
+        let rec = self.record(machine);
+        if rec
+            .ticket_serving
+            .compare_exchange(
+                serving,
+                serving.wrapping_add(1),
+                Ordering::AcqRel,
+                Ordering::Acquire,
+            )
+            .is_ok()
+        {
+            futex_wake_all(&rec.ticket_serving);
+        }
+    }
+
+    /// If `holder` (slot + 1) died holding `device` (the ticket `serving`),
+    /// the device moves on.
+    fn recover_dead_holder(&self, machine: usize, own_slot: usize, holder: u32, serving: u32) {
+        let slot = holder as usize - 1;
+        if slot == own_slot || slot >= MAX_SLOTS || self.slot_is_live(slot) {
+            return;
+        }
+        self.hand_on(machine, holder, serving);
+    }
+
+    /// Whether a live process holds `slot` (its lock byte is taken).
+    fn slot_is_live(&self, slot: usize) -> bool {
+        let mut fl: libc::flock = {
+            // SAFETY: flock is plain old data; all-zero is valid.
+            unsafe { std::mem::zeroed() }
+        };
+        fl.l_type = libc::F_WRLCK as libc::c_short;
+        fl.l_whence = libc::SEEK_SET as libc::c_short;
+        fl.l_start = LOCK_BASE + slot as i64;
+        fl.l_len = 1;
+        // SAFETY: our open state file and a valid flock struct.
+        let rc = unsafe { libc::fcntl(self.fd, libc::F_OFD_GETLK, &mut fl) };
+        // If the lock cannot be tested, assume the holder lives: waiting
+        // longer is the smaller harm than running two kernels at once.
+        rc != 0 || fl.l_type != libc::F_UNLCK as libc::c_short
+    }
+
     /// Kernel time `device` has spent so far, for one process (`Some(pid)`)
     /// or all of them: the cumulative scheduled time less the part of the
     /// queued kernels that lies after now. Exact however long the history:
@@ -617,6 +814,47 @@ impl Drop for Shared {
             libc::close(self.fd);
         }
     }
+}
+
+/// Sleeps while `word` holds `expected`, at most `timeout_ns`. Returns
+/// false when the time ran out. The word lives in the shared mapping, so
+/// this is a process-shared (not private) futex.
+fn futex_wait(word: &AtomicU32, expected: u32, timeout_ns: i64) -> bool {
+    let timeout = libc::timespec {
+        tv_sec: (timeout_ns / 1_000_000_000) as libc::time_t,
+        tv_nsec: (timeout_ns % 1_000_000_000) as libc::c_long,
+    };
+    // SAFETY: `word` is a live, aligned 32-bit atomic; the timeout is a
+    // valid relative timespec; the unused arguments may be NULL/0.
+    let rc = unsafe {
+        libc::syscall(
+            libc::SYS_futex,
+            word.as_ptr(),
+            libc::FUTEX_WAIT,
+            expected,
+            &timeout as *const libc::timespec,
+            std::ptr::null::<u32>(),
+            0u32,
+        )
+    };
+    !(rc != 0 && errno() == libc::ETIMEDOUT)
+}
+
+/// Wakes every thread (of any process) sleeping on `word`.
+fn futex_wake_all(word: &AtomicU32) {
+    // SAFETY: `word` is a live, aligned 32-bit atomic; FUTEX_WAKE reads
+    // nothing else.
+    unsafe {
+        libc::syscall(
+            libc::SYS_futex,
+            word.as_ptr(),
+            libc::FUTEX_WAKE,
+            i32::MAX,
+            std::ptr::null::<libc::timespec>(),
+            std::ptr::null::<u32>(),
+            0u32,
+        )
+    };
 }
 
 fn sat_sub(counter: &AtomicU64, bytes: u64) {

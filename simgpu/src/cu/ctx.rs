@@ -147,8 +147,15 @@ cuda_fn! {
 /// Waits for all work of a context, then lets its device's pools release
 /// memory above their thresholds.
 pub fn synchronize_ctx(ctx: u64, device: usize) {
-    let deadline = lock().ctx_last_end(ctx);
-    driver::wait_until(deadline);
+    if driver::wall_timing() {
+        let last = lock().ctx_last_seq(ctx);
+        if let Some(device_thread) = crate::executor::executor(device) {
+            device_thread.wait_for(last);
+        }
+    } else {
+        let deadline = lock().ctx_last_end(ctx);
+        driver::wait_until(deadline);
+    }
     lock().trim_pools_to_threshold(Some(device));
 }
 

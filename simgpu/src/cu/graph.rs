@@ -29,7 +29,10 @@ use vgpu_cuda_abi::cuda::*;
 use super::module::{enqueue, graph_kernel_node};
 use super::{inp, out};
 use crate::clock;
-use crate::driver::{check_init, lock, new_handle, Capture, Graph, GraphExec, NodeOp, StreamRef};
+use crate::driver::{
+    self, check_init, lock, new_handle, Capture, Graph, GraphExec, NodeOp, StreamRef,
+};
+use crate::executor::{executor, spend_launch_overhead, Executor, Op};
 use crate::ffi::write_cstr;
 
 /// Capture sequence ids, unique over the process's life.
@@ -559,7 +562,8 @@ twin!(cuGraphUpload, cuGraphUpload_ptsz, (exec: CUgraphExec, stream: CUstream) {
 /// Runs an instantiated graph on a stream, or, on a capturing stream,
 /// appends its operations to the capture.
 fn graph_launch(exec: CUgraphExec, stream: CUstream) -> Result<(), CUresult> {
-    check_init()?;
+    let cfg = check_init()?;
+    spend_launch_overhead(cfg.launch_overhead_ns);
     let ops = {
         let mut inner = lock();
         let ops = inner
@@ -583,7 +587,7 @@ fn graph_launch(exec: CUgraphExec, stream: CUstream) -> Result<(), CUresult> {
             continue;
         }
         let mut inner = lock();
-        let (sref, _, _) = inner.stream(stream)?;
+        let (sref, _, device) = inner.stream(stream)?;
         match *op {
             NodeOp::Kernel(_) => {}
             NodeOp::Memcpy { dst, src, bytes } => super::mem::replay_copy(&inner, dst, src, bytes)?,
@@ -593,6 +597,17 @@ fn graph_launch(exec: CUgraphExec, stream: CUstream) -> Result<(), CUresult> {
                 elem,
                 count,
             } => super::mem::replay_fill(&inner, dst, value, elem, count)?,
+            NodeOp::EventRecord(e) if driver::wall_timing() => {
+                let seq = device_thread(device)?.submit(Op::Record { event: e })?;
+                if let Some(ev) = inner.events.get_mut(&e) {
+                    ev.time = None;
+                    ev.captured = None;
+                    ev.pending = Some((device, seq));
+                }
+                if let Some(timeline) = inner.timeline(sref) {
+                    timeline.last_seq = seq;
+                }
+            }
             NodeOp::EventRecord(e) => {
                 let last = inner.timeline(sref).map_or(0, |t| t.last_end);
                 if let Some(ev) = inner.events.get_mut(&e) {
@@ -601,14 +616,37 @@ fn graph_launch(exec: CUgraphExec, stream: CUstream) -> Result<(), CUresult> {
                 }
             }
             NodeOp::EventWait(e) => {
-                let time = inner.events.get(&e).and_then(|ev| ev.time);
-                if let (Some(t), Some(timeline)) = (time, inner.timeline(sref)) {
-                    timeline.last_end = timeline.last_end.max(t);
+                let (time, pending) = inner
+                    .events
+                    .get(&e)
+                    .map_or((None, None), |ev| (ev.time, ev.pending));
+                match pending {
+                    // Wall timing: the same device runs its work in order.
+                    Some((event_device, seq)) if event_device != device => {
+                        let wait = device_thread(device)?.submit(Op::Wait {
+                            device: event_device,
+                            seq,
+                        })?;
+                        if let Some(timeline) = inner.timeline(sref) {
+                            timeline.last_seq = wait;
+                        }
+                    }
+                    Some(_) => {}
+                    None => {
+                        if let (Some(t), Some(timeline)) = (time, inner.timeline(sref)) {
+                            timeline.last_end = timeline.last_end.max(t);
+                        }
+                    }
                 }
             }
         }
     }
     Ok(())
+}
+
+/// Wall timing: the thread of this process's device `device`.
+fn device_thread(device: usize) -> Result<&'static Executor, CUresult> {
+    executor(device).ok_or(CUDA_ERROR_INVALID_DEVICE)
 }
 
 twin!(cuGraphLaunch, cuGraphLaunch_ptsz, (exec: CUgraphExec, stream: CUstream) {

@@ -21,6 +21,7 @@ use crate::clock::{self, parse_duration};
 use crate::driver::{
     self, charge, check_init, lock, new_handle, Function, KernelNode, Module, NodeOp, QUEUE_DEPTH,
 };
+use crate::executor::{executor, spend_launch_overhead, Op};
 use crate::ffi::cstr;
 
 const MAGIC: &[u8] = b"SIMGPU-MODULE";
@@ -93,7 +94,7 @@ unsafe fn read_image_file(path: *const c_char) -> Result<Vec<u8>, CUresult> {
 }
 
 fn load(module: *mut CUmodule, image: &[u8]) -> Result<(), CUresult> {
-    check_init()?;
+    let cfg = check_init()?;
     if module.is_null() {
         return Err(CUDA_ERROR_INVALID_VALUE);
     }
@@ -104,7 +105,8 @@ fn load(module: *mut CUmodule, image: &[u8]) -> Result<(), CUresult> {
     charge(device, bytes)?;
     let handle = new_handle();
     let mut functions = Vec::with_capacity(kernels.len());
-    for (name, duration_ns) in kernels {
+    for (name, declared_ns) in kernels {
+        let duration_ns = cfg.kernel_duration(&name, declared_ns);
         let f = new_handle();
         inner.functions.insert(
             f,
@@ -370,8 +372,9 @@ fn launch(
     extra: *mut *mut c_void,
     stream: CUstream,
 ) -> Result<(), CUresult> {
-    check_init()?;
+    let cfg = check_init()?;
     let node = kernel_node(func, grid, block, shared_mem, kernel_params, extra, stream)?;
+    spend_launch_overhead(cfg.launch_overhead_ns);
     enqueue(stream, &node, 0).map(|_| ())
 }
 
@@ -451,6 +454,9 @@ pub(crate) fn enqueue(
     node: &KernelNode,
     not_before_ns: u64,
 ) -> Result<Option<u64>, CUresult> {
+    if driver::wall_timing() {
+        return wall_enqueue(stream, node);
+    }
     loop {
         let mut inner = lock();
         let (sref, _, device) = inner.stream(stream)?;
@@ -468,14 +474,45 @@ pub(crate) fn enqueue(
             continue;
         }
         let not_before = timeline.last_end.max(not_before_ns);
+        let duration_ns = crate::config::get()
+            .map_or(node.duration_ns, |cfg| cfg.draw_duration(node.duration_ns));
         let (_, end) = driver::shared()?
-            .run_kernel(device, not_before, node.duration_ns)
+            .run_kernel(device, not_before, duration_ns)
             .map_err(|_| CUDA_ERROR_LAUNCH_FAILED)?;
         let timeline = inner.timeline(sref).ok_or(CUDA_ERROR_INVALID_HANDLE)?;
         timeline.last_end = timeline.last_end.max(end);
         timeline.queue.push_back(end);
         return Ok(Some(end));
     }
+}
+
+/// Wall timing: queues a kernel for its device's thread (or appends it to
+/// the stream's capture). Returns the device thread's sequence number of
+/// the kernel.
+pub(crate) fn wall_enqueue(stream: CUstream, node: &KernelNode) -> Result<Option<u64>, CUresult> {
+    let device = {
+        let mut inner = lock();
+        let (sref, _, device) = inner.stream(stream)?;
+        if let Some(id) = inner.capture_of(sref) {
+            inner.capture_append(id, NodeOp::Kernel(*node))?;
+            return Ok(None);
+        }
+        device
+    };
+    let device_thread = executor(device).ok_or(CUDA_ERROR_INVALID_DEVICE)?;
+    device_thread.wait_for_room();
+    let mut inner = lock();
+    let (sref, _, _) = inner.stream(stream)?;
+    if let Some(id) = inner.capture_of(sref) {
+        inner.capture_append(id, NodeOp::Kernel(*node))?;
+        return Ok(None);
+    }
+    let seq = device_thread.submit(Op::Kernel {
+        duration_ns: node.duration_ns,
+    })?;
+    let timeline = inner.timeline(sref).ok_or(CUDA_ERROR_INVALID_HANDLE)?;
+    timeline.last_seq = seq;
+    Ok(Some(seq))
 }
 
 twin!(cuLaunchKernel, cuLaunchKernel_ptsz, (
@@ -596,6 +633,10 @@ cuda_fn! {
             ready = ready.max(inner.timeline(sref).map_or(0, |t| t.last_end));
             nodes.push(node);
         }
+        spend_launch_overhead(cfg.launch_overhead_ns);
+        if driver::wall_timing() {
+            return wall_multi_device(&entries, &nodes, &devices, flags);
+        }
         if flags & CUDA_COOPERATIVE_LAUNCH_MULTI_DEVICE_NO_PRE_LAUNCH_SYNC != 0 {
             ready = 0;
         }
@@ -616,6 +657,66 @@ cuda_fn! {
         }
         Ok(())
     }
+}
+
+/// Wall timing: `cuLaunchCooperativeKernelMultiDevice`'s kernels, each
+/// queued for its device's thread; the syncs its flags ask for become waits
+/// of each device thread for the others'.
+fn wall_multi_device(
+    entries: &[CUDA_LAUNCH_PARAMS],
+    nodes: &[KernelNode],
+    devices: &[usize],
+    flags: c_uint,
+) -> Result<(), CUresult> {
+    let threads = devices
+        .iter()
+        .map(|&device| executor(device).ok_or(CUDA_ERROR_INVALID_DEVICE))
+        .collect::<Result<Vec<_>, _>>()?;
+    for thread in &threads {
+        thread.wait_for_room();
+    }
+    let mut inner = lock();
+    let mut earlier = Vec::with_capacity(entries.len());
+    for e in entries {
+        let (sref, _, _) = inner.stream(e.h_stream)?;
+        earlier.push(inner.timeline(sref).map_or(0, |t| t.last_seq));
+    }
+    let pre_sync = flags & CUDA_COOPERATIVE_LAUNCH_MULTI_DEVICE_NO_PRE_LAUNCH_SYNC == 0;
+    let post_sync = flags & CUDA_COOPERATIVE_LAUNCH_MULTI_DEVICE_NO_POST_LAUNCH_SYNC == 0;
+    let mut kernels = Vec::with_capacity(entries.len());
+    for (i, node) in nodes.iter().enumerate() {
+        if pre_sync {
+            for (j, &seq) in earlier.iter().enumerate() {
+                if j != i && seq > 0 {
+                    threads[i].submit(Op::Wait {
+                        device: devices[j],
+                        seq,
+                    })?;
+                }
+            }
+        }
+        kernels.push(threads[i].submit(Op::Kernel {
+            duration_ns: node.duration_ns,
+        })?);
+    }
+    for (i, e) in entries.iter().enumerate() {
+        let mut last = kernels[i];
+        if post_sync {
+            for (j, &seq) in kernels.iter().enumerate() {
+                if j != i {
+                    last = threads[i].submit(Op::Wait {
+                        device: devices[j],
+                        seq,
+                    })?;
+                }
+            }
+        }
+        let (sref, _, _) = inner.stream(e.h_stream)?;
+        if let Some(t) = inner.timeline(sref) {
+            t.last_seq = last;
+        }
+    }
+    Ok(())
 }
 
 #[cfg(test)]

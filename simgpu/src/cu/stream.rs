@@ -1,7 +1,10 @@
 //! Streams and events on the real-time timeline.
 //!
 //! A stream knows when its last queued work ends (`last_end`); an event
-//! records that time; synchronising sleeps until it.
+//! records that time; synchronising sleeps until it. In wall timing a
+//! stream knows its last operation on its device's thread (`last_seq`); an
+//! event is stamped when the device thread reaches it; synchronising waits
+//! until the device thread has passed the operation.
 //!
 //! While a stream is capturing (see [`super::graph`]), synchronising or
 //! querying it fails with `CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED` and
@@ -19,8 +22,9 @@ use vgpu_cuda_abi::cuda::*;
 use super::out;
 use crate::clock;
 use crate::driver::{
-    self, check_init, lock, new_handle, Event, NodeOp, Stream, StreamRef, Timeline,
+    self, check_init, lock, new_handle, Event, Inner, NodeOp, Stream, StreamRef, Timeline,
 };
+use crate::executor::{executor, Op};
 
 const STREAM_FLAGS: c_uint = 0x1; // CU_STREAM_NON_BLOCKING
 const EVENT_FLAGS: c_uint = 0xf; // BLOCKING_SYNC | DISABLE_TIMING | INTERPROCESS
@@ -81,8 +85,9 @@ cuda_fn! {
     }
 }
 
-/// When the stream's queued work ends, and the device it runs on. A
-/// capturing stream cannot be waited for: its capture is invalidated.
+/// Where the stream's queued work ends: when (timeline timing) or as which
+/// operation of its device's thread (wall timing), and the device it runs
+/// on. A capturing stream cannot be waited for: its capture is invalidated.
 fn stream_end(stream: CUstream) -> Result<(u64, usize), CUresult> {
     check_init()?;
     let mut inner = lock();
@@ -91,13 +96,25 @@ fn stream_end(stream: CUstream) -> Result<(u64, usize), CUresult> {
         inner.invalidate_capture(id);
         return Err(CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED);
     }
-    let end = inner.timeline(sref).map_or(0, |t| t.last_end);
+    let end = inner.timeline(sref).map_or(0, |t| {
+        if driver::wall_timing() {
+            t.last_seq
+        } else {
+            t.last_end
+        }
+    });
     Ok((end, device))
 }
 
 fn synchronize(stream: CUstream) -> Result<(), CUresult> {
     let (end, device) = stream_end(stream)?;
-    driver::wait_until(end);
+    if driver::wall_timing() {
+        if let Some(device_thread) = executor(device) {
+            device_thread.wait_for(end);
+        }
+    } else {
+        driver::wait_until(end);
+    }
     lock().trim_pools_to_threshold(Some(device));
     Ok(())
 }
@@ -107,11 +124,16 @@ twin!(cuStreamSynchronize, cuStreamSynchronize_ptsz, (stream: CUstream) {
 });
 
 twin!(cuStreamQuery, cuStreamQuery_ptsz, (stream: CUstream) {
-    let (end, _) = stream_end(stream)?;
-    if end > clock::now_ns() {
-        Err(CUDA_ERROR_NOT_READY)
+    let (end, device) = stream_end(stream)?;
+    let done = if driver::wall_timing() {
+        executor(device).is_none_or(|device_thread| device_thread.is_done(end))
     } else {
+        end <= clock::now_ns()
+    };
+    if done {
         Ok(())
+    } else {
+        Err(CUDA_ERROR_NOT_READY)
     }
 });
 
@@ -121,12 +143,12 @@ fn wait_event(stream: CUstream, event: CUevent, flags: c_uint) -> Result<(), CUr
         return Err(CUDA_ERROR_INVALID_VALUE);
     }
     let mut inner = lock();
-    let (sref, _, _) = inner.stream(stream)?;
+    let (sref, _, device) = inner.stream(stream)?;
     let ev = inner
         .events
         .get(&(event as u64))
         .ok_or(CUDA_ERROR_INVALID_HANDLE)?;
-    let (time, captured) = (ev.time, ev.captured);
+    let (time, captured, pending) = (ev.time, ev.captured, ev.pending);
     let capture = inner.capture_of(sref);
     if let Some(id) = capture {
         if flags & CU_EVENT_WAIT_EXTERNAL != 0 {
@@ -147,6 +169,21 @@ fn wait_event(stream: CUstream, event: CUevent, flags: c_uint) -> Result<(), CUr
             }
             return Ok(());
         }
+    }
+    if let Some((event_device, seq)) = pending {
+        // Wall timing: work queued on one device runs in the order it was
+        // queued, so only another device's event needs a wait.
+        if event_device != device {
+            let device_thread = executor(device).ok_or(CUDA_ERROR_INVALID_DEVICE)?;
+            let wait = device_thread.submit(Op::Wait {
+                device: event_device,
+                seq,
+            })?;
+            if let Some(timeline) = inner.timeline(sref) {
+                timeline.last_seq = wait;
+            }
+        }
+        return Ok(());
     }
     if let (Some(t), Some(timeline)) = (time, inner.timeline(sref)) {
         timeline.last_end = timeline.last_end.max(t);
@@ -210,6 +247,7 @@ cuda_fn! {
                 flags,
                 time: None,
                 captured: None,
+                pending: None,
             },
         );
         // SAFETY: C API out-pointer, checked non-NULL.
@@ -219,22 +257,16 @@ cuda_fn! {
 
 fn record(event: CUevent, stream: CUstream, external: bool) -> Result<(), CUresult> {
     check_init()?;
+    if driver::wall_timing() {
+        return wall_record(event, stream, external);
+    }
     let mut inner = lock();
     let (sref, _, _) = inner.stream(stream)?;
     if !inner.events.contains_key(&(event as u64)) {
         return Err(CUDA_ERROR_INVALID_HANDLE);
     }
     if let Some(id) = inner.capture_of(sref) {
-        if external {
-            return inner.capture_append(id, NodeOp::EventRecord(event as u64));
-        }
-        if inner.captures.get(&id).is_some_and(|c| c.invalidated) {
-            return Err(CUDA_ERROR_STREAM_CAPTURE_INVALIDATED);
-        }
-        if let Some(ev) = inner.events.get_mut(&(event as u64)) {
-            ev.captured = Some(id);
-        }
-        return Ok(());
+        return capture_record(&mut inner, id, event, external);
     }
     let last = inner.timeline(sref).map_or(0, |t| t.last_end);
     let ev = inner
@@ -243,6 +275,66 @@ fn record(event: CUevent, stream: CUstream, external: bool) -> Result<(), CUresu
         .ok_or(CUDA_ERROR_INVALID_HANDLE)?;
     ev.time = Some(last.max(clock::now_ns()));
     ev.captured = None;
+    Ok(())
+}
+
+/// Wall timing: queues the record for the stream's device thread, which
+/// stamps the event when it gets there (or records into the capture, as in
+/// timeline timing).
+fn wall_record(event: CUevent, stream: CUstream, external: bool) -> Result<(), CUresult> {
+    let device = lock().stream(stream)?.2;
+    let device_thread = executor(device).ok_or(CUDA_ERROR_INVALID_DEVICE)?;
+    device_thread.wait_for_room();
+    let mut inner = lock();
+    let (sref, _, _) = inner.stream(stream)?;
+    if !inner.events.contains_key(&(event as u64)) {
+        return Err(CUDA_ERROR_INVALID_HANDLE);
+    }
+    if let Some(id) = inner.capture_of(sref) {
+        return capture_record(&mut inner, id, event, external);
+    }
+    // With nothing queued and the device free, a GPU reaches the event as
+    // soon as it is recorded: it completes at once.
+    let idle = device_thread
+        .idle()
+        .filter(|_| driver::shared().is_ok_and(|shared| shared.device_idle(device)));
+    let (seq, time, pending) = match idle {
+        Some(done) => (done, Some(clock::now_ns()), None),
+        None => {
+            let seq = device_thread.submit(Op::Record {
+                event: event as u64,
+            })?;
+            (seq, None, Some((device, seq)))
+        }
+    };
+    if let Some(ev) = inner.events.get_mut(&(event as u64)) {
+        ev.time = time;
+        ev.captured = None;
+        ev.pending = pending;
+    }
+    if let Some(timeline) = inner.timeline(sref) {
+        timeline.last_seq = seq;
+    }
+    Ok(())
+}
+
+/// A record on a stream taking part in capture `id`: a node (external) or
+/// a fork/join mark.
+fn capture_record(
+    inner: &mut Inner,
+    id: u64,
+    event: CUevent,
+    external: bool,
+) -> Result<(), CUresult> {
+    if external {
+        return inner.capture_append(id, NodeOp::EventRecord(event as u64));
+    }
+    if inner.captures.get(&id).is_some_and(|c| c.invalidated) {
+        return Err(CUDA_ERROR_STREAM_CAPTURE_INVALIDATED);
+    }
+    if let Some(ev) = inner.events.get_mut(&(event as u64)) {
+        ev.captured = Some(id);
+    }
     Ok(())
 }
 
@@ -257,9 +349,11 @@ twin!(cuEventRecordWithFlags, cuEventRecordWithFlags_ptsz, (event: CUevent, stre
     record(event, stream, flags & CU_EVENT_RECORD_EXTERNAL != 0)
 });
 
-/// (completion time, device) of an event; `CUDA_ERROR_CAPTURED_EVENT` for
-/// one last recorded in a capture.
-fn event_time(event: CUevent) -> Result<(Option<u64>, Option<usize>), CUresult> {
+/// (completion time, device, wall timing's pending operation) of an event;
+/// `CUDA_ERROR_CAPTURED_EVENT` for one last recorded in a capture.
+type EventState = (Option<u64>, Option<usize>, Option<(usize, u64)>);
+
+fn event_time(event: CUevent) -> Result<EventState, CUresult> {
     check_init()?;
     let inner = lock();
     let ev = inner
@@ -270,13 +364,17 @@ fn event_time(event: CUevent) -> Result<(Option<u64>, Option<usize>), CUresult> 
         return Err(CUDA_ERROR_CAPTURED_EVENT);
     }
     let device = inner.contexts.get(&ev.ctx).map(|c| c.device);
-    Ok((ev.time, device))
+    Ok((ev.time, device, ev.pending))
 }
 
 cuda_fn! {
     fn cuEventSynchronize(event: CUevent) {
-        let (time, device) = event_time(event)?;
-        if let Some(t) = time {
+        let (time, device, pending) = event_time(event)?;
+        if let Some((event_device, seq)) = pending {
+            if let Some(device_thread) = executor(event_device) {
+                device_thread.wait_for(seq);
+            }
+        } else if let Some(t) = time {
             driver::wait_until(t);
         }
         if let Some(d) = device {
@@ -288,8 +386,9 @@ cuda_fn! {
 
 cuda_fn! {
     fn cuEventQuery(event: CUevent) {
-        match event_time(event)?.0 {
-            Some(t) if t > clock::now_ns() => Err(CUDA_ERROR_NOT_READY),
+        match event_time(event)? {
+            (_, _, Some(_)) => Err(CUDA_ERROR_NOT_READY),
+            (Some(t), _, None) if t > clock::now_ns() => Err(CUDA_ERROR_NOT_READY),
             _ => Ok(()),
         }
     }
@@ -309,6 +408,9 @@ cuda_fn! {
             }
             if ev.captured.is_some() {
                 return Err(CUDA_ERROR_CAPTURED_EVENT);
+            }
+            if ev.pending.is_some() {
+                return Err(CUDA_ERROR_NOT_READY);
             }
             ev.time.ok_or(CUDA_ERROR_INVALID_HANDLE)
         };
