@@ -142,12 +142,20 @@ impl Limiter {
         };
         let due = entry.charge(charge);
         bucket::spend(record, self.policy, charge);
-        let sample = if due {
+        let capturing = self.capturing_anywhere();
+        // Before a timed launch's start event, so that nothing of the
+        // host's comes between the event and the launch.
+        if self.sampler.has_pending() && !capturing {
+            self.poll(region);
+        }
+        let mut sample = if due {
             record
                 .compute
                 .last_launch_at
                 .store(bucket::monotonic_ns(), Ordering::Relaxed);
-            let sample = self.sampler.start(index, device, stream, flavour);
+            let sample = self
+                .sampler
+                .start(index, device, stream, flavour, !capturing);
             if sample.is_none() {
                 entry.abandon_sample();
             }
@@ -155,10 +163,6 @@ impl Limiter {
         } else {
             None
         };
-        if self.sampler.has_pending() && !self.capturing_anywhere() {
-            self.poll(region);
-        }
-        let mut sample = sample;
         if let Some(sample) = sample.as_mut() {
             sample.launching();
         }

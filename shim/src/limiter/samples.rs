@@ -4,7 +4,7 @@
 
 use crate::driver::cuda as real;
 use crate::lock::ForkSafeLock;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use vgpu_cuda_abi::cuda::*;
 
 /// How a launch names the default stream: the legacy one, or the calling
@@ -28,6 +28,10 @@ impl Flavour {
 
 /// Events kept for reuse per process.
 const POOL_LIMIT: usize = 256;
+/// How long a timed launch on an idle stream polls for its start event to
+/// complete. An idle device completes it within microseconds; one busy with
+/// another context does not, and the sample is then taken as it comes.
+const START_EVENT_WAIT_NS: u64 = 20_000;
 
 /// A timed launch in flight.
 pub struct Sample {
@@ -36,16 +40,25 @@ pub struct Sample {
     context: usize,
     start: CUevent,
     end: CUevent,
-    /// The stream had no work queued when the start event was recorded, so
-    /// the event completed at once and the kernel could only start after the
-    /// host had also issued the launch: that host-side gap is not kernel
-    /// time. (On a busy stream both wait for the same earlier work.) The gap
-    /// is measured from *after* the record call returned to *before* the
-    /// launch call, so it is never more than the device saw, and a corrected
-    /// sample can still only err upwards.
-    idle_stream: bool,
+    /// The stream had no work queued, and the start event was seen complete
+    /// at this time, before the launch: the kernel could only start once
+    /// the host had issued the launch, so that host-side gap is not kernel
+    /// time. It runs from here (the event's timestamp is no later) to where
+    /// the launch call hands the kernel over, at its end: the host's own
+    /// time before the launch and the launch call's cost (the launch
+    /// overhead: microseconds, a fifth more than a 20 us kernel ran). The
+    /// call's cost is counted as at most the fastest launch call seen, so a
+    /// thread preempted inside the call after its kernel left does not make
+    /// the kernel look shorter than it ran. `None` when the stream was busy
+    /// (the event and the kernel both waited for the same earlier work) or
+    /// when the event did not complete at once (the device was busy with
+    /// another context: the kernel may then follow it immediately, and
+    /// subtracting the host's gap would undercount it).
+    start_seen_at: Option<u64>,
+    /// When the start event's record call returned.
     recorded_at: u64,
     launched_at: u64,
+    returned_at: u64,
 }
 
 impl Sample {
@@ -54,11 +67,21 @@ impl Sample {
         self.launched_at = super::bucket::monotonic_ns();
     }
 
-    fn kernel_ns(&self, elapsed_ns: u64) -> u64 {
-        if self.idle_stream {
-            elapsed_ns.saturating_sub(self.launched_at.saturating_sub(self.recorded_at))
-        } else {
-            elapsed_ns
+    /// The launch call's own time, from [`Sample::launching`] to its return.
+    fn launch_call_ns(&self) -> u64 {
+        self.returned_at.saturating_sub(self.launched_at)
+    }
+
+    /// The kernel's time, from the events' `elapsed_ns`; `fastest_launch_ns`
+    /// is the fastest launch call seen (0: none yet).
+    fn kernel_ns(&self, elapsed_ns: u64, fastest_launch_ns: u64) -> u64 {
+        match self.start_seen_at {
+            Some(seen) => {
+                let before_launch = self.launched_at.saturating_sub(seen);
+                let launch = self.launch_call_ns().min(fastest_launch_ns);
+                elapsed_ns.saturating_sub(before_launch + launch)
+            }
+            None => elapsed_ns,
         }
     }
 }
@@ -84,6 +107,12 @@ pub struct Sampler {
     pending: ForkSafeLock<Vec<Sample>>,
     pending_count: AtomicUsize,
     pool: ForkSafeLock<Vec<PooledEvent>>,
+    /// The shortest timed launch call so far (ns): what handing a kernel to
+    /// the device costs the host when nothing interrupts the call. 0 until
+    /// the second timed call: a process's first launch call carries one-off
+    /// set-up, some of it after the kernel has left.
+    fastest_launch_ns: AtomicU64,
+    timed_calls: AtomicU64,
 }
 
 fn stream_idle(stream: CUstream, flavour: Flavour) -> bool {
@@ -95,6 +124,24 @@ fn stream_idle(stream: CUstream, flavour: Flavour) -> bool {
         }
     };
     code == CUDA_SUCCESS
+}
+
+/// Polls a just-recorded event for up to [`START_EVENT_WAIT_NS`]; returns
+/// when it was first seen complete.
+fn seen_complete(event: CUevent) -> Option<u64> {
+    let started = super::bucket::monotonic_ns();
+    loop {
+        // SAFETY: an event just recorded by the caller.
+        let code = unsafe { real::cuEventQuery(event) };
+        let now = super::bucket::monotonic_ns();
+        if code == CUDA_SUCCESS {
+            return Some(now);
+        }
+        if code != CUDA_ERROR_NOT_READY || now.saturating_sub(started) > START_EVENT_WAIT_NS {
+            return None;
+        }
+        std::hint::spin_loop();
+    }
 }
 
 fn record(event: CUevent, stream: CUstream, flavour: Flavour) -> bool {
@@ -114,6 +161,8 @@ impl Sampler {
             pending: ForkSafeLock::new(Vec::new()),
             pending_count: AtomicUsize::new(0),
             pool: ForkSafeLock::new(Vec::new()),
+            fastest_launch_ns: AtomicU64::new(0),
+            timed_calls: AtomicU64::new(0),
         }
     }
 
@@ -152,13 +201,15 @@ impl Sampler {
         }
     }
 
-    /// Records the start event of a timed launch on `stream`.
+    /// Records the start event of a timed launch on `stream`. `may_query`:
+    /// no capture is in progress, so the event may be polled.
     pub fn start(
         &self,
         entry: usize,
         device: usize,
         stream: CUstream,
         flavour: Flavour,
+        may_query: bool,
     ) -> Option<Sample> {
         let mut context: CUcontext = std::ptr::null_mut();
         // SAFETY: valid out-pointer.
@@ -178,15 +229,20 @@ impl Sampler {
             return None;
         }
         let recorded_at = super::bucket::monotonic_ns();
+        let start_seen_at = (idle_stream && may_query)
+            .then(|| seen_complete(start))
+            .flatten();
+        let now = super::bucket::monotonic_ns();
         Some(Sample {
             entry,
             device,
             context,
             start,
             end,
-            idle_stream,
+            start_seen_at,
             recorded_at,
-            launched_at: recorded_at,
+            launched_at: now,
+            returned_at: now,
         })
     }
 
@@ -194,11 +250,20 @@ impl Sampler {
     /// the events) if the launch failed or the event could not be recorded.
     pub fn finish(
         &self,
-        sample: Sample,
+        mut sample: Sample,
         stream: CUstream,
         flavour: Flavour,
         launched: bool,
     ) -> bool {
+        sample.returned_at = super::bucket::monotonic_ns();
+        if launched && self.timed_calls.fetch_add(1, Ordering::Relaxed) > 0 {
+            let call = sample.launch_call_ns().max(1);
+            let _ = self.fastest_launch_ns.fetch_update(
+                Ordering::Relaxed,
+                Ordering::Relaxed,
+                |fastest| (fastest == 0 || call < fastest).then_some(call),
+            );
+        }
         if !launched || !record(sample.end, stream, flavour) {
             self.give_back(sample.context, sample.start);
             self.give_back(sample.context, sample.end);
@@ -241,7 +306,19 @@ impl Sampler {
                 && milliseconds.is_finite()
                 && milliseconds >= 0.0
             {
-                Outcome::Measured(sample.kernel_ns((milliseconds as f64 * 1e6) as u64))
+                let elapsed_ns = (milliseconds as f64 * 1e6) as u64;
+                let kernel_ns =
+                    sample.kernel_ns(elapsed_ns, self.fastest_launch_ns.load(Ordering::Relaxed));
+                tracing::trace!(
+                    elapsed_ns,
+                    kernel_ns,
+                    start_seen_ns = sample
+                        .start_seen_at
+                        .map_or(0, |seen| seen.saturating_sub(sample.recorded_at)),
+                    launch_call_ns = sample.launch_call_ns(),
+                    "sample"
+                );
+                Outcome::Measured(kernel_ns)
             } else {
                 Outcome::Lost
             };
@@ -283,5 +360,58 @@ impl Sampler {
         self.pool.after_fork_in_child(Vec::clear);
         self.pending.after_fork_in_child(Vec::clear);
         self.pending_count.store(0, Ordering::Relaxed);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A timed launch whose start event was seen complete `seen_after` ns
+    /// after the record returned (`None`: busy stream), launched
+    /// `launched_after` ns after that record, in a call of `call` ns.
+    fn sample(seen_after: Option<u64>, launched_after: u64, call: u64) -> Sample {
+        let recorded_at = 1_000_000;
+        Sample {
+            entry: 0,
+            device: 0,
+            context: 0,
+            start: std::ptr::null_mut(),
+            end: std::ptr::null_mut(),
+            start_seen_at: seen_after.map(|after| recorded_at + after),
+            recorded_at,
+            launched_at: recorded_at + launched_after,
+            returned_at: recorded_at + launched_after + call,
+        }
+    }
+
+    #[test]
+    fn an_idle_stream_sample_leaves_out_the_host_gap_and_the_launch_call() {
+        // Seen complete 300 ns after the record, launched 1000 ns after it,
+        // in a 4000 ns call: 700 + 4000 ns of the 25 us were the host's.
+        assert_eq!(
+            sample(Some(300), 1_000, 4_000).kernel_ns(25_000, 4_000),
+            20_300
+        );
+    }
+
+    #[test]
+    fn a_call_longer_than_the_fastest_counts_only_the_fastest() {
+        // Preempted inside the call after the kernel left: only what a
+        // launch call costs when nothing interrupts it is the host's.
+        assert_eq!(
+            sample(Some(300), 1_000, 900_000).kernel_ns(25_000, 4_000),
+            20_300
+        );
+        // The first timed call (no fastest yet) may carry one-off set-up
+        // after the kernel left: none of it is taken off.
+        assert_eq!(sample(Some(300), 1_000, 4_000).kernel_ns(25_000, 0), 24_300);
+    }
+
+    #[test]
+    fn busy_streams_and_late_start_events_are_taken_as_measured() {
+        assert_eq!(sample(None, 1_000, 4_000).kernel_ns(25_000, 4_000), 25_000);
+        // Never below zero.
+        assert_eq!(sample(Some(0), 9_000, 4_000).kernel_ns(5_000, 4_000), 0);
     }
 }
