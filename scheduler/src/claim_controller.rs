@@ -22,14 +22,16 @@
 //! leader, or one restarted, up to date), and writes only what differs.
 
 use crate::api::{ApiError, ClaimPart, KubeApi};
-use crate::claims::{
-    claim_key, claim_share, claim_uses, claims_held, ClaimShare, CLAIM_CORE, CLAIM_MEMORY,
-    PROVISIONER,
-};
-use crate::elastic_crd::{BINDING_MODE_ANNOTATION, RECLAIM_POLICY_ANNOTATION, STORED_VERSION};
 use crate::reservation::Reservation;
 use crate::scheduler::Scheduler;
 use crate::state::ElasticSync;
+use crate::vocabulary::claims::{
+    claim_key, claim_share, claim_uses, claims_held, ClaimShare, CLAIM_CORE, CLAIM_MEMORY,
+    PROVISIONER,
+};
+use crate::vocabulary::elastic::{
+    BINDING_MODE_ANNOTATION, RECLAIM_POLICY_ANNOTATION, STORED_VERSION,
+};
 use futures_util::StreamExt;
 use serde_json::{json, Value};
 use std::sync::Arc;

@@ -1,11 +1,11 @@
 //! Command-line flags.
 
+use crate::admission::mutate::AdmissionPolicy;
 use crate::api::ApiSource;
 use crate::leader::LeaderConfig;
-use crate::policy::{GpuPolicy, NodePolicy};
 use crate::requests::RequestDefaults;
 use crate::scheduler::Config;
-use crate::webhook::AdmissionPolicy;
+use crate::vocabulary::policy::{GpuPolicy, NodePolicy};
 use clap::Parser;
 use std::net::IpAddr;
 use std::path::PathBuf;

@@ -3,12 +3,12 @@
 //! for it as one of the quorum; until then every node is turned down with
 //! the reason, which kube-scheduler puts in the pod's events.
 
-use crate::claims::claim_keys_held;
 use crate::groups::{Hold, HOLD_TTL_MS};
-use crate::kubeshare::GroupLabels;
 use crate::requests::PodRequest;
 use crate::scheduler::{Own, Scheduler};
 use crate::state::{contribution, sidecar_names, ClusterState};
+use crate::vocabulary::claims::claim_keys_held;
+use crate::vocabulary::kubeshare::GroupLabels;
 use k8s_openapi::api::core::v1::Pod;
 
 /// What the gate says of a pod of a group.

@@ -19,10 +19,10 @@
 //! them all, the one the policy's order completes first, and in it the
 //! GPUs the policy prefers.
 
-use crate::policy::GpuPolicy;
 use crate::requests::{
     ContainerKind, ContainerRequest, PodRequest, Selectors, TypeMismatch, UuidMismatch,
 };
+use crate::vocabulary::policy::GpuPolicy;
 use serde::Serialize;
 use std::fmt::Write as _;
 use std::sync::Arc;

@@ -13,7 +13,7 @@
 //! its quorum holds nothing.
 
 use crate::fit::Usage;
-use crate::kubeshare::{GroupLabels, KubeShareError, KubeShareRequest};
+use crate::vocabulary::kubeshare::{group_of, GroupLabels};
 use k8s_openapi::api::core::v1::Pod;
 use std::collections::{BTreeMap, HashMap, HashSet};
 
@@ -51,19 +51,6 @@ pub struct GroupBook {
     groups: HashMap<String, BTreeMap<String, Member>>,
     holds: Vec<Hold>,
     relist: Option<HashSet<String>>,
-}
-
-/// The group key (`namespace/name`) and labels of a pod, `None` if it names
-/// no group, or why its group labels cannot be read.
-pub fn group_of(pod: &Pod) -> Result<Option<(String, GroupLabels)>, KubeShareError> {
-    let Some(labels) = pod.metadata.labels.as_ref() else {
-        return Ok(None);
-    };
-    let Some(group) = KubeShareRequest::group_from_labels(labels)? else {
-        return Ok(None);
-    };
-    let namespace = pod.metadata.namespace.as_deref().unwrap_or("default");
-    Ok(Some((format!("{namespace}/{}", group.name), group)))
 }
 
 impl GroupBook {

@@ -29,27 +29,24 @@
 //! - [`views`]: nvidia-gpu-scheduler's watchable GPU pod and node views.
 //! - [`cli`]: command-line flags.
 
+pub mod admission;
 pub mod api;
 pub mod claim_controller;
-pub mod claims;
 pub mod cli;
 pub mod coscheduling;
-pub mod elastic_crd;
 pub mod extender;
 pub mod fit;
 pub mod groups;
-pub mod kubeshare;
 pub mod leader;
 pub mod metrics;
 pub mod node_leases;
-pub mod policy;
 pub mod requests;
 pub mod reservation;
 pub mod scheduler;
 pub mod server;
 pub mod state;
 pub mod views;
-pub mod webhook;
+pub mod vocabulary;
 
 use crate::api::{ApiError, ApiSource, KubeApi};
 use crate::scheduler::{Config, Scheduler};

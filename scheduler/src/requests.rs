@@ -11,9 +11,9 @@
 //! Pod annotations restrict the GPUs: `nvidia.com/use-gputype` /
 //! `nvidia.com/nouse-gputype` (comma lists, case-insensitive substring of the
 //! model) and `nvidia.com/use-gpuuuid` / `nvidia.com/nouse-gpuuuid`, and
-//! choose the policies (see [`crate::policy`]).
+//! choose the policies (see [`crate::vocabulary::policy`]).
 
-use crate::policy::{
+use crate::vocabulary::policy::{
     GpuPolicy, NodePolicy, GPU_POLICY_ANNOTATION, HAMI_GPU_POLICY_ANNOTATION,
     HAMI_NODE_POLICY_ANNOTATION, NODE_POLICY_ANNOTATION,
 };
@@ -267,7 +267,7 @@ pub enum RequestError {
     Annotation {
         annotation: &'static str,
         #[source]
-        source: crate::policy::UnknownPolicy,
+        source: crate::vocabulary::policy::UnknownPolicy,
     },
 }
 
@@ -371,7 +371,7 @@ pub fn parse_pod(
     Ok(request)
 }
 
-fn policy_annotation<P: std::str::FromStr<Err = crate::policy::UnknownPolicy>>(
+fn policy_annotation<P: std::str::FromStr<Err = crate::vocabulary::policy::UnknownPolicy>>(
     annotations: &BTreeMap<String, String>,
     ours: &'static str,
     hami: &'static str,
@@ -446,6 +446,21 @@ pub fn elastic_count_to_add(container: &Container, names: &ResourceNames) -> Opt
     let cores = read(&names.elastic_cores).filter(|&v| v > 0);
     let memory = read(&names.elastic_memory).filter(|&v| v > 0);
     (cores.is_some() || memory.is_some()).then(|| elastic_gpu_count(cores))
+}
+
+/// Whether `container` asks for one of the vGPU resources.
+pub fn asks_for_vgpu(container: &Container, names: &ResourceNames) -> bool {
+    let vgpu_resources = [&names.gpu, &names.elastic_memory, &names.elastic_cores];
+    container.resources.as_ref().is_some_and(|resources| {
+        [&resources.limits, &resources.requests]
+            .into_iter()
+            .flatten()
+            .any(|quantities| {
+                vgpu_resources
+                    .iter()
+                    .any(|name| quantities.contains_key(*name))
+            })
+    })
 }
 
 fn parse_container(

@@ -69,7 +69,7 @@ impl Reservation {
             .collect();
         Ok(Some(Self {
             elastic_gpu: text("/metadata/name").unwrap_or_default().to_string(),
-            claim: crate::claims::claim_key(namespace, claim),
+            claim: crate::vocabulary::claims::claim_key(namespace, claim),
             node: decision.node.clone(),
             gpus,
             contribution: contribution(&decision, &[], true),

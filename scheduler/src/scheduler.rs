@@ -19,8 +19,8 @@
 //! The node locks are in memory: of several replicas, only the one holding
 //! the extender's Lease serves the verbs ([`crate::leader`]).
 
+use crate::admission::mutate::AdmissionPolicy;
 use crate::api::{ApiError, KubeApi};
-use crate::claims::{claim_keys_held, share_amounts, ClaimShare};
 use crate::extender::{
     ExtenderArgs, ExtenderBindingArgs, ExtenderBindingResult, ExtenderFilterResult,
     ExtenderPreemptionArgs, ExtenderPreemptionResult, FailedNodesMap, MetaPod, MetaVictims,
@@ -29,10 +29,10 @@ use crate::extender::{
 use crate::fit::{explain, measured_load, node_load, place_pod, Scratch};
 use crate::leader::Leadership;
 use crate::node_leases::Liveness;
-use crate::policy::{node_score, GpuPolicy, NodePolicy};
 use crate::requests::{parse_pod, PodRequest, RequestDefaults, ResourceNames};
 use crate::state::{now_unix_ms, ClusterState, FastMap, Inventory, SharedState, Snapshot};
-use crate::webhook::AdmissionPolicy;
+use crate::vocabulary::claims::{claim_keys_held, share_amounts, ClaimShare};
+use crate::vocabulary::policy::{node_score, GpuPolicy, NodePolicy};
 use k8s_openapi::api::core::v1::{Container, Pod, PodSpec, ResourceRequirements};
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
@@ -564,8 +564,8 @@ impl Scheduler {
                     .to_string(),
             );
         }
-        let group =
-            crate::groups::group_of(pod).map_err(|e| format!("pod {}: {e}", pod_key(pod)))?;
+        let group = crate::vocabulary::kubeshare::group_of(pod)
+            .map_err(|e| format!("pod {}: {e}", pod_key(pod)))?;
         if let Some((key, labels)) = group {
             drop(state);
             if let Err(why) = self.pass_group_gate(pod, &request, &key, &labels, now_unix_ms()) {
@@ -732,7 +732,7 @@ impl Scheduler {
             );
         }
         let key = pod_key(pod);
-        if let Ok(Some((group, labels))) = crate::groups::group_of(pod) {
+        if let Ok(Some((group, labels))) = crate::vocabulary::kubeshare::group_of(pod) {
             let uid = pod.metadata.uid.as_deref().unwrap_or("");
             let gate = crate::coscheduling::gate(&state, &group, &labels, uid, now_unix_ms());
             if gate != crate::coscheduling::Gate::Open {

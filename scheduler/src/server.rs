@@ -3,6 +3,7 @@
 //! `/scheduler/{filter,priorities,prioritize,bind}` (Elastic GPU
 //! Scheduler's URLs).
 
+use crate::admission::look_up::{ClaimAnswers, ClaimLookUpError};
 use crate::metrics::{ServerMetrics, Verb};
 use crate::scheduler::{Reply, Scheduler};
 use crate::views::{self, View};
@@ -150,22 +151,19 @@ async fn mutate(State(served): State<Served>, body: Bytes) -> Response {
     let started = Instant::now();
     let config = served.scheduler.config();
     let claims = match (
-        crate::webhook::claims_to_look_up(&body),
+        crate::admission::mutate::claims_to_look_up(&body),
         served.scheduler.api(),
     ) {
         (Some((namespace, names)), Some(api)) => {
-            crate::claims::look_up(api, &namespace, &names).await
+            crate::admission::look_up::look_up(api, &namespace, &names).await
         }
         (Some((_, names)), None) => names
             .into_iter()
-            .map(|name| {
-                let why = "this extender runs without the Kubernetes API".to_string();
-                (name, Err(why))
-            })
+            .map(|name| (name, Err(ClaimLookUpError::NoApi)))
             .collect(),
-        (None, _) => crate::claims::ClaimAnswers::new(),
+        (None, _) => ClaimAnswers::new(),
     };
-    let reply = crate::webhook::mutate(
+    let reply = crate::admission::mutate::mutate(
         &body,
         &config.scheduler_name,
         &config.resources,
@@ -181,7 +179,7 @@ async fn mutate(State(served): State<Served>, body: Bytes) -> Response {
 
 async fn convert(State(served): State<Served>, body: Bytes) -> Response {
     let started = Instant::now();
-    let reply = crate::elastic_crd::convert(&body);
+    let reply = crate::admission::conversion::convert(&body);
     served.metrics.observe(Verb::Convert, started.elapsed());
     respond(Reply {
         status: reply.status,

@@ -17,11 +17,11 @@
 //! already known, or older than the deletion of the pod, is ignored, so a
 //! late watch event can never undo a newer write.
 
-use crate::claims::claim_keys_held;
 use crate::fit::{NodeGpus, Usage};
 use crate::groups::GroupBook;
 use crate::node_leases::{LeaseBook, Liveness};
 use crate::reservation::Reservation;
+use crate::vocabulary::claims::claim_keys_held;
 use k8s_openapi::api::coordination::v1::Lease;
 use k8s_openapi::api::core::v1::{Node, Pod};
 use serde::Serialize;
@@ -1319,7 +1319,7 @@ pub struct GpuSnapshot {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::claims::USES_CLAIMS_ANNOTATION;
+    use crate::vocabulary::claims::USES_CLAIMS_ANNOTATION;
     use k8s_openapi::api::core::v1::{PodSpec, PodStatus};
     use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
     use vgpu_cluster::decision::{ContainerDecision, DeviceGrant, InventoryGpu, FORMAT_VERSION};

@@ -1,13 +1,14 @@
-//! Elastic GPU claims given to pods.
+//! Elastic GPU claims as pods name them and as claims ask for GPUs: the
+//! annotations and request names, and pure readers of them.
 //!
 //! A pod annotated `egpuc.elasticgpu.io/<container>: <claim>` gets, in that
 //! container, the share its `ElasticGPUClaim` (same namespace) requests:
 //! the admission webhook reads the claim and adds the vGPU resources it
-//! comes to, and from there the pod goes the way of any vGPU pod. The
-//! annotation names a container; in a pod of one container any name is
-//! accepted (the Elastic GPU README names `test1` for a container called
-//! `test-cuda`), and in a pod of several a name that matches none is
-//! refused rather than guessed.
+//! comes to ([`crate::admission::claims`]), and from there the pod goes the
+//! way of any vGPU pod. The annotation names a container; in a pod of one
+//! container any name is accepted (the Elastic GPU README names `test1` for
+//! a container called `test-cuda`), and in a pod of several a name that
+//! matches none is refused rather than guessed.
 //!
 //! Claim requests (`spec.resources.requests`, else `limits`):
 //! `gpushare.provisioner.elasticgpu.io/gpu-core` in percent of one GPU
@@ -19,10 +20,8 @@
 //! pod uses in [`USES_CLAIMS_ANNOTATION`] and refuses a pod whose claim a
 //! live pod holds.
 
-use crate::api::{ApiError, KubeApi};
-use crate::webhook::{json_pointer_token, resource_patch};
 use k8s_openapi::api::core::v1::{Container, Pod};
-use serde_json::{json, Value};
+use serde_json::Value;
 use std::collections::BTreeMap;
 use thiserror::Error;
 use vgpu_cluster::resources::{parse_whole_quantity, ResourceNames};
@@ -42,8 +41,8 @@ pub const USES_CLAIMS_ANNOTATION: &str = "vgpu.io/elasticgpu-claims";
 /// The most GPUs a claim may ask for.
 const MAX_CLAIM_GPUS: u64 = 16;
 
-/// Why a pod cannot have the claims it names.
-#[derive(Debug, Error, PartialEq, Eq)]
+/// Why a pod cannot have the claims it names, or a claim cannot be read.
+#[derive(Clone, Debug, Error, PartialEq, Eq)]
 pub enum ClaimError {
     #[error("annotation {annotation}: no claim named")]
     NoClaimNamed { annotation: String },
@@ -65,10 +64,6 @@ pub enum ClaimError {
         "claim {claim} is named by two annotations of this pod; one claim serves one container"
     )]
     ClaimNamedTwice { claim: String },
-    #[error(
-        "container {container} asks for vGPU resources itself and names claim {claim}; use one or the other"
-    )]
-    AlreadyAsks { container: String, claim: String },
     #[error("ElasticGPUClaim {claim}: {reason}")]
     BadClaim { claim: String, reason: String },
 }
@@ -270,165 +265,6 @@ pub fn claim_key(namespace: &str, name: &str) -> String {
     format!("{namespace}/{name}")
 }
 
-/// JSON patch operations giving each claimed container its claim's share
-/// (in limits and requests, as `names` spells the resources), and the pod
-/// [`USES_CLAIMS_ANNOTATION`]. `shares` holds each use's share, in order.
-pub fn claim_patch(
-    pod: &Pod,
-    uses: &[ClaimUse],
-    shares: &[ClaimShare],
-    names: &ResourceNames,
-) -> Result<Vec<Value>, ClaimError> {
-    let mut patch = Vec::new();
-    let spec = pod.spec.as_ref();
-    for (use_, share) in uses.iter().zip(shares) {
-        let container = spec.and_then(|spec| {
-            if use_.init {
-                spec.init_containers.as_ref()?.get(use_.index)
-            } else {
-                spec.containers.get(use_.index)
-            }
-        });
-        let Some(container) = container else { continue };
-        let resources = container.resources.as_ref();
-        let mentioned = |name: &str| {
-            resources.is_some_and(|r| {
-                [&r.limits, &r.requests]
-                    .into_iter()
-                    .flatten()
-                    .any(|m| m.contains_key(name))
-            })
-        };
-        let own = [
-            &names.gpu,
-            &names.memory,
-            &names.memory_percentage,
-            &names.cores,
-            &names.elastic_memory,
-            &names.elastic_cores,
-        ];
-        if own.iter().any(|name| mentioned(name)) {
-            return Err(ClaimError::AlreadyAsks {
-                container: use_.container.clone(),
-                claim: use_.claim.clone(),
-            });
-        }
-        let amounts = share_amounts(share, names);
-        let list = if use_.init {
-            "initContainers"
-        } else {
-            "containers"
-        };
-        let base = format!("/spec/{list}/{}/resources", use_.index);
-        patch.extend(resource_patch(container, &base, &amounts));
-    }
-    let claims: Vec<&str> = uses.iter().map(|u| u.claim.as_str()).collect();
-    patch.push(json!({
-        "op": "add",
-        "path": format!("/metadata/annotations/{}", json_pointer_token(USES_CLAIMS_ANNOTATION)),
-        "value": claims.join(","),
-    }));
-    Ok(patch)
-}
-
-/// What the webhook learnt of each claim a pod names: its share, `None`
-/// for a claim whose class another provisioner serves (left to it), or
-/// why the pod cannot have it.
-pub type ClaimAnswers = BTreeMap<String, Result<Option<ClaimShare>, String>>;
-
-/// How long the lookups may take: the webhook's own time limit is 5 s.
-const LOOK_UP_PATIENCE: std::time::Duration = std::time::Duration::from_secs(3);
-
-/// Looks up `claims` in `namespace`: each must exist, name a class vgpu
-/// provisions (or none), request a share vgpu can give, and be held by no
-/// live pod.
-pub async fn look_up(api: &KubeApi, namespace: &str, claims: &[String]) -> ClaimAnswers {
-    match tokio::time::timeout(LOOK_UP_PATIENCE, look_up_all(api, namespace, claims)).await {
-        Ok(answers) => answers,
-        Err(_) => claims
-            .iter()
-            .map(|name| {
-                let why = format!(
-                    "reading ElasticGPUClaim {namespace}/{name} took over {} s; try again",
-                    LOOK_UP_PATIENCE.as_secs()
-                );
-                (name.clone(), Err(why))
-            })
-            .collect(),
-    }
-}
-
-async fn look_up_all(api: &KubeApi, namespace: &str, claims: &[String]) -> ClaimAnswers {
-    let pods = api.pods_in(namespace).await;
-    let mut answers = ClaimAnswers::new();
-    for name in claims {
-        let answer = match api.get_elastic_claim(namespace, name).await {
-            Err(ApiError::NotFound(_)) => Err(format!(
-                "ElasticGPUClaim {name} not found in namespace {namespace}"
-            )),
-            Err(error) => Err(format!(
-                "reading ElasticGPUClaim {namespace}/{name}: {error}"
-            )),
-            Ok(claim) => check_claim(api, namespace, name, &claim, &pods).await,
-        };
-        answers.insert(name.clone(), answer);
-    }
-    answers
-}
-
-async fn check_claim(
-    api: &KubeApi,
-    namespace: &str,
-    name: &str,
-    claim: &Value,
-    pods: &Result<Vec<Pod>, ApiError>,
-) -> Result<Option<ClaimShare>, String> {
-    let class = claim
-        .pointer("/spec/elasticGPUClassName")
-        .and_then(Value::as_str)
-        .filter(|c| !c.is_empty());
-    if let Some(class) = class {
-        let provisioner = match api.get_elastic_class(class).await {
-            Ok(object) => object
-                .get("provisioner")
-                .and_then(Value::as_str)
-                .unwrap_or_default()
-                .to_string(),
-            Err(ApiError::NotFound(_)) => {
-                return Err(format!(
-                    "ElasticGPUClaim {name}: its class {class} does not exist"
-                ))
-            }
-            Err(error) => return Err(format!("reading ElasticGPUClass {class}: {error}")),
-        };
-        if provisioner != PROVISIONER {
-            tracing::debug!(
-                "ElasticGPUClaim {namespace}/{name}: class {class} is provisioned by {provisioner:?}; left to it"
-            );
-            return Ok(None);
-        }
-    }
-    let share = claim_share(name, claim).map_err(|e| e.to_string())?;
-    let pods = pods
-        .as_ref()
-        .map_err(|error| format!("listing the pods of namespace {namespace}: {error}"))?;
-    let holder = pods.iter().find(|pod| {
-        let live = pod.metadata.deletion_timestamp.is_none()
-            && !matches!(
-                pod.status.as_ref().and_then(|s| s.phase.as_deref()),
-                Some("Succeeded" | "Failed")
-            );
-        live && claims_held(pod).contains(&name)
-    });
-    if let Some(holder) = holder {
-        return Err(format!(
-            "ElasticGPUClaim {name} is in use by pod {namespace}/{}; one claim serves one pod at a time",
-            holder.metadata.name.as_deref().unwrap_or_default()
-        ));
-    }
-    Ok(Some(share))
-}
-
 /// The claims a pod holds, as [`claim_key`]s.
 pub fn claim_keys_held(pod: &Pod) -> Vec<String> {
     let namespace = pod.metadata.namespace.as_deref().unwrap_or("");
@@ -456,6 +292,7 @@ pub fn claims_held(pod: &Pod) -> Vec<&str> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use serde_json::json;
 
     fn pod(annotations: &[(&str, &str)], containers: &[&str], init: &[&str]) -> Pod {
         let list = |names: &[&str]| -> Vec<Value> {
@@ -609,48 +446,15 @@ mod tests {
     }
 
     #[test]
-    fn the_patch_gives_the_container_its_share_and_records_the_claim() {
-        let names = ResourceNames::default();
-        let readme = pod(
-            &[("egpuc.elasticgpu.io/test1", "gpushare-egpuc-1")],
-            &["test-cuda"],
-            &[],
-        );
-        let uses = claim_uses(&readme).expect("uses");
-        let share = ClaimShare {
-            count: 1,
-            cores: Some(10),
-            memory_mib: Some(4096),
-        };
-        let patch = claim_patch(&readme, &uses, &[share], &names).expect("patch");
-        let amounts = json!({"nvidia.com/gpu": "1", "nvidia.com/gpucores": "10", "nvidia.com/gpumem": "4096"});
-        assert_eq!(
-            patch,
-            vec![
-                json!({"op": "add", "path": "/spec/containers/0/resources", "value": {}}),
-                json!({"op": "add", "path": "/spec/containers/0/resources/limits", "value": amounts}),
-                json!({"op": "add", "path": "/spec/containers/0/resources/requests", "value": amounts}),
-                json!({"op": "add", "path": "/metadata/annotations/vgpu.io~1elasticgpu-claims", "value": "gpushare-egpuc-1"}),
-            ]
-        );
-        // A container that asks for vGPUs itself cannot also take a claim.
-        let mut asking = readme.clone();
-        if let Some(spec) = asking.spec.as_mut() {
-            spec.containers[0].resources = Some(
-                serde_json::from_value(json!({"limits": {"nvidia.com/gpu": "1"}}))
-                    .expect("resources"),
-            );
-        }
-        let error = claim_patch(&asking, &uses, &[share], &names).expect_err("both");
-        assert!(
-            error.to_string().contains("use one or the other"),
-            "{error}"
-        );
-        let mut held = readme;
+    fn the_claims_a_pod_holds_are_read_from_its_annotation() {
+        let mut held = pod(&[], &["a"], &[]);
+        held.metadata.namespace = Some("ns".into());
         held.metadata
             .annotations
             .get_or_insert_with(Default::default)
-            .insert(USES_CLAIMS_ANNOTATION.into(), "a, b".into());
+            .insert(USES_CLAIMS_ANNOTATION.into(), "a, b,".into());
         assert_eq!(claims_held(&held), vec!["a", "b"]);
+        assert_eq!(claim_keys_held(&held), vec!["ns/a", "ns/b"]);
+        assert!(claim_keys_held(&pod(&[], &["a"], &[])).is_empty());
     }
 }

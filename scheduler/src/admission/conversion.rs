@@ -16,18 +16,12 @@
 //! Only labels and annotations of the metadata may change in a conversion
 //! (the API server refuses anything else); everything else is copied.
 
-use crate::webhook::{Review, WebhookReply};
+use crate::admission::review::{Review, WebhookReply};
+use crate::vocabulary::elastic::{
+    BINDING_MODE_ANNOTATION, README_VERSION, RECLAIM_POLICY_ANNOTATION, STORED_VERSION,
+};
 use serde::Deserialize;
 use serde_json::{json, Map, Value};
-
-/// The stored version: the published schema.
-pub const STORED_VERSION: &str = "elasticgpu.io/v1alpha1";
-/// The documentation's form.
-pub const README_VERSION: &str = "elasticgpu.io/v1alpha";
-/// Where a class's v1alpha `reclaimPolicy` is kept in v1alpha1.
-pub const RECLAIM_POLICY_ANNOTATION: &str = "vgpu.io/elasticgpu-reclaim-policy";
-/// Where a class's v1alpha `egpuBindingMode` is kept in v1alpha1.
-pub const BINDING_MODE_ANNOTATION: &str = "vgpu.io/elasticgpu-binding-mode";
 
 /// The class fields that v1alpha1 keeps in annotations.
 const CLASS_FIELDS: [(&str, &str); 2] = [

@@ -10,21 +10,16 @@
 //! coscheduling group labels. A pod that only carries labels asks for no
 //! resource, so kubelet would never call the device plugin for it; the
 //! webhook therefore writes the same request in vgpu's resources and
-//! annotations ([`KubeShareRequest::patch`]), which everything downstream
-//! reads as it reads any other vGPU pod.
+//! annotations ([`crate::admission::kubeshare`]), which everything
+//! downstream reads as it reads any other vGPU pod.
 //!
 //! Decimal values are read exactly (no floating point): `0.6` of 5 pods is
 //! 3 pods, not 3.0000000000000004 rounded up to 4.
 
-use crate::requests::ResourceNames;
-use crate::webhook::{json_pointer_token, resource_patch};
 use k8s_openapi::api::core::v1::Pod;
-use serde_json::{json, Value};
 use std::collections::BTreeMap;
 use thiserror::Error;
-use vgpu_cluster::resources::{
-    parse_whole_quantity, GPU_CORES_BURST_ANNOTATION, GPU_MODEL_ANNOTATION,
-};
+use vgpu_cluster::resources::{parse_whole_quantity, GPU_MODEL_ANNOTATION};
 
 /// Every KubeShare label starts so; a pod with one is a KubeShare pod.
 pub const LABEL_PREFIX: &str = "sharedgpu/";
@@ -258,94 +253,19 @@ impl KubeShareRequest {
     ) -> Result<Option<GroupLabels>, KubeShareError> {
         group_labels(labels)
     }
+}
 
-    /// The resources this request comes to, as `names` spells them.
-    fn amounts(&self, names: &ResourceNames) -> BTreeMap<String, String> {
-        let mut amounts = BTreeMap::new();
-        amounts.insert(names.gpu.clone(), self.gpus.to_string());
-        amounts.insert(names.cores.clone(), self.cores.to_string());
-        match self.memory {
-            KubeShareMemory::Mib(mib) => amounts.insert(names.memory.clone(), mib.to_string()),
-            KubeShareMemory::Percent(percent) => {
-                amounts.insert(names.memory_percentage.clone(), percent.to_string())
-            }
-        };
-        if self.opportunistic() {
-            amounts.insert(
-                names.priority.clone(),
-                OPPORTUNISTIC_TASK_PRIORITY.to_string(),
-            );
-        }
-        amounts
-    }
-
-    /// JSON patch operations giving the pod's first container this request
-    /// as vgpu's resources and annotations; `opportunistic_class` (name,
-    /// value) is the PriorityClass opportunistic pods are given, where
-    /// they name none. The caller has checked the pod asks for no vGPU
-    /// resource itself.
-    pub fn patch(
-        &self,
-        pod: &Pod,
-        names: &ResourceNames,
-        opportunistic_class: Option<(&str, i32)>,
-    ) -> Result<Vec<Value>, KubeShareError> {
-        let spec = pod.spec.as_ref().ok_or(KubeShareError::NoContainer)?;
-        let container = spec.containers.first().ok_or(KubeShareError::NoContainer)?;
-        let mut patch = resource_patch(
-            container,
-            "/spec/containers/0/resources",
-            &self.amounts(names),
-        );
-        let mut annotations = BTreeMap::new();
-        if let Some(burst) = self.burst {
-            annotations.insert(GPU_CORES_BURST_ANNOTATION, burst.to_string());
-        }
-        let existing = pod.metadata.annotations.as_ref();
-        if let Some(model) = &self.model {
-            match existing.and_then(|a| a.get(GPU_MODEL_ANNOTATION)) {
-                Some(annotation)
-                    if crate::requests::model_key(annotation)
-                        != crate::requests::model_key(model) =>
-                {
-                    return Err(KubeShareError::TwoModels {
-                        label: model.clone(),
-                        annotation: annotation.clone(),
-                    })
-                }
-                Some(_) => {}
-                None => {
-                    annotations.insert(GPU_MODEL_ANNOTATION, model.clone());
-                }
-            }
-        }
-        if !annotations.is_empty() && existing.is_none() {
-            patch.push(json!({"op": "add", "path": "/metadata/annotations", "value": {}}));
-        }
-        for (key, value) in annotations {
-            patch.push(json!({
-                "op": "add",
-                "path": format!("/metadata/annotations/{}", json_pointer_token(key)),
-                "value": value,
-            }));
-        }
-        if let Some((class, value)) = opportunistic_class.filter(|_| self.opportunistic()) {
-            let named = spec
-                .priority_class_name
-                .as_deref()
-                .is_some_and(|n| !n.is_empty());
-            if !named {
-                // The API server's Priority admission ran before this
-                // webhook and filled in the default priority; the three
-                // fields must agree with the class should it run again.
-                patch.push(json!({"op": "add", "path": "/spec/priorityClassName", "value": class}));
-                patch.push(json!({"op": "add", "path": "/spec/priority", "value": value}));
-                patch
-                    .push(json!({"op": "add", "path": "/spec/preemptionPolicy", "value": "Never"}));
-            }
-        }
-        Ok(patch)
-    }
+/// The group key (`namespace/name`) and labels of a pod, `None` if it names
+/// no group, or why its group labels cannot be read.
+pub fn group_of(pod: &Pod) -> Result<Option<(String, GroupLabels)>, KubeShareError> {
+    let Some(labels) = pod.metadata.labels.as_ref() else {
+        return Ok(None);
+    };
+    let Some(group) = KubeShareRequest::group_from_labels(labels)? else {
+        return Ok(None);
+    };
+    let namespace = pod.metadata.namespace.as_deref().unwrap_or("default");
+    Ok(Some((format!("{namespace}/{}", group.name), group)))
 }
 
 /// The trimmed value of label `key`.

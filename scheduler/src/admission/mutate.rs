@@ -11,7 +11,7 @@
 //!
 //! A container that asks only for Elastic GPU resources is given the GPU
 //! count they come to, and one named by an Elastic GPU claim annotation the
-//! claim's share ([`crate::claims`]); a pod whose claims cannot be given is
+//! claim's share ([`crate::admission::claims`]); a pod whose claims cannot be given is
 //! refused, saying why.
 //!
 //! A privileged container that asks for vGPUs is refused (unless the
@@ -21,53 +21,23 @@
 //! let through as it is), so a webhook outage cannot stop a cluster's
 //! other workloads.
 
-use crate::claims::{claim_patch, claim_uses, ClaimAnswers, ClaimShare, CLAIM_ANNOTATION_PREFIX};
-use crate::kubeshare::{KubeShareError, KubeShareRequest};
-use crate::requests::{elastic_count_to_add, ResourceNames};
+use crate::admission::claims::{claim_patch, ClaimPatchError};
+use crate::admission::kubeshare::kubeshare_patch;
+use crate::admission::look_up::{ClaimAnswers, ClaimLookUpError};
+use crate::admission::patch::resource_patch;
+use crate::admission::review::{Review, WebhookReply};
+use crate::requests::{asks_for_vgpu, elastic_count_to_add, ResourceNames};
+use crate::vocabulary::claims::{claim_uses, ClaimError, ClaimShare, CLAIM_ANNOTATION_PREFIX};
+use crate::vocabulary::kubeshare::KubeShareError;
 use base64::Engine;
 use k8s_openapi::api::core::v1::{Container, Pod};
 use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
+use thiserror::Error;
+use vgpu_cluster::report::with_causes;
 
 /// The scheduler name kube-scheduler uses when a pod names none.
 const DEFAULT_SCHEDULER: &str = "default-scheduler";
-
-/// The envelope the API server sends a webhook (an `AdmissionReview`, a
-/// `ConversionReview`), as much of it as is read; `R` is its request.
-#[derive(Debug, Deserialize)]
-pub(crate) struct Review<R> {
-    #[serde(rename = "apiVersion")]
-    pub api_version: Option<String>,
-    pub kind: Option<String>,
-    pub request: Option<R>,
-}
-
-impl<R: serde::de::DeserializeOwned> Review<R> {
-    /// Reads `body` as a review of `kind`; the reply for a body that is
-    /// not one.
-    pub fn read(body: &[u8], kind: &str) -> Result<(Option<String>, R), WebhookReply> {
-        let review: Self = serde_json::from_slice(body)
-            .map_err(|error| bad_request(format!("not a{} {kind}: {error}", article(kind))))?;
-        if review.kind.as_deref() != Some(kind) {
-            return Err(bad_request(format!(
-                "expected kind {kind}, got {:?}",
-                review.kind.unwrap_or_default()
-            )));
-        }
-        match review.request {
-            Some(request) => Ok((review.api_version, request)),
-            None => Err(bad_request(format!("the {kind} has no request"))),
-        }
-    }
-}
-
-fn article(word: &str) -> &'static str {
-    if word.starts_with(['A', 'E', 'I', 'O', 'U']) {
-        "n"
-    } else {
-        ""
-    }
-}
 
 #[derive(Debug, Deserialize)]
 struct ReviewRequest {
@@ -102,11 +72,19 @@ pub struct AdmissionPolicy {
     pub opportunistic_class: Option<(String, i32)>,
 }
 
-/// The webhook's answer: HTTP status and JSON body.
-#[derive(Debug)]
-pub struct WebhookReply {
-    pub status: u16,
-    pub body: Vec<u8>,
+/// Why a pod being created is refused (422, with this as the message).
+#[derive(Debug, Error)]
+enum Refusal {
+    #[error(transparent)]
+    Claims(#[from] ClaimError),
+    #[error(transparent)]
+    ClaimPatch(#[from] ClaimPatchError),
+    #[error(transparent)]
+    LookUp(#[from] ClaimLookUpError),
+    #[error("ElasticGPUClaim {0} was not looked up")]
+    NotLookedUp(String),
+    #[error(transparent)]
+    KubeShare(#[from] KubeShareError),
 }
 
 /// The namespace and the Elastic GPU claims a pod being created names in
@@ -190,13 +168,18 @@ pub fn mutate(
     }
     match pod {
         Ok(Some(pod)) if creating => {
+            let class = policy
+                .opportunistic_class
+                .as_ref()
+                .map(|(name, value)| (name.as_str(), *value));
             let read = claimed_shares(&pod, names, claims).and_then(|claimed| {
-                let kubeshare = kubeshare_patch(&pod, names, policy, !claimed.is_empty())?;
+                let kubeshare = kubeshare_patch(&pod, names, class, !claimed.is_empty())?;
                 Ok((claimed, kubeshare))
             });
             let (claimed, kubeshare) = match read {
                 Ok(read) => read,
-                Err(message) => {
+                Err(refusal) => {
+                    let message = with_causes(&refusal);
                     tracing::info!("admission review {}: refused: {message}", response.uid);
                     response.allowed = false;
                     response.status = Some(json!({
@@ -265,100 +248,14 @@ fn reply(api_version: &str, response: &ReviewResponse) -> WebhookReply {
     }
 }
 
-/// JSON patch operations, and a warning for the user if there is one.
-type PatchAndWarning = (Vec<Value>, Option<String>);
-
-/// The patch turning a KubeShare pod's `sharedgpu/` labels into vgpu's
-/// requests, with a warning when the pod has several containers; `None`
-/// for a pod without such labels; or why the labels cannot be served.
-fn kubeshare_patch(
-    pod: &Pod,
-    names: &ResourceNames,
-    policy: &AdmissionPolicy,
-    uses_claims: bool,
-) -> Result<Option<PatchAndWarning>, String> {
-    let Some(labels) = &pod.metadata.labels else {
-        return Ok(None);
-    };
-    let Some(request) = KubeShareRequest::from_labels(labels).map_err(|e| e.to_string())? else {
-        return Ok(None);
-    };
-    let spec = pod.spec.as_ref();
-    let asking = spec
-        .into_iter()
-        .flat_map(|spec| {
-            spec.containers
-                .iter()
-                .chain(spec.init_containers.iter().flatten())
-        })
-        .find(|container| asks_for_vgpu(container, names) || uses_claims);
-    if let Some(container) = asking {
-        return Err(KubeShareError::AlsoResources(container.name.clone()).to_string());
-    }
-    let class = policy
-        .opportunistic_class
-        .as_ref()
-        .map(|(name, value)| (name.as_str(), *value));
-    let patch = request
-        .patch(pod, names, class)
-        .map_err(|e| e.to_string())?;
-    let warning = spec.filter(|spec| spec.containers.len() > 1).map(|spec| {
-        format!(
-            "vgpu: the {} labels were given to container {:?}, the first of the pod's {}",
-            crate::kubeshare::LABEL_PREFIX,
-            spec.containers[0].name,
-            spec.containers.len()
-        )
-    });
-    Ok(Some((patch, warning)))
-}
-
-/// JSON patch operations adding `amounts` to a container's limits and
-/// requests (an extended resource's request must equal its limit);
-/// `base` is the pointer to its `resources`.
-pub(crate) fn resource_patch(
-    container: &Container,
-    base: &str,
-    amounts: &std::collections::BTreeMap<String, String>,
-) -> Vec<Value> {
-    let resources = container.resources.as_ref();
-    let mut patch = Vec::new();
-    if resources.is_none() {
-        patch.push(json!({"op": "add", "path": base, "value": {}}));
-    }
-    for (field, present) in [
-        (
-            "limits",
-            resources.and_then(|r| r.limits.as_ref()).is_some(),
-        ),
-        (
-            "requests",
-            resources.and_then(|r| r.requests.as_ref()).is_some(),
-        ),
-    ] {
-        if present {
-            for (name, value) in amounts {
-                patch.push(json!({
-                    "op": "add",
-                    "path": format!("{base}/{field}/{}", json_pointer_token(name)),
-                    "value": value,
-                }));
-            }
-        } else {
-            patch.push(json!({"op": "add", "path": format!("{base}/{field}"), "value": amounts}));
-        }
-    }
-    patch
-}
-
 /// The patch giving the pod's claimed containers their claims' shares
 /// (empty when it names no claim), or why the pod cannot have them.
 fn claimed_shares(
     pod: &Pod,
     names: &ResourceNames,
     claims: &ClaimAnswers,
-) -> Result<Vec<Value>, String> {
-    let uses = claim_uses(pod).map_err(|e| e.to_string())?;
+) -> Result<Vec<Value>, Refusal> {
+    let uses = claim_uses(pod)?;
     // Claims of classes another provisioner serves are left to it.
     let mut ours = Vec::with_capacity(uses.len());
     let mut shares: Vec<ClaimShare> = Vec::with_capacity(uses.len());
@@ -369,19 +266,14 @@ fn claimed_shares(
                 ours.push(claim_use);
             }
             Some(Ok(None)) => {}
-            Some(Err(why)) => return Err(why.clone()),
-            None => {
-                return Err(format!(
-                    "ElasticGPUClaim {} was not looked up",
-                    claim_use.claim
-                ))
-            }
+            Some(Err(why)) => return Err(why.clone().into()),
+            None => return Err(Refusal::NotLookedUp(claim_use.claim)),
         }
     }
     if ours.is_empty() {
         return Ok(Vec::new());
     }
-    claim_patch(pod, &ours, &shares, names).map_err(|e| e.to_string())
+    Ok(claim_patch(pod, &ours, &shares, names)?)
 }
 
 /// JSON patch operations adding the GPU count to every container that asks
@@ -413,26 +305,6 @@ fn elastic_device_counts(pod: &Pod, names: &ResourceNames) -> Vec<Value> {
         }
     }
     patch
-}
-
-/// `name` as one token of a JSON pointer (RFC 6901).
-pub fn json_pointer_token(name: &str) -> String {
-    name.replace('~', "~0").replace('/', "~1")
-}
-
-/// Whether `container` asks for one of the vGPU resources.
-fn asks_for_vgpu(container: &Container, names: &ResourceNames) -> bool {
-    let vgpu_resources = [&names.gpu, &names.elastic_memory, &names.elastic_cores];
-    container.resources.as_ref().is_some_and(|resources| {
-        [&resources.limits, &resources.requests]
-            .into_iter()
-            .flatten()
-            .any(|quantities| {
-                vgpu_resources
-                    .iter()
-                    .any(|name| quantities.contains_key(*name))
-            })
-    })
 }
 
 /// The name of a privileged container of `pod` that asks for vGPUs.
@@ -479,17 +351,9 @@ fn unscheduled_for_default(pod: &Pod) -> bool {
     spec.node_name.is_none() && default_scheduler
 }
 
-pub(crate) fn bad_request(message: String) -> WebhookReply {
-    WebhookReply {
-        status: 400,
-        body: json!({ "error": message }).to_string().into_bytes(),
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::claims::ClaimShare;
 
     fn review(pod: Value) -> Vec<u8> {
         json!({
@@ -669,7 +533,11 @@ mod tests {
         // A claim that cannot be given: refused with the reason.
         let taken = ClaimAnswers::from([(
             "gpushare-egpuc-1".to_string(),
-            Err("ElasticGPUClaim gpushare-egpuc-1 is in use by pod default/a".to_string()),
+            Err(ClaimLookUpError::InUse {
+                namespace: "default".into(),
+                name: "gpushare-egpuc-1".into(),
+                holder: "a".into(),
+            }),
         )]);
         let answered = answer_with(&claimed_pod(false), &taken);
         assert_eq!(answered["response"]["allowed"], false);
@@ -904,7 +772,7 @@ mod tests {
         );
         assert_eq!(
             container.priority,
-            Some(crate::kubeshare::OPPORTUNISTIC_TASK_PRIORITY)
+            Some(crate::vocabulary::kubeshare::OPPORTUNISTIC_TASK_PRIORITY)
         );
         assert_eq!(request.burst_percent, Some(100));
         assert_eq!(

@@ -1,0 +1,19 @@
+//! The API server's webhooks: the mutating admission webhook for pods
+//! ([`mutate`]) with its parts, and the conversion webhook of Elastic GPU's
+//! resources ([`conversion`]).
+//!
+//! - [`review`]: the envelope the API server sends, and bad requests.
+//! - [`patch`]: JSON patch operations.
+//! - [`claims`]: a pod's claimed containers given their claims' shares.
+//! - [`look_up`]: the claims a pod names, read from the API.
+//! - [`kubeshare`]: KubeShare's labels turned into vgpu's requests.
+//! - [`mutate`]: the answer to one `AdmissionReview`.
+//! - [`conversion`]: the answer to one `ConversionReview`.
+
+pub mod claims;
+pub mod conversion;
+pub mod kubeshare;
+pub mod look_up;
+pub mod mutate;
+pub mod patch;
+pub mod review;
