@@ -565,11 +565,22 @@ impl Shared {
         }
     }
 
-    /// Wall timing: whether `device` is free, and nobody waits for it.
+    /// Wall timing: whether `device` is free for this process now: nobody
+    /// else holds it or waits for it.
     pub fn device_idle(&self, device: usize) -> bool {
         let rec = self.record(self.physical(device));
-        rec.holder.load(Ordering::Acquire) == 0
-            && rec.ticket_next.load(Ordering::Acquire) == rec.ticket_serving.load(Ordering::Acquire)
+        let own = self.own_slot.load(Ordering::Acquire);
+        let holder = rec.holder.load(Ordering::Acquire);
+        let waiting = rec
+            .ticket_next
+            .load(Ordering::Acquire)
+            .wrapping_sub(rec.ticket_serving.load(Ordering::Acquire));
+        match holder {
+            0 => waiting == 0,
+            // Held by this process (its device thread about to let go):
+            // only its own ticket is out.
+            holder => own != NO_SLOT && holder as usize == own + 1 && waiting == 1,
+        }
     }
 
     /// Wall timing: whether another process waits for `device`.

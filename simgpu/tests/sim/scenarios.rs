@@ -48,6 +48,10 @@ pub fn run(name: &str) {
         "busy_probe" => crate::graphs::busy_probe(),
         "multi_device" => crate::graphs::multi_device(),
         "busy_long" => crate::graphs::busy_long(),
+        "wall_timing" => crate::wall::wall_timing(),
+        "wall_jitter" => crate::wall::wall_jitter(),
+        "wall_cross_device" => crate::wall::wall_cross_device(),
+        "wall_saturate" => crate::wall::wall_saturate(),
         other => panic!("unknown scenario {other}"),
     }
 }
