@@ -1,22 +1,18 @@
-//! The Kubernetes API: the client, the watches that feed the state, and
-//! the three writes the extender makes (decision, binding, and removing a
-//! decision whose binding failed).
+//! The Kubernetes API client: the reads and writes the extender, the
+//! webhook and the claim controller make. It knows nothing of the
+//! extender's state; the watches that feed it are [`crate::cache::watch`].
 
-use crate::state::SharedState;
 use futures_util::StreamExt;
-use k8s_openapi::api::coordination::v1::Lease;
-use k8s_openapi::api::core::v1::{Node, Pod};
+use k8s_openapi::api::core::v1::Pod;
 use kube::api::{
     ApiResource, DynamicObject, GroupVersionKind, ListParams, Patch, PatchParams, PostParams,
 };
-use kube::runtime::watcher::{self, Event, ListSemantic};
+use kube::runtime::watcher;
 use kube::runtime::WatchStreamExt;
 use kube::{Api, Client};
 use serde_json::json;
-use std::sync::Arc;
 use thiserror::Error;
 use vgpu_cluster::decision::{ALLOCATED_ANNOTATION, DECISION_ANNOTATION};
-use vgpu_cluster::node_lease::{lease_selector, NODE_LEASE_NAMESPACE};
 
 pub use vgpu_cluster::client::{ApiSource, ClientError};
 
@@ -69,6 +65,11 @@ fn elastic_resource(kind: &str, plural: &str) -> ApiResource {
         &GroupVersionKind::gvk("elasticgpu.io", "v1alpha1", kind),
         plural,
     )
+}
+
+/// Every `ElasticGPU` of the cluster, read as dynamic objects.
+pub fn elastic_gpus(client: Client) -> Api<DynamicObject> {
+    Api::all_with(client, &elastic_resource("ElasticGPU", "elasticgpus"))
 }
 
 /// Builds a client for `source`.
@@ -144,10 +145,7 @@ impl KubeApi {
     }
 
     fn elastic_gpus(&self) -> Api<DynamicObject> {
-        Api::all_with(
-            self.client.clone(),
-            &elastic_resource("ElasticGPU", "elasticgpus"),
-        )
+        elastic_gpus(self.client.clone())
     }
 
     /// Every `ElasticGPUClaim`, as JSON.
@@ -318,156 +316,5 @@ impl KubeApi {
             .create_subresource("binding", name, &PostParams::default(), &binding)
             .await?;
         Ok(())
-    }
-}
-
-/// Lists and watches every pod forever, feeding `state`. A complete,
-/// current list is taken on start and after any watch failure.
-pub async fn watch_pods(client: Client, state: Arc<SharedState>) {
-    watch_forever(
-        Api::<Pod>::all(client),
-        watcher::Config::default(),
-        "pod",
-        |event| match event {
-            Event::Init => state.update(|s| s.begin_pod_relist()),
-            Event::InitApply(pod) => state.update(|s| s.relist_pod(&pod)),
-            Event::InitDone => state.update(|s| s.finish_pod_relist()),
-            Event::Apply(pod) => state.update(|s| s.apply_pod(&pod, false)),
-            Event::Delete(pod) => state.update(|s| s.delete_pod(&pod)),
-        },
-    )
-    .await
-}
-
-/// Lists and watches every node forever, feeding `state`.
-pub async fn watch_nodes(client: Client, state: Arc<SharedState>) {
-    watch_forever(
-        Api::<Node>::all(client),
-        watcher::Config::default(),
-        "node",
-        |event| match event {
-            Event::Init => state.update(|s| s.begin_node_relist()),
-            Event::InitApply(node) | Event::Apply(node) => state.update(|s| s.apply_node(&node)),
-            Event::InitDone => state.update(|s| s.finish_node_relist()),
-            Event::Delete(node) => state.update(|s| s.delete_node(&node)),
-        },
-    )
-    .await
-}
-
-/// Lists and watches the device plugins' node Leases forever, feeding
-/// `state` ([`crate::node_leases`]).
-pub async fn watch_node_leases(client: Client, state: Arc<SharedState>) {
-    let leases = Api::<Lease>::namespaced(client, NODE_LEASE_NAMESPACE);
-    let config = watcher::Config::default().labels(&lease_selector());
-    watch_forever(leases, config, "node Lease", |event| match event {
-        Event::Init => state.update(|s| s.begin_lease_relist()),
-        Event::InitApply(lease) | Event::Apply(lease) => state.update(|s| s.apply_lease(&lease)),
-        Event::InitDone => state.update(|s| s.finish_lease_relist()),
-        Event::Delete(lease) => state.update(|s| s.delete_lease(&lease)),
-    })
-    .await
-}
-
-/// Lists and watches every `ElasticGPU` forever, feeding the slices they
-/// hold for claims into `state` (whose caller has called
-/// `expect_reservations` first). Placements wait for the first list,
-/// unless the API has no ElasticGPUs for this extender (404: the
-/// definitions are not installed; 403: it may not read them), which means
-/// no slice is held; the watch keeps retrying (with kube's backoff), so
-/// definitions installed later are picked up.
-pub async fn watch_elastic_gpus(client: Client, state: Arc<SharedState>) {
-    let api: Api<DynamicObject> =
-        Api::all_with(client, &elastic_resource("ElasticGPU", "elasticgpus"));
-    let config = watcher::Config::default().list_semantic(ListSemantic::MostRecent);
-    let mut stream = watcher::watcher(api, config).default_backoff().boxed();
-    let mut failing: Option<Option<u16>> = None;
-    while let Some(item) = stream.next().await {
-        let event = match item {
-            Ok(event) => event,
-            Err(error) => {
-                let code = refusal_code(&error);
-                if failing != Some(code) {
-                    match code {
-                        Some(404) => tracing::info!(
-                            "Kubernetes API: no ElasticGPU resource (the elasticgpu.io definitions are not installed); \
-                             no GPU slices are held for claims"
-                        ),
-                        Some(403) => tracing::warn!(
-                            "Kubernetes API: this extender may not list ElasticGPUs (RBAC); \
-                             GPU slices held for Elastic GPU claims are not counted"
-                        ),
-                        _ => tracing::warn!(
-                            error = &error as &dyn std::error::Error,
-                            "Kubernetes API: ElasticGPU watch failed (retrying)"
-                        ),
-                    }
-                }
-                if matches!(code, Some(404 | 403)) {
-                    state.update(|s| s.no_reservations());
-                }
-                failing = Some(code);
-                continue;
-            }
-        };
-        if failing.is_some() && !matches!(event, Event::Init) {
-            tracing::info!("Kubernetes API: ElasticGPU watch recovered");
-            failing = None;
-        }
-        let json = |object: DynamicObject| serde_json::to_value(object).unwrap_or_default();
-        match event {
-            Event::Init => state.update(|s| s.begin_reservation_relist()),
-            Event::InitApply(object) => state.update(|s| s.relist_reservation(&json(object))),
-            Event::InitDone => state.update(|s| s.finish_reservation_relist()),
-            Event::Apply(object) => state.update(|s| s.apply_reservation(&json(object), false)),
-            Event::Delete(object) => state.update(|s| s.delete_reservation(&json(object))),
-        }
-    }
-}
-
-/// The HTTP status the API server refused a watch with, if it did.
-fn refusal_code(error: &watcher::Error) -> Option<u16> {
-    match error {
-        watcher::Error::InitialListFailed(kube::Error::Api(status))
-        | watcher::Error::WatchStartFailed(kube::Error::Api(status))
-        | watcher::Error::WatchFailed(kube::Error::Api(status)) => Some(status.code),
-        watcher::Error::WatchError(status) => Some(status.code),
-        _ => None,
-    }
-}
-
-/// Runs a watch of `api` forever, handing every event to `on_event`; a
-/// failure is logged once until the watch recovers (kube's backoff retries).
-async fn watch_forever<K>(
-    api: Api<K>,
-    config: watcher::Config,
-    what: &str,
-    mut on_event: impl FnMut(Event<K>),
-) where
-    K: kube::Resource + Clone + std::fmt::Debug + serde::de::DeserializeOwned + Send + 'static,
-{
-    let config = config.list_semantic(ListSemantic::MostRecent);
-    let mut stream = watcher::watcher(api, config).default_backoff().boxed();
-    let mut failing = false;
-    while let Some(item) = stream.next().await {
-        match item {
-            Ok(event) => {
-                // A relist starts with Init before anything is read.
-                if failing && !matches!(event, Event::Init) {
-                    tracing::info!("Kubernetes API: {what} watch recovered");
-                    failing = false;
-                }
-                on_event(event);
-            }
-            Err(error) => {
-                if !failing {
-                    tracing::warn!(
-                        error = &error as &dyn std::error::Error,
-                        "Kubernetes API: {what} watch failed (retrying)"
-                    );
-                }
-                failing = true;
-            }
-        }
     }
 }

@@ -8,7 +8,7 @@
 //! - Binding mode (the class's `egpuBindingMode`, kept in v1alpha1 as
 //!   [`BINDING_MODE_ANNOTATION`]): `Immediate` (default) provisions when the
 //!   claim is created: the slice is placed as a pod holding it would be and
-//!   held from then on ([`crate::reservation`]); a claim no node has room
+//!   held from then on ([`crate::cache::reservations`]); a claim no node has room
 //!   for stays `Pending` (`NoCapacity`) and is tried again at each resync.
 //!   `WaitForFirstConsumer` provisions when the first pod holding it is
 //!   placed, taking that pod's slice. Either way, the slice stays held for
@@ -22,9 +22,9 @@
 //! leader, or one restarted, up to date), and writes only what differs.
 
 use crate::api::{ApiError, ClaimPart, KubeApi};
-use crate::reservation::Reservation;
+use crate::cache::reservations::Reservation;
+use crate::cache::state::ElasticSync;
 use crate::scheduler::Scheduler;
-use crate::state::ElasticSync;
 use crate::vocabulary::claims::{
     claim_key, claim_share, claim_uses, claims_held, ClaimShare, CLAIM_CORE, CLAIM_MEMORY,
     PROVISIONER,

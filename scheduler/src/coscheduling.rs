@@ -1,12 +1,14 @@
-//! The filter's gate for coscheduling groups ([`crate::groups`]): a pod of
+//! The filter's gate for coscheduling groups ([`crate::cache::groups`]): a pod of
 //! a group passes only once its group's quorum is placed, or room is held
 //! for it as one of the quorum; until then every node is turned down with
 //! the reason, which kube-scheduler puts in the pod's events.
 
-use crate::groups::{Hold, HOLD_TTL_MS};
+use crate::cache::gpus::contribution;
+use crate::cache::groups::{Hold, HOLD_TTL_MS};
+use crate::cache::pods::sidecar_names;
+use crate::cache::state::ClusterState;
 use crate::requests::PodRequest;
 use crate::scheduler::{Own, Scheduler};
-use crate::state::{contribution, sidecar_names, ClusterState};
 use crate::vocabulary::claims::claim_keys_held;
 use crate::vocabulary::kubeshare::GroupLabels;
 use k8s_openapi::api::core::v1::Pod;

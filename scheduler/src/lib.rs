@@ -31,26 +31,23 @@
 
 pub mod admission;
 pub mod api;
+pub mod cache;
 pub mod claim_controller;
 pub mod cli;
 pub mod coscheduling;
 pub mod extender;
 pub mod fit;
-pub mod groups;
 pub mod leader;
 pub mod metrics;
-pub mod node_leases;
 pub mod requests;
-pub mod reservation;
 pub mod scheduler;
 pub mod server;
-pub mod state;
 pub mod views;
 pub mod vocabulary;
 
 use crate::api::{ApiError, ApiSource, KubeApi};
+use crate::cache::state::SharedState;
 use crate::scheduler::{Config, Scheduler};
-use crate::state::SharedState;
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
@@ -95,13 +92,7 @@ pub async fn start(
 ) -> Result<Running, StartError> {
     let client = api::make_client(source).await.map_err(StartError::Api)?;
     let state = Arc::new(SharedState::new());
-    state.update(|s| s.expect_reservations());
-    let mut watches = vec![
-        tokio::spawn(api::watch_pods(client.clone(), state.clone())),
-        tokio::spawn(api::watch_nodes(client.clone(), state.clone())),
-        tokio::spawn(api::watch_node_leases(client.clone(), state.clone())),
-        tokio::spawn(api::watch_elastic_gpus(client.clone(), state.clone())),
-    ];
+    let mut watches = cache::watch::watch_cluster(&client, &state);
     let mut scheduler = Scheduler::new(config, state, Some(KubeApi::new(client.clone())));
     if let Some(election) = &election {
         let leadership = Arc::new(leader::Leadership::default());

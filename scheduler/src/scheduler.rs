@@ -21,6 +21,12 @@
 
 use crate::admission::mutate::AdmissionPolicy;
 use crate::api::{ApiError, KubeApi};
+use crate::cache::clock::now_unix_ms;
+use crate::cache::fast_map::FastMap;
+use crate::cache::leases::Liveness;
+use crate::cache::nodes::Inventory;
+use crate::cache::state::debug::DebugState;
+use crate::cache::state::{ClusterState, SharedState};
 use crate::extender::{
     ExtenderArgs, ExtenderBindingArgs, ExtenderBindingResult, ExtenderFilterResult,
     ExtenderPreemptionArgs, ExtenderPreemptionResult, FailedNodesMap, MetaPod, MetaVictims,
@@ -28,9 +34,7 @@ use crate::extender::{
 };
 use crate::fit::{explain, measured_load, node_load, place_pod, Scratch};
 use crate::leader::Leadership;
-use crate::node_leases::Liveness;
 use crate::requests::{parse_pod, PodRequest, RequestDefaults, ResourceNames};
-use crate::state::{now_unix_ms, ClusterState, FastMap, Inventory, SharedState, Snapshot};
 use crate::vocabulary::claims::{claim_keys_held, share_amounts, ClaimShare};
 use crate::vocabulary::policy::{node_score, GpuPolicy, NodePolicy};
 use k8s_openapi::api::core::v1::{Container, Pod, PodSpec, ResourceRequirements};
@@ -66,7 +70,7 @@ pub struct Config {
     /// What else the admission webhook allows.
     pub admission: AdmissionPolicy,
     /// How long past its duration a node Lease may go unrenewed before
-    /// the node gets no new pods ([`crate::node_leases`]).
+    /// the node gets no new pods ([`crate::cache::leases`]).
     pub node_lease_grace: Duration,
 }
 
@@ -385,8 +389,8 @@ impl Scheduler {
 
     /// `GET /debug/state`.
     /// The state as `GET /debug/state` shows it.
-    pub fn snapshot(&self) -> Snapshot {
-        self.state.read().snapshot(
+    pub fn snapshot(&self) -> DebugState {
+        self.state.read().debug_state(
             now_unix_ms(),
             self.config.unbound_grace,
             self.config.node_lease_grace,
@@ -1065,7 +1069,7 @@ impl Scheduler {
                 }
             }
         };
-        self.state.update(|s| s.apply_pod(&written, true));
+        self.state.update(|s| s.apply_written_pod(&written));
         let uid = written.metadata.uid.clone().unwrap_or_default();
         match api.bind(namespace, name, &uid, node).await {
             Ok(()) => {
@@ -1079,7 +1083,7 @@ impl Scheduler {
                     .clone()
                     .unwrap_or_default();
                 match api.clear_decision(namespace, name, &version).await {
-                    Ok(cleared) => self.state.update(|s| s.apply_pod(&cleared, true)),
+                    Ok(cleared) => self.state.update(|s| s.apply_written_pod(&cleared)),
                     Err(clear_error) => tracing::warn!(
                         error = &clear_error as &dyn std::error::Error,
                         "pod {key}: binding failed and the decision could not be removed; it expires after {} s",

@@ -19,8 +19,8 @@
 //! `GPUNode` is a node the extender knows: `status` is its `/debug/state`
 //! entry (inventory, Lease, GPUs with what they carry, pods).
 
+use crate::cache::clock::now_unix_ms;
 use crate::scheduler::Scheduler;
-use crate::state::now_unix_ms;
 use axum::body::{Body, Bytes};
 use axum::http::{header, StatusCode};
 use axum::response::{IntoResponse, Response};

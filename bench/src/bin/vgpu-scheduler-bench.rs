@@ -24,9 +24,11 @@ use vgpu_cluster::decision::{
     ContainerDecision, Decision, DeviceGrant, InventoryGpu, NodeInventory, ALLOCATED_ANNOTATION,
     DECISION_ANNOTATION, FORMAT_VERSION, NODE_INVENTORY_ANNOTATION,
 };
+use vgpu_scheduler::cache::book::Book;
+use vgpu_scheduler::cache::clock::now_unix_ms;
+use vgpu_scheduler::cache::state::SharedState;
 use vgpu_scheduler::extender::ExtenderFilterResult;
 use vgpu_scheduler::scheduler::{Config, Scheduler};
-use vgpu_scheduler::state::{now_unix_ms, SharedState};
 use vgpu_testkit::extender_client::ExtenderClient;
 
 const GIB: u64 = 1 << 30;
@@ -274,22 +276,10 @@ async fn main() -> anyhow::Result<()> {
     let build_started = Instant::now();
     let state = Arc::new(SharedState::new());
     state.update(|s| {
-        s.begin_node_relist();
-        for i in 0..options.nodes {
-            s.apply_node(&build_node(i, options.gpus));
-        }
-        s.finish_node_relist();
+        s.relist((0..options.nodes).map(|i| build_node(i, options.gpus)));
         // Every node's plugin alive, as its Lease shows.
-        s.begin_lease_relist();
-        for i in 0..options.nodes {
-            s.apply_lease(&build_lease(i));
-        }
-        s.finish_lease_relist();
-        s.begin_pod_relist();
-        for i in 0..options.pods {
-            s.relist_pod(&build_pod(i, &options));
-        }
-        s.finish_pod_relist();
+        s.relist((0..options.nodes).map(build_lease));
+        s.relist((0..options.pods).map(|i| build_pod(i, &options)));
     });
     let build_time = build_started.elapsed();
     let rss_state = vm_rss_kib();

@@ -124,5 +124,5 @@ async fn pods_that_disagree_on_their_group_are_not_placed() {
 }
 
 fn now() -> u64 {
-    vgpu_scheduler::state::now_unix_ms()
+    vgpu_scheduler::cache::clock::now_unix_ms()
 }

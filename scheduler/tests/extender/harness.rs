@@ -17,12 +17,12 @@ use vgpu_cluster::node_lease::{
     lease_name, NODE_LEASE_LABEL, NODE_LEASE_LABEL_VALUE, NODE_LEASE_NAMESPACE,
 };
 use vgpu_scheduler::api::ApiSource;
+use vgpu_scheduler::cache::clock::now_unix_ms;
+use vgpu_scheduler::cache::leases::Liveness;
 use vgpu_scheduler::extender::{
     ExtenderBindingResult, ExtenderFilterResult, HostPriorityList, NodeList,
 };
-use vgpu_scheduler::node_leases::Liveness;
 use vgpu_scheduler::scheduler::Config;
-use vgpu_scheduler::state::now_unix_ms;
 use vgpu_scheduler::Running;
 pub use vgpu_testkit::decisions::{allocated_of, decision_of, node_name_of};
 use vgpu_testkit::extender_client::ExtenderClient;

@@ -3,8 +3,8 @@
 
 use crate::harness::*;
 use serde_json::json;
-use vgpu_scheduler::policy::{GpuPolicy, NodePolicy};
 use vgpu_scheduler::scheduler::Config;
+use vgpu_scheduler::vocabulary::policy::{GpuPolicy, NodePolicy};
 
 /// One node, three A10s: GPU 0 has 1 container (12 GiB, 40 %), GPU 1 has
 /// 3 small ones (3 GiB, 9 %), GPU 2 has 2 big ones (18 GiB, 60 %).
@@ -329,8 +329,8 @@ async fn init_sidecar_and_regular_containers_get_one_decision_in_admission_order
         .iter()
         .all(|d| d.memory_bytes == 4096 * MIB && d.cores_percent == 30));
     // The node is busy until the plugin has allocated the pod.
-    let pods = &h.running().scheduler.state().read().snapshot(
-        vgpu_scheduler::state::now_unix_ms(),
+    let pods = &h.running().scheduler.state().read().debug_state(
+        vgpu_scheduler::cache::clock::now_unix_ms(),
         h.config.unbound_grace,
         h.config.node_lease_grace,
     );

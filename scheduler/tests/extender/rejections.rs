@@ -3,9 +3,9 @@
 
 use crate::harness::*;
 use std::time::Duration;
-use vgpu_scheduler::node_leases::Liveness;
+use vgpu_scheduler::cache::clock::now_unix_ms;
+use vgpu_scheduler::cache::leases::Liveness;
 use vgpu_scheduler::scheduler::Config;
-use vgpu_scheduler::state::now_unix_ms;
 
 /// Asserts the node was rejected with a message containing `expected`;
 /// `permanent` says which map it must be in.

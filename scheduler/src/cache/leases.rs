@@ -9,7 +9,7 @@
 //! whose plugin died is turned down one Lease duration (plus grace) later,
 //! not at once.
 
-use crate::state::FastMap;
+use crate::cache::fast_map::FastMap;
 use k8s_openapi::api::coordination::v1::Lease;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::MicroTime;
 use std::time::Duration;
@@ -135,22 +135,9 @@ impl LeaseBook {
 }
 
 #[cfg(test)]
-pub(crate) mod tests {
+mod tests {
     use super::*;
-
-    /// A Lease as the plugin of `node` writes it, renewed at `renewed`
-    /// (seconds; only its changes matter).
-    pub fn lease(node: &str, duration_seconds: i32, renewed: i64) -> Lease {
-        serde_json::from_value(serde_json::json!({
-            "metadata": { "name": format!("vgpu-{node}"), "namespace": "kube-node-lease" },
-            "spec": {
-                "holderIdentity": node,
-                "leaseDurationSeconds": duration_seconds,
-                "renewTime": format!("2026-11-24T10:00:{:02}.000000Z", renewed % 60),
-            }
-        }))
-        .expect("Lease")
-    }
+    use crate::cache::fixtures::lease;
 
     const GRACE: Duration = Duration::from_secs(5);
 

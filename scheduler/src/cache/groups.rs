@@ -12,7 +12,7 @@
 //! group's other pods are placed as they come. A group that cannot reach
 //! its quorum holds nothing.
 
-use crate::fit::Usage;
+use crate::cache::gpus::Usage;
 use crate::vocabulary::kubeshare::{group_of, GroupLabels};
 use k8s_openapi::api::core::v1::Pod;
 use std::collections::{BTreeMap, HashMap, HashSet};

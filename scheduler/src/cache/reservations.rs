@@ -13,8 +13,8 @@
 //! deleted under reclaim policy `Retain`), holds nothing: a GPU slice keeps
 //! no data worth the capacity, and the object stays only as a record.
 
-use crate::fit::Usage;
-use crate::state::contribution;
+use crate::cache::gpus::{contribution, Usage};
+use crate::vocabulary::claims::claim_key;
 use serde_json::Value;
 use std::time::Instant;
 use vgpu_cluster::decision::{Decision, FormatError, DECISION_ANNOTATION};
@@ -69,7 +69,7 @@ impl Reservation {
             .collect();
         Ok(Some(Self {
             elastic_gpu: text("/metadata/name").unwrap_or_default().to_string(),
-            claim: crate::vocabulary::claims::claim_key(namespace, claim),
+            claim: claim_key(namespace, claim),
             node: decision.node.clone(),
             gpus,
             contribution: contribution(&decision, &[], true),
