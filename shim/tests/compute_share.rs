@@ -232,12 +232,15 @@ fn in_wall_timing_half_the_device_for_200us_kernels_synchronised_holds_within_a_
     );
 }
 
+/// Limit, pattern, kernel, and the simulated GPU's environment.
+type Case<'a> = (u32, &'a str, &'a str, &'a [(&'a str, &'a str)]);
+
 /// Kernels that vary from run to run (5 % either way) are charged what they
 /// used on average, in every pattern and on the timeline too: charging their
 /// fastest runs gave 52.4 % at 50 %.
 #[test]
 fn kernels_whose_time_varies_are_charged_their_mean_in_every_pattern() {
-    let cases: [(u32, &str, &str, &[(&str, &str)]); 6] = [
+    let cases: [Case; 6] = [
         (50, "sync", "k1ms", &[("SIMGPU_KERNEL_JITTER", "5%")]),
         (25, "burst", "k1ms", &[("SIMGPU_KERNEL_JITTER", "5%")]),
         (75, "streams", "k20us", &WALL_TIMING),
