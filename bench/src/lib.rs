@@ -12,7 +12,7 @@ pub mod overhead;
 pub mod plot;
 pub mod saved;
 
-pub use accuracy::{AccuracyCase, AccuracyResults};
+pub use accuracy::{AccuracyCase, AccuracyResults, SimulatedGpu, TenantCase};
 pub use overhead::{CallCost, OverheadResults, Percentiles, StartUpCost};
 pub use plot::PlotError;
 pub use saved::{RunInfo, SavedError, SavedResults};

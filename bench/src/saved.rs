@@ -178,7 +178,7 @@ pub fn write_creating_directory(path: &Path, text: &str) -> std::io::Result<()> 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::AccuracyCase;
+    use crate::{AccuracyCase, SimulatedGpu, TenantCase};
 
     #[test]
     fn timestamps_are_civil_utc_dates() {
@@ -198,6 +198,11 @@ mod tests {
                 finished_utc: utc_timestamp(0),
                 cpus: 2,
             },
+            gpu: SimulatedGpu {
+                timing: "wall".into(),
+                kernel_jitter_percent: 5.0,
+                launch_overhead_us: 4.0,
+            },
             window_seconds: 2.0,
             cases: vec![AccuracyCase {
                 limit: 25,
@@ -205,6 +210,12 @@ mod tests {
                 kernel: "k1ms".into(),
                 achieved: 24.99,
                 first_second: 30.5,
+            }],
+            tenants: vec![TenantCase {
+                pattern: "burst".into(),
+                kernel: "k200us".into(),
+                limits: vec![30, 70],
+                achieved: vec![30.1, 69.8],
             }],
         });
         let dir = std::env::temp_dir().join(format!("vgpu-saved-{}", std::process::id()));
