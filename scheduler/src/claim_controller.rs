@@ -24,7 +24,7 @@
 use crate::api::{ApiError, ClaimPart, KubeApi};
 use crate::cache::reservations::Reservation;
 use crate::cache::state::ElasticSync;
-use crate::scheduler::Scheduler;
+use crate::extender::Scheduler;
 use crate::vocabulary::claims::{
     claim_key, claim_share, claim_uses, claims_held, ClaimShare, CLAIM_CORE, CLAIM_MEMORY,
     PROVISIONER,

@@ -2,9 +2,9 @@
 
 use crate::admission::mutate::AdmissionPolicy;
 use crate::api::ApiSource;
+use crate::extender::Config;
 use crate::leader::LeaderConfig;
 use crate::requests::RequestDefaults;
-use crate::scheduler::Config;
 use crate::vocabulary::policy::{GpuPolicy, NodePolicy};
 use clap::Parser;
 use std::net::IpAddr;
@@ -136,7 +136,7 @@ pub struct Cli {
     /// The schedulerName the admission webhook (`POST /webhook/mutate`)
     /// gives pods that ask for vGPUs and name no scheduler; it must be the
     /// name of the kube-scheduler profile that calls this extender.
-    #[arg(long, default_value = crate::scheduler::DEFAULT_SCHEDULER_NAME, value_name = "NAME")]
+    #[arg(long, default_value = crate::extender::config::DEFAULT_SCHEDULER_NAME, value_name = "NAME")]
     pub scheduler_name: String,
 
     /// Let the admission webhook admit privileged containers that ask for

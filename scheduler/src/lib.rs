@@ -34,20 +34,16 @@ pub mod api;
 pub mod cache;
 pub mod claim_controller;
 pub mod cli;
-pub mod coscheduling;
 pub mod extender;
-pub mod fit;
 pub mod leader;
-pub mod metrics;
+pub mod placement;
 pub mod requests;
-pub mod scheduler;
 pub mod server;
-pub mod views;
 pub mod vocabulary;
 
 use crate::api::{ApiError, ApiSource, KubeApi};
 use crate::cache::state::SharedState;
-use crate::scheduler::{Config, Scheduler};
+use crate::extender::{Config, Scheduler};
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
@@ -62,7 +58,7 @@ pub enum StartError {
     #[error("listener address")]
     Listener(#[source] std::io::Error),
     #[error(transparent)]
-    Metrics(#[from] metrics::MetricsError),
+    Metrics(#[from] server::metrics::MetricsError),
 }
 
 /// A running extender: API watches and the server.
@@ -112,7 +108,7 @@ pub async fn start(
     let (shutdown, _) = tokio::sync::watch::channel(false);
     let router = server::router(
         scheduler.clone(),
-        Arc::new(metrics::ServerMetrics::new()?),
+        Arc::new(server::metrics::ServerMetrics::new()?),
         shutdown.subscribe(),
     );
     let server = tokio::spawn(server::serve(

@@ -27,8 +27,8 @@ use vgpu_cluster::decision::{
 use vgpu_scheduler::cache::book::Book;
 use vgpu_scheduler::cache::clock::now_unix_ms;
 use vgpu_scheduler::cache::state::SharedState;
-use vgpu_scheduler::extender::ExtenderFilterResult;
-use vgpu_scheduler::scheduler::{Config, Scheduler};
+use vgpu_scheduler::extender::wire::ExtenderFilterResult;
+use vgpu_scheduler::extender::{Config, Scheduler};
 use vgpu_testkit::extender_client::ExtenderClient;
 
 const GIB: u64 = 1 << 30;
@@ -340,7 +340,7 @@ async fn main() -> anyhow::Result<()> {
     let addr = listener.local_addr()?;
     let router = vgpu_scheduler::server::router(
         scheduler.clone(),
-        Arc::new(vgpu_scheduler::metrics::ServerMetrics::new()?),
+        Arc::new(vgpu_scheduler::server::metrics::ServerMetrics::new()?),
         tokio::sync::watch::channel(false).1,
     );
     let server = tokio::spawn(vgpu_scheduler::server::serve(

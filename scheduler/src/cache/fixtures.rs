@@ -161,3 +161,50 @@ pub fn elastic_gpu(name: &str, version: u64, gpu: &str) -> serde_json::Value {
 pub fn elastic_gpu_object(name: &str, version: u64, gpu: &str) -> DynamicObject {
     serde_json::from_value(elastic_gpu(name, version, gpu)).expect("an ElasticGPU object")
 }
+
+/// Pod `uid` (also its name, in namespace `ns`), not decided nor bound,
+/// whose one container `main` has `limits` (and the same requests).
+pub fn asking(uid: &str, limits: &[(&str, &str)]) -> Pod {
+    let limits: serde_json::Map<String, serde_json::Value> = limits
+        .iter()
+        .map(|(name, value)| (name.to_string(), serde_json::json!(value)))
+        .collect();
+    serde_json::from_value(serde_json::json!({
+        "metadata": {"uid": uid, "name": uid, "namespace": "ns", "resourceVersion": "1"},
+        "spec": {"containers": [{"name": "main", "image": "cuda",
+                                 "resources": {"limits": limits, "requests": limits}}]},
+        "status": {"phase": "Pending"},
+    }))
+    .expect("a pod")
+}
+
+/// A vGPU pod asking for `count` vGPUs of `memory_mib` and `cores`
+/// percent each (HAMi's resources).
+pub fn asking_vgpus(uid: &str, count: u32, memory_mib: u64, cores: u32) -> Pod {
+    asking(
+        uid,
+        &[
+            ("nvidia.com/gpu", &count.to_string()),
+            ("nvidia.com/gpumem", &memory_mib.to_string()),
+            ("nvidia.com/gpucores", &cores.to_string()),
+        ],
+    )
+}
+
+/// `pod` with annotation `key: value`.
+pub fn annotated(mut pod: Pod, key: &str, value: &str) -> Pod {
+    pod.metadata
+        .annotations
+        .get_or_insert_with(BTreeMap::new)
+        .insert(key.into(), value.into());
+    pod
+}
+
+/// `pod` with label `key: value`.
+pub fn labelled(mut pod: Pod, key: &str, value: &str) -> Pod {
+    pod.metadata
+        .labels
+        .get_or_insert_with(BTreeMap::new)
+        .insert(key.into(), value.into());
+    pod
+}

@@ -1,4 +1,5 @@
-//! Placement policies: which GPU on a node, which node in the cluster.
+//! Placement policies by name: which GPU on a node, which node in the
+//! cluster (what they do: [`crate::placement`]).
 //!
 //! Both are set cluster-wide by flags and per pod by annotation:
 //! [`GPU_POLICY_ANNOTATION`] / [`NODE_POLICY_ANNOTATION`], or HAMi's
@@ -135,18 +136,6 @@ impl fmt::Display for NodePolicy {
     }
 }
 
-/// A node's score from its load (0.0 empty to 1.0 full), in `0.0..=1.0`:
-/// for binpack and spread the granted load after placing the pod, for
-/// load-aware the measured one; `random` is a number derived from `seed`.
-pub fn node_score(policy: NodePolicy, load: f64, seed: u64) -> f64 {
-    let load = load.clamp(0.0, 1.0);
-    match policy {
-        NodePolicy::Binpack => load,
-        NodePolicy::Spread | NodePolicy::LoadAware => 1.0 - load,
-        NodePolicy::Random => (seed % 1001) as f64 / 1000.0,
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -177,14 +166,5 @@ mod tests {
             "{error}"
         );
         assert_eq!("LoadAware".parse::<GpuPolicy>(), Ok(GpuPolicy::LoadAware));
-    }
-
-    #[test]
-    fn scores_follow_the_policy() {
-        assert!(node_score(NodePolicy::Binpack, 0.8, 0) > node_score(NodePolicy::Binpack, 0.2, 0));
-        assert!(node_score(NodePolicy::Spread, 0.8, 0) < node_score(NodePolicy::Spread, 0.2, 0));
-        assert_eq!(node_score(NodePolicy::Binpack, 7.0, 0), 1.0);
-        let random = node_score(NodePolicy::Random, 0.5, 123_456);
-        assert!((0.0..=1.0).contains(&random));
     }
 }

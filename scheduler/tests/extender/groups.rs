@@ -16,7 +16,7 @@ fn member(name: &str, group: &str, headcount: &str, threshold: &str) -> Value {
     pod
 }
 
-fn passed(result: &vgpu_scheduler::extender::ExtenderFilterResult) -> Vec<String> {
+fn passed(result: &vgpu_scheduler::extender::wire::ExtenderFilterResult) -> Vec<String> {
     result.node_names.clone().unwrap_or_default()
 }
 

@@ -19,10 +19,10 @@ use vgpu_cluster::node_lease::{
 use vgpu_scheduler::api::ApiSource;
 use vgpu_scheduler::cache::clock::now_unix_ms;
 use vgpu_scheduler::cache::leases::Liveness;
-use vgpu_scheduler::extender::{
+use vgpu_scheduler::extender::wire::{
     ExtenderBindingResult, ExtenderFilterResult, HostPriorityList, NodeList,
 };
-use vgpu_scheduler::scheduler::Config;
+use vgpu_scheduler::extender::Config;
 use vgpu_scheduler::Running;
 pub use vgpu_testkit::decisions::{allocated_of, decision_of, node_name_of};
 use vgpu_testkit::extender_client::ExtenderClient;

@@ -3,7 +3,7 @@
 
 use crate::harness::*;
 use serde_json::json;
-use vgpu_scheduler::scheduler::Config;
+use vgpu_scheduler::extender::Config;
 use vgpu_scheduler::vocabulary::policy::{GpuPolicy, NodePolicy};
 
 /// One node, three A10s: GPU 0 has 1 container (12 GiB, 40 %), GPU 1 has
@@ -93,7 +93,7 @@ async fn three_nodes(config: Config) -> Harness {
     h
 }
 
-fn score(list: &vgpu_scheduler::extender::HostPriorityList, host: &str) -> i64 {
+fn score(list: &vgpu_scheduler::extender::wire::HostPriorityList, host: &str) -> i64 {
     list.iter()
         .find(|h| h.host == host)
         .map(|h| h.score)

@@ -5,12 +5,12 @@ use crate::harness::*;
 use std::time::Duration;
 use vgpu_scheduler::cache::clock::now_unix_ms;
 use vgpu_scheduler::cache::leases::Liveness;
-use vgpu_scheduler::scheduler::Config;
+use vgpu_scheduler::extender::Config;
 
 /// Asserts the node was rejected with a message containing `expected`;
 /// `permanent` says which map it must be in.
 fn rejected(
-    result: &vgpu_scheduler::extender::ExtenderFilterResult,
+    result: &vgpu_scheduler::extender::wire::ExtenderFilterResult,
     node: &str,
     permanent: bool,
     expected: &str,

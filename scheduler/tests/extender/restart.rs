@@ -2,7 +2,7 @@
 
 use crate::harness::*;
 use std::time::Duration;
-use vgpu_scheduler::scheduler::Config;
+use vgpu_scheduler::extender::Config;
 
 async fn snapshot(h: &Harness) -> serde_json::Value {
     let (status, body) = h.client.get("/debug/state").await.expect("debug state");

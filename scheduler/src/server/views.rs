@@ -20,7 +20,7 @@
 //! entry (inventory, Lease, GPUs with what they carry, pods).
 
 use crate::cache::clock::now_unix_ms;
-use crate::scheduler::Scheduler;
+use crate::extender::Scheduler;
 use axum::body::{Body, Bytes};
 use axum::http::{header, StatusCode};
 use axum::response::{IntoResponse, Response};
@@ -28,6 +28,7 @@ use serde_json::{json, Value};
 use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Duration;
+use thiserror::Error;
 use tokio::sync::watch;
 
 /// The views' group and version.
@@ -107,9 +108,18 @@ pub struct Query {
     pub timeout: Duration,
 }
 
+/// A query parameter the views cannot read (400, naming it).
+#[derive(Clone, Debug, Error, PartialEq, Eq)]
+pub enum QueryError {
+    #[error("watch={0:?}: use true or false")]
+    Watch(String),
+    #[error("timeoutSeconds={0:?}: not a whole number of seconds")]
+    Timeout(String),
+}
+
 /// Reads `watch` and `timeoutSeconds` from a query string; other
 /// parameters (`resourceVersion`, selectors) are accepted and ignored.
-pub fn parse_query(query: Option<&str>) -> Result<Query, String> {
+pub fn parse_query(query: Option<&str>) -> Result<Query, QueryError> {
     let mut parsed = Query {
         watch: false,
         timeout: DEFAULT_WATCH_TIMEOUT,
@@ -121,13 +131,13 @@ pub fn parse_query(query: Option<&str>) -> Result<Query, String> {
                 parsed.watch = match value {
                     "true" | "1" => true,
                     "false" | "0" | "" => false,
-                    other => return Err(format!("watch={other:?}: use true or false")),
+                    other => return Err(QueryError::Watch(other.to_string())),
                 }
             }
             "timeoutSeconds" => {
-                let seconds: u64 = value.parse().map_err(|_| {
-                    format!("timeoutSeconds={value:?}: not a whole number of seconds")
-                })?;
+                let seconds: u64 = value
+                    .parse()
+                    .map_err(|_| QueryError::Timeout(value.to_string()))?;
                 parsed.timeout = Duration::from_secs(seconds);
             }
             _ => {}
@@ -188,7 +198,7 @@ pub fn serve(
 ) -> Response {
     let query = match parse_query(query) {
         Ok(query) => query,
-        Err(message) => return error(StatusCode::BAD_REQUEST, &message),
+        Err(why) => return error(StatusCode::BAD_REQUEST, &why.to_string()),
     };
     if !scheduler.state().read().synced() {
         return error(
@@ -287,9 +297,13 @@ mod tests {
             })
         );
         assert!(parse_query(Some("watch=1")).is_ok_and(|q| q.watch));
-        let bad = parse_query(Some("watch=yes")).expect_err("refused");
+        let bad = parse_query(Some("watch=yes"))
+            .expect_err("refused")
+            .to_string();
         assert!(bad.contains("watch=\"yes\""), "{bad}");
-        let bad = parse_query(Some("timeoutSeconds=-1")).expect_err("refused");
+        let bad = parse_query(Some("timeoutSeconds=-1"))
+            .expect_err("refused")
+            .to_string();
         assert!(bad.contains("timeoutSeconds=\"-1\""), "{bad}");
     }
 

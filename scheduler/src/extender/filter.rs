@@ -1,0 +1,206 @@
+//! `POST /filter`: which of kube-scheduler's candidate nodes the pod fits
+//! on; the loads computed are kept for the prioritize call that follows.
+
+use crate::cache::clock::now_unix_ms;
+use crate::extender::reply::Reply;
+use crate::extender::scheduler::{NotServing, Scheduler};
+use crate::extender::score_cache::ScoreEntry;
+use crate::extender::wire::{ExtenderArgs, ExtenderFilterResult, FailedNodesMap, NodeList};
+use crate::placement::coscheduling::pass_gate;
+use crate::placement::filter::{filter_nodes, NodeVerdicts};
+use crate::placement::pod_to_place::PodToPlace;
+use crate::placement::rules::{pod_key, PodRequestError};
+use crate::placement::snapshot::Snapshot;
+use crate::vocabulary::kubeshare::{group_of, KubeShareError};
+use serde::Serialize;
+use std::hash::BuildHasher;
+use std::time::Instant;
+use thiserror::Error;
+use vgpu_cluster::report::with_causes;
+
+/// Why a filter call gets no verdicts (the answer's `Error`).
+#[derive(Debug, Error)]
+pub enum FilterError {
+    #[error(transparent)]
+    NotServing(#[from] NotServing),
+    #[error("ExtenderArgs has no Pod")]
+    NoPod,
+    #[error("ExtenderArgs has neither NodeNames nor Nodes")]
+    NoCandidates,
+    #[error(transparent)]
+    Request(#[from] PodRequestError),
+    #[error(
+        "vgpu-scheduler is still listing pods and nodes from the Kubernetes API; retry shortly"
+    )]
+    NotListed,
+    #[error("pod {pod}")]
+    GroupLabels {
+        pod: String,
+        #[source]
+        source: KubeShareError,
+    },
+}
+
+/// `ExtenderFilterResult`, written from borrowed parts.
+#[derive(Serialize)]
+struct FilterReply<'a> {
+    #[serde(rename = "Nodes")]
+    nodes: Option<NodeList>,
+    #[serde(rename = "NodeNames")]
+    node_names: Option<&'a [&'a str]>,
+    #[serde(rename = "FailedNodes")]
+    failed_nodes: &'a FailedNodesMap,
+    #[serde(rename = "FailedAndUnresolvableNodes")]
+    failed_and_unresolvable_nodes: &'a FailedNodesMap,
+    #[serde(rename = "Error")]
+    error: &'a str,
+}
+
+/// Candidate node names, in the order kube-scheduler sent them.
+pub(super) fn candidates<'a>(args: &'a ExtenderArgs<'a>) -> Result<Vec<&'a str>, FilterError> {
+    if let Some(names) = &args.node_names {
+        return Ok(names.iter().map(|n| n.as_ref()).collect());
+    }
+    if let Some(nodes) = &args.nodes {
+        return Ok(nodes
+            .items
+            .iter()
+            .flatten()
+            .filter_map(NodeList::node_name)
+            .collect());
+    }
+    Err(FilterError::NoCandidates)
+}
+
+impl Scheduler {
+    /// `POST /filter`.
+    pub fn filter(&self, body: &[u8]) -> Reply {
+        let args = match serde_json::from_slice::<ExtenderArgs>(body) {
+            Ok(args) => args,
+            Err(error) => {
+                return Reply::json(
+                    400,
+                    &ExtenderFilterResult::error(format!(
+                        "request body is not ExtenderArgs JSON: {error}"
+                    )),
+                )
+            }
+        };
+        let verdicts = match self.filter_verdicts(&args) {
+            Ok(verdicts) => verdicts,
+            Err(error) => {
+                return Reply::json(200, &ExtenderFilterResult::error(with_causes(&error)))
+            }
+        };
+        let passed: Vec<&str> = verdicts.fits.iter().map(|fit| fit.node).collect();
+        let mut reply = FilterReply {
+            nodes: None,
+            node_names: None,
+            failed_nodes: &verdicts.failed,
+            failed_and_unresolvable_nodes: &verdicts.unresolvable,
+            error: "",
+        };
+        if args.node_names.is_some() {
+            reply.node_names = Some(&passed);
+        } else if let Some(nodes) = &args.nodes {
+            let keep: std::collections::HashSet<&str> = passed.iter().copied().collect();
+            reply.nodes = Some(NodeList {
+                metadata: nodes.metadata.clone(),
+                items: Some(
+                    nodes
+                        .items
+                        .iter()
+                        .flatten()
+                        .filter(|n| NodeList::node_name(n).is_some_and(|name| keep.contains(name)))
+                        .cloned()
+                        .collect(),
+                ),
+            });
+        }
+        let capacity =
+            64 + 24 * passed.len() + 256 * (verdicts.failed.len() + verdicts.unresolvable.len());
+        Reply::json_sized(200, &reply, capacity)
+    }
+
+    /// Which candidates fit; remembers their loads for the prioritize call
+    /// that follows.
+    fn filter_verdicts<'a>(
+        &self,
+        args: &'a ExtenderArgs<'a>,
+    ) -> Result<NodeVerdicts<'a>, FilterError> {
+        self.check_leading()?;
+        let pod = args.pod.as_ref().ok_or(FilterError::NoPod)?;
+        let names = candidates(args)?;
+        let request = self
+            .rules
+            .parse(pod)
+            .inspect_err(|error| tracing::info!(error = %with_causes(error), "filter"))?;
+        if request.is_empty() {
+            return Ok(NodeVerdicts {
+                fits: names
+                    .into_iter()
+                    .map(|node| crate::placement::filter::Fit {
+                        node,
+                        load: 0.0,
+                        matching: 0,
+                    })
+                    .collect(),
+                ..NodeVerdicts::default()
+            });
+        }
+        if !self.state.read().synced() {
+            return Err(FilterError::NotListed);
+        }
+        let group = group_of(pod).map_err(|source| FilterError::GroupLabels {
+            pod: pod_key(pod),
+            source,
+        })?;
+        if let Some((key, labels)) = group {
+            let gate = pass_gate(
+                &self.state,
+                &self.rules,
+                pod,
+                &request,
+                (&key, &labels),
+                now_unix_ms(),
+            );
+            if let Err(why) = gate {
+                tracing::info!("filter {}: {why}", pod_key(pod));
+                return Ok(NodeVerdicts::all_failed(names, &why.to_string()));
+            }
+        }
+        let state = self.state.read();
+        let snapshot = Snapshot::new(&state, &self.rules, now_unix_ms());
+        let placing = PodToPlace::of(&state, pod);
+        let verdicts = filter_nodes(&snapshot, names, &placing, &request);
+        drop(state);
+        let key = pod_key(pod);
+        if verdicts.fits.is_empty() {
+            let example = verdicts
+                .failed
+                .iter()
+                .chain(&verdicts.unresolvable)
+                .next()
+                .map(|(node, why)| format!(" (e.g. {node}: {why})"))
+                .unwrap_or_default();
+            tracing::info!("filter {key}: no node fits{example}");
+        } else {
+            tracing::debug!("filter {key}: {} node(s) fit", verdicts.fits.len());
+            let uid = pod.metadata.uid.as_deref().unwrap_or("");
+            if !uid.is_empty() {
+                let loads = verdicts
+                    .fits
+                    .iter()
+                    .map(|fit| (self.hasher.hash_one(fit.node), (fit.load, fit.matching)))
+                    .collect();
+                self.score_cache.remember(ScoreEntry {
+                    uid: uid.to_string(),
+                    version: pod.metadata.resource_version.clone().unwrap_or_default(),
+                    at: Instant::now(),
+                    loads,
+                });
+            }
+        }
+        Ok(verdicts)
+    }
+}

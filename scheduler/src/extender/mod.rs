@@ -1,0 +1,26 @@
+//! The kube-scheduler extender's verbs over HTTP, with the API writes a
+//! bind makes: each verb reads its request, takes a snapshot of the cache
+//! and asks [`crate::placement`], then answers (and, for a bind, records
+//! the decision and binds).
+//!
+//! - [`wire`]: kube-scheduler's extender v1 JSON types.
+//! - [`config`]: the extender's configuration.
+//! - [`scheduler`]: what the verbs share ([`Scheduler`]).
+//! - [`filter`], [`prioritize`], [`preempt`], [`bind`]: the verbs.
+//! - [`slice`]: a claim's slice placed for the claim controller.
+//! - [`reply`], [`score_cache`]: their answers, and the loads filter keeps
+//!   for prioritize.
+
+pub mod bind;
+pub mod config;
+pub mod filter;
+pub mod preempt;
+pub mod prioritize;
+pub mod reply;
+pub mod scheduler;
+pub mod score_cache;
+pub mod slice;
+pub mod wire;
+
+pub use config::Config;
+pub use scheduler::Scheduler;

@@ -1,0 +1,147 @@
+//! The extender: what its verbs share (configuration, state, API client,
+//! locks, leadership).
+
+use crate::api::KubeApi;
+use crate::cache::clock::now_unix_ms;
+use crate::cache::state::debug::DebugState;
+use crate::cache::state::SharedState;
+use crate::extender::config::Config;
+use crate::extender::reply::Reply;
+use crate::extender::score_cache::ScoreCache;
+use crate::leader::Leadership;
+use crate::placement::rules::Rules;
+use std::collections::HashMap;
+use std::hash::BuildHasher;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use thiserror::Error;
+
+/// Why this replica does not serve filter, prioritize, preempt and bind
+/// now (kube-scheduler retries the pod).
+#[derive(Clone, Debug, Error, PartialEq, Eq)]
+pub enum NotServing {
+    #[error("this vgpu-scheduler replica is stopping; kube-scheduler will retry")]
+    Stopping,
+    /// Another replica leads: the words name it.
+    #[error("{0}")]
+    StandingBy(String),
+}
+
+/// The extender.
+pub struct Scheduler {
+    pub(super) config: Config,
+    /// What placement follows, from `config`.
+    pub(super) rules: Rules,
+    pub(super) state: Arc<SharedState>,
+    pub(super) api: Option<KubeApi>,
+    node_locks: Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
+    /// Seeds the random node policy and keys the score cache.
+    pub(super) hasher: foldhash::fast::RandomState,
+    pub(super) score_cache: ScoreCache,
+    pub(super) binds_in_flight: AtomicUsize,
+    /// Held while a pod holding Elastic GPU claims is bound.
+    pub(super) claims_lock: tokio::sync::Mutex<()>,
+    stopping: AtomicBool,
+    /// Set when this is one of several replicas: serve only while leading.
+    leadership: Option<Arc<Leadership>>,
+}
+
+impl Scheduler {
+    pub fn new(config: Config, state: Arc<SharedState>, api: Option<KubeApi>) -> Self {
+        Self {
+            rules: config.rules(),
+            config,
+            state,
+            api,
+            node_locks: Mutex::new(HashMap::new()),
+            hasher: foldhash::fast::RandomState::default(),
+            score_cache: ScoreCache::default(),
+            binds_in_flight: AtomicUsize::new(0),
+            claims_lock: tokio::sync::Mutex::new(()),
+            stopping: AtomicBool::new(false),
+            leadership: None,
+        }
+    }
+
+    /// Serves the verbs only while `leadership` says this replica leads.
+    pub fn with_leadership(mut self, leadership: Arc<Leadership>) -> Self {
+        self.leadership = Some(leadership);
+        self
+    }
+
+    /// Whether this replica leads (always, without an election) and is
+    /// not stopping.
+    pub fn leads(&self) -> bool {
+        self.check_leading().is_ok()
+    }
+
+    /// Why this replica does not serve the verbs now, if it does not.
+    pub(super) fn check_leading(&self) -> Result<(), NotServing> {
+        if self.stopping.load(Ordering::SeqCst) {
+            return Err(NotServing::Stopping);
+        }
+        match &self.leadership {
+            Some(leadership) if !leadership.serving() => {
+                Err(NotServing::StandingBy(leadership.standing_by()))
+            }
+            _ => Ok(()),
+        }
+    }
+
+    /// A stopping replica takes no new filter, prioritize or bind.
+    pub fn stop_serving(&self) {
+        self.stopping.store(true, Ordering::SeqCst);
+    }
+
+    /// The API client, when the extender has one.
+    pub fn api(&self) -> Option<&KubeApi> {
+        self.api.as_ref()
+    }
+
+    pub fn config(&self) -> &Config {
+        &self.config
+    }
+
+    pub fn state(&self) -> &Arc<SharedState> {
+        &self.state
+    }
+
+    /// Binds running now (a stopping extender lets them finish).
+    pub fn binds_in_flight(&self) -> usize {
+        self.binds_in_flight.load(Ordering::SeqCst)
+    }
+
+    /// Whether the first lists of pods and nodes are in.
+    pub fn ready(&self) -> bool {
+        self.state.read().synced()
+    }
+
+    /// The state as `GET /debug/state` shows it.
+    pub fn snapshot(&self) -> DebugState {
+        self.state.read().debug_state(
+            now_unix_ms(),
+            self.config.unbound_grace,
+            self.config.node_lease_grace,
+        )
+    }
+
+    /// `GET /debug/state`.
+    pub fn debug_state(&self) -> Reply {
+        Reply::json(200, &self.snapshot())
+    }
+
+    /// The lock a bind (or a slice's placement) holds on `node`.
+    pub(super) fn node_lock(&self, node: &str) -> Arc<tokio::sync::Mutex<()>> {
+        let mut locks = self
+            .node_locks
+            .lock()
+            .unwrap_or_else(|poison| poison.into_inner());
+        locks.entry(node.to_string()).or_default().clone()
+    }
+
+    /// A number that is random across pods and nodes, but the same for one
+    /// pod and node within this process.
+    pub(super) fn random(&self, uid: &str, node: &str) -> u64 {
+        self.hasher.hash_one((uid, node))
+    }
+}

@@ -1,0 +1,31 @@
+//! The pod being placed, as the state knows it.
+
+use crate::cache::state::ClusterState;
+use crate::vocabulary::claims::claim_keys_held;
+use k8s_openapi::api::core::v1::Pod;
+
+/// The pod being placed: what of it the state already counts, and what it
+/// holds.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct PodToPlace<'a> {
+    pub uid: &'a str,
+    /// Where an earlier decision of it is counted, if anywhere (a pod
+    /// being scheduled again must not compete with its own decision).
+    pub counted_node: Option<&'a str>,
+    /// The Elastic GPU claims it holds, `namespace/name`.
+    pub claims: Vec<String>,
+    /// Pods taken as gone (the victims of a preemption being weighed).
+    pub evicted: Vec<String>,
+}
+
+impl<'a> PodToPlace<'a> {
+    pub fn of(state: &'a ClusterState, pod: &'a Pod) -> Self {
+        let uid = pod.metadata.uid.as_deref().unwrap_or("");
+        Self {
+            uid,
+            counted_node: state.counted_node_of(uid),
+            claims: claim_keys_held(pod),
+            evicted: Vec::new(),
+        }
+    }
+}
