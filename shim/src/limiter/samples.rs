@@ -28,10 +28,11 @@ impl Flavour {
 
 /// Events kept for reuse per process.
 const POOL_LIMIT: usize = 256;
-/// How long a timed launch on an idle stream polls for its start event to
-/// complete. An idle device completes it within microseconds; one busy with
-/// another context does not, and the sample is then taken as it comes.
-const START_EVENT_WAIT_NS: u64 = 20_000;
+/// How long after a timed launch on an idle stream its start event is
+/// polled for. An idle device has completed it within microseconds (an H200
+/// makes it visible about 5 us after the record); one busy with another
+/// context has not, and the sample is then taken as it comes.
+const START_EVENT_WAIT_NS: u64 = 10_000;
 
 /// A timed launch in flight.
 pub struct Sample {
@@ -40,20 +41,24 @@ pub struct Sample {
     context: usize,
     start: CUevent,
     end: CUevent,
-    /// The stream had no work queued, and the start event was seen complete
-    /// at this time, before the launch: the kernel could only start once
-    /// the host had issued the launch, so that host-side gap is not kernel
-    /// time. It runs from here (the event's timestamp is no later) to where
-    /// the launch call hands the kernel over, at its end: the host's own
-    /// time before the launch and the launch call's cost (the launch
-    /// overhead: microseconds, a fifth more than a 20 us kernel ran). The
-    /// call's cost is counted as at most the fastest launch call seen, so a
-    /// thread preempted inside the call after its kernel left does not make
-    /// the kernel look shorter than it ran. `None` when the stream was busy
-    /// (the event and the kernel both waited for the same earlier work) or
-    /// when the event did not complete at once (the device was busy with
-    /// another context: the kernel may then follow it immediately, and
-    /// subtracting the host's gap would undercount it).
+    /// The stream had no work queued when the start event was recorded, so
+    /// the event completed as soon as it reached the device, and the kernel
+    /// could only start once the host had also issued the launch: that
+    /// host-side gap is not kernel time. Each call hands its work over at
+    /// its end, so the gap runs from the return of the record call to the
+    /// end of the launch call: the host's own time before the launch and the
+    /// launch call's cost (the launch overhead: microseconds, a fifth more
+    /// than a 20 us kernel ran). The call's cost is counted as at most the
+    /// fastest launch call seen, so a thread preempted inside the call after
+    /// its kernel left does not make the kernel look shorter than it ran.
+    idle_stream: bool,
+    /// The start event was seen complete right after the launch (at this
+    /// time). If it was not, the device was busy with another context's
+    /// work: the event is then stamped when this context's turn comes,
+    /// with the kernel right behind it, and the host's gap is not in the
+    /// timing at all. (The check waits until after the launch: waiting for
+    /// the event before it would put the wait into the gap, and an event
+    /// becomes visible microseconds after the device stamped it.)
     start_seen_at: Option<u64>,
     /// When the start event's record call returned.
     recorded_at: u64,
@@ -75,13 +80,12 @@ impl Sample {
     /// The kernel's time, from the events' `elapsed_ns`; `fastest_launch_ns`
     /// is the fastest launch call seen (0: none yet).
     fn kernel_ns(&self, elapsed_ns: u64, fastest_launch_ns: u64) -> u64 {
-        match self.start_seen_at {
-            Some(seen) => {
-                let before_launch = self.launched_at.saturating_sub(seen);
-                let launch = self.launch_call_ns().min(fastest_launch_ns);
-                elapsed_ns.saturating_sub(before_launch + launch)
-            }
-            None => elapsed_ns,
+        if self.idle_stream && self.start_seen_at.is_some() {
+            let before_launch = self.launched_at.saturating_sub(self.recorded_at);
+            let launch = self.launch_call_ns().min(fastest_launch_ns);
+            elapsed_ns.saturating_sub(before_launch + launch)
+        } else {
+            elapsed_ns
         }
     }
 }
@@ -126,8 +130,8 @@ fn stream_idle(stream: CUstream, flavour: Flavour) -> bool {
     code == CUDA_SUCCESS
 }
 
-/// Polls a just-recorded event for up to [`START_EVENT_WAIT_NS`]; returns
-/// when it was first seen complete.
+/// Polls a recorded event for up to [`START_EVENT_WAIT_NS`]; returns when
+/// it was first seen complete.
 fn seen_complete(event: CUevent) -> Option<u64> {
     let started = super::bucket::monotonic_ns();
     loop {
@@ -202,7 +206,8 @@ impl Sampler {
     }
 
     /// Records the start event of a timed launch on `stream`. `may_query`:
-    /// no capture is in progress, so the event may be polled.
+    /// no capture is in progress, so the event may be polled after the
+    /// launch.
     pub fn start(
         &self,
         entry: usize,
@@ -229,20 +234,17 @@ impl Sampler {
             return None;
         }
         let recorded_at = super::bucket::monotonic_ns();
-        let start_seen_at = (idle_stream && may_query)
-            .then(|| seen_complete(start))
-            .flatten();
-        let now = super::bucket::monotonic_ns();
         Some(Sample {
             entry,
             device,
             context,
             start,
             end,
-            start_seen_at,
+            idle_stream: idle_stream && may_query,
+            start_seen_at: None,
             recorded_at,
-            launched_at: now,
-            returned_at: now,
+            launched_at: recorded_at,
+            returned_at: recorded_at,
         })
     }
 
@@ -256,6 +258,9 @@ impl Sampler {
         launched: bool,
     ) -> bool {
         sample.returned_at = super::bucket::monotonic_ns();
+        if launched && sample.idle_stream {
+            sample.start_seen_at = seen_complete(sample.start);
+        }
         if launched && self.timed_calls.fetch_add(1, Ordering::Relaxed) > 0 {
             let call = sample.launch_call_ns().max(1);
             let _ = self.fastest_launch_ns.fetch_update(
@@ -314,7 +319,7 @@ impl Sampler {
                     kernel_ns,
                     start_seen_ns = sample
                         .start_seen_at
-                        .map_or(0, |seen| seen.saturating_sub(sample.recorded_at)),
+                        .map_or(0, |seen| seen.saturating_sub(sample.returned_at)),
                     launch_call_ns = sample.launch_call_ns(),
                     "sample"
                 );
@@ -370,28 +375,33 @@ mod tests {
     /// A timed launch whose start event was seen complete `seen_after` ns
     /// after the record returned (`None`: busy stream), launched
     /// `launched_after` ns after that record, in a call of `call` ns.
-    fn sample(seen_after: Option<u64>, launched_after: u64, call: u64) -> Sample {
+    /// A timed launch made `launched_after` ns after its start event's
+    /// record returned, in a call of `call` ns, on an idle stream or not,
+    /// with the start event seen complete after the launch or not.
+    fn sample(idle_stream: bool, seen: bool, launched_after: u64, call: u64) -> Sample {
         let recorded_at = 1_000_000;
+        let returned_at = recorded_at + launched_after + call;
         Sample {
             entry: 0,
             device: 0,
             context: 0,
             start: std::ptr::null_mut(),
             end: std::ptr::null_mut(),
-            start_seen_at: seen_after.map(|after| recorded_at + after),
+            idle_stream,
+            start_seen_at: seen.then_some(returned_at + 500),
             recorded_at,
             launched_at: recorded_at + launched_after,
-            returned_at: recorded_at + launched_after + call,
+            returned_at,
         }
     }
 
     #[test]
     fn an_idle_stream_sample_leaves_out_the_host_gap_and_the_launch_call() {
-        // Seen complete 300 ns after the record, launched 1000 ns after it,
-        // in a 4000 ns call: 700 + 4000 ns of the 25 us were the host's.
+        // Launched 1000 ns after the record, in a 4000 ns call: 5000 ns of
+        // the 25 us were the host's.
         assert_eq!(
-            sample(Some(300), 1_000, 4_000).kernel_ns(25_000, 4_000),
-            20_300
+            sample(true, true, 1_000, 4_000).kernel_ns(25_000, 4_000),
+            20_000
         );
     }
 
@@ -400,18 +410,30 @@ mod tests {
         // Preempted inside the call after the kernel left: only what a
         // launch call costs when nothing interrupts it is the host's.
         assert_eq!(
-            sample(Some(300), 1_000, 900_000).kernel_ns(25_000, 4_000),
-            20_300
+            sample(true, true, 1_000, 900_000).kernel_ns(25_000, 4_000),
+            20_000
         );
         // The first timed call (no fastest yet) may carry one-off set-up
         // after the kernel left: none of it is taken off.
-        assert_eq!(sample(Some(300), 1_000, 4_000).kernel_ns(25_000, 0), 24_300);
+        assert_eq!(
+            sample(true, true, 1_000, 4_000).kernel_ns(25_000, 0),
+            24_000
+        );
     }
 
     #[test]
-    fn busy_streams_and_late_start_events_are_taken_as_measured() {
-        assert_eq!(sample(None, 1_000, 4_000).kernel_ns(25_000, 4_000), 25_000);
+    fn busy_streams_and_start_events_not_seen_complete_are_taken_as_measured() {
+        assert_eq!(
+            sample(false, true, 1_000, 4_000).kernel_ns(25_000, 4_000),
+            25_000
+        );
+        // The device was busy with another context: the event and the
+        // kernel ran back to back when its turn came.
+        assert_eq!(
+            sample(true, false, 1_000, 4_000).kernel_ns(25_000, 4_000),
+            25_000
+        );
         // Never below zero.
-        assert_eq!(sample(Some(0), 9_000, 4_000).kernel_ns(5_000, 4_000), 0);
+        assert_eq!(sample(true, true, 9_000, 4_000).kernel_ns(5_000, 4_000), 0);
     }
 }
