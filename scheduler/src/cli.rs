@@ -10,6 +10,7 @@ use clap::Parser;
 use std::net::IpAddr;
 use std::path::PathBuf;
 use std::time::Duration;
+use thiserror::Error;
 use vgpu_cluster::resources::ShareResourceFlags;
 
 /// kube-scheduler HTTP extender of vgpu: places pods that ask for vGPUs on
@@ -214,20 +215,20 @@ impl Cli {
     }
 
     /// The leader election the flags ask for, or why they are incomplete.
-    pub fn leader_config(&self) -> Result<Option<LeaderConfig>, String> {
+    pub fn leader_config(&self) -> Result<Option<LeaderConfig>, LeaderFlagsError> {
         if !self.leader_elect {
             return Ok(None);
         }
-        let namespace = self.leader_elect_namespace.clone().filter(|n| !n.is_empty()).ok_or(
-            "--leader-elect needs --leader-elect-namespace (or POD_NAMESPACE): where the Lease lives",
-        )?;
+        let namespace = self
+            .leader_elect_namespace
+            .clone()
+            .filter(|n| !n.is_empty())
+            .ok_or(LeaderFlagsError::NoNamespace)?;
         let identity = self
             .leader_elect_identity
             .clone()
             .filter(|n| !n.is_empty())
-            .ok_or(
-                "--leader-elect needs --leader-elect-identity (or POD_NAME): this replica's name",
-            )?;
+            .ok_or(LeaderFlagsError::NoIdentity)?;
         let mut config = LeaderConfig::new(self.leader_elect_lease.clone(), namespace, identity);
         config.follow = self.follow_scheduler_lease.clone();
         Ok(Some(config))
@@ -243,25 +244,51 @@ impl Cli {
     }
 }
 
+/// `--leader-elect` without what an election needs.
+#[derive(Clone, Debug, Error, PartialEq, Eq)]
+pub enum LeaderFlagsError {
+    #[error(
+        "--leader-elect needs --leader-elect-namespace (or POD_NAMESPACE): where the Lease lives"
+    )]
+    NoNamespace,
+    #[error("--leader-elect needs --leader-elect-identity (or POD_NAME): this replica's name")]
+    NoIdentity,
+}
+
+/// An `--opportunistic-priority-class` that is not `NAME=VALUE`.
+#[derive(Clone, Debug, Error, PartialEq, Eq)]
+pub enum PriorityClassError {
+    #[error("{0:?} is not NAME=VALUE (e.g. vgpu-opportunistic=-100)")]
+    NotNameValue(String),
+    #[error("{0:?} names no PriorityClass")]
+    NoName(String),
+    #[error("{text:?}: the value {value:?} is not a whole number (a 32-bit integer)")]
+    BadValue { text: String, value: String },
+}
+
 /// `--opportunistic-priority-class`: a PriorityClass's name and value, or
 /// none.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct PriorityClassFlag(pub Option<(String, i32)>);
 
-fn parse_priority_class(text: &str) -> Result<PriorityClassFlag, String> {
+fn parse_priority_class(text: &str) -> Result<PriorityClassFlag, PriorityClassError> {
     if text.trim().is_empty() {
         return Ok(PriorityClassFlag(None));
     }
     let (name, value) = text
         .split_once('=')
-        .ok_or_else(|| format!("{text:?} is not NAME=VALUE (e.g. vgpu-opportunistic=-100)"))?;
+        .ok_or_else(|| PriorityClassError::NotNameValue(text.to_string()))?;
     let name = name.trim();
     if name.is_empty() {
-        return Err(format!("{text:?} names no PriorityClass"));
+        return Err(PriorityClassError::NoName(text.to_string()));
     }
-    let value = value.trim().parse::<i32>().map_err(|_| {
-        format!("{text:?}: the value {value:?} is not a whole number (a 32-bit integer)")
-    })?;
+    let value = value
+        .trim()
+        .parse::<i32>()
+        .map_err(|_| PriorityClassError::BadValue {
+            text: text.to_string(),
+            value: value.to_string(),
+        })?;
     Ok(PriorityClassFlag(Some((name.to_string(), value))))
 }
 

@@ -125,7 +125,7 @@ struct Observed {
     since: Instant,
 }
 
-/// The election loop: runs until the task is dropped. Call [`release`] on
+/// The election loop: runs until the task is dropped. Call [`release_lease`] on
 /// shutdown.
 pub async fn run(client: Client, config: LeaderConfig, leadership: Arc<Leadership>) {
     let leases: Api<Lease> = Api::namespaced(client, &config.namespace);

@@ -6,28 +6,25 @@
 //! GPUs. The protocol between the two is described in
 //! [`vgpu_cluster::decision`].
 //!
-//! - [`extender`]: kube-scheduler's extender v1 JSON types.
-//! - [`requests`]: what a pod asks for (resources and annotations).
-//! - [`fit`]: whether and where a pod fits on one node's GPUs.
-//! - [`policy`]: GPU and node policies.
-//! - [`state`]: nodes and decided pods, rebuilt from the API watch.
-//! - [`node_leases`]: which nodes' device plugins are alive (their Leases).
-//! - [`api`]: the Kubernetes client, watches and writes.
-//! - [`scheduler`]: filter, prioritize and bind.
-//! - [`server`]: the HTTP(S) server.
-//! - [`metrics`]: the time each verb takes, for `GET /metrics`.
-//! - [`webhook`]: the admission webhook that gives vGPU pods this scheduler.
-//! - [`elastic_crd`]: Elastic GPU's custom resources and their conversion
-//!   webhook.
-//! - [`claims`]: Elastic GPU claims given to pods by the webhook.
-//! - [`groups`]: coscheduling groups, gated until their quorum fits.
-//! - [`kubeshare`]: KubeShare's pod labels, turned into requests by the
-//!   webhook.
-//! - [`claim_controller`]: binds claims to the ElasticGPUs it provisions.
-//! - [`reservation`]: the GPU slice an ElasticGPU holds for its claim.
-//! - [`leader`]: leader election among replicas.
-//! - [`views`]: nvidia-gpu-scheduler's watchable GPU pod and node views.
-//! - [`cli`]: command-line flags.
+//! The modules, in layers that import only downwards (a test checks
+//! that no two modules import each other, directly or through others):
+//!
+//! 1. [`vocabulary`]: the annotations and labels read and written, with
+//!    pure readers of them (leaf modules).
+//! 2. [`requests`]: what a pod asks for. [`api`]: the Kubernetes client,
+//!    knowing nothing of the extender's state. [`leader`]: leader
+//!    election among replicas.
+//! 3. [`cache`]: the cluster as the watches show it, each kind applying
+//!    its own events.
+//! 4. [`placement`]: pure functions over a snapshot of the cache: where
+//!    pods and claims' slices go, and why not elsewhere. [`admission`]:
+//!    the webhooks (mutation, claim look-ups, KubeShare labels,
+//!    conversion).
+//! 5. [`extender`]: kube-scheduler's verbs, with the bind's API writes.
+//!    [`claim_controller`]: binds Elastic GPU claims to the ElasticGPUs
+//!    it provisions.
+//! 6. [`server`]: the HTTP(S) server, metrics and views. [`cli`]: the
+//!    flags. This file: starting it all.
 
 pub mod admission;
 pub mod api;

@@ -25,7 +25,7 @@ async fn main() -> anyhow::Result<()> {
     let listener = listen(cli.address, cli.port).await?;
     let address = listener.local_addr()?;
     let config = cli.config();
-    let election = cli.leader_config().map_err(anyhow::Error::msg)?;
+    let election = cli.leader_config()?;
     tracing::info!(
         "vgpu-scheduler listening on {}://{address} (GPU policy {}, node policy {})",
         if main_tls.is_some() { "https" } else { "http" },

@@ -7,11 +7,12 @@
 //! - [`config`]: the extender's configuration.
 //! - [`scheduler`]: what the verbs share ([`Scheduler`]).
 //! - [`filter`], [`prioritize`], [`preempt`], [`bind`]: the verbs.
-//! - [`slice`]: a claim's slice placed for the claim controller.
+//! - [`claim_slice`]: a claim's slice placed for the claim controller.
 //! - [`reply`], [`score_cache`]: their answers, and the loads filter keeps
 //!   for prioritize.
 
 pub mod bind;
+pub mod claim_slice;
 pub mod config;
 pub mod filter;
 pub mod preempt;
@@ -19,7 +20,6 @@ pub mod prioritize;
 pub mod reply;
 pub mod scheduler;
 pub mod score_cache;
-pub mod slice;
 pub mod wire;
 
 pub use config::Config;

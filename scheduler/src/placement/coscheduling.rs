@@ -9,7 +9,8 @@ use crate::cache::pods::sidecar_names;
 use crate::cache::state::{ClusterState, SharedState};
 use crate::placement::fit::packing::Scratch;
 use crate::placement::pod_to_place::PodToPlace;
-use crate::placement::rules::Rules;
+use crate::placement::rejection::Rejection;
+use crate::placement::rules::{PodRequestError, Rules};
 use crate::placement::snapshot::Snapshot;
 use crate::requests::PodRequest;
 use crate::vocabulary::claims::claim_keys_held;
@@ -65,7 +66,7 @@ pub enum GroupWait {
     #[error(
         "group {group}: only {held} of the {needed} pods it still needs to place fit at once now{}; \
          none is placed until {quorum} can be",
-        last_miss.as_deref().map(|miss| format!(" ({miss})")).unwrap_or_default()
+        last_miss.as_ref().map(|miss| format!(" ({miss})")).unwrap_or_default()
     )]
     QuorumDoesNotFit {
         group: String,
@@ -73,7 +74,24 @@ pub enum GroupWait {
         needed: usize,
         quorum: usize,
         /// Why the last pod tried did not fit.
-        last_miss: Option<String>,
+        last_miss: Option<Box<MemberMiss>>,
+    },
+}
+
+/// Why one pod of a quorum being planned has no place.
+#[derive(Clone, Debug, Error, PartialEq, Eq)]
+pub enum MemberMiss {
+    #[error("{}", with_causes(.0))]
+    Request(PodRequestError),
+    #[error("no node has vGPUs")]
+    NoNodes,
+    #[error("node {0} is gone")]
+    NodeGone(String),
+    #[error("pod {pod}: {node}: {rejection}")]
+    Rejected {
+        pod: String,
+        node: String,
+        rejection: Rejection,
     },
 }
 
@@ -210,7 +228,7 @@ pub fn plan_quorum(
             match rules.parse(member_pod) {
                 Ok(parsed) => parsed,
                 Err(why) => {
-                    last_miss = Some(with_causes(&why));
+                    last_miss = Some(Box::new(MemberMiss::Request(why)));
                     continue;
                 }
             }
@@ -232,7 +250,7 @@ pub fn plan_quorum(
                 state.groups_mut().hold(hold, now_unix_ms);
                 held += 1;
             }
-            Err(why) => last_miss = Some(why),
+            Err(why) => last_miss = Some(Box::new(why)),
         }
     }
     if held < needed {
@@ -261,7 +279,7 @@ fn place_member(
     pod: &Pod,
     request: &PodRequest,
     names: &[String],
-) -> Result<Hold, String> {
+) -> Result<Hold, MemberMiss> {
     let state = snapshot.state;
     let member = PodToPlace {
         uid,
@@ -271,13 +289,13 @@ fn place_member(
     };
     let policy = request.gpu_policy.unwrap_or(snapshot.rules.gpu_policy);
     let mut scratch = Scratch::default();
-    let mut why = String::from("no node has vGPUs");
+    let mut why = MemberMiss::NoNodes;
     for name in names {
         match snapshot.evaluate(name, &member, request, policy, &mut scratch) {
             Ok(_) => {
                 let decision = snapshot
                     .decision(name, request, &scratch)
-                    .ok_or_else(|| format!("node {name} is gone"))?;
+                    .ok_or_else(|| MemberMiss::NodeGone(name.clone()))?;
                 return Ok(Hold {
                     group: key.to_string(),
                     uid: uid.to_string(),
@@ -287,10 +305,11 @@ fn place_member(
                 });
             }
             Err(rejection) => {
-                why = format!(
-                    "pod {}: {name}: {rejection}",
-                    pod.metadata.name.as_deref().unwrap_or("")
-                )
+                why = MemberMiss::Rejected {
+                    pod: pod.metadata.name.clone().unwrap_or_default(),
+                    node: name.clone(),
+                    rejection,
+                }
             }
         }
     }
@@ -420,7 +439,17 @@ mod tests {
                 quorum: 2,
                 last_miss: Some(miss),
                 ..
-            }) => assert!(miss.starts_with("pod m2: n1: container \"main\""), "{miss}"),
+            }) => match *miss {
+                MemberMiss::Rejected {
+                    pod,
+                    node,
+                    rejection,
+                } => {
+                    assert_eq!((pod.as_str(), node.as_str()), ("m2", "n1"));
+                    assert!(!rejection.is_permanent(), "{rejection}");
+                }
+                other => panic!("expected m2 turned down on n1, got {other:?}"),
+            },
             other => panic!("expected the quorum not to fit, got {other:?}"),
         }
         assert_eq!(state.groups().holds_of("ns/g", now_unix_ms()).count(), 0);

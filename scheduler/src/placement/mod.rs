@@ -11,8 +11,10 @@
 //! - [`filter`], [`scores`], [`preemption`], [`on_node`]: what the
 //!   extender's verbs ask.
 //! - [`coscheduling`]: groups placed by quorum.
-//! - [`slice`]: claims' slices provisioned before any pod holds them.
+//! - [`claim_slice`]: claims' slices provisioned before any pod holds
+//!   them.
 
+pub mod claim_slice;
 pub mod claims;
 pub mod coscheduling;
 pub mod decision;
@@ -25,5 +27,4 @@ pub mod preemption;
 pub mod rejection;
 pub mod rules;
 pub mod scores;
-pub mod slice;
 pub mod snapshot;

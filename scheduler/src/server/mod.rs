@@ -2,7 +2,7 @@
 //!
 //! - [`routes`]: every endpoint, timed by [`metrics`].
 //! - [`views`]: nvidia-gpu-scheduler's watchable GPU pod and node views.
-//! - [`serve`]: a router served on a listener, with a graceful stop.
+//! - [`mod@serve`]: a router served on a listener, with a graceful stop.
 //! - [`tls`]: the certificate and key for HTTPS.
 
 pub mod metrics;

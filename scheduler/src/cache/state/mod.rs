@@ -1,7 +1,8 @@
 //! The cluster as the extender sees it ([`ClusterState`]), and the lock it
 //! is shared under ([`SharedState`]). Each kind the watches bring applies
-//! its own events: [`pod_events`], [`node_events`], [`lease_events`],
-//! [`elastic_gpu_events`]; [`debug`] renders it for `GET /debug/state`.
+//! its own events, in a file of its own (`pod_events`, `node_events`,
+//! `lease_events`, `elastic_gpu_events`); [`debug`] renders the state for
+//! `GET /debug/state`.
 
 pub mod debug;
 mod elastic_gpu_events;

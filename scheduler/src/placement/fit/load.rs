@@ -14,7 +14,7 @@ pub(crate) fn expected_percent(gpu: &HotGpu, usage: &Usage) -> u32 {
 }
 
 /// How busy a node's healthy GPUs are expected to be, 0.0 to 1.0 (see
-/// [`expected_percent`]); what the load-aware node policy scores by.
+/// `expected_percent`); what the load-aware node policy scores by.
 pub fn measured_load(node: &NodeGpus, usage: &[Usage]) -> f64 {
     let busy: Vec<u32> = node
         .hot

@@ -4,7 +4,9 @@
 use crate::api::ApiError;
 use crate::cache::clock::now_unix_ms;
 use crate::extender::scheduler::Scheduler;
-use crate::placement::slice::{choose_slice_node, place_slice_on, slice_request, SliceRefusal};
+use crate::placement::claim_slice::{
+    choose_slice_node, place_slice_on, slice_request, SliceRefusal,
+};
 use crate::placement::snapshot::Snapshot;
 use crate::vocabulary::claims::ClaimShare;
 use vgpu_cluster::decision::Decision;

@@ -1,0 +1,32 @@
+//! What a pod asks for, read from its spec and annotations.
+//!
+//! Per container (init containers too), HAMi's resources:
+//! `nvidia.com/gpu` (number of vGPUs, each on a different GPU),
+//! `nvidia.com/gpumem` (MiB per vGPU) or `nvidia.com/gpumem-percentage`,
+//! `nvidia.com/gpucores` (percent per vGPU; 100 takes the GPU alone),
+//! `nvidia.com/priority`; or Elastic GPU's `elasticgpu.io/gpu-memory` (MB,
+//! read as MiB) and `elasticgpu.io/gpu-core` (percent; 200 = two whole
+//! GPUs). The names are configurable ([`ResourceNames`]).
+//!
+//! Pod annotations restrict the GPUs: `nvidia.com/use-gputype` /
+//! `nvidia.com/nouse-gputype` (comma lists, case-insensitive substring of the
+//! model) and `nvidia.com/use-gpuuuid` / `nvidia.com/nouse-gpuuuid`, and
+//! choose the policies (see [`crate::vocabulary::policy`]).
+//!
+//! - [`pod_request`]: the request, once read.
+//! - [`parse`]: reading it, and the reasons a request cannot be served.
+
+pub mod parse;
+pub mod pod_request;
+#[cfg(test)]
+mod tests;
+
+pub use parse::{
+    asks_for_vgpu, elastic_count_to_add, elastic_gpu_count, parse_pod, RequestError,
+    MAX_GPUS_PER_CONTAINER,
+};
+pub use pod_request::{
+    model_key, ContainerKind, ContainerRequest, MemoryRequest, PodRequest, RequestDefaults,
+    Selectors, TypeMismatch, UuidMismatch,
+};
+pub use vgpu_cluster::resources::ResourceNames;
