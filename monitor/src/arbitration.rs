@@ -30,6 +30,20 @@
 //! 4. `force` and `disable` containers are never written (they ignore the
 //!    effective share anyway), and neither is a container whose policy field
 //!    holds an unknown value.
+//! 5. **Contention.** Two processes on one GPU take the device in turns,
+//!    and each switch between them costs device time that no container is
+//!    given: two containers at 30 and 70 % ran their kernels 97 % of the
+//!    time on an H200 between them, not 100 %. A container at its share
+//!    waits for tokens; one that does not wait and still falls short of
+//!    its share while the GPU is saturated is being held back by that loss
+//!    alone, and it would bear all of it. So when the GPU is busy at least
+//!    [`SATURATED`] and such a *short* container (active, capped, no wait
+//!    in the window, more than [`SHORT_BY`] below its share) is among the
+//!    active `default`-policy containers, the containers that did wait get
+//!    their share scaled by what the active containers achieved together
+//!    over what they were given (never below [`MIN_SCALE`]), so the loss is
+//!    shared in proportion to the shares: 29.1 and 67.9 % on that GPU
+//!    instead of 30 and 66.7. Nothing changes while no container is short.
 
 use std::cmp::Ordering;
 use vgpu_node_contract::region::{SHARE_FULL, SHARE_UNLIMITED};
@@ -37,6 +51,23 @@ use vgpu_node_contract::shim_env::UtilizationPolicy;
 
 /// Largest share lending may grant (see rule 3).
 pub const MAX_LENT_SHARE: u32 = SHARE_FULL - 1;
+/// A GPU busy this much of the window is saturated (rule 5), in basis points.
+pub const SATURATED: u32 = 9_000;
+/// A container this far below its share without waiting is short (rule 5),
+/// in basis points: more than the window's measuring noise.
+pub const SHORT_BY: u32 = 100;
+/// Contention never scales a share below this fraction of itself (rule 5),
+/// in basis points: a loss larger than this is not switching.
+pub const MIN_SCALE: u32 = 8_000;
+
+/// What one container did with a GPU over the monitor's window (rule 5).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Load {
+    /// Device time it was granted per wall time, in basis points.
+    pub achieved: u32,
+    /// Some launch waited for tokens.
+    pub waited: bool,
+}
 
 /// One container's view of one GPU, as arbitration needs it.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -53,6 +84,8 @@ pub struct Contender {
     pub burst: u32,
     /// Launched work within the activity window.
     pub active: bool,
+    /// Its use of the GPU over the window, where the shim meters it.
+    pub load: Option<Load>,
 }
 
 impl Contender {
@@ -83,7 +116,13 @@ impl Contender {
             share,
             burst,
             active,
+            load: None,
         }
+    }
+
+    /// The same contender with what it did over the window.
+    pub fn with_load(self, load: Option<Load>) -> Self {
+        Self { load, ..self }
     }
 
     /// What the container claims of the device while it runs.
@@ -99,9 +138,10 @@ impl Contender {
 /// to write into its region, `None` to leave its region alone.
 pub type Decision = Option<u32>;
 
-/// Decides every contender's effective share on one GPU. The result is in
-/// the same order as `contenders`.
-pub fn arbitrate(contenders: &[Contender]) -> Vec<Decision> {
+/// Decides every contender's effective share on one GPU, whose busy time
+/// over the window (basis points, NVML's) is `gpu_busy` where known. The
+/// result is in the same order as `contenders`.
+pub fn arbitrate(contenders: &[Contender], gpu_busy: Option<u32>) -> Vec<Decision> {
     let top = contenders
         .iter()
         .filter(|c| c.active)
@@ -178,7 +218,55 @@ pub fn arbitrate(contenders: &[Contender]) -> Vec<Decision> {
             *decision = share.saturating_add(lent[i]).min(MAX_LENT_SHARE);
         }
     }
+    if let Some(scale) = contention_scale(contenders, &decisions, gpu_busy) {
+        for (c, decision) in contenders.iter().zip(decisions.iter_mut()) {
+            let waited = c.load.is_some_and(|load| load.waited);
+            if let (true, true, Some(share), Some(d)) =
+                (c.active, waited, c.share, decision.as_mut())
+            {
+                if *d == share {
+                    *d = (u64::from(share) * u64::from(scale) / u64::from(SHARE_FULL)) as u32;
+                }
+            }
+        }
+    }
     decisions
+}
+
+/// Rule 5: the factor (basis points) by which the shares of containers that
+/// waited are scaled, when a container is short on a saturated GPU.
+fn contention_scale(
+    contenders: &[Contender],
+    decisions: &[Decision],
+    gpu_busy: Option<u32>,
+) -> Option<u32> {
+    // The running default-policy containers, each capped and metered: an
+    // uncapped or unmetered one among them leaves nothing to share out.
+    let running: Vec<(&Contender, u32, Load)> = contenders
+        .iter()
+        .zip(decisions)
+        .filter(|(c, d)| c.active && d.is_some_and(|d| d > 0))
+        .map(|(c, d)| Some((c, d.filter(|&d| d <= SHARE_FULL)?, c.load?)))
+        .collect::<Option<Vec<_>>>()?;
+    if running.len() < 2
+        || contenders
+            .iter()
+            .any(|c| c.active && c.policy != Some(UtilizationPolicy::Default))
+    {
+        return None;
+    }
+    let given: u64 = running.iter().map(|(_, d, _)| u64::from(*d)).sum();
+    let achieved: u64 = running.iter().map(|(_, _, l)| u64::from(l.achieved)).sum();
+    let busy = gpu_busy.map_or(achieved, u64::from);
+    let short = running
+        .iter()
+        .any(|(_, d, l)| !l.waited && l.achieved.saturating_add(SHORT_BY) < *d);
+    let waiting = running.iter().any(|(_, _, l)| l.waited);
+    if !short || !waiting || busy < u64::from(SATURATED) || achieved >= given {
+        return None;
+    }
+    let scale = (achieved * u64::from(SHARE_FULL) / given) as u32;
+    Some(scale.max(MIN_SCALE))
 }
 
 /// How much more a borrower may be lent.
@@ -206,67 +294,91 @@ mod tests {
 
     #[test]
     fn nobody_active_everybody_keeps_the_configured_share() {
-        let out = arbitrate(&[
-            capped("a", 0, 30, 90, false),
-            capped("b", 1, 50, 50, false),
-            uncapped("c", 2, false),
-        ]);
+        let out = arbitrate(
+            &[
+                capped("a", 0, 30, 90, false),
+                capped("b", 1, 50, 50, false),
+                uncapped("c", 2, false),
+            ],
+            None,
+        );
         assert_eq!(out, vec![Some(3000), Some(5000), Some(SHARE_UNLIMITED)]);
     }
 
     #[test]
     fn an_active_higher_priority_pauses_lower_ones_capped_or_not() {
-        let out = arbitrate(&[
-            capped("high", 0, 30, 30, true),
-            capped("low", 1, 60, 60, true),
-            uncapped("low-uncapped", 5, true),
-            capped("low-idle", 3, 10, 10, false),
-        ]);
+        let out = arbitrate(
+            &[
+                capped("high", 0, 30, 30, true),
+                capped("low", 1, 60, 60, true),
+                uncapped("low-uncapped", 5, true),
+                capped("low-idle", 3, 10, 10, false),
+            ],
+            None,
+        );
         assert_eq!(out, vec![Some(3000), Some(0), Some(0), Some(0)]);
     }
 
     #[test]
     fn an_idle_higher_priority_keeps_its_share_and_pauses_nobody() {
-        let out = arbitrate(&[
-            capped("high", 0, 30, 30, false),
-            capped("low", 1, 60, 60, true),
-        ]);
+        let out = arbitrate(
+            &[
+                capped("high", 0, 30, 30, false),
+                capped("low", 1, 60, 60, true),
+            ],
+            None,
+        );
         assert_eq!(out, vec![Some(3000), Some(6000)]);
     }
 
     #[test]
     fn idle_capacity_is_lent_up_to_the_burst_and_taken_back() {
         // Owner b idle: a borrows up to its burst.
-        let out = arbitrate(&[capped("a", 1, 30, 90, true), capped("b", 1, 50, 50, false)]);
+        let out = arbitrate(
+            &[capped("a", 1, 30, 90, true), capped("b", 1, 50, 50, false)],
+            None,
+        );
         assert_eq!(out, vec![Some(9000), Some(5000)]);
         // b returns: only what neither claims is lent.
-        let out = arbitrate(&[capped("a", 1, 30, 90, true), capped("b", 1, 50, 50, true)]);
+        let out = arbitrate(
+            &[capped("a", 1, 30, 90, true), capped("b", 1, 50, 50, true)],
+            None,
+        );
         assert_eq!(out, vec![Some(5000), Some(5000)]);
     }
 
     #[test]
     fn the_pool_is_split_in_proportion_to_shares() {
-        let out = arbitrate(&[capped("a", 1, 20, 100, true), capped("b", 1, 40, 100, true)]);
+        let out = arbitrate(
+            &[capped("a", 1, 20, 100, true), capped("b", 1, 40, 100, true)],
+            None,
+        );
         // Pool 40 %: a gets a third, b two thirds.
         assert_eq!(out, vec![Some(2000 + 1333), Some(4000 + 2666)]);
         // A borrower that is satisfied early leaves the rest to the others.
-        let out = arbitrate(&[capped("a", 1, 20, 25, true), capped("b", 1, 40, 100, true)]);
+        let out = arbitrate(
+            &[capped("a", 1, 20, 25, true), capped("b", 1, 40, 100, true)],
+            None,
+        );
         assert_eq!(out, vec![Some(2500), Some(7500)]);
     }
 
     #[test]
     fn lending_never_grants_a_whole_device() {
-        let out = arbitrate(&[capped("a", 1, 50, 100, true)]);
+        let out = arbitrate(&[capped("a", 1, 50, 100, true)], None);
         assert_eq!(out, vec![Some(MAX_LENT_SHARE)]);
     }
 
     #[test]
     fn nothing_is_lent_beside_an_active_uncapped_or_disabled_container() {
-        let out = arbitrate(&[capped("a", 1, 30, 90, true), uncapped("b", 1, true)]);
+        let out = arbitrate(
+            &[capped("a", 1, 30, 90, true), uncapped("b", 1, true)],
+            None,
+        );
         assert_eq!(out, vec![Some(3000), Some(SHARE_UNLIMITED)]);
         let mut disabled = capped("d", 1, 30, 30, true);
         disabled.policy = Some(UtilizationPolicy::Disable);
-        let out = arbitrate(&[capped("a", 1, 30, 90, true), disabled]);
+        let out = arbitrate(&[capped("a", 1, 30, 90, true), disabled], None);
         assert_eq!(out, vec![Some(3000), None]);
     }
 
@@ -276,17 +388,95 @@ mod tests {
         forced.policy = Some(UtilizationPolicy::Force);
         let mut unknown = capped("u", 1, 40, 40, true);
         unknown.policy = None;
-        let out = arbitrate(&[forced, capped("low", 1, 40, 90, true), unknown]);
+        let out = arbitrate(&[forced, capped("low", 1, 40, 90, true), unknown], None);
         assert_eq!(out, vec![None, Some(0), None]);
     }
 
     #[test]
     fn lower_priorities_do_not_borrow_while_paused() {
-        let out = arbitrate(&[
-            capped("high", 0, 20, 20, true),
-            capped("low", 1, 20, 90, true),
-        ]);
+        let out = arbitrate(
+            &[
+                capped("high", 0, 20, 20, true),
+                capped("low", 1, 20, 90, true),
+            ],
+            None,
+        );
         assert_eq!(out, vec![Some(2000), Some(0)]);
+    }
+
+    fn loaded(c: Contender, achieved: u32, waited: bool) -> Contender {
+        c.with_load(Some(Load { achieved, waited }))
+    }
+
+    #[test]
+    fn a_short_container_on_a_saturated_gpu_shares_the_switching_loss() {
+        // As measured on an H200: the 30 waits for tokens and gets 31.7 %,
+        // the 70 never waits and gets 65 %, the GPU is busy 97 %.
+        let pair = [
+            loaded(capped("thirty", 1, 30, 30, true), 3170, true),
+            loaded(capped("seventy", 1, 70, 70, true), 6500, false),
+        ];
+        let out = arbitrate(&pair, Some(9700));
+        // The 30 is scaled by 96.7 %, the 70 keeps its share.
+        assert_eq!(out, vec![Some(2901), Some(7000)]);
+        // Without NVML the containers' own sum stands for the GPU's busy time.
+        assert_eq!(arbitrate(&pair, None), out);
+    }
+
+    #[test]
+    fn contention_changes_nothing_unless_a_container_is_short_on_a_saturated_gpu() {
+        let thirty = |achieved, waited| loaded(capped("thirty", 1, 30, 30, true), achieved, waited);
+        let seventy =
+            |achieved, waited| loaded(capped("seventy", 1, 70, 70, true), achieved, waited);
+        let unchanged = vec![Some(3000), Some(7000)];
+        // The GPU has room: the 70 simply asks for less.
+        assert_eq!(
+            arbitrate(&[thirty(3000, true), seventy(4000, false)], Some(7000)),
+            unchanged
+        );
+        // Nobody short: within a point of the share is measuring noise.
+        assert_eq!(
+            arbitrate(&[thirty(3000, true), seventy(6950, false)], Some(9950)),
+            unchanged
+        );
+        // Nobody waited: the loss already falls on both.
+        assert_eq!(
+            arbitrate(&[thirty(2900, false), seventy(6800, false)], Some(9700)),
+            unchanged
+        );
+        // An unmetered container among them: nothing to share out.
+        let unmetered = capped("seventy", 1, 70, 70, true);
+        assert_eq!(
+            arbitrate(&[thirty(3170, true), unmetered], Some(9700)),
+            unchanged
+        );
+        // Beside an active uncapped container nothing is scaled either.
+        let out = arbitrate(
+            &[thirty(3170, true), uncapped("u", 1, true).with_load(None)],
+            Some(9700),
+        );
+        assert_eq!(out, vec![Some(3000), Some(SHARE_UNLIMITED)]);
+    }
+
+    #[test]
+    fn contention_never_scales_a_share_below_its_floor_nor_touches_a_borrower() {
+        let out = arbitrate(
+            &[
+                loaded(capped("a", 1, 30, 30, true), 1000, true),
+                loaded(capped("b", 1, 70, 70, true), 2000, false),
+            ],
+            Some(9500),
+        );
+        assert_eq!(out, vec![Some(3000 * MIN_SCALE / SHARE_FULL), Some(7000)]);
+        // A borrower's decision is above its share: lending stands.
+        let out = arbitrate(
+            &[
+                loaded(capped("a", 1, 20, 60, true), 5900, true),
+                loaded(capped("b", 1, 40, 40, true), 3500, false),
+            ],
+            Some(9600),
+        );
+        assert_eq!(out, vec![Some(6000), Some(4000)]);
     }
 
     #[test]
@@ -318,7 +508,7 @@ mod tests {
     proptest! {
         #[test]
         fn decisions_are_sound(contenders in proptest::collection::vec(contender(), 0..8)) {
-            let out = arbitrate(&contenders);
+            let out = arbitrate(&contenders, None);
             prop_assert_eq!(out.len(), contenders.len());
             let top = contenders.iter().filter(|c| c.active).map(|c| c.priority).min();
             let mut lent_total = 0u64;
@@ -349,7 +539,7 @@ mod tests {
                 .sum();
             prop_assert!(lent_total <= u64::from(SHARE_FULL).saturating_sub(claimed));
             // Deterministic: the same input gives the same output.
-            prop_assert_eq!(arbitrate(&contenders), out);
+            prop_assert_eq!(arbitrate(&contenders, None), out);
         }
     }
 }

@@ -1,7 +1,7 @@
 //! The monitor's pass: rescan, read every region and NVML, decide and write
 //! effective shares, clean up, and publish a snapshot for `/metrics`.
 
-use crate::arbitration::{arbitrate, Contender};
+use crate::arbitration::{arbitrate, Contender, Load};
 use crate::cleanup::{self, Janitor, Reaper, Verdict};
 use crate::discovery::{Discovery, DiscoveryConfig};
 use crate::events::{EventRecorder, PodRef};
@@ -142,6 +142,10 @@ struct Track {
     history: VecDeque<(u64, u64)>,
     /// The effective share this monitor last wrote (to restore on exit).
     wrote: bool,
+    /// The region's throttled time at the last pass, and when it last grew
+    /// (a launch waited for tokens).
+    throttled_ns: u64,
+    waited_at: Option<u64>,
 }
 
 /// One pass's view of one container device, for arbitration.
@@ -365,6 +369,12 @@ impl Monitor {
                         .any(|pid| util.get(pid).is_some_and(|u| *u > 0))
                 });
                 let active = observe(track, device, nvml_active, now, self.config.active_window);
+                let waited = observe_waits(
+                    track,
+                    device.throttled_ns,
+                    now,
+                    self.config.utilization_window,
+                );
                 let metered = is_metered(policy, device.sm_limit, device.sm_effective);
                 let utilization = if metered {
                     granted_rate(
@@ -407,6 +417,10 @@ impl Monitor {
                         .map(|t| now.saturating_sub(t) as f64 / 1e9),
                     over_cap_bytes,
                 });
+                let load = utilization.filter(|_| metered).map(|ratio| Load {
+                    achieved: (ratio * f64::from(SHARE_FULL)).round() as u32,
+                    waited,
+                });
                 seen.push(Seen {
                     key: region.key.clone(),
                     device: device.index,
@@ -418,7 +432,8 @@ impl Monitor {
                         device.sm_limit,
                         device.sm_burst,
                         active,
-                    ),
+                    )
+                    .with_load(load),
                 });
             }
             // The region is writable by the container it limits: put back
@@ -453,7 +468,16 @@ impl Monitor {
         }
 
         if self.config.arbitration {
-            self.arbitrate(&seen, &mut devices);
+            let busy: HashMap<&str, u32> = gpus
+                .iter()
+                .filter_map(|g| {
+                    Some((
+                        g.uuid.as_str(),
+                        (g.utilization? * f64::from(SHARE_FULL)).round() as u32,
+                    ))
+                })
+                .collect();
+            self.arbitrate(&seen, &busy, &mut devices);
         }
         let unenforced = self.find_unenforced(&gpus);
         for process in &unenforced {
@@ -590,15 +614,20 @@ impl Monitor {
     }
 
     /// Decides every GPU's shares and writes the ones that changed.
-    fn arbitrate(&mut self, seen: &[Seen], devices: &mut [ContainerDevice]) {
+    fn arbitrate(
+        &mut self,
+        seen: &[Seen],
+        busy: &HashMap<&str, u32>,
+        devices: &mut [ContainerDevice],
+    ) {
         let mut by_gpu: BTreeMap<&str, Vec<usize>> = BTreeMap::new();
         for (index, s) in seen.iter().enumerate() {
             by_gpu.entry(s.uuid.as_str()).or_default().push(index);
         }
-        for members in by_gpu.values() {
+        for (uuid, members) in &by_gpu {
             let contenders: Vec<Contender> =
                 members.iter().map(|&i| seen[i].contender.clone()).collect();
-            let decisions = arbitrate(&contenders);
+            let decisions = arbitrate(&contenders, busy.get(uuid).copied());
             for (&i, decision) in members.iter().zip(decisions) {
                 let Some(target) = decision else { continue };
                 let s = &seen[i];
@@ -738,6 +767,19 @@ fn observe(
     track.last_launch_at = device.last_launch_at;
     track
         .active_at
+        .is_some_and(|at| now.saturating_sub(at) <= window_ns)
+}
+
+/// Whether a launch of the container device waited for tokens within
+/// `window` (its throttled time grew).
+fn observe_waits(track: &mut Track, throttled_ns: u64, now: u64, window: Duration) -> bool {
+    let window_ns = window.as_nanos().min(u128::from(u64::MAX)) as u64;
+    if throttled_ns > track.throttled_ns && track.seen {
+        track.waited_at = Some(now);
+    }
+    track.throttled_ns = throttled_ns;
+    track
+        .waited_at
         .is_some_and(|at| now.saturating_sub(at) <= window_ns)
 }
 
