@@ -743,6 +743,31 @@ def check_compute(suite: Suite) -> None:
             share_row(suite, f"two containers at 30/70, the {share}", library.label, share, rate, uncapped,
                       pair.utilization if share == 70 else None, time_share=part)
 
+    # On a node the monitor runs beside them, and shares out the device time
+    # that switching between the two processes costs (its arbitration's
+    # rule 5); its window needs a second to see the pair, hence a longer run.
+    arbitrated = suite.script("torch_loop.py", "matmul", "--seconds", WINDOW_SECONDS + 4)
+    for library in suite.libraries[1:]:
+        for share in (30, 70):
+            suite.not_supported(f"two containers at 30/70 with vgpu-monitor arbitrating (as on a node), the {share}",
+                                f"{share} ± {SHARE_BAND:g} %", library, "no node monitor in this library")
+    if suite.tools.monitor is None:
+        for share in (30, 70):
+            suite.add(f"two containers at 30/70 with vgpu-monitor arbitrating (as on a node), the {share}",
+                      f"{share} ± {SHARE_BAND:g} %", suite.ours.label, "no vgpu-monitor binary: name it with --monitor",
+                      "error")
+    else:
+        with NodeMonitor(suite, "pair", arbitration=True) as node:
+            pair = suite.together([
+                (arbitrated, suite.shim_env(suite.ours, share=30, region=node.region("thirty"))),
+                (arbitrated, suite.shim_env(suite.ours, share=70, region=node.region("seventy")))])
+            node.check_alive()
+        rates = [r["rate"] for r in pair.results]
+        for rate, part, share in zip(rates, split_by_rate(pair.utilization, rates), (30, 70), strict=True):
+            share_row(suite, f"two containers at 30/70 with vgpu-monitor arbitrating (as on a node), the {share}",
+                      suite.ours.label, share, rate, uncapped, pair.utilization if share == 70 else None,
+                      time_share=part)
+
     check = "four containers at 25 % each: every one's part of the device's time"
     for library in suite.libraries:
         four = suite.together([(matmul, suite.shim_env(library, share=25)) for _ in range(4)])
@@ -947,6 +972,47 @@ def scrape(url: str) -> str | None:
 NODE_POD = "gpu-suite-pod"
 
 
+class NodeMonitor:
+    """vgpu-monitor over a containers directory of the suite's own, as the
+    chart runs it on a node (without the Kubernetes API): `region(name)`
+    gives a container's region file there."""
+
+    def __init__(self, suite: Suite, name: str, arbitration: bool):
+        if suite.tools.monitor is None:
+            raise SetupError("no vgpu-monitor binary: name it with --monitor")
+        self.containers = suite.workdir / "containers" / name
+        shutil.rmtree(self.containers, ignore_errors=True)
+        self.containers.mkdir(parents=True)
+        self.url = f"http://127.0.0.1:{free_port()}/metrics"
+        argv = [str(suite.tools.monitor), "--listen", self.url.split("/")[2], "--containers-dir",
+                str(self.containers), "--no-kubernetes"]
+        if not arbitration:
+            argv.append("--no-arbitration")
+        self.log = open(suite.workdir / "logs" / f"monitor-{name}.log", "w")  # noqa: SIM115 -- open while it runs
+        self.process = subprocess.Popen(argv, stdout=self.log, stderr=subprocess.STDOUT)
+
+    def region(self, container: str) -> Path:
+        folder = self.containers / f"{NODE_POD}_{container}"
+        folder.mkdir(exist_ok=True)
+        return folder / "region.cache"
+
+    def check_alive(self) -> None:
+        if self.process.poll() is not None:
+            raise ChildFailed(f"vgpu-monitor exited with {self.process.returncode}; see {self.log.name}")
+
+    def __enter__(self) -> NodeMonitor:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.process.terminate()
+        try:
+            self.process.wait(10)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+        self.log.close()
+
+
 def check_node(suite: Suite) -> None:
     """vgpu's node monitor on the real driver: what its /metrics says of two
     running containers against what nvidia-smi and NVML say, read outside
@@ -968,63 +1034,49 @@ def check_node(suite: Suite) -> None:
         for check, target in checks.values():
             suite.add(check, target, suite.ours.label, "no vgpu-monitor binary: name it with --monitor", "error")
         return
-    containers = suite.workdir / "containers"
-    shutil.rmtree(containers, ignore_errors=True)
-    regions = {}
-    for name in ("holder", "spinner"):
-        (containers / f"{NODE_POD}_{name}").mkdir(parents=True)
-        regions[name] = containers / f"{NODE_POD}_{name}" / "region.cache"
     cap = suite.cap_mib
-    holder = suite.start(suite.cuda("fill", "--chunk-mib", 1024, "--ceiling-mib", 1024),
-                         suite.shim_env(suite.ours, cap_mib=cap, region=regions["holder"]))
-    spinner = suite.start(suite.cuda("kernels", "spin", "--kernel-us", 500, "--seconds", WINDOW_SECONDS),
-                          suite.shim_env(suite.ours, cap_mib=cap, share=50, region=regions["spinner"]))
-    port = free_port()
-    url = f"http://127.0.0.1:{port}/metrics"
-    log = open(suite.workdir / "logs" / "monitor.log", "w")  # noqa: SIM115 -- open while the monitor runs
-    monitor = subprocess.Popen([str(suite.tools.monitor), "--listen", f"127.0.0.1:{port}", "--containers-dir",
-                                str(containers), "--no-kubernetes", "--no-arbitration"],
-                               stdout=log, stderr=subprocess.STDOUT)
-    try:
-        with suite.sampler() as sampler:
-            for child in (holder, spinner):
-                child.wait_ready()
-            went = time.monotonic()
-            for child in (holder, spinner):
-                child.go()
-            holder.result()
-            # The monitor's utilization is over its last second: read once
-            # the spinner has run for two, and both containers are listed.
-            samples, deadline = [], went + 30
-            while time.monotonic() < deadline:
-                text = scrape(url)
-                if monitor.poll() is not None:
-                    raise ChildFailed(f"vgpu-monitor exited with {monitor.returncode}; see {log.name}")
-                if text and time.monotonic() > went + 2:
-                    samples = parse_metrics(text)
-                    if all(metric(samples, "vgpu_container_memory_used_bytes", container=n) for n in regions):
-                        break
-                time.sleep(0.1)  # polling for a state another process reaches, not a wait for time to pass
-            read_at = time.monotonic()
-            apps = parse_compute_apps(suite.command(
-                ["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits", "--id=0"],
-                suite.plain_env()))
-            total, used = parse_memory_csv(suite.command(
-                ["nvidia-smi", "--query-gpu=memory.total,memory.used", "--format=csv", "--id=0"], suite.plain_env()))
-            doctor = run_doctor(suite, url)
-            spinner.result()
-            nvml_util = sampler.utilization(read_at - 1.0, read_at)
-            for child in (holder, spinner):
-                child.finish()
-    finally:
-        for child in (holder, spinner):
-            child.kill()
-        monitor.terminate()
+    with NodeMonitor(suite, "node", arbitration=False) as node:
+        url = node.url
+        names = ("holder", "spinner")
+        holder = suite.start(suite.cuda("fill", "--chunk-mib", 1024, "--ceiling-mib", 1024),
+                             suite.shim_env(suite.ours, cap_mib=cap, region=node.region("holder")))
+        spinner = suite.start(suite.cuda("kernels", "spin", "--kernel-us", 500, "--seconds", WINDOW_SECONDS),
+                              suite.shim_env(suite.ours, cap_mib=cap, share=50, region=node.region("spinner")))
         try:
-            monitor.wait(10)
-        except subprocess.TimeoutExpired:
-            monitor.kill()
-        log.close()
+            with suite.sampler() as sampler:
+                for child in (holder, spinner):
+                    child.wait_ready()
+                went = time.monotonic()
+                for child in (holder, spinner):
+                    child.go()
+                holder.result()
+                # The monitor's utilization is over its last second: read
+                # once the spinner has run for two, and both containers are
+                # listed.
+                samples, deadline = [], went + 30
+                while time.monotonic() < deadline:
+                    text = scrape(url)
+                    node.check_alive()
+                    if text and time.monotonic() > went + 2:
+                        samples = parse_metrics(text)
+                        if all(metric(samples, "vgpu_container_memory_used_bytes", container=n) for n in names):
+                            break
+                    time.sleep(0.1)  # polling for a state another process reaches, not a wait for time to pass
+                read_at = time.monotonic()
+                apps = parse_compute_apps(suite.command(
+                    ["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits",
+                     "--id=0"], suite.plain_env()))
+                total, used = parse_memory_csv(suite.command(
+                    ["nvidia-smi", "--query-gpu=memory.total,memory.used", "--format=csv", "--id=0"],
+                    suite.plain_env()))
+                doctor = run_doctor(suite, url)
+                spinner.result()
+                nvml_util = sampler.utilization(read_at - 1.0, read_at)
+                for child in (holder, spinner):
+                    child.finish()
+        finally:
+            for child in (holder, spinner):
+                child.kill()
     doctor_rows(suite, doctor, samples)
     if not samples:
         for check, target in checks.values():
@@ -1049,7 +1101,7 @@ def check_node(suite: Suite) -> None:
     else:
         suite.add(check, target, column, f"{gpu_total / MIB:.0f} MiB total, {gpu_used / MIB:.0f} MiB used",
                   verdict(gpu_total / MIB == total and within(gpu_used / MIB, used, AGREEMENT_MIB)))
-    processes = [metric(samples, "vgpu_container_processes", container=n) for n in regions]
+    processes = [metric(samples, "vgpu_container_processes", container=n) for n in names]
     unenforced = metric(samples, "vgpu_gpu_unenforced_processes", device_index="0")
     check, target = checks["pids"]
     suite.add(check, target, column, f"processes {processes}, unenforced {unenforced}",
