@@ -112,6 +112,13 @@ impl Executor {
     /// Queues `op` and returns its sequence number. Never blocks (see
     /// [`Executor::wait_for_room`]).
     pub fn submit(&'static self, op: Op) -> Result<u64, CUresult> {
+        self.submit_all(&[op])
+    }
+
+    /// Queues `ops` at once (a graph's work reaches the device together)
+    /// and returns the last one's sequence number (the one before them if
+    /// there are none). Never blocks.
+    pub fn submit_all(&'static self, ops: &[Op]) -> Result<u64, CUresult> {
         let mut queue = self.lock();
         if !queue.thread_started {
             std::thread::Builder::new()
@@ -120,21 +127,18 @@ impl Executor {
                 .map_err(|_| CUDA_ERROR_OPERATING_SYSTEM)?;
             queue.thread_started = true;
         }
-        queue.submitted += 1;
-        let seq = queue.submitted;
         // The work reaches the device now, as a GPU's doorbell is rung: a
         // GPU polls for work, and waking this thread is not part of it.
-        queue.ops.push_back((seq, clock::now_ns(), op));
+        let now = clock::now_ns();
+        for &op in ops {
+            queue.submitted += 1;
+            let seq = queue.submitted;
+            queue.ops.push_back((seq, now, op));
+        }
+        let last = queue.submitted;
         drop(queue);
         self.work.notify_one();
-        Ok(seq)
-    }
-
-    /// The last operation done, if nothing is queued: the device thread has
-    /// nothing in hand.
-    pub fn idle(&self) -> Option<u64> {
-        let queue = self.lock();
-        queue.ops.is_empty().then_some(queue.done)
+        Ok(last)
     }
 
     /// Whether the operation `seq` (and all before it) has completed.

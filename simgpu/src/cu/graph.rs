@@ -581,13 +581,16 @@ fn graph_launch(exec: CUgraphExec, stream: CUstream) -> Result<(), CUresult> {
         }
         ops
     };
+    if driver::wall_timing() {
+        return wall_graph_launch(stream, &ops);
+    }
     for op in &ops {
         if let NodeOp::Kernel(k) = op {
             enqueue(stream, k, 0)?;
             continue;
         }
         let mut inner = lock();
-        let (sref, _, device) = inner.stream(stream)?;
+        let (sref, _, _) = inner.stream(stream)?;
         match *op {
             NodeOp::Kernel(_) => {}
             NodeOp::Memcpy { dst, src, bytes } => super::mem::replay_copy(&inner, dst, src, bytes)?,
@@ -597,17 +600,6 @@ fn graph_launch(exec: CUgraphExec, stream: CUstream) -> Result<(), CUresult> {
                 elem,
                 count,
             } => super::mem::replay_fill(&inner, dst, value, elem, count)?,
-            NodeOp::EventRecord(e) if driver::wall_timing() => {
-                let seq = device_thread(device)?.submit(Op::Record { event: e })?;
-                if let Some(ev) = inner.events.get_mut(&e) {
-                    ev.time = None;
-                    ev.captured = None;
-                    ev.pending = Some((device, seq));
-                }
-                if let Some(timeline) = inner.timeline(sref) {
-                    timeline.last_seq = seq;
-                }
-            }
             NodeOp::EventRecord(e) => {
                 let last = inner.timeline(sref).map_or(0, |t| t.last_end);
                 if let Some(ev) = inner.events.get_mut(&e) {
@@ -616,30 +608,74 @@ fn graph_launch(exec: CUgraphExec, stream: CUstream) -> Result<(), CUresult> {
                 }
             }
             NodeOp::EventWait(e) => {
-                let (time, pending) = inner
-                    .events
-                    .get(&e)
-                    .map_or((None, None), |ev| (ev.time, ev.pending));
-                match pending {
-                    // Wall timing: the same device runs its work in order.
-                    Some((event_device, seq)) if event_device != device => {
-                        let wait = device_thread(device)?.submit(Op::Wait {
+                let time = inner.events.get(&e).and_then(|ev| ev.time);
+                if let (Some(t), Some(timeline)) = (time, inner.timeline(sref)) {
+                    timeline.last_end = timeline.last_end.max(t);
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Wall timing: a graph's kernels, event records and cross-device waits
+/// reach its stream's device thread together, at the end of the launch (a
+/// GPU runs an uploaded graph from one submission); its copies and fills
+/// are made at once, as every simulated copy is.
+fn wall_graph_launch(stream: CUstream, ops: &[NodeOp]) -> Result<(), CUresult> {
+    let device = lock().stream(stream)?.2;
+    let thread = device_thread(device)?;
+    thread.wait_for_room();
+    let mut inner = lock();
+    let (sref, _, _) = inner.stream(stream)?;
+    let mut batch = Vec::with_capacity(ops.len());
+    // Each record's place in the batch, to mark the event pending once the
+    // batch has its sequence numbers.
+    let mut records = Vec::new();
+    for op in ops {
+        match *op {
+            NodeOp::Kernel(k) => batch.push(Op::Kernel {
+                duration_ns: k.duration_ns,
+            }),
+            NodeOp::Memcpy { dst, src, bytes } => super::mem::replay_copy(&inner, dst, src, bytes)?,
+            NodeOp::Memset {
+                dst,
+                value,
+                elem,
+                count,
+            } => super::mem::replay_fill(&inner, dst, value, elem, count)?,
+            NodeOp::EventRecord(e) => {
+                records.push((e, batch.len()));
+                batch.push(Op::Record { event: e });
+            }
+            NodeOp::EventWait(e) => {
+                // Work queued on one device runs in order: only another
+                // device's event needs a wait.
+                if let Some((event_device, seq)) = inner.events.get(&e).and_then(|ev| ev.pending) {
+                    if event_device != device {
+                        batch.push(Op::Wait {
                             device: event_device,
                             seq,
-                        })?;
-                        if let Some(timeline) = inner.timeline(sref) {
-                            timeline.last_seq = wait;
-                        }
-                    }
-                    Some(_) => {}
-                    None => {
-                        if let (Some(t), Some(timeline)) = (time, inner.timeline(sref)) {
-                            timeline.last_end = timeline.last_end.max(t);
-                        }
+                        });
                     }
                 }
             }
         }
+    }
+    if batch.is_empty() {
+        return Ok(());
+    }
+    let last = thread.submit_all(&batch)?;
+    let first = last + 1 - batch.len() as u64;
+    for (event, index) in records {
+        if let Some(ev) = inner.events.get_mut(&event) {
+            ev.time = None;
+            ev.captured = None;
+            ev.pending = Some((device, first + index as u64));
+        }
+    }
+    if let Some(timeline) = inner.timeline(sref) {
+        timeline.last_seq = last;
     }
     Ok(())
 }

@@ -293,19 +293,19 @@ fn wall_record(event: CUevent, stream: CUstream, external: bool) -> Result<(), C
     if let Some(id) = inner.capture_of(sref) {
         return capture_record(&mut inner, id, event, external);
     }
-    // With nothing queued and the device free, a GPU reaches the event as
-    // soon as it is recorded: it completes at once.
-    let idle = device_thread
-        .idle()
-        .filter(|_| driver::shared().is_ok_and(|shared| shared.device_idle(device)));
-    let (seq, time, pending) = match idle {
-        Some(done) => (done, Some(clock::now_ns()), None),
-        None => {
-            let seq = device_thread.submit(Op::Record {
-                event: event as u64,
-            })?;
-            (seq, None, Some((device, seq)))
-        }
+    // A GPU reaches an event once the work before it on its stream is done
+    // (other streams' work does not hold it up) and this context has the
+    // device: with both, the event completes as soon as it is recorded.
+    let last = inner.timeline(sref).map_or(0, |timeline| timeline.last_seq);
+    let idle = device_thread.is_done(last)
+        && driver::shared().is_ok_and(|shared| shared.device_idle(device));
+    let (seq, time, pending) = if idle {
+        (last, Some(clock::now_ns()), None)
+    } else {
+        let seq = device_thread.submit(Op::Record {
+            event: event as u64,
+        })?;
+        (seq, None, Some((device, seq)))
     };
     if let Some(ev) = inner.events.get_mut(&(event as u64)) {
         ev.time = time;
