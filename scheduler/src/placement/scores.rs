@@ -63,10 +63,15 @@ pub fn score_nodes(
             let Some((load, matching)) = evaluated else {
                 return 0.0;
             };
-            // The load-aware node policy scores by what the nodes measure.
-            let load = match (node_policy, snapshot.state.node(name)) {
-                (NodePolicy::LoadAware, Some(node)) => measured_load(&node.gpus, &node.usage),
-                _ => load,
+            // The load-aware node policy scores by what the nodes measure
+            // (looked up only then: thousands of nodes come with a call).
+            let load = if node_policy == NodePolicy::LoadAware {
+                snapshot
+                    .state
+                    .node(name)
+                    .map_or(load, |node| measured_load(&node.gpus, &node.usage))
+            } else {
+                load
             };
             let seed = if node_policy == NodePolicy::Random {
                 random(name)
