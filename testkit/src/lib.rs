@@ -10,8 +10,10 @@ pub mod compute;
 pub mod decisions;
 pub mod extender_client;
 pub mod fake_api;
+pub mod fault_proxy;
 pub mod kube;
 pub mod namespaces;
+pub mod pending_pods;
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
