@@ -238,15 +238,23 @@ async fn unknown_nodes_in_bind_are_refused() {
     assert!(h.api.pod("p").await.expect("pod")["spec"]["nodeName"].is_null());
 }
 
-/// On the fake: a list held back long enough to be asked while it is
-/// missing is a fault a real API server does not produce on demand.
+/// Through the fault proxy: lists held back until the extender has been
+/// asked while they are missing, a fault a real API server does not
+/// produce on demand.
 #[tokio::test]
 async fn nothing_is_decided_before_the_first_complete_list() {
-    let api = FakeApi::start().await;
-    api.put_node(node("n1", &[gpu("NVIDIA A10", 24)]));
-    api.put_lease(node_lease("n1", LONG_LEASE_SECONDS));
-    api.set_list_delay(Duration::from_millis(700));
-    let running = start_extender(&test_config(), &ApiSource::Url(api.url.clone()), None).await;
+    let (_server, client) = real_api_server().await;
+    let api = Api::new(client.clone());
+    api.put_node(node("n1", &[gpu("NVIDIA A10", 24)])).await;
+    api.put_lease("n1", LONG_LEASE_SECONDS).await;
+    let proxy = FaultProxy::start(client).await;
+    let lists = vgpu_testkit::fault_proxy::Gate::new();
+    proxy.inject(Fault::new(
+        Verb::List,
+        vgpu_testkit::fault_proxy::ANYTHING,
+        Action::Hold(lists.clone()),
+    ));
+    let running = start_extender(&test_config(), &proxy.source(), None).await;
     let client = ExtenderClient::new(running.local_addr);
     let (status, _) = client.get("/readyz").await.expect("readyz");
     assert_eq!(status, 503);
@@ -262,6 +270,7 @@ async fn nothing_is_decided_before_the_first_complete_list() {
         error_of(&reply),
         "vgpu-scheduler is still listing pods and nodes from the Kubernetes API; retry shortly"
     );
+    lists.open();
     assert!(running.wait_ready(Duration::from_secs(10)).await);
     let (status, _) = client.get("/readyz").await.expect("readyz");
     assert_eq!(status, 200);

@@ -1,7 +1,7 @@
-//! Test clusters: a real Kubernetes API server (or, for the faults only it
-//! can inject, the shared fake), an extender fed by it over HTTP, pods and
-//! nodes made from the recorded fixtures, and kube-scheduler's side of the
-//! extender protocol.
+//! Test clusters: a real Kubernetes API server (for the faults a real
+//! server shows only by chance, with the fault proxy of testkit in front
+//! of it), an extender fed by it over HTTP, pods and nodes made from the
+//! recorded fixtures, and kube-scheduler's side of the extender protocol.
 
 use k8s_openapi::api::coordination::v1::Lease;
 use k8s_openapi::api::core::v1::{Namespace, Node, Pod};
@@ -26,8 +26,11 @@ use vgpu_scheduler::extender::Config;
 use vgpu_scheduler::Running;
 pub use vgpu_testkit::decisions::{allocated_of, decision_of, node_name_of};
 use vgpu_testkit::extender_client::ExtenderClient;
-pub use vgpu_testkit::fake_api::FakeApi;
+pub use vgpu_testkit::fault_proxy::{
+    pod_binding, pod_named, Action, Fault, FaultProxy, Verb, ANY_POD, ANY_POD_BINDING,
+};
 use vgpu_testkit::kube::ApiServer;
+pub use vgpu_testkit::pending_pods::PendingPods;
 
 /// The namespace of every test pod.
 pub const NAMESPACE: &str = "ml-team";
@@ -222,13 +225,13 @@ pub fn version_of(pod: &Value) -> u64 {
         .unwrap_or(0)
 }
 
-/// The API the extender watches, as the test reads and writes it: the
-/// real API server (through a client) or the shared fake (in memory).
+/// The API the extender watches, as the test reads and writes it: a
+/// client of the real API server, straight to it (never through the
+/// fault proxy, so the proxy counts only the extender's requests).
 /// Cheap to clone, for tasks that play the device plugin or heartbeats.
 #[derive(Clone)]
-pub enum Api {
-    Real(kube::Client),
-    Fake(Arc<FakeApi>),
+pub struct Api {
+    client: kube::Client,
 }
 
 /// An object as the API server would want it created or applied: the
@@ -260,16 +263,17 @@ fn is_not_found(error: &kube::Error) -> bool {
 }
 
 impl Api {
-    fn pod_api(client: &kube::Client) -> kube::Api<Pod> {
-        kube::Api::namespaced(client.clone(), NAMESPACE)
+    pub fn new(client: kube::Client) -> Self {
+        Self { client }
     }
 
-    /// The fake, for the tests that inject its faults.
-    pub fn fake(&self) -> &Arc<FakeApi> {
-        match self {
-            Self::Fake(fake) => fake,
-            Self::Real(_) => panic!("this test runs on the real API server, which has no faults"),
-        }
+    /// The client of the real API server.
+    pub fn client(&self) -> &kube::Client {
+        &self.client
+    }
+
+    fn pod_api(&self) -> kube::Api<Pod> {
+        kube::Api::namespaced(self.client.clone(), NAMESPACE)
     }
 
     /// Creates or replaces a node (server-side apply: annotations the new
@@ -277,92 +281,70 @@ impl Api {
     /// (a real server takes a node's status only through the status
     /// subresource); returns its new resource version.
     pub async fn put_node(&self, node: Value) -> u64 {
-        match self {
-            Self::Fake(fake) => fake.put_node(node),
-            Self::Real(client) => {
-                let name = node["metadata"]["name"]
-                    .as_str()
-                    .expect("node name")
-                    .to_string();
-                let mut node = for_create(node);
-                node["apiVersion"] = json!("v1");
-                node["kind"] = json!("Node");
-                let status = node
-                    .as_object_mut()
-                    .and_then(|fields| fields.remove("status"));
-                let nodes = kube::Api::<Node>::all(client.clone());
-                let apply = PatchParams::apply("vgpu-test").force();
-                let mut applied = nodes
-                    .patch(&name, &apply, &Patch::Apply(&node))
-                    .await
-                    .unwrap_or_else(|e| panic!("apply node {name}: {e}"));
-                if let Some(status) = status {
-                    let status = json!({
-                        "apiVersion": "v1", "kind": "Node",
-                        "metadata": { "name": name }, "status": status
-                    });
-                    applied = nodes
-                        .patch_status(&name, &apply, &Patch::Apply(&status))
-                        .await
-                        .unwrap_or_else(|e| panic!("apply the status of node {name}: {e}"));
-                }
-                version_of_object(&applied)
-            }
+        let name = node["metadata"]["name"]
+            .as_str()
+            .expect("node name")
+            .to_string();
+        let mut node = for_create(node);
+        node["apiVersion"] = json!("v1");
+        node["kind"] = json!("Node");
+        let status = node
+            .as_object_mut()
+            .and_then(|fields| fields.remove("status"));
+        let nodes = kube::Api::<Node>::all(self.client.clone());
+        let apply = PatchParams::apply("vgpu-test").force();
+        let mut applied = nodes
+            .patch(&name, &apply, &Patch::Apply(&node))
+            .await
+            .unwrap_or_else(|e| panic!("apply node {name}: {e}"));
+        if let Some(status) = status {
+            let status = json!({
+                "apiVersion": "v1", "kind": "Node",
+                "metadata": { "name": name }, "status": status
+            });
+            applied = nodes
+                .patch_status(&name, &apply, &Patch::Apply(&status))
+                .await
+                .unwrap_or_else(|e| panic!("apply the status of node {name}: {e}"));
         }
+        version_of_object(&applied)
     }
 
     /// Creates or renews the Lease of `node`'s device plugin.
     pub async fn put_lease(&self, node: &str, duration_seconds: u32) {
         let lease = node_lease(node, duration_seconds);
-        match self {
-            Self::Fake(fake) => {
-                fake.put_lease(lease);
-            }
-            Self::Real(client) => {
-                kube::Api::<Lease>::namespaced(client.clone(), NODE_LEASE_NAMESPACE)
-                    .patch(
-                        &lease_name(node),
-                        &PatchParams::apply("vgpu-test").force(),
-                        &Patch::Apply(&lease),
-                    )
-                    .await
-                    .unwrap_or_else(|e| panic!("apply the Lease of {node}: {e}"));
-            }
-        }
+        kube::Api::<Lease>::namespaced(self.client.clone(), NODE_LEASE_NAMESPACE)
+            .patch(
+                &lease_name(node),
+                &PatchParams::apply("vgpu-test").force(),
+                &Patch::Apply(&lease),
+            )
+            .await
+            .unwrap_or_else(|e| panic!("apply the Lease of {node}: {e}"));
     }
 
     /// Deletes a node; says whether it was there. (A real server answers
     /// a node's deletion with a `Status`, not the object and its last
     /// resource version.)
     pub async fn delete_node(&self, name: &str) -> bool {
-        match self {
-            Self::Fake(fake) => fake.delete_node(name).is_some(),
-            Self::Real(client) => {
-                match kube::Api::<Node>::all(client.clone())
-                    .delete(name, &DeleteParams::default())
-                    .await
-                {
-                    Ok(_) => true,
-                    Err(e) if is_not_found(&e) => false,
-                    Err(e) => panic!("delete node {name}: {e}"),
-                }
-            }
+        match kube::Api::<Node>::all(self.client.clone())
+            .delete(name, &DeleteParams::default())
+            .await
+        {
+            Ok(_) => true,
+            Err(e) if is_not_found(&e) => false,
+            Err(e) => panic!("delete node {name}: {e}"),
         }
     }
 
     /// Creates a pod, or says why the API server refuses it.
     pub async fn try_create_pod(&self, pod: Value) -> Result<Value, String> {
-        match self {
-            Self::Fake(fake) => Ok(fake.create_pod(pod)),
-            Self::Real(client) => {
-                let pod: Pod = serde_json::from_value(for_create(pod)).expect("a Pod");
-                Self::pod_api(client)
-                    .create(&PostParams::default(), &pod)
-                    .await
-                    .map(|created| to_value(&created))
-                    .map_err(|e| e.to_string())
-            }
-        }
+        let pod: Pod = serde_json::from_value(for_create(pod)).expect("a Pod");
+        self.pod_api()
+            .create(&PostParams::default(), &pod)
+            .await
+            .map(|created| to_value(&created))
+            .map_err(|e| e.to_string())
     }
 
     /// Creates a pod; returns it as the API server stored it (its UID and
@@ -377,19 +359,14 @@ impl Api {
     /// Deletes a pod at once (no kubelet is there to finish a graceful
     /// deletion); returns the resource version of the deletion.
     pub async fn delete_pod(&self, name: &str) -> Option<u64> {
-        match self {
-            Self::Fake(fake) => fake.delete_pod(NAMESPACE, name),
-            Self::Real(client) => {
-                let now = DeleteParams {
-                    grace_period_seconds: Some(0),
-                    ..DeleteParams::default()
-                };
-                match Self::pod_api(client).delete(name, &now).await {
-                    Ok(deleted) => deleted.left().map(|pod| version_of_object(&pod)),
-                    Err(e) if is_not_found(&e) => None,
-                    Err(e) => panic!("delete pod {name}: {e}"),
-                }
-            }
+        let now = DeleteParams {
+            grace_period_seconds: Some(0),
+            ..DeleteParams::default()
+        };
+        match self.pod_api().delete(name, &now).await {
+            Ok(deleted) => deleted.left().map(|pod| version_of_object(&pod)),
+            Err(e) if is_not_found(&e) => None,
+            Err(e) => panic!("delete pod {name}: {e}"),
         }
     }
 
@@ -398,110 +375,70 @@ impl Api {
     /// takes the phase only through the status subresource). Returns the
     /// new resource version, `None` for a pod without a decision.
     pub async fn mark_allocated(&self, name: &str) -> Option<u64> {
-        match self {
-            Self::Fake(fake) => fake.mark_allocated(NAMESPACE, name),
-            Self::Real(client) => {
-                let pod = self.pod(name).await?;
-                let decision = decision_of(&pod)?;
-                let names: Vec<String> =
-                    decision.containers.iter().map(|c| c.name.clone()).collect();
-                let record = json!({ "metadata": { "annotations": {
-                    ALLOCATED_ANNOTATION: serde_json::to_string(&names).expect("names"),
-                } } });
-                let pods = Self::pod_api(client);
-                pods.patch(name, &PatchParams::default(), &Patch::Merge(&record))
-                    .await
-                    .unwrap_or_else(|e| panic!("record the allocation of {name}: {e}"));
-                Some(self.set_phase(name, "Running").await)
-            }
-        }
+        let pod = self.pod(name).await?;
+        let decision = decision_of(&pod)?;
+        let names: Vec<String> = decision.containers.iter().map(|c| c.name.clone()).collect();
+        let record = json!({ "metadata": { "annotations": {
+            ALLOCATED_ANNOTATION: serde_json::to_string(&names).expect("names"),
+        } } });
+        self.pod_api()
+            .patch(name, &PatchParams::default(), &Patch::Merge(&record))
+            .await
+            .unwrap_or_else(|e| panic!("record the allocation of {name}: {e}"));
+        Some(self.set_phase(name, "Running").await)
     }
 
     /// Sets the pod's `status.phase` as kubelet would; returns the new
     /// resource version.
     pub async fn set_phase(&self, name: &str, phase: &str) -> u64 {
-        match self {
-            Self::Fake(fake) => {
-                let pod = fake
-                    .update_pod(NAMESPACE, name, |pod| pod["status"]["phase"] = json!(phase))
-                    .expect("pod exists");
-                version_of(&pod)
-            }
-            Self::Real(client) => {
-                let pod = vgpu_testkit::kube::set_pod_phase(client, NAMESPACE, name, phase).await;
-                version_of_object(&pod)
-            }
-        }
+        let pod = vgpu_testkit::kube::set_pod_phase(&self.client, NAMESPACE, name, phase).await;
+        version_of_object(&pod)
     }
 
     /// Binds a pod as kube-scheduler would without the extender (the
     /// binding subresource: a real server sets `spec.nodeName` no other
     /// way once the pod exists).
     pub async fn bind_directly(&self, name: &str, node: &str) {
-        match self {
-            Self::Fake(fake) => {
-                fake.update_pod(NAMESPACE, name, |pod| pod["spec"]["nodeName"] = json!(node))
-                    .expect("pod exists");
-            }
-            Self::Real(client) => {
-                vgpu_testkit::kube::bind_pod(client, NAMESPACE, name, node).await;
-            }
-        }
+        vgpu_testkit::kube::bind_pod(&self.client, NAMESPACE, name, node).await;
     }
 
     pub async fn pod(&self, name: &str) -> Option<Value> {
-        match self {
-            Self::Fake(fake) => fake.pod(NAMESPACE, name),
-            Self::Real(client) => match Self::pod_api(client).get(name).await {
-                Ok(pod) => Some(to_value(&pod)),
-                Err(e) if is_not_found(&e) => None,
-                Err(e) => panic!("read pod {name}: {e}"),
-            },
+        match self.pod_api().get(name).await {
+            Ok(pod) => Some(to_value(&pod)),
+            Err(e) if is_not_found(&e) => None,
+            Err(e) => panic!("read pod {name}: {e}"),
         }
     }
 
     /// Every test pod.
     pub async fn pods(&self) -> Vec<Value> {
-        match self {
-            Self::Fake(fake) => fake.pods(),
-            Self::Real(client) => Self::pod_api(client)
-                .list(&ListParams::default())
-                .await
-                .expect("list pods")
-                .items
-                .iter()
-                .map(to_value)
-                .collect(),
-        }
+        self.pod_api()
+            .list(&ListParams::default())
+            .await
+            .expect("list pods")
+            .items
+            .iter()
+            .map(to_value)
+            .collect()
     }
 
     pub async fn node(&self, name: &str) -> Option<Value> {
-        match self {
-            Self::Fake(fake) => fake.node(name),
-            Self::Real(client) => match kube::Api::<Node>::all(client.clone()).get(name).await {
-                Ok(node) => Some(to_value(&node)),
-                Err(e) if is_not_found(&e) => None,
-                Err(e) => panic!("read node {name}: {e}"),
-            },
+        match kube::Api::<Node>::all(self.client.clone()).get(name).await {
+            Ok(node) => Some(to_value(&node)),
+            Err(e) if is_not_found(&e) => None,
+            Err(e) => panic!("read node {name}: {e}"),
         }
     }
 
     pub async fn nodes(&self) -> Vec<Value> {
-        match self {
-            Self::Fake(fake) => fake
-                .node_names()
-                .iter()
-                .filter_map(|name| fake.node(name))
-                .collect(),
-            Self::Real(client) => kube::Api::<Node>::all(client.clone())
-                .list(&ListParams::default())
-                .await
-                .expect("list nodes")
-                .items
-                .iter()
-                .map(to_value)
-                .collect(),
-        }
+        kube::Api::<Node>::all(self.client.clone())
+            .list(&ListParams::default())
+            .await
+            .expect("list nodes")
+            .items
+            .iter()
+            .map(to_value)
+            .collect()
     }
 
     pub async fn node_names(&self) -> Vec<String> {
@@ -513,15 +450,18 @@ impl Api {
     }
 }
 
-/// An extender watching an API: a real API server of its own, or the fake.
+/// An extender watching a real API server of its own, directly or
+/// through the fault proxy.
 pub struct Harness {
     pub api: Api,
     pub config: Config,
     pub running: Option<Running>,
     pub client: Arc<ExtenderClient>,
     source: ApiSource,
+    /// The proxy the extender talks through, for a fault test.
+    proxy: Option<Arc<FaultProxy>>,
     /// Dropped last: the extender is stopped before its API server.
-    _server: Option<RealServer>,
+    _server: RealServer,
 }
 
 pub fn test_config() -> Config {
@@ -609,30 +549,33 @@ impl Harness {
     pub async fn start(config: Config) -> Self {
         let (server, client) = real_api_server().await;
         let source = ApiSource::Kubeconfig(server.kubeconfig().to_path_buf());
-        Self::launch_on(config, Api::Real(client), source, Some(server)).await
+        Self::launch_on(config, client, source, None, server).await
     }
 
-    /// An extender on the shared fake, for a test that injects one of its
-    /// faults.
-    pub async fn start_on_fake(config: Config) -> Self {
-        let fake = FakeApi::start().await;
-        let source = ApiSource::Url(fake.url.clone());
-        Self::launch_on(config, Api::Fake(fake), source, None).await
+    /// An extender on a real API server of its own, through the fault
+    /// proxy, for a test that injects faults.
+    pub async fn start_behind_proxy(config: Config) -> Self {
+        let (server, client) = real_api_server().await;
+        let proxy = FaultProxy::start(client.clone()).await;
+        let source = proxy.source();
+        Self::launch_on(config, client, source, Some(proxy), server).await
     }
 
     async fn launch_on(
         config: Config,
-        api: Api,
+        client: kube::Client,
         source: ApiSource,
-        server: Option<RealServer>,
+        proxy: Option<Arc<FaultProxy>>,
+        server: RealServer,
     ) -> Self {
-        let (running, client) = Self::launch(&config, &source).await;
+        let (running, extender) = Self::launch(&config, &source).await;
         Self {
-            api,
+            api: Api::new(client),
             config,
             running: Some(running),
-            client,
+            client: extender,
             source,
+            proxy,
             _server: server,
         }
     }
@@ -647,9 +590,11 @@ impl Harness {
         (running, client)
     }
 
-    /// The shared fake (for a fault test).
-    pub fn fake(&self) -> &Arc<FakeApi> {
-        self.api.fake()
+    /// The fault proxy the extender talks through.
+    pub fn proxy(&self) -> &Arc<FaultProxy> {
+        self.proxy
+            .as_ref()
+            .expect("this harness was started without the fault proxy (start_behind_proxy)")
     }
 
     /// Stops the extender as a crash would and starts a fresh one (new
@@ -883,7 +828,7 @@ impl Drop for Harness {
         if let Some(running) = self.running.take() {
             running.stop();
         }
-        // The API server (if any) stops when `server` drops, after this.
+        // The API server stops when `_server` drops, after this.
     }
 }
 

@@ -448,14 +448,18 @@ async fn bind_refusals() {
     );
 }
 
-/// On the fake: an API server that refuses a binding (500) is a fault a
-/// real one does not produce on demand.
+/// Through the fault proxy: an API server that refuses a binding (500) is
+/// a fault a real one does not produce on demand.
 #[tokio::test]
 async fn a_binding_the_api_refuses_takes_the_decision_back() {
-    let h = Harness::start_on_fake(test_config()).await;
+    let h = Harness::start_behind_proxy(test_config()).await;
     h.put_node(node("n2", &[gpu("NVIDIA A10", 24)])).await;
     // The decision is taken back and the node is free at once.
-    h.fake().fail_binding("refused");
+    h.proxy().inject(Fault::new(
+        Verb::Create,
+        pod_binding("refused"),
+        Action::internal_error("injected binding failure"),
+    ));
     let refused = h
         .create_pod(pod("refused", &[vgpu("main", 1, 1024, 10)], &[]))
         .await;
@@ -466,7 +470,11 @@ async fn a_binding_the_api_refuses_takes_the_decision_back() {
             .contains("binding pod ml-team/refused to node n2 failed"),
         "{result:?}"
     );
-    assert_eq!(h.fake().counters().bindings, 1, "the binding was tried");
+    assert_eq!(
+        h.proxy().count(Verb::Create, ANY_POD_BINDING),
+        1,
+        "the binding was tried"
+    );
     assert!(h.decision(&refused).await.is_none(), "decision removed");
     let next = h
         .create_pod(pod("next", &[vgpu("main", 1, 1024, 10)], &[]))
@@ -479,11 +487,11 @@ async fn a_binding_the_api_refuses_takes_the_decision_back() {
     );
 }
 
-/// On the fake: a write between the extender's read and its conditional
-/// write is a race a real API server shows only by chance.
+/// Through the fault proxy: a write between the extender's read and its
+/// conditional write is a race a real API server shows only by chance.
 #[tokio::test]
 async fn a_pod_changed_before_the_decision_is_written_is_decided_again() {
-    let h = Harness::start_on_fake(test_config()).await;
+    let h = Harness::start_behind_proxy(test_config()).await;
     h.put_node(node("n1", &[gpu("NVIDIA A10", 24), gpu("NVIDIA A10", 24)]))
         .await;
     let p = h
@@ -491,12 +499,15 @@ async fn a_pod_changed_before_the_decision_is_written_is_decided_again() {
         .await;
     // Between the extender's read and its write, someone pins the pod to GPU 1.
     let pinned = uuid("n1", 1);
-    h.fake()
-        .touch_before_next_patch("moving", &[("nvidia.com/use-gpuuuid", pinned.as_str())]);
+    let touch = serde_json::json!({ "metadata": { "annotations": {
+        "nvidia.com/use-gpuuuid": pinned,
+    } } });
+    h.proxy()
+        .inject(Fault::new(Verb::Patch, pod_named("moving"), Action::ChangeFirst(touch)).times(1));
     let result = h.bind(&p, "n1").await;
     assert!(result.error.is_empty(), "{result:?}");
     assert_eq!(
-        h.fake().counters().conflicts,
+        h.proxy().count_answered(Verb::Patch, ANY_POD, 409),
         1,
         "the first write was refused"
     );

@@ -81,20 +81,27 @@ async fn decided(h: &Harness, pod: &serde_json::Value) {
     }
 }
 
-/// On the fake: a binding held long enough to crash the extender during
-/// it is a fault a real API server does not produce on demand.
+/// Through the fault proxy: a binding held long enough to crash the
+/// extender during it is a fault a real API server does not produce on
+/// demand. The protocol's invariant is checked at every pod version the
+/// real server stores.
 #[tokio::test]
 async fn a_bind_cut_off_by_a_restart_still_holds_its_node_until_retried() {
-    let mut h = Harness::start_on_fake(Config {
+    let mut h = Harness::start_behind_proxy(Config {
         bind_wait: Duration::from_millis(300),
         ..test_config()
     })
     .await;
+    let pending = PendingPods::watch(h.api.client().clone(), NAMESPACE).await;
     h.put_node(node("n1", &[gpu("NVIDIA A10", 24)])).await;
     let cut = h
         .create_pod(pod("cut", &[vgpu("main", 1, 4096, 10)], &[]))
         .await;
-    h.fake().set_binding_delay(Duration::from_millis(400));
+    let delay = h.proxy().inject(Fault::new(
+        Verb::Create,
+        ANY_POD_BINDING,
+        Action::Delay(Duration::from_millis(400)),
+    ));
     let client = h.client.clone();
     let body = serde_json::json!({
         "PodName": "cut", "PodNamespace": "ml-team", "PodUID": uid_of(&cut), "Node": "n1"
@@ -105,7 +112,7 @@ async fn a_bind_cut_off_by_a_restart_still_holds_its_node_until_retried() {
     // mid-binding.
     decided(&h, &cut).await;
     h.restart().await;
-    h.fake().set_binding_delay(Duration::ZERO);
+    h.proxy().remove(delay);
     assert!(
         interrupted.await.expect("task").is_err(),
         "the old extender is gone"
@@ -129,23 +136,26 @@ async fn a_bind_cut_off_by_a_restart_still_holds_its_node_until_retried() {
     }
     h.allocate(&cut).await;
     assert!(h.bind(&other, "n1").await.error.is_empty());
-    assert!(
-        h.fake().violations().is_empty(),
-        "{:?}",
-        h.fake().violations()
-    );
+    let last = version_of(&h.api.pod("other").await.expect("pod"));
+    let violations = pending.violations_through(last).await;
+    assert!(violations.is_empty(), "{violations:?}");
 }
 
-/// On the fake: a binding held long enough to stop the extender during
-/// it is a fault a real API server does not produce on demand.
+/// Through the fault proxy: a binding held long enough to stop the
+/// extender during it is a fault a real API server does not produce on
+/// demand.
 #[tokio::test]
 async fn a_stopping_extender_lets_binds_in_flight_finish() {
-    let mut h = Harness::start_on_fake(test_config()).await;
+    let mut h = Harness::start_behind_proxy(test_config()).await;
     h.put_node(node("n1", &[gpu("NVIDIA A10", 24)])).await;
     let p = h
         .create_pod(pod("late-bind", &[vgpu("main", 1, 1024, 10)], &[]))
         .await;
-    h.fake().set_binding_delay(Duration::from_millis(300));
+    h.proxy().inject(Fault::new(
+        Verb::Create,
+        ANY_POD_BINDING,
+        Action::Delay(Duration::from_millis(300)),
+    ));
     let client = h.client.clone();
     let body = serde_json::json!({
         "PodName": "late-bind", "PodNamespace": "ml-team", "PodUID": uid_of(&p), "Node": "n1"

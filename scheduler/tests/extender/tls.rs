@@ -62,7 +62,7 @@ async fn https(
 #[tokio::test]
 async fn serves_https_with_the_given_certificate() {
     let (server, client) = real_api_server().await;
-    let api = Api::Real(client);
+    let api = Api::new(client);
     api.put_node(node("gpu-node-1", &[gpu("NVIDIA A10", 24)]))
         .await;
     api.put_node(node("gpu-node-2", &[gpu("NVIDIA A10", 24)]))
@@ -103,7 +103,7 @@ async fn serves_https_with_the_given_certificate() {
 #[tokio::test]
 async fn plain_http_for_kube_scheduler_beside_https_for_webhooks() {
     let (server, client) = real_api_server().await;
-    let api = Api::Real(client);
+    let api = Api::new(client);
     api.put_node(node("gpu-node-1", &[gpu("NVIDIA A10", 24)]))
         .await;
     api.put_lease("gpu-node-1", LONG_LEASE_SECONDS).await;
