@@ -2,47 +2,43 @@
 //! the pod keeps changing (409 Conflict on the resource-version
 //! precondition): the plugin reads the pod again and retries, and gives up
 //! with `Aborted` after its attempts. A real API server answers 409 only
-//! when another writer happens to get in between, so these tests run on
-//! the shared fake, which refuses the next patches on cue
-//! ([`FakeApi::inject_conflicts`]); the same holds for a write stored while
-//! its answer was lost to a stopping server ([`FakeApi::lose_patch_answers`]),
-//! which the plugin must recognise as its own. The plugin runs in-process on a fixed
-//! GPU list against a fake kubelet (real gRPC over unix sockets).
+//! when another writer happens to get in between, so the plugin talks to
+//! the real server through the fault proxy, which refuses the next patches
+//! on cue ([`Action::conflict`]); the same holds for a write stored while
+//! its answer was lost to a stopping server ([`Action::LoseAnswer`]),
+//! which the plugin must recognise as its own. The plugin runs in-process
+//! on a fixed GPU list against a fake kubelet (real gRPC over unix
+//! sockets).
 
-// Only the fake kubelet of the shared test support: the rest of it is
-// about the real API server.
-#[allow(dead_code)]
-#[path = "support/kubelet.rs"]
-mod kubelet;
+mod support;
 
 use k8s_openapi::api::core::v1::Pod;
-use kubelet::{gpus, FakeKubelet, PluginConn};
-use serde_json::{json, Value};
+use serde_json::json;
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
+use support::kubelet::{self, gpus, FakeKubelet, PluginConn};
+use support::{ControlPlane, GIB, NAMESPACE, RESOURCE};
 use tokio::sync::watch;
 use vgpu_cluster::decision::{
-    parse_allocated, ContainerDecision, Decision, DeviceGrant, ALLOCATED_ANNOTATION,
-    DECISION_ANNOTATION, FORMAT_VERSION,
+    ContainerDecision, Decision, DeviceGrant, DECISION_ANNOTATION, FORMAT_VERSION,
 };
-use vgpu_device_plugin::cluster::{make_client, ApiSource};
+use vgpu_device_plugin::cluster::make_client;
 use vgpu_device_plugin::health::{HealthTracker, ManualHealth};
-use vgpu_testkit::fake_api::FakeApi;
+use vgpu_testkit::fault_proxy::{Action, Fault, FaultId, FaultProxy, Verb, ANY_POD};
 
 const WAIT: Duration = Duration::from_secs(10);
-const RESOURCE: &str = "nvidia.com/gpu";
-const NAMESPACE: &str = "default";
 const NODE: &str = "node-c";
-const GIB: u64 = 1 << 30;
 /// The plugin's attempts at recording one allocation (`MAX_ATTEMPTS` in
 /// its service).
-const ATTEMPTS: u64 = 5;
+const ATTEMPTS: usize = 5;
 
-/// The plugin on `NODE`, a fake kubelet it registered with, and a
-/// connection from that kubelet with the full device list in.
+/// The plugin on `NODE` (talking to a real API server through the fault
+/// proxy), a fake kubelet it registered with, and a connection from that
+/// kubelet with the full device list in.
 struct Node {
-    api: Arc<FakeApi>,
+    api: ControlPlane,
+    proxy: Arc<FaultProxy>,
     dir: PathBuf,
     conn: PluginConn,
     // Kept for their lifetime: the kubelet serving the plugin's
@@ -61,16 +57,15 @@ impl Drop for Node {
 
 impl Node {
     async fn start(name: &str) -> Self {
-        let api = FakeApi::start().await;
-        api.add_node(NODE);
+        let api = ControlPlane::start().await;
+        api.add_node(NODE).await;
+        let proxy = FaultProxy::start(api.client.clone()).await;
         let dir = vgpu_testkit::unique_temp_dir(name);
         let plugin_dir = dir.join("device-plugins");
         std::fs::create_dir_all(&plugin_dir).expect("dirs");
         let config = kubelet::in_process_config(NODE, &dir, RESOURCE);
         let (source, _health) = ManualHealth::new(HealthTracker::new([13], Some(Duration::ZERO)));
-        let client = make_client(&ApiSource::Url(api.url.clone()))
-            .await
-            .expect("client");
+        let client = make_client(&proxy.source()).await.expect("client");
         let (stop, shutdown) = watch::channel(false);
         let task = tokio::spawn(vgpu_device_plugin::run(
             config,
@@ -85,6 +80,7 @@ impl Node {
         conn.wait_devices(WAIT, |list| list.len() == 20).await;
         Self {
             api,
+            proxy,
             dir,
             conn,
             _kubelet: kubelet,
@@ -95,7 +91,7 @@ impl Node {
 
     /// A pod of one container asking for one GPU, decided onto GPU 0 of
     /// `NODE` by the extender, bound there and waiting for kubelet.
-    fn pending_pod(&self, name: &str, container: &str) -> Pod {
+    async fn pending_pod(&self, name: &str, container: &str) -> Pod {
         let decision = Decision {
             version: FORMAT_VERSION,
             node: NODE.into(),
@@ -112,7 +108,8 @@ impl Node {
                 priority: None,
             }],
         };
-        let pod = self.api.create_pod(json!({
+        // Created bound (a real server takes `spec.nodeName` on create).
+        let pod: Pod = serde_json::from_value(json!({
             "apiVersion": "v1",
             "kind": "Pod",
             "metadata": {
@@ -128,38 +125,48 @@ impl Node {
                     "resources": { "limits": { RESOURCE: "1" } },
                 }],
             },
-            "status": { "phase": "Pending" },
-        }));
-        serde_json::from_value(pod).expect("a Pod")
+        }))
+        .expect("a Pod");
+        self.api.add_pod(pod).await
     }
 
     /// The containers the plugin recorded as allocated.
-    fn allocated(&self, name: &str) -> Vec<String> {
-        let pod: Value = self.api.pod(NAMESPACE, name).expect("pod exists");
-        pod["metadata"]["annotations"][ALLOCATED_ANNOTATION]
-            .as_str()
-            .map(|text| parse_allocated(text).expect("allocated record parses"))
-            .unwrap_or_default()
+    async fn allocated(&self, name: &str) -> Vec<String> {
+        self.api.allocated(name).await
+    }
+
+    /// The pod patches the plugin sent, and those answered 409.
+    fn patches(&self) -> (usize, usize) {
+        (
+            self.proxy.count(Verb::Patch, ANY_POD),
+            self.proxy.count_answered(Verb::Patch, ANY_POD, 409),
+        )
+    }
+
+    /// Refuses the plugin's next `count` pod patches with 409 Conflict.
+    fn inject_conflicts(&self, count: usize) -> FaultId {
+        self.proxy
+            .inject(Fault::new(Verb::Patch, ANY_POD, Action::conflict()).times(count))
     }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn allocate_reads_the_pod_again_after_a_conflict_and_succeeds() {
     let mut node = Node::start("plugin-conflicts-retry").await;
-    let pod = node.pending_pod("train", "main");
-    let before = node.api.counters();
+    let pod = node.pending_pod("train", "main").await;
+    let (patches, conflicts) = node.patches();
     // Two writes refused: the plugin reads the pod again each time and the
     // third write goes through.
-    node.api.inject_conflicts(2);
+    node.inject_conflicts(2);
     let answers = node.conn.admit(&pod, RESOURCE).await.expect("admitted");
-    let counters = node.api.counters();
-    assert_eq!(counters.conflicts - before.conflicts, 2);
+    let (patches_now, conflicts_now) = node.patches();
+    assert_eq!(conflicts_now - conflicts, 2);
     assert_eq!(
-        counters.patches - before.patches,
+        patches_now - patches,
         3,
         "two refused writes and the one that went through"
     );
-    assert_eq!(node.allocated("train"), vec!["main"]);
+    assert_eq!(node.allocated("train").await, vec!["main"]);
     let (name, ids, answer) = &answers[0];
     assert_eq!(name, "main");
     let gpu0 = &gpus()[0].uuid;
@@ -175,21 +182,23 @@ async fn allocate_reads_the_pod_again_after_a_conflict_and_succeeds() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_record_stored_while_its_answer_was_lost_counts_as_written() {
     let mut node = Node::start("plugin-conflicts-lost-answer").await;
-    let pod = node.pending_pod("serve", "main");
-    let before = node.api.counters();
+    let pod = node.pending_pod("serve", "main").await;
+    let (patches, conflicts) = node.patches();
     // The write is stored, but the answer is a 503 (the API server going
     // down); the plugin asks again with the same precondition, which now
-    // conflicts with its own stored write.
-    node.api.lose_patch_answers(1);
+    // conflicts with its own stored write (a real 409 of the real server).
+    node.proxy
+        .inject(Fault::new(Verb::Patch, ANY_POD, Action::LoseAnswer).times(1));
     let answers = node.conn.admit(&pod, RESOURCE).await.expect("admitted");
-    let counters = node.api.counters();
+    let (patches_now, conflicts_now) = node.patches();
+    assert_eq!(patches_now - patches, 2, "the write and its retry");
+    assert_eq!(conflicts_now - conflicts, 1);
     assert_eq!(
-        counters.patches - before.patches,
-        2,
-        "the write and its retry"
+        node.proxy.count_answered(Verb::Patch, ANY_POD, 503),
+        1,
+        "the stored write's answer was lost"
     );
-    assert_eq!(counters.conflicts - before.conflicts, 1);
-    assert_eq!(node.allocated("serve"), vec!["main"]);
+    assert_eq!(node.allocated("serve").await, vec!["main"]);
     assert_eq!(answers[0].2.envs["NVIDIA_VISIBLE_DEVICES"], gpus()[0].uuid);
     assert_eq!(answers[0].2.envs["CUDA_DEVICE_MEMORY_LIMIT_0"], "1024m");
 }
@@ -197,11 +206,11 @@ async fn a_record_stored_while_its_answer_was_lost_counts_as_written() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn allocate_is_aborted_while_the_pod_keeps_changing() {
     let mut node = Node::start("plugin-conflicts-abort").await;
-    node.pending_pod("infer", "server");
-    let before = node.api.counters();
+    node.pending_pod("infer", "server").await;
+    let (patches, conflicts) = node.patches();
     // Every write refused: after its attempts the plugin gives up, with
     // Aborted (kubelet fails the container, and the pod is retried).
-    node.api.inject_conflicts(100);
+    let refusing = node.inject_conflicts(100);
     let error = node.conn.allocate_one(1).await.expect_err("conflicts");
     assert_eq!(error.code(), tonic::Code::Aborted, "{}", error.message());
     assert!(
@@ -211,13 +220,13 @@ async fn allocate_is_aborted_while_the_pod_keeps_changing() {
         "{}",
         error.message()
     );
-    let counters = node.api.counters();
-    assert_eq!(counters.patches - before.patches, ATTEMPTS);
-    assert_eq!(counters.conflicts - before.conflicts, ATTEMPTS);
-    assert!(node.allocated("infer").is_empty(), "nothing recorded");
+    let (patches_now, conflicts_now) = node.patches();
+    assert_eq!(patches_now - patches, ATTEMPTS);
+    assert_eq!(conflicts_now - conflicts, ATTEMPTS);
+    assert!(node.allocated("infer").await.is_empty(), "nothing recorded");
     // Once the pod holds still, kubelet's next try is served.
-    node.api.inject_conflicts(0);
+    node.proxy.remove(refusing);
     let (_, answer) = node.conn.allocate_one(1).await.expect("served after all");
     assert_eq!(answer.envs["NVIDIA_VISIBLE_DEVICES"], gpus()[0].uuid);
-    assert_eq!(node.allocated("infer"), vec!["server"]);
+    assert_eq!(node.allocated("infer").await, vec!["server"]);
 }
