@@ -9,7 +9,6 @@
 pub mod compute;
 pub mod decisions;
 pub mod extender_client;
-pub mod fake_api;
 pub mod fault_proxy;
 pub mod kube;
 pub mod namespaces;
