@@ -125,17 +125,19 @@ impl Default for Window {
 }
 
 impl Window {
-    /// Adds a sample; returns the new price.
-    fn push(&mut self, sample: u64) -> u64 {
+    /// Adds a sample; returns the new price (see [`Window::price`]).
+    fn push(&mut self, sample: u64, slack_ns: u64) -> u64 {
         self.samples[self.next] = sample as f32;
         self.next = (self.next + 1) % WINDOW;
         self.len = (self.len + 1).min(WINDOW);
-        self.price()
+        self.price(slack_ns)
     }
 
     /// The mean of the cluster at the bottom of the window: the samples
-    /// within one of [`CLUSTER_WIDTHS`] above the smallest.
-    fn price(&self) -> u64 {
+    /// within one of [`CLUSTER_WIDTHS`] above the smallest, plus `slack_ns`
+    /// (how far the host's part taken off a sample can be out: a sample of
+    /// a 20 us kernel can be a microsecond short or long).
+    fn price(&self, slack_ns: u64) -> u64 {
         let samples = &self.samples[..self.len];
         let smallest = f64::from(samples.iter().copied().fold(f32::INFINITY, f32::min));
         if !smallest.is_finite() {
@@ -149,7 +151,7 @@ impl Window {
                 .iter()
                 .zip(sums.iter_mut().zip(counts.iter_mut()))
             {
-                if sample <= smallest * (1.0 + width) {
+                if sample <= smallest * (1.0 + width) + slack_ns as f64 {
                     *sum += sample;
                     *count += 1;
                 }
@@ -240,12 +242,15 @@ impl KernelStats {
         self.sampling.load(Ordering::Acquire)
     }
 
-    /// Folds in a timed launch of `measured_ns`. Returns the correction owed
-    /// for the launches since the last sample, settled at the new price
-    /// (positive: they were undercharged).
-    pub fn record(&self, measured_ns: u64) -> i64 {
+    /// Folds in a timed launch of `measured_ns` (good to within `slack_ns`,
+    /// see [`Window::price`]). Returns the correction owed for the launches
+    /// since the last sample, settled at the new price (positive: they were
+    /// undercharged).
+    pub fn record(&self, measured_ns: u64, slack_ns: u64) -> i64 {
         let measured_ns = measured_ns.max(1);
-        let new_price = self.window.with(|window| window.push(measured_ns));
+        let new_price = self
+            .window
+            .with(|window| window.push(measured_ns, slack_ns));
         let old_price = self.price_ns.swap(new_price, Ordering::AcqRel);
         let launches = self.launches.load(Ordering::Acquire);
         let settled = self.settled_launches.swap(launches, Ordering::AcqRel);
@@ -321,12 +326,13 @@ impl KernelTable {
         self.typical_ns.load(Ordering::Relaxed)
     }
 
-    /// Records a sample for entry `index`; returns the correction owed.
-    pub fn record(&self, index: usize, measured_ns: u64) -> i64 {
+    /// Records a sample for entry `index`, good to within `slack_ns`;
+    /// returns the correction owed.
+    pub fn record(&self, index: usize, measured_ns: u64, slack_ns: u64) -> i64 {
         let Some(entry) = self.entries.get(index) else {
             return 0;
         };
-        let correction = entry.record(measured_ns);
+        let correction = entry.record(measured_ns, slack_ns);
         let price = entry.price();
         let _ = self
             .typical_ns
@@ -366,21 +372,21 @@ mod tests {
         let (index, entry) = table.entry(&key(1)).expect("slot");
         assert!(entry.charge(400), "an untimed group is timed at once");
         assert_eq!(
-            table.record(index, 1_000),
+            table.record(index, 1_000, 0),
             600,
             "a provisional 400 settles at 1000"
         );
         assert_eq!(entry.price(), 1_000);
         // A sample lengthened by waiting behind other work does not raise it.
         assert!(!entry.charge(1_000));
-        assert_eq!(table.record(index, 5_000), 0);
+        assert_eq!(table.record(index, 5_000, 0), 0);
         assert_eq!(entry.price(), 1_000);
         // One within an eighth of the smallest is the kernel's own spread.
-        table.record(index, 1_100);
+        table.record(index, 1_100, 0);
         assert_eq!(entry.price(), 1_050);
         // Once every recent sample is higher, the kernel really got slower.
         for _ in 0..WINDOW {
-            table.record(index, 2_000);
+            table.record(index, 2_000, 0);
         }
         assert_eq!(entry.price(), 2_000);
     }
@@ -393,9 +399,26 @@ mod tests {
         let mut window = Window::default();
         let mut price = 0;
         for i in 0..WINDOW as u64 * 4 {
-            price = window.push(950 + (i * 37) % 101);
+            price = window.push(950 + (i * 37) % 101, 0);
         }
         assert!((995..=1_005).contains(&price), "{price}");
+    }
+
+    #[test]
+    fn a_short_kernel_is_charged_its_mean_despite_the_hosts_part() {
+        // A 20 us kernel varying by 5 % either way, each sample also up to a
+        // microsecond out from the host's part taken off it: 18 to 22 us.
+        // Within an eighth of the smallest alone, the cluster would hold
+        // only its lower half (about 19.2 us); a launch call's worth of
+        // slack (4.6 us) takes it all.
+        let mut window = Window::default();
+        let mut price = 0;
+        for i in 0..WINDOW as u64 * 4 {
+            // Every 64 in a row take each of 64 evenly spaced values once.
+            price = window.push(18_000 + (i * 37 % 64) * 4_000 / 63, 4_600);
+        }
+        assert!((19_800..=20_200).contains(&price), "{price}");
+        assert!(window.price(0) < 19_500, "{}", window.price(0));
     }
 
     #[test]
@@ -411,7 +434,7 @@ mod tests {
             } else {
                 1_000 + (i * 7_919) % 1_000
             };
-            price = window.push(sample);
+            price = window.push(sample, 0);
         }
         assert!((1_000..=1_008).contains(&price), "{price}");
     }
@@ -428,7 +451,7 @@ mod tests {
             } else {
                 1_200 + (i * 97) % 1_000
             };
-            price = window.push(sample);
+            price = window.push(sample, 0);
         }
         assert!((990..=1_010).contains(&price), "{price}");
     }
@@ -437,24 +460,24 @@ mod tests {
     fn mispredictions_are_settled_for_every_launch_at_the_old_price() {
         let table = KernelTable::new();
         let (index, entry) = table.entry(&key(2)).expect("slot");
-        table.record(index, 3_000);
+        table.record(index, 3_000, 0);
         for _ in 0..10 {
             entry.charge(3_000);
         }
         // The window still holds 3000 (smaller): the price stays, nothing owed.
-        assert_eq!(table.record(index, 4_000), 0);
+        assert_eq!(table.record(index, 4_000, 0), 0);
         // A smaller sample lowers the price and refunds the 10 launches.
         for _ in 0..10 {
             entry.charge(3_000);
         }
-        assert_eq!(table.record(index, 1_000), -20_000);
+        assert_eq!(table.record(index, 1_000, 0), -20_000);
     }
 
     #[test]
     fn sampling_cadence_and_single_flight() {
         let table = KernelTable::new();
         let (index, entry) = table.entry(&key(3)).expect("slot");
-        table.record(index, 100);
+        table.record(index, 100, 0);
         let timed = (0..MAX_SAMPLE_EVERY * 4)
             .filter(|_| entry.charge(100))
             .count();

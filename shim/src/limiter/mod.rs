@@ -237,13 +237,17 @@ impl Limiter {
 
     /// Folds finished samples into the prices and settles corrections.
     fn poll(&self, region: &Region) {
+        // A sample is good to within about a launch call: that much of the
+        // host's part is taken off it, give or take the call's own spread.
+        let slack = self.sampler.fastest_launch_ns();
         self.sampler.poll(|entry, device, outcome| match outcome {
             Outcome::Measured(nanos) => {
-                let correction = self.kernels().record(entry, nanos);
+                let correction = self.kernels().record(entry, nanos, slack);
                 tracing::trace!(
                     entry,
                     device,
                     measured_ns = nanos,
+                    price_ns = self.kernels().get(entry).map_or(0, |stats| stats.price()),
                     correction,
                     "kernel timed"
                 );

@@ -170,6 +170,11 @@ impl Sampler {
         }
     }
 
+    /// The fastest timed launch call so far (0 until the second).
+    pub fn fastest_launch_ns(&self) -> u64 {
+        self.fastest_launch_ns.load(Ordering::Relaxed)
+    }
+
     pub fn has_pending(&self) -> bool {
         self.pending_count.load(Ordering::Relaxed) > 0
     }
