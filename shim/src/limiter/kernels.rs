@@ -11,21 +11,23 @@
 //! (clocks, memory: an H100 ran one product in 1.39 to 1.65 ms), and the
 //! device time it used is its mean: charging the *smallest* of 32 timings,
 //! as this module once did, charged the fast tail, 3 to 5 % less than the
-//! kernels used, and a container at 50 % got 52.5 % of the device. And a
-//! timing can include a wait for the device behind other work (another
-//! container's, or this process's other streams'), which is not this
-//! kernel's time: it only ever lengthens a timing, by up to a whole other
-//! kernel. So the price is the mean of the cluster at the bottom of the
-//! window: the timings no more than an eighth above the smallest, which
-//! holds a kernel's own spread and leaves out timings lengthened by a wait
-//! of more than an eighth of the kernel; and when the timings within a
-//! thirty-second (or a sixteenth) of the smallest are at least six and the
-//! next reach adds fewer than a quarter more, the kernel runs that tightly
-//! and the cluster ends there, so fewer short waits count. (The lower
-//! quartile fails where more than three quarters of the timings waited, as
-//! the 30 of two containers at 30 and 70 % does on the simulated GPU.) If
-//! the kernel really slows down, every recent sample rises and so does the
-//! price.
+//! kernels used, and a container at 50 % got 52.2 % of the device (the
+//! simulated GPU, its kernels varying 5 % either way). And a timing can
+//! include a wait for the device behind other work (another container's, or
+//! this process's other streams'), which is not this kernel's time: it only
+//! ever lengthens a timing, by up to a whole other kernel. So the price is
+//! the mean of the cluster at the bottom of the window: the timings no more
+//! than an eighth above the smallest, which holds a kernel's own spread and
+//! leaves out timings lengthened by a wait of more than an eighth of the
+//! kernel; and when the timings within a thirty-second (or a sixteenth) of
+//! the smallest are at least six and the next reach adds fewer than a
+//! quarter more, the kernel runs that tightly and the cluster ends there, so
+//! fewer short waits count. Every reach is a launch call's worth longer: the
+//! host's part taken off a timing (see `samples`) can be that far out, which
+//! on a 20 us kernel is a tenth. (The lower quartile fails where more than
+//! three quarters of the timings waited, as the 30 of two containers at 30
+//! and 70 % does on the simulated GPU.) If the kernel really slows down,
+//! every recent sample rises and so does the price.
 //!
 //! When the price changes, launches charged at the old price since the last
 //! change are settled at the new one, so a misprediction is paid back (or
