@@ -64,6 +64,9 @@ pub struct Leadership {
     serving_until_ms: AtomicU64,
     /// The holder last seen, for messages.
     holder: Mutex<String>,
+    /// Counts the times this replica started to serve (what was done
+    /// while another led must be looked at again).
+    terms: tokio::sync::watch::Sender<u64>,
 }
 
 impl Default for Leadership {
@@ -72,6 +75,7 @@ impl Default for Leadership {
             origin: Instant::now(),
             serving_until_ms: AtomicU64::new(0),
             holder: Mutex::new(String::new()),
+            terms: tokio::sync::watch::Sender::new(0),
         }
     }
 }
@@ -96,13 +100,22 @@ impl Leadership {
         }
     }
 
+    /// A receiver that sees every later start of a term.
+    pub fn terms(&self) -> tokio::sync::watch::Receiver<u64> {
+        self.terms.subscribe()
+    }
+
     fn renewed(&self, at: Instant, deadline: Duration) {
+        let was_serving = self.serving();
         let until = match at.checked_duration_since(self.origin) {
             Some(since) => since + deadline,
             None => deadline.saturating_sub(self.origin - at),
         };
         let until = until.as_millis() as u64;
         self.serving_until_ms.store(until, Ordering::Release);
+        if !was_serving && self.serving() {
+            self.terms.send_modify(|terms| *terms += 1);
+        }
     }
 
     fn stop(&self) {
@@ -313,6 +326,18 @@ mod tests {
         leadership.renewed(Instant::now(), Duration::from_secs(10));
         leadership.stop();
         assert!(!leadership.serving());
+    }
+
+    #[test]
+    fn a_term_starts_each_time_serving_starts() {
+        let leadership = Leadership::default();
+        let terms = leadership.terms();
+        leadership.renewed(Instant::now(), Duration::from_secs(10));
+        leadership.renewed(Instant::now(), Duration::from_secs(10));
+        assert_eq!(*terms.borrow(), 1, "a renewal while serving starts none");
+        leadership.stop();
+        leadership.renewed(Instant::now(), Duration::from_secs(10));
+        assert_eq!(*terms.borrow(), 2);
     }
 
     #[test]

@@ -69,6 +69,14 @@ impl Scheduler {
         self
     }
 
+    /// A receiver that sees every start of this replica's terms as
+    /// leader; `None` without an election (it always leads).
+    pub fn leadership_terms(&self) -> Option<tokio::sync::watch::Receiver<u64>> {
+        self.leadership
+            .as_ref()
+            .map(|leadership| leadership.terms())
+    }
+
     /// Whether this replica leads (always, without an election) and is
     /// not stopping.
     pub fn leads(&self) -> bool {
