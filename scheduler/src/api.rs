@@ -2,13 +2,9 @@
 //! webhook and the claim controller make. It knows nothing of the
 //! extender's state; the watches that feed it are [`crate::cache::watch`].
 
-use futures_util::StreamExt;
+use crate::vocabulary::elastic::{ElasticGpu, ElasticGpuClaim, ElasticGpuClass};
 use k8s_openapi::api::core::v1::Pod;
-use kube::api::{
-    ApiResource, DynamicObject, GroupVersionKind, ListParams, Patch, PatchParams, PostParams,
-};
-use kube::runtime::watcher;
-use kube::runtime::WatchStreamExt;
+use kube::api::{ListParams, Patch, PatchParams, PostParams};
 use kube::{Api, Client};
 use serde_json::json;
 use thiserror::Error;
@@ -34,10 +30,6 @@ pub enum ApiError {
     },
     #[error("Kubernetes API call")]
     Other(#[source] kube::Error),
-    #[error("unreadable object: {0}")]
-    Decode(#[source] serde_json::Error),
-    #[error("watch: {0}")]
-    Watch(String),
 }
 
 impl From<kube::Error> for ApiError {
@@ -59,17 +51,9 @@ impl From<kube::Error> for ApiError {
     }
 }
 
-/// Elastic GPU's resource `kind` (plural `plural`) in its stored version.
-fn elastic_resource(kind: &str, plural: &str) -> ApiResource {
-    ApiResource::from_gvk_with_plural(
-        &GroupVersionKind::gvk("elasticgpu.io", "v1alpha1", kind),
-        plural,
-    )
-}
-
-/// Every `ElasticGPU` of the cluster, read as dynamic objects.
-pub fn elastic_gpus(client: Client) -> Api<DynamicObject> {
-    Api::all_with(client, &elastic_resource("ElasticGPU", "elasticgpus"))
+/// Every `ElasticGPU` of the cluster.
+pub fn elastic_gpus(client: Client) -> Api<ElasticGpu> {
+    Api::all(client)
 }
 
 /// Builds a client for `source`.
@@ -122,60 +106,32 @@ impl KubeApi {
         &self,
         namespace: &str,
         name: &str,
-    ) -> Result<serde_json::Value, ApiError> {
-        let resource = elastic_resource("ElasticGPUClaim", "elasticgpuclaims");
-        let api: Api<DynamicObject> =
-            Api::namespaced_with(self.client.clone(), namespace, &resource);
-        serde_json::to_value(api.get(name).await?).map_err(ApiError::Decode)
+    ) -> Result<ElasticGpuClaim, ApiError> {
+        Ok(self.elastic_claims(namespace).get(name).await?)
     }
 
-    fn elastic_claims_all(&self) -> Api<DynamicObject> {
-        Api::all_with(
-            self.client.clone(),
-            &elastic_resource("ElasticGPUClaim", "elasticgpuclaims"),
-        )
+    /// The claims of every namespace (what the claim controller watches).
+    pub fn elastic_claims_all(&self) -> Api<ElasticGpuClaim> {
+        Api::all(self.client.clone())
     }
 
-    fn elastic_claims(&self, namespace: &str) -> Api<DynamicObject> {
-        Api::namespaced_with(
-            self.client.clone(),
-            namespace,
-            &elastic_resource("ElasticGPUClaim", "elasticgpuclaims"),
-        )
+    /// The claims of `namespace` (where a claim's own writes go).
+    pub fn elastic_claims(&self, namespace: &str) -> Api<ElasticGpuClaim> {
+        Api::namespaced(self.client.clone(), namespace)
     }
 
-    fn elastic_gpus(&self) -> Api<DynamicObject> {
+    /// The classes (cluster-wide).
+    pub fn elastic_classes(&self) -> Api<ElasticGpuClass> {
+        Api::all(self.client.clone())
+    }
+
+    fn elastic_gpus(&self) -> Api<ElasticGpu> {
         elastic_gpus(self.client.clone())
     }
 
-    /// Every `ElasticGPUClaim`, as JSON.
-    pub async fn list_elastic_claims(&self) -> Result<Vec<serde_json::Value>, ApiError> {
-        let list = self
-            .elastic_claims_all()
-            .list(&ListParams::default())
-            .await?;
-        list.items
-            .into_iter()
-            .map(|item| serde_json::to_value(item).map_err(ApiError::Decode))
-            .collect()
-    }
-
-    /// The claims as they change (each one as JSON, after every change).
-    pub fn watch_elastic_claims(
-        &self,
-    ) -> impl futures_util::Stream<Item = Result<serde_json::Value, ApiError>> + Send + 'static
-    {
-        watcher::watcher(self.elastic_claims_all(), watcher::Config::default())
-            .default_backoff()
-            .applied_objects()
-            .map(|item| match item {
-                Ok(object) => serde_json::to_value(object).map_err(ApiError::Decode),
-                Err(error) => Err(ApiError::Watch(error.to_string())),
-            })
-    }
-
     /// A JSON merge patch of a claim's object or of its status (a
-    /// `metadata.resourceVersion` in it is a precondition).
+    /// `metadata.resourceVersion` in it is a precondition): only what it
+    /// names is written, so nothing else of the claim is lost.
     pub async fn patch_elastic_claim(
         &self,
         namespace: &str,
@@ -192,23 +148,16 @@ impl KubeApi {
         Ok(())
     }
 
-    /// Creates an `ElasticGPU` (given as JSON); answers it as created.
-    pub async fn create_elastic_gpu(
-        &self,
-        object: &serde_json::Value,
-    ) -> Result<serde_json::Value, ApiError> {
-        let object: DynamicObject =
-            serde_json::from_value(object.clone()).map_err(ApiError::Decode)?;
-        let created = self
+    /// Creates an `ElasticGPU`; answers it as created.
+    pub async fn create_elastic_gpu(&self, object: &ElasticGpu) -> Result<ElasticGpu, ApiError> {
+        Ok(self
             .elastic_gpus()
-            .create(&PostParams::default(), &object)
-            .await?;
-        serde_json::to_value(created).map_err(ApiError::Decode)
+            .create(&PostParams::default(), object)
+            .await?)
     }
 
-    /// An `ElasticGPU`, as JSON.
-    pub async fn get_elastic_gpu(&self, name: &str) -> Result<serde_json::Value, ApiError> {
-        serde_json::to_value(self.elastic_gpus().get(name).await?).map_err(ApiError::Decode)
+    pub async fn get_elastic_gpu(&self, name: &str) -> Result<ElasticGpu, ApiError> {
+        Ok(self.elastic_gpus().get(name).await?)
     }
 
     /// A JSON merge patch of an `ElasticGPU` (a `metadata.resourceVersion`
@@ -217,12 +166,11 @@ impl KubeApi {
         &self,
         name: &str,
         patch: &serde_json::Value,
-    ) -> Result<serde_json::Value, ApiError> {
-        let patched = self
+    ) -> Result<ElasticGpu, ApiError> {
+        Ok(self
             .elastic_gpus()
             .patch(name, &PatchParams::default(), &Patch::Merge(patch))
-            .await?;
-        serde_json::to_value(patched).map_err(ApiError::Decode)
+            .await?)
     }
 
     /// A JSON merge patch of an `ElasticGPU`'s status.
@@ -245,10 +193,8 @@ impl KubeApi {
     }
 
     /// An `ElasticGPUClass` as the API stores it (`elasticgpu.io/v1alpha1`).
-    pub async fn get_elastic_class(&self, name: &str) -> Result<serde_json::Value, ApiError> {
-        let resource = elastic_resource("ElasticGPUClass", "elasticgpuclasses");
-        let api: Api<DynamicObject> = Api::all_with(self.client.clone(), &resource);
-        serde_json::to_value(api.get(name).await?).map_err(ApiError::Decode)
+    pub async fn get_elastic_class(&self, name: &str) -> Result<ElasticGpuClass, ApiError> {
+        Ok(self.elastic_classes().get(name).await?)
     }
 
     /// Writes `decision` (JSON) as the pod's decision annotation, clearing

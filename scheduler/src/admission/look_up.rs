@@ -4,8 +4,8 @@
 
 use crate::api::{ApiError, KubeApi};
 use crate::vocabulary::claims::{claim_share, claims_held, ClaimError, ClaimShare, PROVISIONER};
+use crate::vocabulary::elastic::ElasticGpuClaim;
 use k8s_openapi::api::core::v1::Pod;
-use serde_json::Value;
 use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Duration;
@@ -102,20 +102,12 @@ async fn check_claim(
     api: &KubeApi,
     namespace: &str,
     name: &str,
-    claim: &Value,
+    claim: &ElasticGpuClaim,
     pods: &Result<Vec<Pod>, Arc<ApiError>>,
 ) -> Result<Option<ClaimShare>, ClaimLookUpError> {
-    let class = claim
-        .pointer("/spec/elasticGPUClassName")
-        .and_then(Value::as_str)
-        .filter(|c| !c.is_empty());
-    if let Some(class) = class {
+    if let Some(class) = claim.class_name() {
         let provisioner = match api.get_elastic_class(class).await {
-            Ok(object) => object
-                .get("provisioner")
-                .and_then(Value::as_str)
-                .unwrap_or_default()
-                .to_string(),
+            Ok(object) => object.provisioner().to_string(),
             Err(ApiError::NotFound(_)) => {
                 return Err(ClaimLookUpError::NoClass {
                     name: name.to_string(),
@@ -136,7 +128,11 @@ async fn check_claim(
             return Ok(None);
         }
     }
-    let share = claim_share(name, claim)?;
+    let spec = claim.spec.read().map_err(|why| ClaimError::BadClaim {
+        claim: name.to_string(),
+        reason: format!("its spec does not have the published shape: {why}"),
+    })?;
+    let share = claim_share(name, spec)?;
     let pods = pods.as_ref().map_err(|source| ClaimLookUpError::ListPods {
         namespace: namespace.to_string(),
         source: source.clone(),

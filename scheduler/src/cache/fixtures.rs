@@ -2,10 +2,10 @@
 //! of placement over it (a leaf: the state's own tests use it).
 
 use crate::cache::clock::now_unix_ms;
+use crate::vocabulary::elastic::ElasticGpu;
 use k8s_openapi::api::coordination::v1::Lease;
 use k8s_openapi::api::core::v1::{Node, Pod, PodSpec, PodStatus};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
-use kube::api::DynamicObject;
 use std::collections::BTreeMap;
 use vgpu_cluster::decision::{
     ContainerDecision, Decision, DeviceGrant, InventoryGpu, NodeInventory, ALLOCATED_ANNOTATION,
@@ -132,7 +132,7 @@ pub fn undecided(uid: &str, version: u64) -> Pod {
 }
 
 /// ElasticGPU `name` holding 2 GiB and 20 % of `gpu` on n1 for claim ns/c.
-pub fn elastic_gpu(name: &str, version: u64, gpu: &str) -> serde_json::Value {
+pub fn elastic_gpu(name: &str, version: u64, gpu: &str) -> ElasticGpu {
     let decision = Decision {
         version: FORMAT_VERSION,
         node: "n1".into(),
@@ -149,17 +149,13 @@ pub fn elastic_gpu(name: &str, version: u64, gpu: &str) -> serde_json::Value {
             priority: None,
         }],
     };
-    serde_json::json!({
+    serde_json::from_value(serde_json::json!({
         "metadata": {"name": name, "resourceVersion": version.to_string(),
                      "annotations": {DECISION_ANNOTATION: decision.to_json()}},
         "spec": {"claimRef": {"namespace": "ns", "name": "c"}},
         "status": {"phase": "Bound"},
-    })
-}
-
-/// [`elastic_gpu`] as the watch brings it.
-pub fn elastic_gpu_object(name: &str, version: u64, gpu: &str) -> DynamicObject {
-    serde_json::from_value(elastic_gpu(name, version, gpu)).expect("an ElasticGPU object")
+    }))
+    .expect("an ElasticGPU")
 }
 
 /// Pod `uid` (also its name, in namespace `ns`), not decided nor bound,

@@ -15,9 +15,19 @@
 
 use crate::cache::gpus::{contribution, Usage};
 use crate::vocabulary::claims::claim_key;
-use serde_json::Value;
+use crate::vocabulary::elastic::ElasticGpu;
 use std::time::Instant;
+use thiserror::Error;
 use vgpu_cluster::decision::{Decision, FormatError, DECISION_ANNOTATION};
+
+/// Why the slice an ElasticGPU records cannot be read.
+#[derive(Debug, Error)]
+pub enum ReservationError {
+    #[error("its decision annotation")]
+    Decision(#[from] FormatError),
+    #[error("its spec does not have the published shape: {0}")]
+    Spec(String),
+}
 
 /// The slice one `ElasticGPU` holds.
 #[derive(Clone, Debug)]
@@ -38,27 +48,29 @@ pub struct Reservation {
 }
 
 impl Reservation {
-    /// The slice `object` (an `ElasticGPU` as JSON) holds; `None` when it
-    /// holds none (no placement recorded, released, being deleted, or not
-    /// bound to a claim).
-    pub fn from_elastic_gpu(object: &Value) -> Result<Option<Self>, FormatError> {
-        let text = |pointer: &str| object.pointer(pointer).and_then(Value::as_str);
-        let Some(annotation) = object
-            .pointer("/metadata/annotations")
+    /// The slice `object` holds; `None` when it holds none (no placement
+    /// recorded, released, being deleted, or not bound to a claim).
+    pub fn from_elastic_gpu(object: &ElasticGpu) -> Result<Option<Self>, ReservationError> {
+        let metadata = &object.metadata;
+        let Some(annotation) = metadata
+            .annotations
+            .as_ref()
             .and_then(|annotations| annotations.get(DECISION_ANNOTATION))
-            .and_then(Value::as_str)
         else {
             return Ok(None);
         };
-        if object.pointer("/metadata/deletionTimestamp").is_some()
-            || text("/status/phase") == Some("Released")
-        {
+        if metadata.deletion_timestamp.is_some() || object.phase() == Some("Released") {
             return Ok(None);
         }
-        let (Some(namespace), Some(claim)) = (
-            text("/spec/claimRef/namespace"),
-            text("/spec/claimRef/name"),
-        ) else {
+        let spec = object
+            .spec
+            .read()
+            .map_err(|why| ReservationError::Spec(why.to_string()))?;
+        let Some((namespace, claim)) = spec
+            .claim_ref
+            .as_ref()
+            .and_then(|claim| Some((claim.namespace.as_deref()?, claim.name.as_deref()?)))
+        else {
             return Ok(None);
         };
         let decision = Decision::parse(annotation)?;
@@ -68,12 +80,15 @@ impl Reservation {
             .flat_map(|c| c.devices.iter().map(|d| d.uuid.clone()))
             .collect();
         Ok(Some(Self {
-            elastic_gpu: text("/metadata/name").unwrap_or_default().to_string(),
+            elastic_gpu: metadata.name.clone().unwrap_or_default(),
             claim: claim_key(namespace, claim),
             node: decision.node.clone(),
             gpus,
             contribution: contribution(&decision, &[], true),
-            resource_version: text("/metadata/resourceVersion").and_then(|v| v.parse().ok()),
+            resource_version: metadata
+                .resource_version
+                .as_deref()
+                .and_then(|v| v.parse().ok()),
             local_since: None,
         }))
     }
@@ -120,7 +135,7 @@ mod tests {
         }
     }
 
-    fn elastic_gpu(phase: &str) -> Value {
+    fn elastic_gpu(phase: &str) -> serde_json::Value {
         json!({
             "metadata": {"name": "egpu-1", "resourceVersion": "7",
                          "annotations": {DECISION_ANNOTATION: decision().to_json()}},
@@ -129,9 +144,14 @@ mod tests {
         })
     }
 
+    fn read(object: &serde_json::Value) -> Result<Option<Reservation>, ReservationError> {
+        let object: ElasticGpu = serde_json::from_value(object.clone()).expect("an ElasticGPU");
+        Reservation::from_elastic_gpu(&object)
+    }
+
     #[test]
     fn a_bound_elastic_gpu_holds_its_slice_and_a_released_one_nothing() {
-        let held = Reservation::from_elastic_gpu(&elastic_gpu("Bound"))
+        let held = read(&elastic_gpu("Bound"))
             .expect("readable")
             .expect("held");
         assert_eq!(held.claim, "ns/c");
@@ -140,16 +160,15 @@ mod tests {
         assert_eq!(held.resource_version, Some(7));
         assert_eq!(held.contribution.len(), 1);
         assert_eq!(held.contribution[0].1.memory_bytes, 1 << 30);
-        assert!(Reservation::from_elastic_gpu(&elastic_gpu("Released"))
-            .expect("readable")
-            .is_none());
+        assert!(read(&elastic_gpu("Released")).expect("readable").is_none());
         let mut unplaced = elastic_gpu("Bound");
         unplaced["metadata"]["annotations"] = json!({});
-        assert!(Reservation::from_elastic_gpu(&unplaced)
-            .expect("readable")
-            .is_none());
+        assert!(read(&unplaced).expect("readable").is_none());
         let mut broken = elastic_gpu("Bound");
         broken["metadata"]["annotations"][DECISION_ANNOTATION] = json!("{");
-        assert!(Reservation::from_elastic_gpu(&broken).is_err());
+        assert!(matches!(read(&broken), Err(ReservationError::Decision(_))));
+        let mut odd = elastic_gpu("Bound");
+        odd["spec"]["claimRef"] = json!("ns/c");
+        assert!(matches!(read(&odd), Err(ReservationError::Spec(_))));
     }
 }

@@ -9,6 +9,7 @@ use crate::placement::claim_slice::{
 };
 use crate::placement::snapshot::Snapshot;
 use crate::vocabulary::claims::ClaimShare;
+use crate::vocabulary::elastic::ElasticGpu;
 use vgpu_cluster::decision::Decision;
 
 impl Scheduler {
@@ -26,7 +27,7 @@ impl Scheduler {
     ) -> Result<Result<(), SliceRefusal>, ApiError>
     where
         F: FnOnce(Decision) -> Fut,
-        Fut: std::future::Future<Output = Result<serde_json::Value, ApiError>>,
+        Fut: std::future::Future<Output = Result<ElasticGpu, ApiError>>,
     {
         let request = match slice_request(&self.rules, claim, share) {
             Ok(request) => request,

@@ -75,7 +75,7 @@ mod tests {
     use super::*;
     use crate::cache::book::Book;
     use crate::cache::clock::now_unix_ms;
-    use crate::cache::fixtures::{annotated, asking_vgpus, decided, elastic_gpu_object, node, GIB};
+    use crate::cache::fixtures::{annotated, asking_vgpus, decided, elastic_gpu, node, GIB};
     use crate::cache::state::listed;
     use crate::placement::fit::packing::Scratch;
     use crate::placement::rules::Rules;
@@ -116,7 +116,7 @@ mod tests {
     fn a_pod_holding_a_claim_with_a_slice_runs_on_the_slice_alone() {
         let mut state = listed(vec![node("n1", 2), node("n2", 1)], Vec::new());
         // The slice: 2 GiB and 20 percent of GPU-n1-1 for ns/c.
-        state.apply(elastic_gpu_object("egpu-1", 5, "GPU-n1-1"));
+        state.apply(elastic_gpu("egpu-1", 5, "GPU-n1-1"));
         let rules = Rules::default();
         let pod = holding(asking_vgpus("p", 1, 2048, 20));
         let request = rules.parse(&pod).expect("request");

@@ -20,8 +20,8 @@
 //! pod uses in [`USES_CLAIMS_ANNOTATION`] and refuses a pod whose claim a
 //! live pod holds.
 
+use crate::vocabulary::elastic::{Amount, ClaimSpec};
 use k8s_openapi::api::core::v1::{Container, Pod};
-use serde_json::Value;
 use std::collections::BTreeMap;
 use thiserror::Error;
 use vgpu_cluster::resources::{parse_whole_quantity, ResourceNames};
@@ -163,27 +163,26 @@ pub fn claim_uses(pod: &Pod) -> Result<Vec<ClaimUse>, ClaimError> {
     Ok(uses)
 }
 
-/// Reads the share a claim object (`elasticgpu.io/v1alpha1`, as JSON)
+/// Reads the share a claim (its spec, in `elasticgpu.io/v1alpha1`)
 /// requests.
-pub fn claim_share(name: &str, claim: &Value) -> Result<ClaimShare, ClaimError> {
+pub fn claim_share(name: &str, spec: &ClaimSpec) -> Result<ClaimShare, ClaimError> {
     let bad = |reason: String| ClaimError::BadClaim {
         claim: name.to_string(),
         reason,
     };
-    let resources = claim.pointer("/spec/resources");
+    let resources = spec.resources.as_ref();
     let requests = resources
-        .and_then(|r| r.get("requests"))
-        .filter(|r| r.as_object().is_some_and(|m| !m.is_empty()))
-        .or_else(|| resources.and_then(|r| r.get("limits")))
-        .and_then(Value::as_object);
+        .and_then(|r| r.requests.as_ref())
+        .filter(|requests| !requests.is_empty())
+        .or_else(|| resources.and_then(|r| r.limits.as_ref()));
     let read = |key: &str| -> Result<Option<(u64, bool)>, ClaimError> {
-        let Some(value) = requests.and_then(|r| r.get(key)) else {
+        let Some(amount) = requests.and_then(|r| r.get(key)) else {
             return Ok(None);
         };
-        let text = match value {
-            Value::Number(number) => number.to_string(),
-            Value::String(text) => text.clone(),
-            other => return Err(bad(format!("{key} is {other}, not a quantity"))),
+        let text = match amount {
+            Amount::Number(number) => number.to_string(),
+            Amount::Text(text) => text.clone(),
+            Amount::Other(other) => return Err(bad(format!("{key} is {other}, not a quantity"))),
         };
         let plain = text.trim().bytes().all(|b| b.is_ascii_digit());
         parse_whole_quantity(&text)
@@ -292,7 +291,7 @@ pub fn claims_held(pod: &Pod) -> Vec<&str> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use serde_json::json;
+    use serde_json::{json, Value};
 
     fn pod(annotations: &[(&str, &str)], containers: &[&str], init: &[&str]) -> Pod {
         let list = |names: &[&str]| -> Vec<Value> {
@@ -314,8 +313,11 @@ mod tests {
         .expect("pod")
     }
 
-    fn claim(requests: Value) -> Value {
-        json!({"spec": {"elasticGPUClassName": "c", "resources": {"requests": requests}}})
+    fn claim(requests: Value) -> ClaimSpec {
+        serde_json::from_value(
+            json!({"elasticGPUClassName": "c", "resources": {"requests": requests}}),
+        )
+        .expect("a claim's spec")
     }
 
     #[test]
@@ -425,7 +427,9 @@ mod tests {
             );
         }
         // Limits serve when there are no requests.
-        let limits = json!({"spec": {"resources": {"limits": {CLAIM_CORE: 5}}}});
+        let limits: ClaimSpec =
+            serde_json::from_value(json!({"resources": {"limits": {CLAIM_CORE: 5}}}))
+                .expect("a claim's spec");
         assert_eq!(claim_share("c", &limits).expect("limits").cores, Some(5));
         for (requests, words) in [
             (json!({}), "requests neither"),

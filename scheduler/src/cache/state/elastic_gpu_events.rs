@@ -5,24 +5,20 @@ use super::{ClusterState, ElasticSync, LOCAL_RECORD_TRUST};
 use crate::cache::book::{Book, WatchRefusal};
 use crate::cache::fast_map::FastMap;
 use crate::cache::reservations::Reservation;
-use kube::api::DynamicObject;
+use crate::vocabulary::elastic::ElasticGpu;
 use kube::runtime::watcher::Event;
 use std::time::Instant;
 
-/// The watch of ElasticGPUs brings them as dynamic objects (the extender
-/// reads them as JSON).
-impl Book<DynamicObject> for ClusterState {
+impl Book<ElasticGpu> for ClusterState {
     const KIND: &'static str = "ElasticGPU";
 
-    fn apply_event(&mut self, event: Event<DynamicObject>) {
-        // An object that does not serialise is read as holding nothing.
-        let json = |object: DynamicObject| serde_json::to_value(object).unwrap_or_default();
+    fn apply_event(&mut self, event: Event<ElasticGpu>) {
         match event {
             Event::Init => self.begin_reservation_relist(),
-            Event::InitApply(object) => self.relist_reservation(&json(object)),
+            Event::InitApply(object) => self.relist_reservation(&object),
             Event::InitDone => self.finish_reservation_relist(),
-            Event::Apply(object) => self.apply_reservation(&json(object), false),
-            Event::Delete(object) => self.delete_reservation(&json(object)),
+            Event::Apply(object) => self.apply_reservation(&object, false),
+            Event::Delete(object) => self.delete_reservation(&object),
         }
     }
 
@@ -72,7 +68,7 @@ impl ClusterState {
     }
 
     /// One ElasticGPU of a complete list.
-    fn relist_reservation(&mut self, object: &serde_json::Value) {
+    fn relist_reservation(&mut self, object: &ElasticGpu) {
         let relist = self.reservation_relist.get_or_insert_with(FastMap::default);
         if let Some(reservation) = read_reservation(object) {
             relist.insert(reservation.elastic_gpu.clone(), reservation);
@@ -110,8 +106,8 @@ impl ClusterState {
 
     /// Applies an ElasticGPU from the watch (`local: false`) or from the
     /// answer to the extender's own write (`local: true`).
-    pub fn apply_reservation(&mut self, object: &serde_json::Value, local: bool) {
-        let Some(name) = object.pointer("/metadata/name").and_then(|n| n.as_str()) else {
+    pub fn apply_reservation(&mut self, object: &ElasticGpu, local: bool) {
+        let Some(name) = object.metadata.name.as_deref() else {
             return;
         };
         let reservation = read_reservation(object);
@@ -132,8 +128,8 @@ impl ClusterState {
     }
 
     /// An ElasticGPU was deleted.
-    fn delete_reservation(&mut self, object: &serde_json::Value) {
-        if let Some(name) = object.pointer("/metadata/name").and_then(|n| n.as_str()) {
+    fn delete_reservation(&mut self, object: &ElasticGpu) {
+        if let Some(name) = object.metadata.name.as_deref() {
             self.remove_reservation(name);
             self.updates += 1;
         }
@@ -141,17 +137,14 @@ impl ClusterState {
 }
 
 /// The slice an ElasticGPU holds; an unreadable one holds nothing (logged).
-fn read_reservation(object: &serde_json::Value) -> Option<Reservation> {
+fn read_reservation(object: &ElasticGpu) -> Option<Reservation> {
     match Reservation::from_elastic_gpu(object) {
         Ok(reservation) => reservation,
         Err(error) => {
             tracing::warn!(
                 error = &error as &dyn std::error::Error,
-                "ElasticGPU {}: unreadable annotation; the slice it records is not counted",
-                object
-                    .pointer("/metadata/name")
-                    .and_then(|n| n.as_str())
-                    .unwrap_or("")
+                "ElasticGPU {}: unreadable; the slice it records is not counted",
+                object.metadata.name.as_deref().unwrap_or("")
             );
             None
         }

@@ -4,12 +4,12 @@ use super::*;
 use crate::cache::book::Book;
 use crate::cache::book::WatchRefusal;
 use crate::cache::clock::now_unix_ms;
-use crate::cache::fixtures::{decided, elastic_gpu, elastic_gpu_object, node, undecided, GIB};
+use crate::cache::fixtures::{decided, elastic_gpu, node, undecided, GIB};
 use crate::cache::gpus::{contribution, Usage};
 use crate::vocabulary::claims::USES_CLAIMS_ANNOTATION;
+use crate::vocabulary::elastic::{ElasticGpu, ElasticGpuStatus, Shaped};
 use k8s_openapi::api::coordination::v1::Lease;
 use k8s_openapi::api::core::v1::Pod;
-use kube::api::DynamicObject;
 use kube::runtime::watcher::Event;
 use vgpu_cluster::decision::{ContainerDecision, Decision, DeviceGrant, FORMAT_VERSION};
 
@@ -26,7 +26,7 @@ fn gpu_usage(state: &ClusterState, index: usize) -> Usage {
 #[test]
 fn a_claims_slice_is_taken_until_a_pod_holding_the_claim_is_placed_on_it() {
     let mut state = synced_state();
-    state.apply(elastic_gpu_object("egpu-1", 5, "GPU-n1-0"));
+    state.apply(elastic_gpu("egpu-1", 5, "GPU-n1-0"));
     assert_eq!(gpu_usage(&state, 0).memory_bytes, 2 * GIB);
     assert_eq!(gpu_usage(&state, 0).cores, 20);
     assert_eq!(
@@ -64,10 +64,13 @@ fn a_claims_slice_is_taken_until_a_pod_holding_the_claim_is_placed_on_it() {
     assert_eq!(gpu_usage(&state, 0).memory_bytes, 2 * GIB);
 
     // An older event does not undo a newer one; a release frees it.
-    state.apply(elastic_gpu_object("egpu-1", 4, "GPU-n1-1"));
+    state.apply(elastic_gpu("egpu-1", 4, "GPU-n1-1"));
     assert_eq!(gpu_usage(&state, 0).memory_bytes, 2 * GIB);
     let mut released = elastic_gpu("egpu-1", 6, "GPU-n1-0");
-    released["status"]["phase"] = "Released".into();
+    released.status = Some(Shaped::Read(ElasticGpuStatus {
+        phase: Some("Released".into()),
+        ..ElasticGpuStatus::default()
+    }));
     state.apply_reservation(&released, false);
     assert_eq!(gpu_usage(&state, 0), Usage::default());
     assert!(state.reservation_of("ns/c").is_none());
@@ -83,15 +86,15 @@ fn placements_wait_for_the_elastic_gpus_unless_the_api_has_none() {
     assert!(!state.synced(), "the plugins' Leases are not known yet");
     state.apply_event(Event::<Lease>::InitDone);
     assert!(!state.synced(), "slices held for claims are not known yet");
-    state.relist(vec![elastic_gpu_object("egpu-1", 5, "GPU-n1-1")]);
+    state.relist(vec![elastic_gpu("egpu-1", 5, "GPU-n1-1")]);
     assert!(state.synced());
     assert_eq!(gpu_usage(&state, 1).memory_bytes, 2 * GIB);
     // A relist without it: gone.
-    state.relist(Vec::<DynamicObject>::new());
+    state.relist(Vec::<ElasticGpu>::new());
     assert_eq!(gpu_usage(&state, 1), Usage::default());
     // The definitions removed: none held, and still synced.
-    state.apply(elastic_gpu_object("egpu-2", 7, "GPU-n1-1"));
-    let refusal = Book::<DynamicObject>::refused(&mut state, 404);
+    state.apply(elastic_gpu("egpu-2", 7, "GPU-n1-1"));
+    let refusal = Book::<ElasticGpu>::refused(&mut state, 404);
     assert!(
         matches!(refusal, Some(WatchRefusal::Info(_))),
         "{refusal:?}"
@@ -101,7 +104,7 @@ fn placements_wait_for_the_elastic_gpus_unless_the_api_has_none() {
     assert_eq!(gpu_usage(&state, 1), Usage::default());
     // Its own write survives a list that predates it.
     state.apply_reservation(&elastic_gpu("egpu-3", 9, "GPU-n1-0"), true);
-    state.relist(Vec::<DynamicObject>::new());
+    state.relist(Vec::<ElasticGpu>::new());
     assert_eq!(gpu_usage(&state, 0).memory_bytes, 2 * GIB);
     let report = state.debug_state(now_unix_ms(), GRACE, GRACE);
     assert_eq!(report.nodes["n1"].reservations, ["egpu-3 (ns/c)"]);
