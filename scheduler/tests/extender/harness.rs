@@ -548,6 +548,12 @@ impl Harness {
     /// An extender on a real API server of its own.
     pub async fn start(config: Config) -> Self {
         let (server, client) = real_api_server().await;
+        Self::start_on(config, server, client).await
+    }
+
+    /// An extender on a real API server the test has prepared (e.g. with
+    /// definitions installed before the extender starts).
+    pub async fn start_on(config: Config, server: RealServer, client: kube::Client) -> Self {
         let source = ApiSource::Kubeconfig(server.kubeconfig().to_path_buf());
         Self::launch_on(config, client, source, None, server).await
     }

@@ -1,8 +1,10 @@
 //! The extender over real HTTP against a real Kubernetes API server (one
-//! per test), and against the shared fake for the faults only it injects.
+//! per test), through testkit's fault proxy for the faults a real server
+//! shows only by chance.
 
 mod burst;
 mod claims;
+mod elastic_claims;
 mod errors;
 mod groups;
 mod harness;
