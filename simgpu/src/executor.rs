@@ -5,23 +5,26 @@
 //! is launched, exactly. Here nothing is worked out ahead: launches (after
 //! the launch overhead, spent on the calling thread) and event records go
 //! into one queue per device, in the order they were made, and the device
-//! thread takes them one by one. A kernel waits for its turn on the device
-//! (processes take turns kernel by kernel, see
+//! thread takes them one by one. A kernel waits for its process's turn on
+//! the device (a process keeps the device while it has work queued, at most
+//! a time slice while another waits, see
 //! [`crate::state::Shared::acquire_device`]), then the thread sleeps until
 //! the kernel's duration has passed on the clock. What the device did is
 //! worked out as a GPU would have done it, from when work reached it: a
-//! kernel starts when it was handed over (or when the device became free,
-//! or the work before it ended) and lasts its duration, varied from run to
-//! run by `SIMGPU_KERNEL_JITTER` as a GPU kernel's time varies with clocks
-//! and memory; the ring and the busy counters record exactly that. An
-//! event is stamped with the time the device reached it. What is real is
-//! the host's side: launches cost host time, the device takes work up in
-//! the order it was handed over, and synchronisation returns only once the
+//! kernel starts when it was handed over (or when the device became free, or
+//! the work before it ended) and lasts its duration, varied from run to run
+//! by `SIMGPU_KERNEL_JITTER` as a GPU kernel's time varies with clocks and
+//! memory; the ring and the busy counters record exactly that. An event is
+//! stamped with the time the device reached it (one recorded on a stream
+//! whose earlier work is done, while no other process holds the device,
+//! completes as it is recorded and never enters the queue). What is real is
+//! the host's side: launches cost host time, the device takes work up in the
+//! order it was handed over, and synchronisation returns only once the
 //! device thread has passed the work waited for, on the clock.
 //!
-//! One queue per device also orders a process's streams: work on two
-//! streams of one device runs in the order it was queued, so waiting on an
-//! event recorded on the same device needs nothing more; a wait on another
+//! One queue per device also orders a process's streams: work on two streams
+//! of one device runs in the order it was queued, so waiting on an event
+//! recorded on the same device needs nothing more; a wait on another
 //! device's event queues a wait for that device's thread.
 
 use std::collections::VecDeque;
@@ -37,9 +40,10 @@ use crate::driver::{self, QUEUE_DEPTH};
 /// GPU's time slice between contexts. A kernel is never cut short.
 const TIME_SLICE_NS: u64 = 2_000_000;
 
-/// Timer slack of device threads (ns). The default 50 us would make every
-/// kernel 50 us longer than it asked for; a GPU's kernels end within a
-/// microsecond of their work.
+/// Timer slack of device threads (ns). A kernel's end does not depend on
+/// it, but when the thread sees the end does: the default 50 us would make
+/// every synchronisation that much late, where a GPU's completions are
+/// seen within microseconds.
 const DEVICE_TIMER_SLACK_NS: libc::c_ulong = 1_000;
 
 /// Work for a device thread.
