@@ -446,7 +446,9 @@ def test_webhook_reaches_the_extender_over_a_certificate_it_trusts(tmp_path):
     assert "startsWith('egpuc.elasticgpu.io/')" in condition["expression"], condition
     account = find(objects, "Deployment", "-scheduler")["spec"]["template"]["spec"]["serviceAccountName"]
     for resource in ("elasticgpuclaims", "elasticgpuclasses"):
-        assert rules_allow(objects, account, "elasticgpu.io", resource, "get"), resource
+        # The claim controller watches both: a class's change re-places its claims.
+        for verb in ("get", "list", "watch"):
+            assert rules_allow(objects, account, "elasticgpu.io", resource, verb), (resource, verb)
     without = render({"elasticGPU": {"crds": {"enabled": False}}})
     (other,) = find(without, "MutatingWebhookConfiguration", "-webhook")["webhooks"]
     assert "egpuc.elasticgpu.io" not in other["matchConditions"][0]["expression"]
