@@ -10,11 +10,13 @@
 //! - [`node_lease`]: the Lease per node by which the device plugin shows
 //!   it is alive.
 //! - [`report`]: errors written as one message for Kubernetes components.
+//! - [`file_error`]: an I/O failure told by its file and operation.
 //! - [`scaling`]: device memory scaling (HAMi's `deviceMemoryScaling`):
 //!   what a GPU offers, and how a grant splits into device memory and swap.
 
 pub mod client;
 pub mod decision;
+pub mod file_error;
 pub mod node_lease;
 pub mod report;
 pub mod resources;
