@@ -18,6 +18,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, ChildStdin, ChildStdout, Command, ExitStatus, Stdio};
 use std::time::{Duration, Instant};
 use thiserror::Error;
+use vgpu_node_agent::driver_libraries::DRIVER_LIBRARIES;
 
 /// The cap the memory part runs under, as given to `vgpu run` and in bytes.
 const CAP_ARG: &str = "4g";
@@ -37,13 +38,8 @@ const MEASURED: Duration = Duration::from_secs(3);
 const SETTLE: Duration = Duration::from_secs(1);
 /// CUDA_ERROR_OUT_OF_MEMORY.
 const OUT_OF_MEMORY: &str = "2";
-/// The simulated GPU under the names of NVIDIA's driver libraries.
-const DRIVER_NAMES: [&str; 4] = [
-    "libcuda.so.1",
-    "libcuda.so",
-    "libnvidia-ml.so.1",
-    "libnvidia-ml.so",
-];
+/// The simulated GPU, linked under the names of NVIDIA's driver libraries
+/// ([`DRIVER_LIBRARIES`]).
 const SIMULATED_LIBRARY: &str = "libsimgpu.so";
 
 #[derive(Debug, Error)]
@@ -235,7 +231,7 @@ impl Demo {
             }
             let lib_dir = demo.dir.join("lib");
             std::fs::create_dir(&lib_dir).map_err(io(&lib_dir, "create directory"))?;
-            for name in DRIVER_NAMES {
+            for name in DRIVER_LIBRARIES {
                 let alias = lib_dir.join(name);
                 std::os::unix::fs::symlink(&simulated, &alias).map_err(io(&alias, "symlink"))?;
             }

@@ -9,6 +9,7 @@ use std::collections::BTreeMap;
 use std::io::Write;
 use std::path::{Path, PathBuf};
 use thiserror::Error;
+use vgpu_cluster::file_error::{io_error, FileError};
 
 /// The CDI version the specs are written in (the oldest that has
 /// everything they use).
@@ -18,13 +19,8 @@ pub const CDI_KIND: &str = "vgpu.io/claim";
 
 #[derive(Debug, Error)]
 pub enum CdiError {
-    #[error("{path}: {op}")]
-    Io {
-        path: PathBuf,
-        op: &'static str,
-        #[source]
-        source: std::io::Error,
-    },
+    #[error(transparent)]
+    Io(#[from] FileError),
     #[error("claim UID {0:?} cannot name a CDI device")]
     BadUid(String),
 }
@@ -119,21 +115,15 @@ pub fn claim_spec(claim_uid: &str, env: &BTreeMap<String, String>, mounts: Vec<M
 /// spec); returns its path.
 pub fn write_spec(cdi_dir: &Path, claim_uid: &str, spec: &Spec) -> Result<PathBuf, CdiError> {
     let path = spec_path(cdi_dir, claim_uid)?;
-    let io = |path: &Path, op| {
-        let path = path.to_path_buf();
-        move |source| CdiError::Io { path, op, source }
-    };
-    std::fs::create_dir_all(cdi_dir).map_err(io(cdi_dir, "create directory"))?;
+    std::fs::create_dir_all(cdi_dir).map_err(io_error(cdi_dir, "create directory"))?;
     let temporary = cdi_dir.join(format!(".vgpu.io-claim_{claim_uid}.json.tmp"));
-    let json = serde_json::to_vec_pretty(spec).map_err(|error| CdiError::Io {
-        path: path.clone(),
-        op: "encode",
-        source: std::io::Error::other(error),
-    })?;
-    let mut file = std::fs::File::create(&temporary).map_err(io(&temporary, "create"))?;
-    file.write_all(&json).map_err(io(&temporary, "write"))?;
-    file.sync_all().map_err(io(&temporary, "sync"))?;
-    std::fs::rename(&temporary, &path).map_err(io(&path, "rename"))?;
+    let json = serde_json::to_vec_pretty(spec)
+        .map_err(|error| io_error(&path, "encode")(std::io::Error::other(error)))?;
+    let mut file = std::fs::File::create(&temporary).map_err(io_error(&temporary, "create"))?;
+    file.write_all(&json)
+        .map_err(io_error(&temporary, "write"))?;
+    file.sync_all().map_err(io_error(&temporary, "sync"))?;
+    std::fs::rename(&temporary, &path).map_err(io_error(&path, "rename"))?;
     Ok(path)
 }
 
@@ -141,11 +131,9 @@ pub fn write_spec(cdi_dir: &Path, claim_uid: &str, spec: &Spec) -> Result<PathBu
 pub fn remove_spec(cdi_dir: &Path, claim_uid: &str) -> Result<(), CdiError> {
     let path = spec_path(cdi_dir, claim_uid)?;
     match std::fs::remove_file(&path) {
-        Err(error) if error.kind() != std::io::ErrorKind::NotFound => Err(CdiError::Io {
-            path,
-            op: "remove",
-            source: error,
-        }),
+        Err(error) if error.kind() != std::io::ErrorKind::NotFound => {
+            Err(io_error(&path, "remove")(error).into())
+        }
         _ => Ok(()),
     }
 }

@@ -13,19 +13,15 @@ use std::collections::BTreeMap;
 use std::io::Write;
 use std::path::{Path, PathBuf};
 use thiserror::Error;
+use vgpu_cluster::file_error::{io_error, FileError};
 
 /// The file's format version.
 pub const FORMAT_VERSION: u32 = 1;
 
 #[derive(Debug, Error)]
 pub enum CheckpointError {
-    #[error("{path}: {op}")]
-    Io {
-        path: PathBuf,
-        op: &'static str,
-        #[source]
-        source: std::io::Error,
-    },
+    #[error(transparent)]
+    Io(#[from] FileError),
 }
 
 /// One device of a prepared claim, as kubelet was told.
@@ -78,13 +74,7 @@ impl Checkpoint {
             Err(error) if error.kind() == std::io::ErrorKind::NotFound => {
                 return Ok((empty(path), None))
             }
-            Err(source) => {
-                return Err(CheckpointError::Io {
-                    path: path.to_path_buf(),
-                    op: "read",
-                    source,
-                })
-            }
+            Err(source) => return Err(io_error(path, "read")(source).into()),
         };
         let reason = match serde_json::from_slice::<File>(&text) {
             Ok(file) if file.version == FORMAT_VERSION => {
@@ -109,11 +99,7 @@ impl Checkpoint {
             .as_secs();
         aside.push(format!(".unreadable-{stamp}"));
         let aside = PathBuf::from(aside);
-        std::fs::rename(path, &aside).map_err(|source| CheckpointError::Io {
-            path: path.to_path_buf(),
-            op: "move aside",
-            source,
-        })?;
+        std::fs::rename(path, &aside).map_err(io_error(path, "move aside"))?;
         Ok((empty(path), Some((aside, reason))))
     }
 
@@ -153,26 +139,23 @@ impl Checkpoint {
     }
 
     fn save(&self) -> Result<(), CheckpointError> {
-        let io = |path: &Path, op| {
-            let path = path.to_path_buf();
-            move |source| CheckpointError::Io { path, op, source }
-        };
         if let Some(parent) = self.path.parent() {
-            std::fs::create_dir_all(parent).map_err(io(parent, "create directory"))?;
+            std::fs::create_dir_all(parent).map_err(io_error(parent, "create directory"))?;
         }
         let file = File {
             version: FORMAT_VERSION,
             claims: self.claims.clone(),
         };
         let json = serde_json::to_vec_pretty(&file)
-            .map_err(|error| io(&self.path, "encode")(std::io::Error::other(error)))?;
+            .map_err(|error| io_error(&self.path, "encode")(std::io::Error::other(error)))?;
         let mut temporary = self.path.as_os_str().to_owned();
         temporary.push(".tmp");
         let temporary = PathBuf::from(temporary);
-        let mut out = std::fs::File::create(&temporary).map_err(io(&temporary, "create"))?;
-        out.write_all(&json).map_err(io(&temporary, "write"))?;
-        out.sync_all().map_err(io(&temporary, "sync"))?;
-        std::fs::rename(&temporary, &self.path).map_err(io(&self.path, "rename"))?;
+        let mut out = std::fs::File::create(&temporary).map_err(io_error(&temporary, "create"))?;
+        out.write_all(&json)
+            .map_err(io_error(&temporary, "write"))?;
+        out.sync_all().map_err(io_error(&temporary, "sync"))?;
+        std::fs::rename(&temporary, &self.path).map_err(io_error(&self.path, "rename"))?;
         Ok(())
     }
 }

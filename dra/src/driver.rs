@@ -9,7 +9,7 @@
 //! mounts. Both are named by the claim's UID, so preparing again gives the
 //! same answer and releasing needs nothing but the UID.
 
-use crate::cdi::{self, CdiError, Mount};
+use crate::cdi::{self, CdiError};
 use crate::checkpoint::{Checkpoint, CheckpointError, PreparedClaim, PreparedDevice};
 use crate::claim::{allocated_gpus, ClaimError};
 use k8s_openapi::api::resource::v1::ResourceClaim;
@@ -17,8 +17,9 @@ use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
 use std::sync::{Mutex, PoisonError, RwLock};
 use thiserror::Error;
-use vgpu_cluster::decision::{ContainerDecision, InventoryGpu};
-use vgpu_device_plugin::allocate::{self, AllocateError, Settings};
+use vgpu_cluster::decision::{DeviceGrant, InventoryGpu};
+use vgpu_cluster::file_error::{io_error, FileError};
+use vgpu_node_agent::allocation::{self, AllocationError, Grants, Holder, Settings};
 use vgpu_node_contract::claim_owner::{ClaimOwner, CLAIM_DIR_PREFIX, CLAIM_OWNER_FILE};
 
 #[derive(Debug, Error)]
@@ -26,24 +27,19 @@ pub enum DriverError {
     #[error(transparent)]
     Claim(#[from] ClaimError),
     #[error(transparent)]
-    Allocate(#[from] AllocateError),
+    Allocation(#[from] AllocationError),
     #[error(transparent)]
     Cdi(#[from] CdiError),
     #[error(transparent)]
     Checkpoint(#[from] CheckpointError),
-    #[error("{path}: write the claim's owner file")]
-    WriteOwner {
-        path: PathBuf,
-        #[source]
-        source: std::io::Error,
-    },
-    #[error("{path}: remove the claim's region directory")]
-    RemoveRegion {
-        path: PathBuf,
-        #[source]
-        source: std::io::Error,
-    },
+    /// The claim's owner file could not be written, or its region
+    /// directory removed.
+    #[error(transparent)]
+    Io(#[from] FileError),
 }
+
+/// What the owner file's writes are told by.
+const WRITE_OWNER: &str = "write the claim's owner file";
 
 /// Where things go on this node.
 #[derive(Clone, Debug)]
@@ -66,19 +62,15 @@ pub struct Driver {
 }
 
 /// Writes the owner file (replaced whole: the monitor never reads half).
-fn write_owner(path: &Path, owner: &ClaimOwner) -> Result<(), DriverError> {
-    let failed = |source| DriverError::WriteOwner {
-        path: path.to_path_buf(),
-        source,
-    };
+fn write_owner(path: &Path, owner: &ClaimOwner) -> Result<(), FileError> {
     let text = owner
         .to_text()
-        .map_err(|error| failed(std::io::Error::other(error)))?;
+        .map_err(|error| io_error(path, WRITE_OWNER)(std::io::Error::other(error)))?;
     let mut temporary = path.as_os_str().to_owned();
     temporary.push(".tmp");
     let temporary = PathBuf::from(temporary);
-    std::fs::write(&temporary, text).map_err(failed)?;
-    std::fs::rename(&temporary, path).map_err(failed)
+    std::fs::write(&temporary, text).map_err(io_error(path, WRITE_OWNER))?;
+    std::fs::rename(&temporary, path).map_err(io_error(path, WRITE_OWNER))
 }
 
 /// The name of a claim's region directory.
@@ -97,7 +89,7 @@ impl Driver {
                 path.display()
             );
         }
-        allocate::write_preload(&config.settings)?;
+        allocation::write_preload(&config.settings)?;
         Ok(Self {
             config,
             gpus: RwLock::new(gpus),
@@ -167,19 +159,17 @@ impl Driver {
         let allocated = allocated_gpus(claim, uid, &self.config.node, &gpus)?;
         let namespace = claim.metadata.namespace.clone().unwrap_or_default();
         let name = claim.metadata.name.clone().unwrap_or_default();
-        let decision = ContainerDecision {
-            name: format!("claim {namespace}/{name}"),
-            init: false,
-            devices: allocated.iter().map(|gpu| gpu.grant.clone()).collect(),
+        let holder = Holder::Claim(format!("{namespace}/{name}"));
+        let devices: Vec<DeviceGrant> = allocated.iter().map(|gpu| gpu.grant.clone()).collect();
+        let grants = Grants {
+            holder: &holder,
+            dir_name: &claim_dir_name(uid)?,
+            devices: &devices,
+            // A claim names no priority: its containers get the shim's default.
             priority: None,
         };
-        let plan = allocate::plan_in_dir(
-            &self.config.settings,
-            &claim_dir_name(uid)?,
-            &decision,
-            &gpus,
-        )?;
-        allocate::prepare(&plan)?;
+        let plan = allocation::plan(&self.config.settings, grants, &gpus)?;
+        allocation::prepare(&plan)?;
         // Who the region belongs to, for the node monitor's series.
         let owner = ClaimOwner {
             namespace: namespace.clone(),
@@ -198,13 +188,7 @@ impl Driver {
         let mounts = plan
             .mounts
             .iter()
-            .map(|mount| {
-                Mount::bind(
-                    Path::new(&mount.host_path),
-                    Path::new(&mount.container_path),
-                    mount.read_only,
-                )
-            })
+            .map(|mount| cdi::Mount::bind(&mount.host_path, &mount.container_path, mount.read_only))
             .collect();
         cdi::write_spec(
             &self.config.cdi_dir,
@@ -275,7 +259,7 @@ impl Driver {
             .join(claim_dir_name(uid)?);
         match std::fs::remove_dir_all(&dir) {
             Err(source) if source.kind() != std::io::ErrorKind::NotFound => {
-                return Err(DriverError::RemoveRegion { path: dir, source })
+                return Err(io_error(&dir, "remove the claim's region directory")(source).into())
             }
             _ => {}
         }

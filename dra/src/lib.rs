@@ -6,8 +6,11 @@
 //! decides which claims share a GPU. At kubelet's `NodePrepareResources`
 //! it turns what a claim consumed into a region with those caps and a CDI
 //! spec giving the claim's containers the shim ([`driver`]); at
-//! `NodeUnprepareResources` it removes both.
+//! `NodeUnprepareResources` it removes both. What it shares with the
+//! device plugin (planning a region, GPU health, the node's GPUs, the
+//! shared flags, the daemon's set-up) is [`vgpu_node_agent`]'s.
 
+pub mod api;
 pub mod authority;
 pub mod cdi;
 pub mod checkpoint;
@@ -17,24 +20,13 @@ pub mod publish;
 pub mod service;
 pub mod slice;
 
-pub mod api {
-    pub mod dra_v1 {
-        #![allow(clippy::all, missing_docs)]
-        tonic::include_proto!("k8s.io.kubelet.pkg.apis.dra.v1");
-    }
-    pub mod registration {
-        #![allow(clippy::all, missing_docs)]
-        tonic::include_proto!("pluginregistration");
-    }
-}
-
 use driver::Driver;
 use service::{Claims, ServiceError, Sockets};
 use slice::NodeFacts;
 use std::sync::Arc;
 use std::time::Duration;
 use tokio::sync::watch;
-use vgpu_device_plugin::health::{self, HealthEvent, HealthSource};
+use vgpu_node_agent::health::{self, HealthEvent, HealthSource};
 
 /// Runs the driver until `shutdown` turns true: GPU health, the
 /// ResourceSlice, and kubelet's services.
@@ -64,11 +56,7 @@ pub async fn run(
             changed.send_modify(|count| *count += 1);
         }
     })
-    .map_err(|source| ServiceError::Io {
-        path: "gpu-health".into(),
-        op: "start thread",
-        source,
-    })?;
+    .map_err(ServiceError::HealthThread)?;
     let publisher = tokio::spawn(publish::keep_published(
         client.clone(),
         Arc::clone(&driver),

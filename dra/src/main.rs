@@ -5,13 +5,13 @@ use clap::Parser;
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
-use vgpu_device_plugin::daemon;
-use vgpu_device_plugin::health::{HealthTracker, NvmlHealth};
-use vgpu_device_plugin::inventory::inventory_gpus;
-use vgpu_device_plugin::options::{ApiFlags, ContainerFlags, HealthFlags};
 use vgpu_dra::driver::{Driver, DriverConfig};
 use vgpu_dra::service::{Sockets, DRA_SOCKET, REGISTRATION_SOCKET};
 use vgpu_dra::slice::{node_facts, DRIVER_NAME};
+use vgpu_node_agent::daemon;
+use vgpu_node_agent::flags::{ApiFlags, ContainerFlags, HealthFlags};
+use vgpu_node_agent::health::{HealthTracker, NvmlHealth};
+use vgpu_node_agent::inventory::inventory_gpus;
 
 /// vgpu DRA driver: shares this node's GPUs between ResourceClaims.
 ///
@@ -136,19 +136,10 @@ fn main() -> anyhow::Result<()> {
         driver.gpus().len()
     );
 
-    let runtime = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .context("starting the async runtime")?;
+    let runtime = daemon::runtime().context("starting the async runtime")?;
     runtime.block_on(async {
         let client = vgpu_cluster::client::make_client(&options.api.source()).await?;
-        let (stop, shutdown) = tokio::sync::watch::channel(false);
-        tokio::spawn(async move {
-            daemon::wait_for_signal().await;
-            tracing::info!("stopping");
-            let _ = stop.send(true);
-        });
+        let shutdown = daemon::stop_on_signal();
         vgpu_dra::run(
             driver,
             Box::new(health),

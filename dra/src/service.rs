@@ -17,6 +17,8 @@ use tokio_stream::wrappers::UnixListenerStream;
 use tokio_stream::StreamExt;
 use tonic::transport::Server;
 use tonic::{Request, Response, Status};
+use vgpu_cluster::file_error::{io_error, FileError};
+use vgpu_cluster::report::with_causes;
 
 /// The registration `type` of a DRA driver.
 pub const PLUGIN_TYPE: &str = "DRAPlugin";
@@ -29,30 +31,41 @@ pub const DRA_SOCKET: &str = "dra.sock";
 
 #[derive(Debug, Error)]
 pub enum ServiceError {
-    #[error("{path}: {op}")]
-    Io {
-        path: PathBuf,
-        op: &'static str,
-        #[source]
-        source: std::io::Error,
-    },
+    #[error(transparent)]
+    Io(#[from] FileError),
+    #[error("gpu-health: start thread")]
+    HealthThread(#[source] std::io::Error),
     #[error("serving gRPC")]
     Serve(#[from] tonic::transport::Error),
+}
+
+/// A claim kubelet named that could not be read.
+#[derive(Debug, Error)]
+#[error("reading ResourceClaim {namespace}/{name}")]
+pub struct ClaimReadError {
+    pub namespace: String,
+    pub name: String,
+    #[source]
+    pub source: kube::Error,
 }
 
 /// Where claims are read from (the API server; a table in tests).
 #[tonic::async_trait]
 pub trait Claims: Send + Sync + 'static {
-    async fn get(&self, namespace: &str, name: &str) -> Result<ResourceClaim, String>;
+    async fn get(&self, namespace: &str, name: &str) -> Result<ResourceClaim, ClaimReadError>;
 }
 
 #[tonic::async_trait]
 impl Claims for kube::Client {
-    async fn get(&self, namespace: &str, name: &str) -> Result<ResourceClaim, String> {
+    async fn get(&self, namespace: &str, name: &str) -> Result<ResourceClaim, ClaimReadError> {
         kube::Api::<ResourceClaim>::namespaced(self.clone(), namespace)
             .get(name)
             .await
-            .map_err(|error| format!("reading ResourceClaim {namespace}/{name}: {error}"))
+            .map_err(|source| ClaimReadError {
+                namespace: namespace.to_string(),
+                name: name.to_string(),
+                source,
+            })
     }
 }
 
@@ -102,29 +115,17 @@ impl DraService {
         }
         let object = match self.claims.get(&claim.namespace, &claim.name).await {
             Ok(object) => object,
-            Err(error) => return failed(error),
+            Err(error) => return failed(with_causes(&error)),
         };
         let driver = Arc::clone(&self.driver);
         let uid = claim.uid.clone();
         // Files and a region: off the async workers.
         match tokio::task::spawn_blocking(move || driver.prepare(&uid, &object)).await {
             Ok(Ok(prepared)) => response(&prepared),
-            Ok(Err(error)) => failed(error_chain(&error)),
+            Ok(Err(error)) => failed(with_causes(&error)),
             Err(error) => failed(format!("preparing stopped: {error}")),
         }
     }
-}
-
-/// An error with its causes, for kubelet's events.
-fn error_chain(error: &dyn std::error::Error) -> String {
-    let mut text = error.to_string();
-    let mut source = error.source();
-    while let Some(cause) = source {
-        text.push_str(": ");
-        text.push_str(&cause.to_string());
-        source = cause.source();
-    }
-    text
 }
 
 #[tonic::async_trait]
@@ -150,7 +151,7 @@ impl dra::dra_plugin_server::DraPlugin for DraService {
             let uid = claim.uid.clone();
             let error = match tokio::task::spawn_blocking(move || driver.unprepare(&uid)).await {
                 Ok(Ok(())) => String::new(),
-                Ok(Err(error)) => error_chain(&error),
+                Ok(Err(error)) => with_causes(&error),
                 Err(error) => format!("releasing stopped: {error}"),
             };
             if !error.is_empty() {
@@ -204,22 +205,18 @@ impl registration::registration_server::Registration for RegistrationService {
 }
 
 fn listen(path: &Path) -> Result<UnixListenerStream, ServiceError> {
-    let io = |op| {
-        let path = path.to_path_buf();
-        move |source| ServiceError::Io { path, op, source }
-    };
     if let Some(parent) = path.parent() {
-        std::fs::create_dir_all(parent).map_err(io("create directory"))?;
+        std::fs::create_dir_all(parent).map_err(io_error(path, "create directory"))?;
     }
     // A socket left by an earlier run of the driver.
     match std::fs::remove_file(path) {
         Err(error) if error.kind() != std::io::ErrorKind::NotFound => {
-            return Err(io("remove stale socket")(error))
+            return Err(io_error(path, "remove stale socket")(error).into())
         }
         _ => {}
     }
     Ok(UnixListenerStream::new(
-        UnixListener::bind(path).map_err(io("listen"))?,
+        UnixListener::bind(path).map_err(io_error(path, "listen"))?,
     ))
 }
 

@@ -14,40 +14,9 @@ use std::time::Duration;
 use tokio::sync::watch;
 use vgpu_cluster::decision::{InventoryGpu, NodeInventory, FORMAT_VERSION};
 use vgpu_cluster::resources::ResourceNames;
-use vgpu_cluster::scaling::MemoryScaling;
-use vgpu_nvml_host::GpuFacts;
 
 /// Longest wait before retrying a failed write.
 const RETRY: Duration = Duration::from_secs(5);
-
-/// The inventory entries for the GPUs NVML describes, each shared by at
-/// most `split_count` containers, offering their memory times `scaling`,
-/// all healthy to start with.
-pub fn inventory_gpus(
-    facts: Vec<GpuFacts>,
-    split_count: u32,
-    scaling: MemoryScaling,
-) -> Vec<InventoryGpu> {
-    facts
-        .into_iter()
-        .map(|gpu| InventoryGpu {
-            // Left out unscaled, so such a node's annotation reads as it
-            // always did.
-            offered_memory_bytes: (scaling != MemoryScaling::ONE)
-                .then(|| scaling.offered(gpu.memory_bytes)),
-            utilization_percent: None,
-            uuid: gpu.uuid,
-            index: gpu.index,
-            model: gpu.model,
-            memory_bytes: gpu.memory_bytes,
-            sm_count: gpu.sm_count,
-            split_count,
-            numa: gpu.numa,
-            nvlink_island: gpu.nvlink_island,
-            healthy: true,
-        })
-        .collect()
-}
 
 /// The inventory for `gpus` with their measured `load`.
 pub fn inventory(gpus: &[InventoryGpu], load: &LoadFigures) -> NodeInventory {
@@ -182,6 +151,9 @@ pub async fn publish(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use vgpu_cluster::scaling::MemoryScaling;
+    use vgpu_node_agent::inventory::inventory_gpus;
+    use vgpu_nvml_host::GpuFacts;
 
     fn gpu(index: u32, mib: u64, split_count: u32) -> InventoryGpu {
         InventoryGpu {
@@ -197,27 +169,6 @@ mod tests {
             nvlink_island: None,
             healthy: true,
         }
-    }
-
-    #[test]
-    fn nvml_facts_become_healthy_entries_with_numa_and_island() {
-        let facts = vec![GpuFacts {
-            index: 3,
-            uuid: "GPU-d".into(),
-            model: "H100".into(),
-            memory_bytes: 80 << 30,
-            sm_count: 132,
-            numa: Some(1),
-            nvlink_peers: vec![1],
-            nvlink_island: Some(1),
-        }];
-        let gpus = inventory_gpus(facts, 7, MemoryScaling::default());
-        assert_eq!(gpus.len(), 1);
-        let gpu = &gpus[0];
-        assert_eq!((gpu.index, gpu.uuid.as_str()), (3, "GPU-d"));
-        assert_eq!((gpu.numa, gpu.nvlink_island), (Some(1), Some(1)));
-        assert_eq!(gpu.split_count, 7);
-        assert!(gpu.healthy);
     }
 
     #[test]

@@ -1,13 +1,15 @@
-//! `vgpu-device-plugin`: the kubelet device plugin of vgpu.
+//! `vgpu-device-plugin`: the kubelet device plugin of vgpu. What it shares
+//! with the DRA driver (planning a container's region, GPU health, the
+//! node's GPUs, the shared flags, the daemon's set-up) is
+//! [`vgpu_node_agent`]'s; here is what is kubelet's device plugin API's.
 //!
-//! - [`health`]: GPU health (NVML XID/ECC events and probes, or injected
-//!   signals) and the recovery policy.
+//! - [`api`]: kubelet's device plugin and PodResources APIs.
 //! - [`devices`]: the `<uuid>::<k>` devices kubelet sees and the preferred
 //!   allocation.
 //! - [`protocol`]: finding the node's one pending pod and matching
 //!   kubelet's requests to its containers (the protocol of
 //!   [`vgpu_cluster::decision`]).
-//! - [`allocate`]: a container's environment, mounts and region.
+//! - [`allocate`]: a container's region plan, as kubelet's answer.
 //! - [`cluster`]: the Kubernetes API (pods, allocation record, node
 //!   inventory).
 //! - [`service`]: the `DevicePlugin` gRPC service.
@@ -19,10 +21,9 @@
 //! - [`options`]: the command line.
 
 pub mod allocate;
+pub mod api;
 pub mod cluster;
-pub mod daemon;
 pub mod devices;
-pub mod health;
 pub mod inventory;
 pub mod kubelet;
 pub mod lease;
@@ -32,22 +33,7 @@ pub mod pod_resources;
 pub mod protocol;
 pub mod service;
 
-/// Kubelet's device plugin API, v1beta1, generated from `proto/api.proto`,
-/// and the part of its PodResources API, v1, the plugin reads
-/// (`proto/podresources.proto`).
-pub mod api {
-    pub mod v1beta1 {
-        #![allow(clippy::all, missing_docs)]
-        tonic::include_proto!("v1beta1");
-    }
-    pub mod podresources_v1 {
-        #![allow(clippy::all, missing_docs)]
-        tonic::include_proto!("v1");
-    }
-}
-
 use cluster::Cluster;
-use health::{HealthEvent, HealthSource};
 use service::PluginState;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
@@ -55,13 +41,15 @@ use std::time::Duration;
 use thiserror::Error;
 use tokio::sync::watch;
 use vgpu_cluster::decision::InventoryGpu;
+use vgpu_node_agent::allocation::{self, AllocationError, Settings};
+use vgpu_node_agent::health::{self, HealthEvent, HealthSource};
 
 /// Everything a running plugin needs besides its GPUs and the API client.
 #[derive(Clone, Debug)]
 pub struct PluginConfig {
     pub node: String,
     pub kubelet: kubelet::KubeletSettings,
-    pub settings: allocate::Settings,
+    pub settings: Settings,
     /// Time between rewrites of an unchanged inventory.
     pub resync: Duration,
     /// `leaseDurationSeconds` of the node's Lease.
@@ -82,7 +70,7 @@ pub enum PluginError {
     #[error(transparent)]
     Kubelet(#[from] kubelet::KubeletError),
     #[error("writing ld.so.preload")]
-    Preload(#[source] allocate::AllocateError),
+    Preload(#[source] AllocationError),
     #[error("starting the health thread")]
     Health(#[source] std::io::Error),
 }
@@ -124,7 +112,7 @@ pub async fn run(
     client: kube::Client,
     shutdown: watch::Receiver<bool>,
 ) -> Result<(), PluginError> {
-    allocate::write_preload(&config.settings).map_err(PluginError::Preload)?;
+    allocation::write_preload(&config.settings).map_err(PluginError::Preload)?;
     let cluster = Cluster::new(client, config.node.clone());
     tracing::info!(
         "node {}: {} GPU(s), {} device(s) of {}",

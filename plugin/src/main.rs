@@ -4,15 +4,16 @@ use anyhow::Context;
 use clap::Parser;
 use std::sync::Arc;
 use std::time::Duration;
-use vgpu_device_plugin::health::{HealthTracker, NvmlHealth};
-use vgpu_device_plugin::inventory::inventory_gpus;
 use vgpu_device_plugin::load::{self, NvmlLoad};
 use vgpu_device_plugin::options::Options;
-use vgpu_device_plugin::{cluster, daemon, PluginConfig};
+use vgpu_device_plugin::{cluster, PluginConfig};
+use vgpu_node_agent::daemon;
+use vgpu_node_agent::health::{HealthTracker, NvmlHealth};
+use vgpu_node_agent::inventory::inventory_gpus;
 
 fn main() -> anyhow::Result<()> {
     let options = Options::parse();
-    daemon::init_logging(options.log_level, &[]);
+    daemon::init_logging(options.log_level, &["vgpu_device_plugin"]);
 
     let nvml = Arc::new(vgpu_nvml_host::open(Some(&options.nvml_library))?);
     let gpus = inventory_gpus(
@@ -53,19 +54,10 @@ fn main() -> anyhow::Result<()> {
         load,
     };
 
-    let runtime = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .context("starting the async runtime")?;
+    let runtime = daemon::runtime().context("starting the async runtime")?;
     runtime.block_on(async {
         let client = cluster::make_client(&options.api_source()).await?;
-        let (stop, shutdown) = tokio::sync::watch::channel(false);
-        tokio::spawn(async move {
-            daemon::wait_for_signal().await;
-            tracing::info!("stopping");
-            let _ = stop.send(true);
-        });
+        let shutdown = daemon::stop_on_signal();
         vgpu_device_plugin::run(config, gpus, Box::new(health), client, shutdown).await?;
         Ok(())
     })

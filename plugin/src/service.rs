@@ -1,6 +1,6 @@
 //! The `DevicePlugin` gRPC service kubelet calls.
 
-use crate::allocate::{self, Settings};
+use crate::allocate;
 use crate::api::v1beta1 as api;
 use crate::api::v1beta1::device_plugin_server::DevicePlugin;
 use crate::cluster::{Cluster, ClusterError};
@@ -15,6 +15,7 @@ use tokio::sync::{watch, Mutex};
 use tonic::{Request, Response, Status};
 use vgpu_cluster::decision::InventoryGpu;
 use vgpu_cluster::report::with_causes;
+use vgpu_node_agent::allocation::{self, RegionPlan, Settings, ENV_VISIBLE_DEVICES};
 
 /// How often an `Allocate` re-reads the pod when its record was changed
 /// by someone else in between.
@@ -101,11 +102,12 @@ impl PluginState {
         // The last write that may have been stored although its answer
         // never came (the API server stopped in between): its pod UID and
         // plans.
-        let mut unanswered: Option<(PendingPod, Vec<allocate::ContainerPlan>)> = None;
+        let mut unanswered: Option<(PendingPod, Vec<RegionPlan>)> = None;
         for attempt in 1..=MAX_ATTEMPTS {
             let pods = self.pods_on_node(since).await?;
             if let Some((earlier, plans)) = unanswered.take() {
-                let containers: Vec<String> = plans.iter().map(|p| p.container.clone()).collect();
+                let containers: Vec<String> =
+                    plans.iter().map(|p| p.holder.name().to_string()).collect();
                 if protocol::records_allocated(&pods, &earlier.uid, &containers) {
                     tracing::info!(
                         pod = %earlier.display(),
@@ -135,7 +137,7 @@ impl PluginState {
                 note_kubelet_choice(&pod, plan, &request.devices_ids);
             }
             let prepared = plans.clone();
-            tokio::task::spawn_blocking(move || prepared.iter().try_for_each(allocate::prepare))
+            tokio::task::spawn_blocking(move || prepared.iter().try_for_each(allocation::prepare))
                 .await
                 .map_err(|e| Status::internal(format!("preparing the container directory: {e}")))?
                 .map_err(|e| {
@@ -143,7 +145,7 @@ impl PluginState {
                 })?;
 
             let mut allocated = pod.allocated.clone();
-            allocated.extend(plans.iter().map(|p| p.container.clone()));
+            allocated.extend(plans.iter().map(|p| p.holder.name().to_string()));
             let recorded = through_outage(since, "recording the allocation", || {
                 self.cluster.record_allocated(&pod, &allocated)
             })
@@ -166,7 +168,8 @@ impl PluginState {
         // The last write may have been our own, stored unanswered.
         if let Some((earlier, plans)) = unanswered {
             let pods = self.pods_on_node(since).await?;
-            let containers: Vec<String> = plans.iter().map(|p| p.container.clone()).collect();
+            let containers: Vec<String> =
+                plans.iter().map(|p| p.holder.name().to_string()).collect();
             if protocol::records_allocated(&pods, &earlier.uid, &containers) {
                 return Ok(self.allocated(&earlier.display(), &plans));
             }
@@ -177,18 +180,18 @@ impl PluginState {
     }
 
     /// The answer for containers whose allocation is recorded; logs them.
-    fn allocated(&self, pod: &str, plans: &[allocate::ContainerPlan]) -> api::AllocateResponse {
+    fn allocated(&self, pod: &str, plans: &[RegionPlan]) -> api::AllocateResponse {
         for plan in plans {
             tracing::info!(
                 pod = %pod,
-                container = %plan.container,
-                gpus = %plan.envs.get(allocate::ENV_VISIBLE_DEVICES).map(String::as_str).unwrap_or_default(),
+                container = %plan.holder.name(),
+                gpus = %plan.envs.get(ENV_VISIBLE_DEVICES).map(String::as_str).unwrap_or_default(),
                 dir = %plan.host_dir.display(),
                 "allocated"
             );
         }
         api::AllocateResponse {
-            container_responses: plans.iter().map(|p| p.response()).collect(),
+            container_responses: plans.iter().map(allocate::response).collect(),
         }
     }
 
@@ -244,10 +247,10 @@ impl PluginState {
 /// Kubelet counts replicas; the GPUs come from the decision. Say so when
 /// kubelet picked replicas of other GPUs (its accounting of replicas is
 /// then off from the real use, which only the scheduler tracks).
-fn note_kubelet_choice(pod: &PendingPod, plan: &allocate::ContainerPlan, ids: &[String]) {
+fn note_kubelet_choice(pod: &PendingPod, plan: &RegionPlan, ids: &[String]) {
     let decided = plan
         .envs
-        .get(allocate::ENV_VISIBLE_DEVICES)
+        .get(ENV_VISIBLE_DEVICES)
         .map(String::as_str)
         .unwrap_or_default();
     let elsewhere: Vec<&str> = ids
@@ -261,7 +264,7 @@ fn note_kubelet_choice(pod: &PendingPod, plan: &allocate::ContainerPlan, ids: &[
     if !elsewhere.is_empty() {
         tracing::info!(
             pod = %pod.display(),
-            container = %plan.container,
+            container = %plan.holder.name(),
             "kubelet picked replicas {elsewhere:?} outside the decided GPUs {decided}; the decision applies"
         );
     }

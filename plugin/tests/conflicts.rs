@@ -24,7 +24,7 @@ use vgpu_cluster::decision::{
     ContainerDecision, Decision, DeviceGrant, DECISION_ANNOTATION, FORMAT_VERSION,
 };
 use vgpu_device_plugin::cluster::make_client;
-use vgpu_device_plugin::health::{HealthTracker, ManualHealth};
+use vgpu_node_agent::health::{HealthTracker, ManualHealth};
 use vgpu_testkit::fault_proxy::{Action, Fault, FaultId, FaultProxy, Verb, ANY_POD};
 
 const WAIT: Duration = Duration::from_secs(10);

@@ -16,7 +16,7 @@ use support::*;
 use tokio::sync::watch;
 use vgpu_cluster::decision::DeviceGrant;
 use vgpu_device_plugin::cluster::make_client;
-use vgpu_device_plugin::health::{HealthTracker, ManualHealth, ManualHealthHandle, Signal};
+use vgpu_node_agent::health::{HealthTracker, ManualHealth, ManualHealthHandle, Signal};
 
 const WAIT: Duration = Duration::from_secs(10);
 

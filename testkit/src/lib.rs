@@ -18,6 +18,7 @@ use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 use std::sync::atomic::{AtomicUsize, Ordering};
+use vgpu_node_agent::driver_libraries::DRIVER_LIBRARIES;
 
 /// Directory holding the compiled C test programs.
 pub fn programs_dir() -> PathBuf {
@@ -156,12 +157,7 @@ impl Sandbox {
         let lib_dir = dir.join("lib");
         std::fs::create_dir_all(&lib_dir).expect("create sandbox");
         let simulated = simulated_gpu_library();
-        for alias in [
-            "libcuda.so.1",
-            "libcuda.so",
-            "libnvidia-ml.so.1",
-            "libnvidia-ml.so",
-        ] {
+        for alias in DRIVER_LIBRARIES {
             std::os::unix::fs::symlink(&simulated, lib_dir.join(alias)).expect("link driver alias");
         }
         let region = dir.join("region.cache");

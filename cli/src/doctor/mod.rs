@@ -5,9 +5,9 @@
 //! shows what that part would see rather than a second opinion:
 //!
 //! - [`node`]: NVML (`vgpu-nvml-host`, as the device plugin and DRA driver
-//!   load it), the GPUs as the device plugin publishes them
-//!   (`inventory_gpus`, health by its probe and tracker), and the DRA
-//!   driver's ResourceSlice (`vgpu_dra::slice`);
+//!   load it), the GPUs as the node agents publish them
+//!   (`vgpu_node_agent::inventory`, health by their probe and tracker),
+//!   and the DRA driver's ResourceSlice (`vgpu_dra::slice`);
 //! - [`probe`]: the shim in a CUDA program, run by `vgpu run` itself;
 //! - [`monitor`]: the node monitor's `/metrics`.
 

@@ -1,8 +1,8 @@
 //! The driver, the GPUs and the DRA slice, read through the node agents'
-//! own code: NVML loaded by `vgpu-nvml-host` as the device plugin loads it,
-//! the GPUs described and turned into inventory entries by the plugin's
-//! functions, health judged by the plugin's probe and tracker, and the
-//! slice built by the DRA driver's `slice` module.
+//! own code: NVML loaded by `vgpu-nvml-host` as the agents load it, the
+//! GPUs described and turned into inventory entries by the agents'
+//! functions (`vgpu-node-agent`), health judged by their probe and
+//! tracker, and the slice built by the DRA driver's `slice` module.
 
 use super::{mib, Findings, Section};
 use crate::args::DoctorArgs;
@@ -13,9 +13,9 @@ use std::path::{Path, PathBuf};
 use std::time::Instant;
 use vgpu_cluster::decision::InventoryGpu;
 use vgpu_cluster::scaling::MemoryScaling;
-use vgpu_device_plugin::health::{self, HealthEvent, HealthTracker, Signal, DEFAULT_IGNORED_XIDS};
-use vgpu_device_plugin::inventory::inventory_gpus;
 use vgpu_dra::slice::{node_facts, resource_slice, slice_name};
+use vgpu_node_agent::health::{self, HealthEvent, HealthTracker, Signal, DEFAULT_IGNORED_XIDS};
+use vgpu_node_agent::inventory::inventory_gpus;
 use vgpu_nvml_host::{GpuFacts, Nvml};
 
 /// The driver as NVML reports it.

@@ -317,8 +317,8 @@ pub fn in_process_config(
     dir: &Path,
     resource: &str,
 ) -> vgpu_device_plugin::PluginConfig {
-    use vgpu_device_plugin::allocate::Settings;
     use vgpu_device_plugin::kubelet::KubeletSettings;
+    use vgpu_node_agent::allocation::Settings;
     vgpu_device_plugin::PluginConfig {
         node: node.into(),
         kubelet: KubeletSettings {

@@ -11,7 +11,7 @@
 //!   double-bit ECC error, or a failed probe makes a GPU unhealthy;
 //! - an unhealthy GPU is healthy again once it has answered every probe for
 //!   the whole recovery window with no new fault (no window: never; the
-//!   plugin's restart then clears it, as with NVIDIA's own plugin).
+//!   agent's restart then clears it, as with NVIDIA's own plugin).
 
 use nvml_wrapper::bitmasks::event::EventTypes;
 use nvml_wrapper::error::NvmlError;
@@ -21,6 +21,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::mpsc;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
+use thiserror::Error;
 
 /// XIDs that report an application's error rather than the GPU's.
 pub const DEFAULT_IGNORED_XIDS: [u64; 6] = [13, 31, 43, 45, 68, 109];
@@ -30,6 +31,22 @@ pub const DEFAULT_IGNORED_XIDS: [u64; 6] = [13, 31, 43, 45, 68, 109];
 pub enum HealthEvent {
     Unhealthy { uuid: String, reason: String },
     Healthy { uuid: String },
+}
+
+/// Why a GPU failed its probe, in NVML's words. NVML's error is kept as
+/// its text: a probe's result travels in a [`Signal`], which is cloned and
+/// compared, and NVML's error is neither.
+#[derive(Clone, Debug, PartialEq, Eq, Error)]
+pub enum ProbeError {
+    /// NVML does not find the GPU by its UUID.
+    #[error("{nvml}")]
+    Lookup { nvml: String },
+    /// NVML finds the GPU but cannot read its memory figures.
+    #[error("{nvml}")]
+    MemoryInfo { nvml: String },
+    /// A failure reported by a caller (tests, a source without NVML).
+    #[error("{0}")]
+    Reported(String),
 }
 
 /// Something observed about a GPU.
@@ -42,7 +59,7 @@ pub enum Signal {
     /// The result of asking the GPU a few questions.
     Probe {
         uuid: String,
-        result: Result<(), String>,
+        result: Result<(), ProbeError>,
     },
 }
 
@@ -234,10 +251,18 @@ impl NvmlHealth {
 }
 
 /// Asks the GPU `uuid` a few questions a healthy GPU answers (also what
-/// `vgpu doctor` asks, so it judges health by the plugin's own probe).
-pub fn probe(nvml: &Nvml, uuid: &str) -> Result<(), String> {
-    let device = nvml.device_by_uuid(uuid).map_err(|e| e.to_string())?;
-    device.memory_info().map_err(|e| e.to_string())?;
+/// `vgpu doctor` asks, so it judges health by the agents' own probe).
+pub fn probe(nvml: &Nvml, uuid: &str) -> Result<(), ProbeError> {
+    let device = nvml
+        .device_by_uuid(uuid)
+        .map_err(|error| ProbeError::Lookup {
+            nvml: error.to_string(),
+        })?;
+    device
+        .memory_info()
+        .map_err(|error| ProbeError::MemoryInfo {
+            nvml: error.to_string(),
+        })?;
     Ok(())
 }
 
@@ -430,7 +455,7 @@ mod tests {
             tracker.apply(
                 Signal::Probe {
                     uuid: "d".into(),
-                    result: Err("GPU is lost".into())
+                    result: Err(ProbeError::Reported("GPU is lost".into()))
                 },
                 t
             ),
