@@ -5,12 +5,16 @@
 //! README's test command does; a missing library is reported with that hint.
 //! `VGPU_SHIM_LIBRARY` names another build of the shim to test (the README's
 //! test command points it at the shipped glibc-2.17 build).
+//!
+//! [`module_graph`] reads a crate's modules and the circles between them,
+//! for the test that keeps every crate's layers pointing one way.
 
 pub mod compute;
 pub mod decisions;
 pub mod extender_client;
 pub mod fault_proxy;
 pub mod kube;
+pub mod module_graph;
 pub mod namespaces;
 pub mod pending_pods;
 

@@ -10,126 +10,18 @@
 //!   and the DRA driver's ResourceSlice (`vgpu_dra::slice`);
 //! - [`probe`]: the shim in a CUDA program, run by `vgpu run` itself;
 //! - [`monitor`]: the node monitor's `/metrics`.
+//!
+//! Each section adds to the [`findings`], which this module writes out.
 
+pub mod findings;
 pub mod monitor;
 pub mod node;
 pub mod probe;
 
 use crate::args::{DoctorArgs, MonitorUrl};
+use findings::{Finding, Findings, Section, Status};
 use serde::Serialize;
 use std::io::Write;
-
-/// The sections, in the order they are shown.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
-#[serde(rename_all = "lowercase")]
-pub enum Section {
-    Driver,
-    Gpus,
-    Dra,
-    Shim,
-    Monitor,
-}
-
-impl Section {
-    const ALL: [Self; 5] = [
-        Self::Driver,
-        Self::Gpus,
-        Self::Dra,
-        Self::Shim,
-        Self::Monitor,
-    ];
-
-    fn title(self) -> &'static str {
-        match self {
-            Self::Driver => "Driver (NVML)",
-            Self::Gpus => "GPUs, as the device plugin publishes them",
-            Self::Dra => "DRA: the ResourceSlice vgpu-dra would publish",
-            Self::Shim => "Shim: a CUDA program under a cap",
-            Self::Monitor => "Node monitor",
-        }
-    }
-}
-
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
-#[serde(rename_all = "lowercase")]
-pub enum Status {
-    Ok,
-    Warn,
-    Fail,
-}
-
-impl Status {
-    fn marker(self) -> &'static str {
-        match self {
-            Self::Ok => "ok",
-            Self::Warn => "warn",
-            Self::Fail => "fail",
-        }
-    }
-}
-
-/// One thing found, and what to do about it when it is wrong.
-#[derive(Clone, Debug, Serialize)]
-pub struct Finding {
-    pub section: Section,
-    pub status: Status,
-    pub message: String,
-    /// Further lines that belong to the message (a device's capacities).
-    #[serde(skip_serializing_if = "Vec::is_empty")]
-    pub details: Vec<String>,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub hint: Option<String>,
-}
-
-/// The findings of one run, in the order found.
-#[derive(Debug, Default)]
-pub struct Findings(Vec<Finding>);
-
-impl Findings {
-    pub fn ok(&mut self, section: Section, message: impl Into<String>) -> &mut Finding {
-        self.push(section, Status::Ok, message.into(), None)
-    }
-
-    pub fn warn(
-        &mut self,
-        section: Section,
-        message: impl Into<String>,
-        hint: impl Into<String>,
-    ) -> &mut Finding {
-        self.push(section, Status::Warn, message.into(), Some(hint.into()))
-    }
-
-    pub fn fail(
-        &mut self,
-        section: Section,
-        message: impl Into<String>,
-        hint: impl Into<String>,
-    ) -> &mut Finding {
-        self.push(section, Status::Fail, message.into(), Some(hint.into()))
-    }
-
-    fn push(
-        &mut self,
-        section: Section,
-        status: Status,
-        message: String,
-        hint: Option<String>,
-    ) -> &mut Finding {
-        let at = self.0.len();
-        self.0.push(Finding {
-            section,
-            status,
-            message,
-            details: Vec::new(),
-            hint,
-        });
-        &mut self.0[at]
-    }
-
-    fn count(&self, status: Status) -> usize {
-        self.0.iter().filter(|f| f.status == status).count()
-    }
-}
 
 /// Counts of the findings; `ok` when none failed.
 #[derive(Debug, Serialize)]
@@ -236,11 +128,6 @@ fn write_text(
         plural(summary.warnings, "warning", "warnings"),
         plural(summary.failed, "failure", "failures")
     )
-}
-
-/// Bytes as whole MiB (rounded down, as nvidia-smi shows them).
-pub fn mib(bytes: u64) -> u64 {
-    bytes >> 20
 }
 
 #[cfg(test)]

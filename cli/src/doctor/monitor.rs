@@ -2,7 +2,7 @@
 //! the Prometheus text format, and the series of `monitor/src/metrics.rs`
 //! that say what each region holds and whether each GPU is in order.
 
-use super::{mib, Findings, Section};
+use super::findings::{mib, Findings, Section};
 use crate::args::MonitorUrl;
 use serde::Serialize;
 use std::collections::BTreeMap;
@@ -572,12 +572,12 @@ vgpu_monitor_loop_duration_seconds NaN
         let mut findings = Findings::default();
         gpu_findings(&gpus(&samples), &["GPU-a", "GPU-b"], &mut findings);
         container_findings(&containers(&samples), &mut findings);
-        let lines: Vec<(super::super::Status, &str)> = findings
+        let lines: Vec<(crate::doctor::findings::Status, &str)> = findings
             .0
             .iter()
             .map(|f| (f.status, f.message.as_str()))
             .collect();
-        use super::super::Status::{Ok, Warn};
+        use crate::doctor::findings::Status::{Ok, Warn};
         assert_eq!(lines[0].0, Warn, "{lines:?}");
         assert!(lines[0].1.contains("2 process(es) run without the shim"));
         assert_eq!(lines[1], (Warn, "the monitor does not report GPU-b"));

@@ -4,7 +4,7 @@
 //! functions (`vgpu-node-agent`), health judged by their probe and
 //! tracker, and the slice built by the DRA driver's `slice` module.
 
-use super::{mib, Findings, Section};
+use super::findings::{mib, Findings, Section};
 use crate::args::DoctorArgs;
 use serde::Serialize;
 use std::ffi::{c_char, CStr, CString};

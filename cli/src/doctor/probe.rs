@@ -7,7 +7,7 @@
 //! most programs do, by `dlopen("libcuda.so.1")` and `dlsym`, and prints
 //! what it saw as `key=value` lines; the parent judges them.
 
-use super::{mib, Findings, Section};
+use super::findings::{mib, Findings, Section};
 use crate::places::{self, PlaceError};
 use serde::Serialize;
 use std::collections::HashMap;
