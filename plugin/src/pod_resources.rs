@@ -19,7 +19,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
 use thiserror::Error;
 use vgpu_cluster::decision::{
-    parse_allocated, Decision, ALLOCATED_ANNOTATION, DECISION_ANNOTATION,
+    parse_allocated, Decision, FormatError, ALLOCATED_ANNOTATION, DECISION_ANNOTATION,
 };
 
 /// Where kubelet serves its PodResources API.
@@ -100,11 +100,11 @@ struct Recorded {
     allocated: Vec<String>,
 }
 
-fn recorded(pod: &Pod, node: &str) -> Option<Result<Recorded, String>> {
+fn recorded(pod: &Pod, node: &str) -> Option<Result<Recorded, FormatError>> {
     let annotations = pod.metadata.annotations.as_ref()?;
     let decision = match Decision::parse(annotations.get(DECISION_ANNOTATION)?) {
         Ok(decision) => decision,
-        Err(error) => return Some(Err(error.to_string())),
+        Err(error) => return Some(Err(error)),
     };
     if decision.node != node {
         return None;
@@ -115,7 +115,7 @@ fn recorded(pod: &Pod, node: &str) -> Option<Result<Recorded, String>> {
     {
         None => Vec::new(),
         Some(Ok(allocated)) => allocated,
-        Some(Err(error)) => return Some(Err(error.to_string())),
+        Some(Err(error)) => return Some(Err(error)),
     };
     Some(Ok(Recorded {
         decision,
