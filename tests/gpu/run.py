@@ -702,7 +702,7 @@ def share_row(suite: Suite, check: str, column: str, share: float, rate: float, 
                   verdict(within(achieved, share, SHARE_BAND)))
         return
     # Launch-bound loops of tiny kernels are charged more than they use
-    # (README, known limits): the cap must hold; reaching the share is
+    # (docs/known-limits.md): the cap must hold; reaching the share is
     # reported as measured.
     suite.add(check + ": the cap holds", f"at most {share + SHARE_BAND:g} %", column, measured,
               verdict(achieved <= share + SHARE_BAND))

@@ -161,7 +161,7 @@ pub fn mutate(
             "code": 403,
             "reason": "Forbidden",
             "message": format!(
-                "container {container} asks for vGPUs and is privileged: a privileged container sees every GPU of its node and bypasses vgpu's memory cap and compute share; drop `privileged` (or install vgpu with webhook.allowPrivileged=true to accept this)"
+                "container {container} asks for vGPUs and is privileged: a privileged container sees every GPU of its node and bypasses vgpu's memory cap and compute share; drop `privileged` (or install vgpu with scheduler.webhook.allowPrivileged=true to accept this)"
             ),
         }));
         return reply(&api_version, &response);
