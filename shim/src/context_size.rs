@@ -18,7 +18,7 @@
 
 use crate::driver::cuda;
 use crate::driver::nvml;
-use crate::enforcer::format_uuid;
+use crate::uuid::format_uuid;
 use std::ffi::CString;
 use std::sync::OnceLock;
 use vgpu_cuda_abi::cuda::*;

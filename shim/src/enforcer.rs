@@ -9,6 +9,7 @@ use crate::context_size;
 use crate::driver::cuda as real;
 use crate::limiter::Limiter;
 use crate::table::{AllocationTable, Charge, Resource};
+use crate::uuid::format_uuid;
 use std::ffi::CString;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering};
 use std::sync::OnceLock;
@@ -678,19 +679,6 @@ impl Enforcer {
             }
         }
     }
-}
-
-/// Formats a UUID the way NVML and `nvidia-smi` print it.
-pub fn format_uuid(bytes: &[u8; 16]) -> String {
-    let hex: Vec<String> = bytes.iter().map(|b| format!("{b:02x}")).collect();
-    format!(
-        "GPU-{}-{}-{}-{}-{}",
-        hex[0..4].concat(),
-        hex[4..6].concat(),
-        hex[6..8].concat(),
-        hex[8..10].concat(),
-        hex[10..16].concat()
-    )
 }
 
 fn pool_attribute(pool: CUmemoryPool, attribute: CUmemPool_attribute) -> u64 {

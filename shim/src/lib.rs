@@ -25,3 +25,4 @@ mod limiter;
 mod lock;
 mod logging;
 mod table;
+mod uuid;

@@ -4,7 +4,7 @@
 //! what the first context on a device is measured to hold (see
 //! `context_size`).
 
-use super::written_handle;
+use super::out::written_handle;
 use crate::driver::cuda::signature;
 use crate::enforcer::{mode, Enforcer, Mode};
 use crate::table::{Charge, Resource};
@@ -55,7 +55,6 @@ fn create_context(
     }
 }
 
-#[allow(non_snake_case)]
 #[inline(always)]
 pub(crate) unsafe fn cuCtxCreate_v2(
     driver: Real<signature::cuCtxCreate_v2>,
@@ -67,7 +66,6 @@ pub(crate) unsafe fn cuCtxCreate_v2(
     create_context(device, ctx, || unsafe { (driver.call)(ctx, flags, device) })
 }
 
-#[allow(non_snake_case)]
 #[inline(always)]
 pub(crate) unsafe fn cuCtxCreate_v3(
     driver: Real<signature::cuCtxCreate_v3>,
@@ -83,7 +81,6 @@ pub(crate) unsafe fn cuCtxCreate_v3(
     })
 }
 
-#[allow(non_snake_case)]
 #[inline(always)]
 pub(crate) unsafe fn cuCtxCreate_v4(
     driver: Real<signature::cuCtxCreate_v4>,
@@ -98,7 +95,6 @@ pub(crate) unsafe fn cuCtxCreate_v4(
     })
 }
 
-#[allow(non_snake_case)]
 #[inline(always)]
 pub(crate) unsafe fn cuCtxDestroy_v2(
     driver: Real<signature::cuCtxDestroy_v2>,
@@ -121,7 +117,6 @@ pub(crate) unsafe fn cuCtxDestroy_v2(
     }
 }
 
-#[allow(non_snake_case)]
 #[inline(always)]
 pub(crate) unsafe fn cuDevicePrimaryCtxRetain(
     driver: Real<signature::cuDevicePrimaryCtxRetain>,
@@ -185,7 +180,6 @@ fn primary_context_gone(device: CUdevice, code: CUresult, reset: bool) -> CUresu
     code
 }
 
-#[allow(non_snake_case)]
 #[inline(always)]
 pub(crate) unsafe fn cuDevicePrimaryCtxRelease(
     driver: Real<signature::cuDevicePrimaryCtxRelease>,
@@ -196,7 +190,6 @@ pub(crate) unsafe fn cuDevicePrimaryCtxRelease(
     primary_context_gone(device, code, false)
 }
 
-#[allow(non_snake_case)]
 #[inline(always)]
 pub(crate) unsafe fn cuDevicePrimaryCtxReset(
     driver: Real<signature::cuDevicePrimaryCtxReset>,

@@ -6,7 +6,6 @@ use crate::enforcer::{current_context, mode, Mode};
 use vgpu_cuda_abi::cuda::*;
 use vgpu_interpose::Real;
 
-#[allow(non_snake_case)]
 #[inline(always)]
 pub(crate) unsafe fn cuMemGetInfo_v2(
     driver: Real<signature::cuMemGetInfo_v2>,
@@ -60,7 +59,6 @@ pub(crate) unsafe fn cuMemGetInfo_v2(
     code
 }
 
-#[allow(non_snake_case)]
 #[inline(always)]
 pub(crate) unsafe fn cuDeviceTotalMem_v2(
     driver: Real<signature::cuDeviceTotalMem_v2>,

@@ -36,7 +36,6 @@ fn limited(
     launch()
 }
 
-#[allow(clippy::too_many_arguments)]
 fn kernel_key(
     function: CUfunction,
     gx: u32,
@@ -55,7 +54,6 @@ fn kernel_key(
     }
 }
 
-#[allow(non_snake_case, clippy::too_many_arguments)]
 #[inline(always)]
 pub(crate) unsafe fn cuLaunchKernel(
     driver: Real<signature::cuLaunchKernel>,
@@ -107,7 +105,6 @@ unsafe fn config_key(
     ))
 }
 
-#[allow(non_snake_case, clippy::too_many_arguments)]
 #[inline(always)]
 pub(crate) unsafe fn cuLaunchKernelEx(
     driver: Real<signature::cuLaunchKernelEx>,
@@ -127,7 +124,6 @@ pub(crate) unsafe fn cuLaunchKernelEx(
     }
 }
 
-#[allow(non_snake_case, clippy::too_many_arguments)]
 #[inline(always)]
 pub(crate) unsafe fn cuLaunchCooperativeKernel(
     driver: Real<signature::cuLaunchCooperativeKernel>,
@@ -151,7 +147,6 @@ pub(crate) unsafe fn cuLaunchCooperativeKernel(
 
 /// One kernel per device, each on its own stream: every device is charged
 /// for its part (at the learned price; these launches are not timed).
-#[allow(non_snake_case, clippy::too_many_arguments)]
 #[inline(always)]
 pub(crate) unsafe fn cuLaunchCooperativeKernelMultiDevice(
     driver: Real<signature::cuLaunchCooperativeKernelMultiDevice>,
@@ -189,7 +184,6 @@ pub(crate) unsafe fn cuLaunchCooperativeKernelMultiDevice(
     unsafe { (driver.call)(launches, count, flags) }
 }
 
-#[allow(non_snake_case, clippy::too_many_arguments)]
 #[inline(always)]
 pub(crate) unsafe fn cuGraphLaunch(
     driver: Real<signature::cuGraphLaunch>,
@@ -231,7 +225,6 @@ fn capture_over(code: CUresult) -> CUresult {
 /// The CUDA 10.0 form (global capture mode), still exported by CUDA 13's
 /// driver and resolved by its runtime: a capture begun through it must stop
 /// event timing like any other.
-#[allow(non_snake_case)]
 #[inline(always)]
 pub(crate) unsafe fn cuStreamBeginCapture(
     driver: Real<signature::cuStreamBeginCapture>,
@@ -241,7 +234,6 @@ pub(crate) unsafe fn cuStreamBeginCapture(
     capture_began(unsafe { (driver.call)(stream) })
 }
 
-#[allow(non_snake_case, clippy::too_many_arguments)]
 #[inline(always)]
 pub(crate) unsafe fn cuStreamBeginCapture_v2(
     driver: Real<signature::cuStreamBeginCapture_v2>,
@@ -252,7 +244,6 @@ pub(crate) unsafe fn cuStreamBeginCapture_v2(
     capture_began(unsafe { (driver.call)(stream, capture_mode) })
 }
 
-#[allow(non_snake_case, clippy::too_many_arguments)]
 #[inline(always)]
 pub(crate) unsafe fn cuStreamBeginCaptureToGraph(
     driver: Real<signature::cuStreamBeginCaptureToGraph>,
@@ -269,7 +260,6 @@ pub(crate) unsafe fn cuStreamBeginCaptureToGraph(
     )
 }
 
-#[allow(non_snake_case, clippy::too_many_arguments)]
 #[inline(always)]
 pub(crate) unsafe fn cuStreamEndCapture(
     driver: Real<signature::cuStreamEndCapture>,

@@ -2,7 +2,7 @@
 //! charged to the container before the driver is asked, and every way it is
 //! given back returns the charge.
 
-use super::{written, written_handle};
+use super::out::{written, written_handle};
 use crate::driver::cuda as real;
 use crate::driver::cuda::signature;
 use crate::enforcer::{current_context, mode, Enforcer, Mode};
@@ -51,7 +51,6 @@ fn free_resource(resource: Resource, id: u64, free: impl FnOnce() -> CUresult) -
     }
 }
 
-#[allow(non_snake_case)]
 #[inline(always)]
 pub(crate) unsafe fn cuMemAlloc_v2(
     driver: Real<signature::cuMemAlloc_v2>,
@@ -203,7 +202,6 @@ fn free_if_spilled(dptr: CUdeviceptr, before: impl FnOnce() -> CUresult) -> Opti
     Some(code)
 }
 
-#[allow(non_snake_case)]
 #[inline(always)]
 pub(crate) unsafe fn cuMemAllocManaged(
     driver: Real<signature::cuMemAllocManaged>,
@@ -224,7 +222,6 @@ pub(crate) unsafe fn cuMemAllocManaged(
     )
 }
 
-#[allow(non_snake_case)]
 #[inline(always)]
 pub(crate) unsafe fn cuMemAllocPitch_v2(
     driver: Real<signature::cuMemAllocPitch_v2>,
@@ -278,7 +275,6 @@ pub(crate) unsafe fn cuMemAllocPitch_v2(
     code
 }
 
-#[allow(non_snake_case)]
 #[inline(always)]
 pub(crate) unsafe fn cuMemFree_v2(
     driver: Real<signature::cuMemFree_v2>,
@@ -293,7 +289,6 @@ pub(crate) unsafe fn cuMemFree_v2(
     })
 }
 
-#[allow(non_snake_case)]
 #[inline(always)]
 pub(crate) unsafe fn cuMemCreate(
     driver: Real<signature::cuMemCreate>,
@@ -332,7 +327,6 @@ pub(crate) unsafe fn cuMemCreate(
     }
 }
 
-#[allow(non_snake_case)]
 #[inline(always)]
 pub(crate) unsafe fn cuMemRelease(
     driver: Real<signature::cuMemRelease>,
@@ -363,7 +357,6 @@ fn array_bytes(
         .saturating_mul(channels.max(1) as u64)
 }
 
-#[allow(non_snake_case)]
 #[inline(always)]
 pub(crate) unsafe fn cuArrayCreate_v2(
     driver: Real<signature::cuArrayCreate_v2>,
@@ -382,7 +375,6 @@ pub(crate) unsafe fn cuArrayCreate_v2(
     })
 }
 
-#[allow(non_snake_case)]
 #[inline(always)]
 pub(crate) unsafe fn cuArray3DCreate_v2(
     driver: Real<signature::cuArray3DCreate_v2>,
@@ -401,7 +393,6 @@ pub(crate) unsafe fn cuArray3DCreate_v2(
     })
 }
 
-#[allow(non_snake_case)]
 #[inline(always)]
 pub(crate) unsafe fn cuArrayDestroy(
     driver: Real<signature::cuArrayDestroy>,
@@ -413,7 +404,6 @@ pub(crate) unsafe fn cuArrayDestroy(
     })
 }
 
-#[allow(non_snake_case)]
 #[inline(always)]
 pub(crate) unsafe fn cuMipmappedArrayCreate(
     driver: Real<signature::cuMipmappedArrayCreate>,
@@ -450,7 +440,6 @@ pub(crate) unsafe fn cuMipmappedArrayCreate(
     })
 }
 
-#[allow(non_snake_case)]
 #[inline(always)]
 pub(crate) unsafe fn cuMipmappedArrayDestroy(
     driver: Real<signature::cuMipmappedArrayDestroy>,
@@ -570,7 +559,6 @@ fn alloc_from_pool(
     }
 }
 
-#[allow(non_snake_case)]
 #[inline(always)]
 pub(crate) unsafe fn cuMemAllocAsync(
     driver: Real<signature::cuMemAllocAsync>,
@@ -584,7 +572,6 @@ pub(crate) unsafe fn cuMemAllocAsync(
     })
 }
 
-#[allow(non_snake_case)]
 #[inline(always)]
 pub(crate) unsafe fn cuMemAllocFromPoolAsync(
     driver: Real<signature::cuMemAllocFromPoolAsync>,
@@ -599,7 +586,6 @@ pub(crate) unsafe fn cuMemAllocFromPoolAsync(
     })
 }
 
-#[allow(non_snake_case)]
 #[inline(always)]
 pub(crate) unsafe fn cuMemFreeAsync(
     driver: Real<signature::cuMemFreeAsync>,
@@ -628,7 +614,6 @@ pub(crate) unsafe fn cuMemFreeAsync(
     })
 }
 
-#[allow(non_snake_case)]
 #[inline(always)]
 pub(crate) unsafe fn cuMemPoolTrimTo(
     driver: Real<signature::cuMemPoolTrimTo>,
@@ -643,7 +628,6 @@ pub(crate) unsafe fn cuMemPoolTrimTo(
     code
 }
 
-#[allow(non_snake_case)]
 #[inline(always)]
 pub(crate) unsafe fn cuMemPoolCreate(
     driver: Real<signature::cuMemPoolCreate>,
@@ -665,7 +649,6 @@ pub(crate) unsafe fn cuMemPoolCreate(
     code
 }
 
-#[allow(non_snake_case)]
 #[inline(always)]
 pub(crate) unsafe fn cuMemPoolDestroy(
     driver: Real<signature::cuMemPoolDestroy>,
@@ -690,7 +673,6 @@ fn note_device_pool(code: CUresult, pool: *mut CUmemoryPool, device: CUdevice) -
     code
 }
 
-#[allow(non_snake_case)]
 #[inline(always)]
 pub(crate) unsafe fn cuDeviceGetDefaultMemPool(
     driver: Real<signature::cuDeviceGetDefaultMemPool>,
@@ -702,7 +684,6 @@ pub(crate) unsafe fn cuDeviceGetDefaultMemPool(
     note_device_pool(code, pool, device)
 }
 
-#[allow(non_snake_case)]
 #[inline(always)]
 pub(crate) unsafe fn cuDeviceGetMemPool(
     driver: Real<signature::cuDeviceGetMemPool>,

@@ -7,12 +7,20 @@
 //! behaviours: forward (nothing configured), enforce, or refuse
 //! (configuration unusable).
 
+// Every hook is the C function it replaces: its name (`cuMemAlloc_v2`) is
+// the driver's, which the declaration in `crate::driver` finds it by, and
+// its arguments are the C function's own (eleven for `cuLaunchKernel`),
+// checked against that declaration at compile time. Neither can follow
+// Rust's naming or be bundled, so both lints are off for all the hooks.
+#![allow(non_snake_case, clippy::too_many_arguments)]
+
 mod context;
 mod info;
 mod launch;
 mod memory;
 mod module;
 mod nvml;
+mod out;
 mod procaddr;
 
 pub(crate) use context::*;
@@ -22,26 +30,3 @@ pub(crate) use memory::*;
 pub(crate) use module::*;
 pub(crate) use nvml::*;
 pub(crate) use procaddr::*;
-
-/// Reads an out-parameter the driver has just written, or 0 if the caller
-/// passed null (the driver then failed the call anyway).
-///
-/// # Safety
-/// `pointer` must be null or valid for reads.
-unsafe fn written<T: Copy + Into<u64>>(pointer: *const T) -> u64 {
-    // SAFETY: null or valid per the caller.
-    unsafe { pointer.as_ref() }
-        .map(|value| (*value).into())
-        .unwrap_or(0)
-}
-
-/// Like [`written`] for pointer-typed handles.
-///
-/// # Safety
-/// `pointer` must be null or valid for reads.
-unsafe fn written_handle<T>(pointer: *const *mut T) -> u64 {
-    // SAFETY: null or valid per the caller.
-    unsafe { pointer.as_ref() }
-        .map(|value| *value as u64)
-        .unwrap_or(0)
-}

@@ -6,7 +6,7 @@
 //! unloaded. The driver may load it into further contexts later (lazily, on
 //! first use in each); those copies are not charged again.
 
-use super::written_handle;
+use super::out::written_handle;
 use crate::driver::cuda::signature;
 use crate::enforcer::{current_context, mode, Mode};
 use crate::table::{Charge, Resource};
@@ -102,7 +102,6 @@ unsafe fn file_bytes(path: *const c_char) -> u64 {
         .unwrap_or(0)
 }
 
-#[allow(non_snake_case)]
 #[inline(always)]
 pub(crate) unsafe fn cuModuleLoad(
     driver: Real<signature::cuModuleLoad>,
@@ -117,7 +116,6 @@ pub(crate) unsafe fn cuModuleLoad(
     })
 }
 
-#[allow(non_snake_case)]
 #[inline(always)]
 pub(crate) unsafe fn cuModuleLoadData(
     driver: Real<signature::cuModuleLoadData>,
@@ -132,7 +130,6 @@ pub(crate) unsafe fn cuModuleLoadData(
     })
 }
 
-#[allow(non_snake_case)]
 #[inline(always)]
 pub(crate) unsafe fn cuModuleLoadDataEx(
     driver: Real<signature::cuModuleLoadDataEx>,
@@ -150,7 +147,6 @@ pub(crate) unsafe fn cuModuleLoadDataEx(
     })
 }
 
-#[allow(non_snake_case)]
 #[inline(always)]
 pub(crate) unsafe fn cuModuleLoadFatBinary(
     driver: Real<signature::cuModuleLoadFatBinary>,
@@ -165,7 +161,6 @@ pub(crate) unsafe fn cuModuleLoadFatBinary(
     })
 }
 
-#[allow(non_snake_case)]
 #[inline(always)]
 pub(crate) unsafe fn cuModuleUnload(
     driver: Real<signature::cuModuleUnload>,
@@ -183,7 +178,6 @@ pub(crate) unsafe fn cuModuleUnload(
     }
 }
 
-#[allow(non_snake_case, clippy::too_many_arguments)]
 #[inline(always)]
 pub(crate) unsafe fn cuLibraryLoadData(
     driver: Real<signature::cuLibraryLoadData>,
@@ -215,7 +209,6 @@ pub(crate) unsafe fn cuLibraryLoadData(
     })
 }
 
-#[allow(non_snake_case, clippy::too_many_arguments)]
 #[inline(always)]
 pub(crate) unsafe fn cuLibraryLoadFromFile(
     driver: Real<signature::cuLibraryLoadFromFile>,
@@ -247,7 +240,6 @@ pub(crate) unsafe fn cuLibraryLoadFromFile(
     })
 }
 
-#[allow(non_snake_case)]
 #[inline(always)]
 pub(crate) unsafe fn cuLibraryUnload(
     driver: Real<signature::cuLibraryUnload>,

@@ -54,7 +54,6 @@ fn capped_memory(enforcer: &Enforcer, device: nvmlDevice_t) -> Option<(u64, u64)
     })
 }
 
-#[allow(non_snake_case)]
 #[inline(always)]
 pub(crate) unsafe fn nvmlInit_v2(driver: Real<signature::nvmlInit_v2>) -> nvmlReturn_t {
     if let Mode::FailClosed = mode() {
@@ -64,7 +63,6 @@ pub(crate) unsafe fn nvmlInit_v2(driver: Real<signature::nvmlInit_v2>) -> nvmlRe
     unsafe { (driver.call)() }
 }
 
-#[allow(non_snake_case)]
 #[inline(always)]
 pub(crate) unsafe fn nvmlInitWithFlags(
     driver: Real<signature::nvmlInitWithFlags>,
@@ -77,7 +75,6 @@ pub(crate) unsafe fn nvmlInitWithFlags(
     unsafe { (driver.call)(flags) }
 }
 
-#[allow(non_snake_case)]
 #[inline(always)]
 pub(crate) unsafe fn nvmlDeviceGetMemoryInfo(
     driver: Real<signature::nvmlDeviceGetMemoryInfo>,
@@ -102,7 +99,6 @@ pub(crate) unsafe fn nvmlDeviceGetMemoryInfo(
     }
 }
 
-#[allow(non_snake_case)]
 #[inline(always)]
 pub(crate) unsafe fn nvmlDeviceGetMemoryInfo_v2(
     driver: Real<signature::nvmlDeviceGetMemoryInfo_v2>,
@@ -171,7 +167,6 @@ unsafe fn filter_processes<T>(
 
 macro_rules! process_list_hook {
     ($name:ident, $info:ty) => {
-        #[allow(non_snake_case)]
         #[inline(always)]
         pub(crate) unsafe fn $name(
             driver: Real<signature::$name>,

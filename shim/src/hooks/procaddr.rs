@@ -15,7 +15,6 @@ use std::ffi::{c_char, c_void};
 use vgpu_cuda_abi::cuda::*;
 use vgpu_interpose::Real;
 
-#[allow(non_snake_case)]
 #[inline(always)]
 pub(crate) unsafe fn cuInit(driver: Real<signature::cuInit>, flags: u32) -> CUresult {
     let mode = mode();
@@ -75,7 +74,6 @@ unsafe fn redirect_result(
     }
 }
 
-#[allow(non_snake_case)]
 #[inline(always)]
 pub(crate) unsafe fn cuGetProcAddress(
     driver: Real<signature::cuGetProcAddress>,
@@ -94,7 +92,6 @@ pub(crate) unsafe fn cuGetProcAddress(
     code
 }
 
-#[allow(non_snake_case)]
 #[inline(always)]
 pub(crate) unsafe fn cuGetProcAddress_v2(
     driver: Real<signature::cuGetProcAddress_v2>,
