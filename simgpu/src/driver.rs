@@ -9,7 +9,7 @@
 use std::cell::RefCell;
 use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::sync::atomic::{AtomicBool, AtomicPtr, AtomicU64, Ordering};
-use std::sync::{Mutex, MutexGuard, PoisonError};
+use std::sync::{Mutex, MutexGuard, Once, PoisonError};
 
 use vgpu_cuda_abi::cuda::*;
 
@@ -442,6 +442,10 @@ fn proc() -> &'static Proc {
         // SAFETY: published Proc values are leaked, hence 'static.
         return unsafe { &*p };
     }
+    FORGET_AFTER_FORK.call_once(|| {
+        // SAFETY: registering a plain extern "C" handler.
+        unsafe { libc::pthread_atfork(None, None, Some(forget_after_fork)) };
+    });
     let fresh = Box::into_raw(Box::new(Proc {
         inner: Mutex::new(Inner::default()),
     }));
@@ -463,11 +467,15 @@ fn proc() -> &'static Proc {
     }
 }
 
-/// Called from the fork child handler: start over with an empty state (the
-/// old one, possibly locked by a thread that does not exist here, leaks).
-pub fn forget_after_fork() {
+/// Registers [`forget_after_fork`] once, with the first process state.
+static FORGET_AFTER_FORK: Once = Once::new();
+
+/// In a fork child: start over with an empty state (the old one, possibly
+/// locked by a thread that does not exist here, leaks). Each layer forgets
+/// its own after fork (the state file in [`crate::state`], the device
+/// threads in [`crate::executor`]), so none reaches up into another.
+extern "C" fn forget_after_fork() {
     PROC.store(std::ptr::null_mut(), Ordering::Release);
-    crate::executor::forget_after_fork();
 }
 
 /// Whether kernels run on device threads in wall-clock time

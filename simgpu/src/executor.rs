@@ -29,7 +29,7 @@
 
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicPtr, Ordering};
-use std::sync::{Condvar, Mutex, MutexGuard, PoisonError};
+use std::sync::{Condvar, Mutex, MutexGuard, Once, PoisonError};
 
 use vgpu_cuda_abi::cuda::{CUresult, CUDA_ERROR_OPERATING_SYSTEM};
 
@@ -298,6 +298,10 @@ static EXECUTORS: AtomicPtr<Vec<Executor>> = AtomicPtr::new(std::ptr::null_mut()
 pub fn executor(device: usize) -> Option<&'static Executor> {
     let mut current = EXECUTORS.load(Ordering::Acquire);
     if current.is_null() {
+        FORGET_AFTER_FORK.call_once(|| {
+            // SAFETY: registering a plain extern "C" handler.
+            unsafe { libc::pthread_atfork(None, None, Some(forget_after_fork)) };
+        });
         let devices = crate::config::get().map_or(0, |cfg| cfg.devices);
         let fresh = Box::into_raw(Box::new(
             (0..devices).map(Executor::new).collect::<Vec<_>>(),
@@ -321,9 +325,12 @@ pub fn executor(device: usize) -> Option<&'static Executor> {
     unsafe { &*current }.get(device)
 }
 
+/// Registers [`forget_after_fork`] once, with the first executor list.
+static FORGET_AFTER_FORK: Once = Once::new();
+
 /// In a fork child: the parent's device threads do not exist here; start
 /// over (the old list, maybe locked by a thread that is gone, leaks).
-pub fn forget_after_fork() {
+extern "C" fn forget_after_fork() {
     EXECUTORS.store(std::ptr::null_mut(), Ordering::Release);
 }
 

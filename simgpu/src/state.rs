@@ -1231,7 +1231,8 @@ fn current() -> Option<&'static Shared> {
 }
 
 /// In a fork child: forget the parent's slot and descriptor (closing it so
-/// the parent's slot lock dies with the parent), and the CUDA process state.
+/// the parent's slot lock dies with the parent). The CUDA process state
+/// above this layer forgets itself (its own fork handler).
 extern "C" fn after_fork_child() {
     SHARED.store(std::ptr::null_mut(), Ordering::Release);
     let fd = SHARED_FD.swap(-1, Ordering::AcqRel);
@@ -1239,7 +1240,6 @@ extern "C" fn after_fork_child() {
         // SAFETY: close is async-signal-safe; the fd is the inherited copy.
         unsafe { libc::close(fd) };
     }
-    crate::driver::forget_after_fork();
 }
 
 extern "C" fn at_exit() {
