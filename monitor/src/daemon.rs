@@ -1,159 +1,40 @@
-//! The monitor's pass: rescan, read every region and NVML, decide and write
-//! effective shares, clean up, and publish a snapshot for `/metrics`.
+//! The monitor's pass, in four stages: collect (rescan the containers
+//! folder, sample the GPUs), assess each region ([`crate::assess`]) and
+//! find GPU processes no region accounts for, act (put back limits
+//! changed from inside, decide and write effective shares, clean up), and
+//! publish a snapshot for `/metrics`.
 
-use crate::arbitration::{arbitrate, Contender, Load};
+use crate::arbitration::{arbitrate, Contender};
+use crate::assess::{
+    assess_region, process_util_by_uuid, record_event, Assessment, PassContext, Seen, Tracks,
+};
 use crate::cleanup::{self, Janitor, Reaper, Verdict};
-use crate::discovery::{Discovery, DiscoveryConfig};
+use crate::discovery::Discovery;
 use crate::events::{EventRecorder, PodRef};
-use crate::metrics::{self, ContainerDevice, ContainerSummary, Snapshot};
-use crate::names::PodRecord;
+use crate::metrics::{ContainerDevice, Snapshot};
 use crate::names::{ApiState, PodDirectory, Presence};
+use crate::reported::{ProcessId, Reported};
 use crate::unenforced::{self, Container, HostProc};
-use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
-use std::path::PathBuf;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, RwLock};
+use std::collections::{BTreeMap, HashMap, HashSet};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
-use vgpu_cluster::decision::{region_limits, DeviceGrant, NodeLimits};
 use vgpu_node_contract::region::{monotonic_ns, SHARE_FULL, SHARE_UNLIMITED};
-use vgpu_node_contract::shim_env::UtilizationPolicy;
 use vgpu_nvml_host::{GpuSample, Sampler};
+
+pub use crate::config::MonitorConfig;
+pub use crate::shared::Shared;
 
 /// How often dead slots are looked for and cleanup is judged.
 const SWEEP_EVERY: Duration = Duration::from_secs(1);
-/// Most utilization samples kept per container device.
-const MAX_HISTORY: usize = 1024;
 
-/// What the monitor does, independent of how it was configured.
-#[derive(Clone, Debug)]
-pub struct MonitorConfig {
-    pub discovery: DiscoveryConfig,
-    /// Time between passes.
-    pub interval: Duration,
-    /// A container launched work within this long ago is active.
-    pub active_window: Duration,
-    /// Achieved utilization is measured over this long.
-    pub utilization_window: Duration,
-    /// Write effective shares (otherwise only observe).
-    pub arbitration: bool,
-    /// Remove regions of deleted pods after this long; `None`: never.
-    pub cleanup_grace: Option<Duration>,
-    /// Also emit HAMi's metric names.
-    pub hami_names: bool,
-    /// Load NVML (from this path, or the default name when `None`).
-    pub nvml: Option<Option<PathBuf>>,
-    /// What the node adds to the limits a decision grants (the device
-    /// plugin's policy, swap and memory scaling): what a grant comes to in
-    /// a region.
-    pub node: NodeLimits,
-    /// Restore the limits a region's decision granted when they were
-    /// changed from inside.
-    pub restore: bool,
-}
-
-impl MonitorConfig {
-    /// Defaults for a region directory (tests, the bench).
-    pub fn for_root(root: PathBuf) -> Self {
-        Self {
-            discovery: DiscoveryConfig {
-                root,
-                region_file: "region.cache".into(),
-                max_containers: 1024,
-            },
-            interval: Duration::from_millis(100),
-            active_window: Duration::from_secs(1),
-            utilization_window: Duration::from_secs(1),
-            arbitration: true,
-            cleanup_grace: Some(Duration::from_secs(300)),
-            hami_names: false,
-            nvml: None,
-            node: NodeLimits::default(),
-            restore: true,
-        }
-    }
-}
-
-/// What `/metrics` and `/healthz` read, shared with the HTTP server.
-pub struct Shared {
-    snapshot: RwLock<Arc<Snapshot>>,
-    rendered: Mutex<Option<(u64, axum::body::Bytes)>>,
-    hami_names: bool,
-    heartbeat_ns: AtomicU64,
-    stale_after: Duration,
-}
-
-impl Shared {
-    fn new(hami_names: bool, interval: Duration) -> Self {
-        Self {
-            snapshot: RwLock::new(Arc::new(Snapshot::default())),
-            rendered: Mutex::new(None),
-            hami_names,
-            heartbeat_ns: AtomicU64::new(monotonic_ns()),
-            stale_after: (interval * 20).max(Duration::from_secs(5)),
-        }
-    }
-
-    /// The latest snapshot.
-    pub fn snapshot(&self) -> Arc<Snapshot> {
-        Arc::clone(&self.snapshot.read().unwrap_or_else(|p| p.into_inner()))
-    }
-
-    fn publish(&self, snapshot: Snapshot) {
-        *self.snapshot.write().unwrap_or_else(|p| p.into_inner()) = Arc::new(snapshot);
-        self.heartbeat_ns.store(monotonic_ns(), Ordering::Release);
-    }
-
-    /// The latest snapshot in the text format; rendered once per snapshot,
-    /// however many scrapes ask.
-    pub fn render(&self) -> axum::body::Bytes {
-        let mut cache = self.rendered.lock().unwrap_or_else(|p| p.into_inner());
-        let snapshot = self.snapshot();
-        if let Some((generation, bytes)) = cache.as_ref() {
-            if *generation == snapshot.generation {
-                return bytes.clone();
-            }
-        }
-        let bytes = axum::body::Bytes::from(metrics::render(&snapshot, self.hami_names));
-        *cache = Some((snapshot.generation, bytes.clone()));
-        bytes
-    }
-
-    /// Renders without the cache (for measurements).
-    pub fn render_uncached(&self) -> Vec<u8> {
-        metrics::render(&self.snapshot(), self.hami_names)
-    }
-
-    /// Whether the loop has published recently.
-    pub fn healthy(&self) -> bool {
-        let age = monotonic_ns().saturating_sub(self.heartbeat_ns.load(Ordering::Acquire));
-        Duration::from_nanos(age) < self.stale_after
-    }
-}
-
-/// Per container device: what earlier passes saw.
-#[derive(Default)]
-struct Track {
-    seen: bool,
-    launches: u64,
-    last_launch_at: u64,
-    /// When the counters last showed activity (monotonic ns).
-    active_at: Option<u64>,
-    /// (monotonic ns, granted ns) samples over the utilization window.
-    history: VecDeque<(u64, u64)>,
-    /// The effective share this monitor last wrote (to restore on exit).
-    wrote: bool,
-    /// The region's throttled time at the last pass, and when it last grew
-    /// (a launch waited for tokens).
-    throttled_ns: u64,
-    waited_at: Option<u64>,
-}
-
-/// One pass's view of one container device, for arbitration.
-struct Seen {
-    key: String,
-    device: usize,
-    uuid: String,
-    contender: Contender,
+/// What a pass starts from.
+struct Collected {
+    started: Instant,
+    /// Monotonic ns at the start.
+    now: u64,
+    gpus: Vec<GpuSample>,
+    api_state: ApiState,
 }
 
 /// The node monitor.
@@ -162,18 +43,10 @@ pub struct Monitor {
     discovery: Discovery,
     gpus: Option<Sampler>,
     pods: Arc<PodDirectory>,
-    tracks: HashMap<(String, usize), Track>,
-    /// Region devices already reported as on a GPU their pod was not given.
-    misplaced: HashSet<(String, usize)>,
+    tracks: Tracks,
+    /// The anomalies already reported, each once while it lasts.
+    reported: Reported,
     host_proc: HostProc,
-    /// (GPU UUID, host PID) of processes without the shim already reported.
-    unenforced_reported: HashSet<(String, u32)>,
-    /// (container, device) found holding memory above the granted cap.
-    over_cap_reported: HashSet<(String, usize)>,
-    /// Times each container's region limits were restored.
-    restored: HashMap<String, u64>,
-    /// Those of them recorded as an Event on their pod.
-    unenforced_evented: HashSet<(String, u32)>,
     events: Option<EventRecorder>,
     reaper: Reaper,
     janitor: Janitor,
@@ -211,13 +84,9 @@ impl Monitor {
             config,
             gpus,
             pods,
-            tracks: HashMap::new(),
-            misplaced: HashSet::new(),
+            tracks: Tracks::new(),
+            reported: Reported::default(),
             host_proc: HostProc::default(),
-            unenforced_reported: HashSet::new(),
-            unenforced_evented: HashSet::new(),
-            over_cap_reported: HashSet::new(),
-            restored: HashMap::new(),
             events: None,
             shared,
             last_sweep: None,
@@ -262,213 +131,80 @@ impl Monitor {
 
     /// One pass.
     pub fn tick(&mut self) {
+        let collected = self.collect();
+        let mut assessment = self.assess(&collected);
+        self.act(&collected, &mut assessment);
+        self.publish(collected, assessment);
+    }
+
+    /// Rescans the containers folder (what the scan removed is forgotten),
+    /// samples the GPUs, and notes whether the API vouches for the pods.
+    fn collect(&mut self) -> Collected {
         let started = Instant::now();
         let now = monotonic_ns();
         let scan = self.discovery.rescan(started);
         for key in &scan.removed {
             self.janitor.forget(key);
-            self.misplaced.retain(|(misplaced, _)| misplaced != key);
+            self.reported.region_removed(key);
         }
         let gpus = self.sample_gpus();
-        let process_util = process_util_by_uuid(&gpus);
+        Collected {
+            started,
+            now,
+            gpus,
+            api_state: self.pods.state(),
+        }
+    }
 
-        let api_state = self.pods.state();
-        let mut devices = Vec::new();
-        let mut containers = Vec::new();
-        let mut container_index = HashMap::new();
-        let mut seen = Vec::new();
+    /// Reads every region, and finds the GPU processes no region accounts
+    /// for (counted to the container they run in, when known).
+    fn assess(&mut self, collected: &Collected) -> Assessment {
+        let context = PassContext {
+            config: &self.config,
+            pods: &self.pods,
+            events: self.events.as_ref(),
+            now: collected.now,
+            gpus: &collected.gpus,
+        };
+        let process_util = process_util_by_uuid(&collected.gpus);
+        let mut assessment = Assessment::default();
         for region in self.discovery.regions() {
-            let figures = region.read();
-            let pod = region
-                .pod_uid
-                .as_deref()
-                .and_then(|uid| self.pods.lookup(uid));
-            let (namespace, pod_name) = match (&pod, &region.claim) {
-                (Some(pod), _) => (pod.namespace.clone(), pod.name.clone()),
-                // A DRA claim's region: its pods share it.
-                (None, Some(claim)) => (claim.namespace.clone(), claim.pods.join(",")),
-                (None, None) => (
-                    String::new(),
-                    region.pod_uid.clone().unwrap_or_else(|| region.key.clone()),
-                ),
-            };
-            let priority = pod
+            assess_region(
+                region,
+                &context,
+                &process_util,
+                &mut self.tracks,
+                &mut self.reported,
+                &mut assessment,
+            );
+        }
+        assessment.unenforced = self.find_unenforced(&collected.gpus);
+        for process in &assessment.unenforced {
+            let summary = process
+                .container
                 .as_ref()
-                .and_then(|p| p.priorities.get(&region.container).copied())
-                .unwrap_or(figures.priority);
-            container_index.insert(region.key.clone(), containers.len());
-            // A DRA claim's series are named by the claim.
-            let container_name = region
-                .claim
-                .as_ref()
-                .map_or_else(|| region.container.clone(), |claim| claim.claim.clone());
-            containers.push(ContainerSummary {
-                namespace: namespace.clone(),
-                pod: pod_name.clone(),
-                container: container_name.clone(),
-                processes: figures.active_slots,
-                ..ContainerSummary::default()
-            });
-            let policy = UtilizationPolicy::from_u32(figures.policy);
-            let granted = pod.as_ref().and_then(|p| p.grants.get(&region.container));
-            for device in &figures.devices {
-                // The decision, not the container's own region, says which
-                // GPUs it may use and with what share.
-                let mut device = device.clone();
-                let mut over_cap_bytes = 0;
-                if let Some(grants) = granted {
-                    match grants.iter().find(|g| g.uuid == device.uuid) {
-                        Some(grant) => {
-                            device.sm_limit = grant.cores_percent;
-                            device.sm_burst = grant.burst_percent.unwrap_or(0);
-                            // Restoring a cap frees nothing: what was taken
-                            // above it while it was raised stays visible.
-                            // The cap is the grant's device part (all of
-                            // it unless the node scales memory).
-                            let cap = self.config.node.memory(grant.memory_bytes).device;
-                            if cap > 0 {
-                                over_cap_bytes = device.memory_used.saturating_sub(cap);
-                            }
-                        }
-                        None => {
-                            if self.misplaced.insert((region.key.clone(), device.index)) {
-                                tracing::warn!(
-                                    "container {}: its region names GPU {} as device {}, which the scheduler did not give it; that device is left out of metrics and arbitration",
-                                    region.key,
-                                    device.uuid,
-                                    device.index
-                                );
-                            }
-                            continue;
-                        }
-                    }
-                }
-                let device = &device;
-                let over_cap_key = (region.key.clone(), device.index);
-                if over_cap_bytes == 0 {
-                    self.over_cap_reported.remove(&over_cap_key);
-                } else if self.over_cap_reported.insert(over_cap_key) {
-                    let message = format!(
-                        "container {} holds {} MiB on GPU {} above the {} MiB its decision granted",
-                        region.key,
-                        over_cap_bytes >> 20,
-                        device.uuid,
-                        device.memory_used.saturating_sub(over_cap_bytes) >> 20
-                    );
-                    tracing::warn!("{message}");
-                    record_event(&self.events, &pod, region, "MemoryOverCap", message);
-                }
-                let track = self
-                    .tracks
-                    .entry((region.key.clone(), device.index))
-                    .or_default();
-                let nvml_active = process_util.get(device.uuid.as_str()).is_some_and(|util| {
-                    figures
-                        .pids
-                        .iter()
-                        .any(|pid| util.get(pid).is_some_and(|u| *u > 0))
-                });
-                let active = observe(track, device, nvml_active, now, self.config.active_window);
-                let waited = observe_waits(
-                    track,
-                    device.throttled_ns,
-                    now,
-                    self.config.utilization_window,
-                );
-                let metered = is_metered(policy, device.sm_limit, device.sm_effective);
-                let utilization = if metered {
-                    granted_rate(
-                        track,
-                        device.granted_ns,
-                        now,
-                        self.config.utilization_window,
-                    )
-                } else {
-                    record_history(
-                        track,
-                        device.granted_ns,
-                        now,
-                        self.config.utilization_window,
-                    );
-                    process_util.get(device.uuid.as_str()).map(|util| {
-                        let total: u32 = figures
-                            .pids
-                            .iter()
-                            .filter_map(|pid| util.get(pid))
-                            .fold(0u32, |sum, u| sum.saturating_add(*u));
-                        f64::from(total.min(100)) / 100.0
-                    })
-                };
-                let last_kernel = [
-                    Some(device.last_launch_at).filter(|t| *t != 0 && *t <= now),
-                    track.active_at,
-                ]
-                .into_iter()
-                .flatten()
-                .max();
-                devices.push(ContainerDevice {
-                    namespace: namespace.clone(),
-                    pod: pod_name.clone(),
-                    container: container_name.clone(),
-                    figures: device.clone(),
-                    priority,
-                    utilization,
-                    last_kernel_age_seconds: last_kernel
-                        .map(|t| now.saturating_sub(t) as f64 / 1e9),
-                    over_cap_bytes,
-                });
-                let load = utilization.filter(|_| metered).map(|ratio| Load {
-                    achieved: (ratio * f64::from(SHARE_FULL)).round() as u32,
-                    waited,
-                });
-                seen.push(Seen {
-                    key: region.key.clone(),
-                    device: device.index,
-                    uuid: device.uuid.clone(),
-                    contender: Contender::from_raw(
-                        region.key.clone(),
-                        figures.policy,
-                        priority,
-                        device.sm_limit,
-                        device.sm_burst,
-                        active,
-                    )
-                    .with_load(load),
-                });
-            }
-            // The region is writable by the container it limits: put back
-            // what the decision granted if it was changed from inside.
-            if let Some(grants) = granted.filter(|_| self.config.restore) {
-                let mut ordered: Vec<&DeviceGrant> = grants.iter().collect();
-                // Devices are numbered in NVML (PCI) order, as the device
-                // plugin numbered them; without NVML, the decision's order.
-                ordered.sort_by_key(|g| gpus.iter().find(|s| s.uuid == g.uuid).map(|s| s.index));
-                let priority = pod
-                    .as_ref()
-                    .and_then(|p| p.priorities.get(&region.container).copied());
-                let limits = region_limits(&ordered, priority, &self.config.node);
-                if region.region().restore_limits(&limits) {
-                    let restored = self.restored.entry(region.key.clone()).or_insert(0);
-                    *restored += 1;
-                    let message = format!(
-                        "container {} changed the limits in its region; the limits its decision granted are restored",
-                        region.key
-                    );
-                    if *restored == 1 {
-                        tracing::warn!("{message}");
-                        record_event(&self.events, &pod, region, "RegionLimitsChanged", message);
-                    } else {
-                        tracing::debug!("{message} (again: {} times)", restored);
-                    }
-                }
-            }
-            if let Some(summary) = containers.last_mut() {
-                summary.limits_restored = self.restored.get(&region.key).copied().unwrap_or(0);
+                .and_then(|key| assessment.container_index.get(key))
+                .and_then(|&index| assessment.containers.get_mut(index));
+            if let Some(summary) = summary {
+                summary.unenforced_processes += 1;
+                summary.unenforced_bytes =
+                    summary.unenforced_bytes.saturating_add(process.used_bytes);
             }
         }
+        assessment
+    }
 
+    /// Puts back the limits containers changed in their regions, decides
+    /// every GPU's shares and writes those that changed, reclaims dead
+    /// slots and removes regions of deleted pods, and forgets what is no
+    /// longer there.
+    fn act(&mut self, collected: &Collected, assessment: &mut Assessment) {
+        self.restore_limits(assessment);
         if self.config.arbitration {
-            let busy: HashMap<&str, u32> = gpus
+            // The contention rule weighs what the containers achieved
+            // against how busy NVML saw each GPU.
+            let busy: HashMap<&str, u32> = collected
+                .gpus
                 .iter()
                 .filter_map(|g| {
                     Some((
@@ -477,52 +213,78 @@ impl Monitor {
                     ))
                 })
                 .collect();
-            self.arbitrate(&seen, &busy, &mut devices);
+            self.arbitrate(&assessment.seen, &busy, &mut assessment.devices);
         }
-        let unenforced = self.find_unenforced(&gpus);
-        for process in &unenforced {
-            let summary = process
-                .container
-                .as_ref()
-                .and_then(|key| container_index.get(key))
-                .and_then(|&index| containers.get_mut(index));
-            if let Some(summary) = summary {
-                summary.unenforced_processes += 1;
-                summary.unenforced_bytes =
-                    summary.unenforced_bytes.saturating_add(process.used_bytes);
-            }
-        }
-        self.sweep(started);
-        self.janitor.watchdog(started);
+        self.sweep(collected.started);
+        self.janitor.watchdog(collected.started);
+        self.forget_gone();
+    }
 
-        // Forget what is no longer there.
-        let live_keys: HashSet<&str> = self.discovery.regions().map(|r| r.key.as_str()).collect();
-        self.tracks
-            .retain(|(key, _), _| live_keys.contains(key.as_str()));
-        self.restored
-            .retain(|key, _| live_keys.contains(key.as_str()));
-        self.over_cap_reported
-            .retain(|(key, _)| live_keys.contains(key.as_str()));
-        self.reaper.retain(&live_keys);
-
+    /// The pass's snapshot, for `/metrics`.
+    fn publish(&mut self, collected: Collected, assessment: Assessment) {
         self.generation = self.generation.wrapping_add(1);
         let snapshot = Snapshot {
             generation: self.generation,
-            devices,
-            containers,
-            gpus,
-            unenforced,
+            devices: assessment.devices,
+            containers: assessment.containers,
+            gpus: collected.gpus,
+            unenforced: assessment.unenforced,
             regions: self.discovery.len(),
             refused_total: self.discovery.refused_total,
             reclaimed_total: self.janitor.reclaimed.load(Ordering::Relaxed),
             sweeps_total: self.sweeps,
-            api_up: match api_state {
+            api_up: match collected.api_state {
                 ApiState::Disabled => None,
                 state => Some(state == ApiState::Synced),
             },
-            loop_seconds: started.elapsed().as_secs_f64(),
+            loop_seconds: collected.started.elapsed().as_secs_f64(),
         };
         self.shared.publish(snapshot);
+    }
+
+    /// The region is writable by the container it limits: what its
+    /// decision granted is put back when it was changed from inside (the
+    /// first time logged and recorded as an Event, then counted).
+    fn restore_limits(&mut self, assessment: &mut Assessment) {
+        for restore in &assessment.restores {
+            let Some(region) = self.discovery.get(&restore.key) else {
+                continue;
+            };
+            if !region.region().restore_limits(&restore.limits) {
+                continue;
+            }
+            let restored = self.reported.limits_restored(&restore.key);
+            let message = format!(
+                "container {} changed the limits in its region; the limits its decision granted are restored",
+                restore.key
+            );
+            if restored == 1 {
+                tracing::warn!("{message}");
+                record_event(
+                    self.events.as_ref(),
+                    &restore.pod,
+                    region,
+                    "RegionLimitsChanged",
+                    message,
+                );
+            } else {
+                tracing::debug!("{message} (again: {} times)", restored);
+            }
+        }
+        for (key, &index) in &assessment.container_index {
+            if let Some(summary) = assessment.containers.get_mut(index) {
+                summary.limits_restored = self.reported.restorations(key);
+            }
+        }
+    }
+
+    /// Forgets what is remembered of regions no longer there.
+    fn forget_gone(&mut self) {
+        let live_keys: HashSet<&str> = self.discovery.regions().map(|r| r.key.as_str()).collect();
+        self.tracks
+            .retain(|(key, _), _| live_keys.contains(key.as_str()));
+        self.reported.keep_live(&live_keys);
+        self.reaper.retain(&live_keys);
     }
 
     /// GPU processes no live slot accounts for; each new one is logged
@@ -547,7 +309,7 @@ impl Monitor {
                 census.host_pids_recorded
             );
         }
-        let current: HashSet<(String, u32)> = census
+        let current: HashSet<ProcessId> = census
             .unenforced
             .iter()
             .map(|u| (u.gpu_uuid.clone(), u.pid))
@@ -560,7 +322,7 @@ impl Monitor {
                 process.gpu_uuid,
                 process.used_bytes >> 20
             );
-            if self.unenforced_reported.insert(id.clone()) {
+            if self.reported.unenforced(&id) {
                 match &process.container {
                     Some(key) => tracing::warn!("{message}; container {key}"),
                     None => tracing::warn!("{message}; it belongs to no container with a region"),
@@ -568,7 +330,7 @@ impl Monitor {
             }
             // The Event waits until the API names the pod (the first passes
             // may come before the pod list).
-            if self.unenforced_evented.contains(&id) {
+            if self.reported.unenforced_evented(&id) {
                 continue;
             }
             let region = process
@@ -591,13 +353,10 @@ impl Monitor {
                     "UnenforcedGPUProcess",
                     format!("{message} (container {})", region.container),
                 );
-                self.unenforced_evented.insert(id);
+                self.reported.mark_unenforced_evented(id);
             }
         }
-        self.unenforced_reported
-            .retain(|seen| current.contains(seen));
-        self.unenforced_evented
-            .retain(|seen| current.contains(seen));
+        self.reported.keep_unenforced(&current);
         census.unenforced
     }
 
@@ -732,187 +491,5 @@ fn describe(share: u32) -> String {
         "unlimited".into()
     } else {
         format!("{}.{:02} %", share / 100, share % 100)
-    }
-}
-
-/// Whether the shim meters the container's launches on the device (counts
-/// them and charges device time): a cap is in force.
-fn is_metered(policy: Option<UtilizationPolicy>, sm_limit: u32, sm_effective: u32) -> bool {
-    match policy {
-        Some(UtilizationPolicy::Force) => sm_limit > 0 && sm_limit < 100,
-        Some(UtilizationPolicy::Default) => sm_effective < SHARE_FULL,
-        _ => false,
-    }
-}
-
-/// Updates the activity record from the counters; returns whether the
-/// container device is active (launched within `window`).
-fn observe(
-    track: &mut Track,
-    device: &crate::discovery::DeviceFigures,
-    nvml_active: bool,
-    now: u64,
-    window: Duration,
-) -> bool {
-    let window_ns = window.as_nanos().min(u128::from(u64::MAX)) as u64;
-    let launched = track.seen && device.launches != track.launches;
-    let stamped = device.last_launch_at != track.last_launch_at
-        && device.last_launch_at <= now
-        && now.saturating_sub(device.last_launch_at) <= window_ns;
-    if launched || stamped || nvml_active {
-        track.active_at = Some(now);
-    }
-    track.seen = true;
-    track.launches = device.launches;
-    track.last_launch_at = device.last_launch_at;
-    track
-        .active_at
-        .is_some_and(|at| now.saturating_sub(at) <= window_ns)
-}
-
-/// Whether a launch of the container device waited for tokens within
-/// `window` (its throttled time grew).
-fn observe_waits(track: &mut Track, throttled_ns: u64, now: u64, window: Duration) -> bool {
-    let window_ns = window.as_nanos().min(u128::from(u64::MAX)) as u64;
-    if throttled_ns > track.throttled_ns && track.seen {
-        track.waited_at = Some(now);
-    }
-    track.throttled_ns = throttled_ns;
-    track
-        .waited_at
-        .is_some_and(|at| now.saturating_sub(at) <= window_ns)
-}
-
-fn record_history(track: &mut Track, granted: u64, now: u64, window: Duration) {
-    let window_ns = window.as_nanos().min(u128::from(u64::MAX)) as u64;
-    track.history.push_back((now, granted));
-    // Keep the newest sample at least `window` old as the base.
-    while track.history.len() > 1
-        && track
-            .history
-            .get(1)
-            .is_some_and(|(t, _)| now.saturating_sub(*t) >= window_ns)
-    {
-        track.history.pop_front();
-    }
-    while track.history.len() > MAX_HISTORY {
-        track.history.pop_front();
-    }
-}
-
-/// Granted device time per wall time since the base sample, 0..=1.
-fn granted_rate(track: &mut Track, granted: u64, now: u64, window: Duration) -> Option<f64> {
-    record_history(track, granted, now, window);
-    let (t0, g0) = *track.history.front()?;
-    let elapsed = now.saturating_sub(t0);
-    if elapsed == 0 {
-        return None;
-    }
-    let used = granted.saturating_sub(g0);
-    Some((used as f64 / elapsed as f64).clamp(0.0, 1.0))
-}
-
-fn process_util_by_uuid(gpus: &[GpuSample]) -> HashMap<&str, &HashMap<u32, u32>> {
-    gpus.iter()
-        .filter(|g| !g.uuid.is_empty())
-        .map(|g| (g.uuid.as_str(), &g.process_sm_percent))
-        .collect()
-}
-
-/// A Warning Event on the pod of `region`, when the API names it.
-fn record_event(
-    events: &Option<EventRecorder>,
-    pod: &Option<PodRecord>,
-    region: &crate::discovery::ContainerRegion,
-    reason: &str,
-    message: String,
-) {
-    let (Some(events), Some(pod), Some(uid)) = (events, pod, region.pod_uid.as_deref()) else {
-        return;
-    };
-    events.warn(
-        &PodRef {
-            namespace: &pod.namespace,
-            name: &pod.name,
-            uid,
-        },
-        reason,
-        message,
-    );
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use crate::discovery::DeviceFigures;
-
-    #[test]
-    fn activity_follows_the_counters_and_expires() {
-        let mut track = Track::default();
-        let window = Duration::from_secs(1);
-        let mut device = DeviceFigures {
-            launches: 5,
-            ..DeviceFigures::default()
-        };
-        assert!(
-            !observe(&mut track, &device, false, 1_000, window),
-            "first sight is a baseline"
-        );
-        device.launches = 6;
-        assert!(observe(&mut track, &device, false, 2_000, window));
-        assert!(observe(&mut track, &device, false, 500_000_000, window));
-        assert!(!observe(&mut track, &device, false, 1_100_000_000, window));
-        device.last_launch_at = 1_200_000_000;
-        assert!(observe(&mut track, &device, false, 1_300_000_000, window));
-        // A stamp from the future (garbage) does not count.
-        device.last_launch_at = u64::MAX;
-        assert!(!observe(&mut track, &device, false, 9_000_000_000, window));
-        assert!(
-            observe(&mut track, &device, true, 9_100_000_000, window),
-            "NVML says busy"
-        );
-    }
-
-    #[test]
-    fn utilization_is_granted_time_over_the_window() {
-        let mut track = Track::default();
-        let window = Duration::from_secs(1);
-        assert_eq!(granted_rate(&mut track, 0, 1_000_000_000, window), None);
-        for step in 1..=20u64 {
-            let now = 1_000_000_000 + step * 100_000_000;
-            let rate = granted_rate(&mut track, step * 30_000_000, now, window);
-            if step >= 10 {
-                let rate = rate.expect("rate");
-                assert!((rate - 0.3).abs() < 1e-9, "{rate}");
-            }
-        }
-        assert!(track.history.len() <= 12);
-        // Counters going backwards (garbage) give 0, not a panic.
-        assert_eq!(
-            granted_rate(&mut track, 0, 3_100_000_000, window),
-            Some(0.0)
-        );
-        assert_eq!(
-            granted_rate(&mut track, u64::MAX, 3_200_000_000, window),
-            Some(1.0)
-        );
-    }
-
-    #[test]
-    fn metering_depends_on_the_cap_in_force() {
-        assert!(is_metered(Some(UtilizationPolicy::Default), 30, 3000));
-        assert!(is_metered(Some(UtilizationPolicy::Default), 0, 0), "paused");
-        assert!(!is_metered(
-            Some(UtilizationPolicy::Default),
-            0,
-            SHARE_UNLIMITED
-        ));
-        assert!(is_metered(
-            Some(UtilizationPolicy::Force),
-            30,
-            SHARE_UNLIMITED
-        ));
-        assert!(!is_metered(Some(UtilizationPolicy::Disable), 30, 3000));
-        assert!(!is_metered(None, 30, 3000));
     }
 }

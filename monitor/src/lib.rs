@@ -11,11 +11,17 @@
 //! - [`metrics`]: the Prometheus exposition.
 //! - [`unenforced`]: GPU processes no container's shim accounts for.
 //! - [`events`]: Kubernetes Events on pods.
-//! - [`daemon`]: the pass that ties them together; [`server`]: HTTP.
-//! - [`options`]: command-line flags.
+//! - [`daemon`]: the pass that ties them together, in stages: collect,
+//!   assess each region ([`assess`], remembering each container device in
+//!   [`activity`] and each anomaly reported in [`reported`]), act, publish
+//!   ([`shared`], served by [`server`] over HTTP).
+//! - [`config`]: what the monitor does; [`options`]: command-line flags.
 
+pub mod activity;
 pub mod arbitration;
+pub mod assess;
 pub mod cleanup;
+pub mod config;
 pub mod daemon;
 pub mod discovery;
 pub mod events;
@@ -23,5 +29,7 @@ pub mod guard;
 pub mod metrics;
 pub mod names;
 pub mod options;
+pub mod reported;
 pub mod server;
+pub mod shared;
 pub mod unenforced;

@@ -1,20 +1,25 @@
 //! Command-line options of `vgpu-monitor`.
 
-use crate::daemon::MonitorConfig;
+use crate::config::MonitorConfig;
 use crate::discovery::DiscoveryConfig;
 use crate::names::ApiSource;
 use clap::Parser;
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::time::Duration;
+use thiserror::Error;
 use vgpu_cluster::decision::NodeLimits;
 use vgpu_cluster::scaling::MemoryScaling;
 use vgpu_node_contract::shim_env::UtilizationPolicy;
 use vgpu_node_contract::size::{parse_size, SizeError};
 
-fn policy(text: &str) -> Result<UtilizationPolicy, String> {
-    UtilizationPolicy::parse(text)
-        .ok_or_else(|| format!("'{text}' is not a policy: default, force or disable"))
+/// A `--core-policy` that names none.
+#[derive(Debug, Error)]
+#[error("'{0}' is not a policy: default, force or disable")]
+pub struct PolicyError(String);
+
+fn policy(text: &str) -> Result<UtilizationPolicy, PolicyError> {
+    UtilizationPolicy::parse(text).ok_or_else(|| PolicyError(text.to_string()))
 }
 
 fn size(text: &str) -> Result<u64, SizeError> {
@@ -222,6 +227,13 @@ mod tests {
                 .to_string();
             assert!(error.contains("device memory scaling"), "{bad}: {error}");
         }
+        let error = Options::try_parse_from(["vgpu-monitor", "--core-policy", "strict"])
+            .expect_err("no such policy")
+            .to_string();
+        assert!(
+            error.contains("'strict' is not a policy: default, force or disable"),
+            "{error}"
+        );
     }
 
     #[test]

@@ -1,7 +1,7 @@
 //! The HTTP endpoints: `GET /metrics` (Prometheus text format) and
 //! `GET /healthz` (200 while the monitor's loop is running).
 
-use crate::daemon::Shared;
+use crate::shared::Shared;
 use axum::http::{header, StatusCode};
 use axum::response::IntoResponse;
 use axum::routing::get;

@@ -1,0 +1,274 @@
+//! A pass's reading of each region: what its container and each of its
+//! devices show (for the metrics), what each device brings to its GPU's
+//! arbitration, and the limits to put back if they were changed from
+//! inside; the anomalies found on the way are reported once
+//! ([`Reported`]).
+//!
+//! The scheduler's decision, not the container's own region, says which
+//! GPUs a container may use and with what share: the region is writable
+//! by the container it limits.
+
+use crate::activity::{granted_rate, is_metered, observe, observe_waits, record_history, Track};
+use crate::arbitration::{Contender, Load};
+use crate::config::MonitorConfig;
+use crate::discovery::ContainerRegion;
+use crate::events::{EventRecorder, PodRef};
+use crate::metrics::{ContainerDevice, ContainerSummary};
+use crate::names::{PodDirectory, PodRecord};
+use crate::reported::Reported;
+use crate::unenforced::Unenforced;
+use std::collections::HashMap;
+use vgpu_cluster::decision::{region_limits, DeviceGrant};
+use vgpu_node_contract::region::{RegionLimits, SHARE_FULL};
+use vgpu_node_contract::shim_env::UtilizationPolicy;
+use vgpu_nvml_host::GpuSample;
+
+/// What is remembered of each container device between passes, by
+/// (container key, device index).
+pub type Tracks = HashMap<(String, usize), Track>;
+
+/// One container device as its GPU's arbitration sees it.
+pub struct Seen {
+    pub key: String,
+    pub device: usize,
+    pub uuid: String,
+    pub contender: Contender,
+}
+
+/// The limits a container's decision granted, to be put back in its
+/// region if they were changed from inside.
+pub struct Restore {
+    pub key: String,
+    pub limits: RegionLimits,
+    /// The pod the API named, for an Event.
+    pub pod: Option<PodRecord>,
+}
+
+/// What the regions came to in one pass, in the order read.
+#[derive(Default)]
+pub struct Assessment {
+    pub containers: Vec<ContainerSummary>,
+    /// A container's key to its index in `containers`.
+    pub container_index: HashMap<String, usize>,
+    /// Every container device shown, in the order of `seen`.
+    pub devices: Vec<ContainerDevice>,
+    pub seen: Vec<Seen>,
+    pub restores: Vec<Restore>,
+    /// GPU processes no region accounts for.
+    pub unenforced: Vec<Unenforced>,
+}
+
+/// What a pass knows before it reads the regions.
+pub struct PassContext<'a> {
+    pub config: &'a MonitorConfig,
+    pub pods: &'a PodDirectory,
+    pub events: Option<&'a EventRecorder>,
+    /// Monotonic ns at the start of the pass.
+    pub now: u64,
+    /// The host's GPUs as NVML sampled them (none without NVML).
+    pub gpus: &'a [GpuSample],
+}
+
+/// Per GPU UUID, each process's SM utilization as NVML sampled it.
+pub fn process_util_by_uuid(gpus: &[GpuSample]) -> HashMap<&str, &HashMap<u32, u32>> {
+    gpus.iter()
+        .filter(|g| !g.uuid.is_empty())
+        .map(|g| (g.uuid.as_str(), &g.process_sm_percent))
+        .collect()
+}
+
+/// Reads `region` and adds what it shows to `out`.
+pub fn assess_region(
+    region: &ContainerRegion,
+    context: &PassContext<'_>,
+    process_util: &HashMap<&str, &HashMap<u32, u32>>,
+    tracks: &mut Tracks,
+    reported: &mut Reported,
+    out: &mut Assessment,
+) {
+    let config = context.config;
+    let now = context.now;
+    let figures = region.read();
+    let pod = region
+        .pod_uid
+        .as_deref()
+        .and_then(|uid| context.pods.lookup(uid));
+    let (namespace, pod_name) = match (&pod, &region.claim) {
+        (Some(pod), _) => (pod.namespace.clone(), pod.name.clone()),
+        // A DRA claim's region: its pods share it.
+        (None, Some(claim)) => (claim.namespace.clone(), claim.pods.join(",")),
+        (None, None) => (
+            String::new(),
+            region.pod_uid.clone().unwrap_or_else(|| region.key.clone()),
+        ),
+    };
+    let priority = pod
+        .as_ref()
+        .and_then(|p| p.priorities.get(&region.container).copied())
+        .unwrap_or(figures.priority);
+    out.container_index
+        .insert(region.key.clone(), out.containers.len());
+    // A DRA claim's series are named by the claim.
+    let container_name = region
+        .claim
+        .as_ref()
+        .map_or_else(|| region.container.clone(), |claim| claim.claim.clone());
+    out.containers.push(ContainerSummary {
+        namespace: namespace.clone(),
+        pod: pod_name.clone(),
+        container: container_name.clone(),
+        processes: figures.active_slots,
+        ..ContainerSummary::default()
+    });
+    let policy = UtilizationPolicy::from_u32(figures.policy);
+    let granted = pod.as_ref().and_then(|p| p.grants.get(&region.container));
+    for device in &figures.devices {
+        // The decision, not the container's own region, says which GPUs
+        // it may use and with what share.
+        let mut device = device.clone();
+        let mut over_cap_bytes = 0;
+        if let Some(grants) = granted {
+            match grants.iter().find(|g| g.uuid == device.uuid) {
+                Some(grant) => {
+                    device.sm_limit = grant.cores_percent;
+                    device.sm_burst = grant.burst_percent.unwrap_or(0);
+                    // Restoring a cap frees nothing: what was taken above
+                    // it while it was raised stays visible. The cap is the
+                    // grant's device part (all of it unless the node
+                    // scales memory).
+                    let cap = config.node.memory(grant.memory_bytes).device;
+                    if cap > 0 {
+                        over_cap_bytes = device.memory_used.saturating_sub(cap);
+                    }
+                }
+                None => {
+                    if reported.misplaced(&region.key, device.index) {
+                        tracing::warn!(
+                            "container {}: its region names GPU {} as device {}, which the scheduler did not give it; that device is left out of metrics and arbitration",
+                            region.key,
+                            device.uuid,
+                            device.index
+                        );
+                    }
+                    continue;
+                }
+            }
+        }
+        let device = &device;
+        if reported.over_cap(&region.key, device.index, over_cap_bytes > 0) {
+            let message = format!(
+                "container {} holds {} MiB on GPU {} above the {} MiB its decision granted",
+                region.key,
+                over_cap_bytes >> 20,
+                device.uuid,
+                device.memory_used.saturating_sub(over_cap_bytes) >> 20
+            );
+            tracing::warn!("{message}");
+            record_event(context.events, &pod, region, "MemoryOverCap", message);
+        }
+        let track = tracks
+            .entry((region.key.clone(), device.index))
+            .or_default();
+        let nvml_active = process_util.get(device.uuid.as_str()).is_some_and(|util| {
+            figures
+                .pids
+                .iter()
+                .any(|pid| util.get(pid).is_some_and(|u| *u > 0))
+        });
+        let active = observe(track, device, nvml_active, now, config.active_window);
+        let waited = observe_waits(track, device.throttled_ns, now, config.utilization_window);
+        let metered = is_metered(policy, device.sm_limit, device.sm_effective);
+        let utilization = if metered {
+            granted_rate(track, device.granted_ns, now, config.utilization_window)
+        } else {
+            record_history(track, device.granted_ns, now, config.utilization_window);
+            process_util.get(device.uuid.as_str()).map(|util| {
+                let total: u32 = figures
+                    .pids
+                    .iter()
+                    .filter_map(|pid| util.get(pid))
+                    .fold(0u32, |sum, u| sum.saturating_add(*u));
+                f64::from(total.min(100)) / 100.0
+            })
+        };
+        let last_kernel = [
+            Some(device.last_launch_at).filter(|t| *t != 0 && *t <= now),
+            track.active_at,
+        ]
+        .into_iter()
+        .flatten()
+        .max();
+        out.devices.push(ContainerDevice {
+            namespace: namespace.clone(),
+            pod: pod_name.clone(),
+            container: container_name.clone(),
+            figures: device.clone(),
+            priority,
+            utilization,
+            last_kernel_age_seconds: last_kernel.map(|t| now.saturating_sub(t) as f64 / 1e9),
+            over_cap_bytes,
+        });
+        let load = utilization.filter(|_| metered).map(|ratio| Load {
+            achieved: (ratio * f64::from(SHARE_FULL)).round() as u32,
+            waited,
+        });
+        out.seen.push(Seen {
+            key: region.key.clone(),
+            device: device.index,
+            uuid: device.uuid.clone(),
+            contender: Contender::from_raw(
+                region.key.clone(),
+                figures.policy,
+                priority,
+                device.sm_limit,
+                device.sm_burst,
+                active,
+            )
+            .with_load(load),
+        });
+    }
+    // The region is writable by the container it limits: what the
+    // decision granted is put back if it was changed from inside.
+    if let Some(grants) = granted.filter(|_| config.restore) {
+        let mut ordered: Vec<&DeviceGrant> = grants.iter().collect();
+        // Devices are numbered in NVML (PCI) order, as the device plugin
+        // numbered them; without NVML, the decision's order.
+        ordered.sort_by_key(|g| {
+            context
+                .gpus
+                .iter()
+                .find(|s| s.uuid == g.uuid)
+                .map(|s| s.index)
+        });
+        let priority = pod
+            .as_ref()
+            .and_then(|p| p.priorities.get(&region.container).copied());
+        out.restores.push(Restore {
+            key: region.key.clone(),
+            limits: region_limits(&ordered, priority, &config.node),
+            pod,
+        });
+    }
+}
+
+/// A Warning Event on the pod of `region`, when the API names it.
+pub fn record_event(
+    events: Option<&EventRecorder>,
+    pod: &Option<PodRecord>,
+    region: &ContainerRegion,
+    reason: &str,
+    message: String,
+) {
+    let (Some(events), Some(pod), Some(uid)) = (events, pod, region.pod_uid.as_deref()) else {
+        return;
+    };
+    events.warn(
+        &PodRef {
+            namespace: &pod.namespace,
+            name: &pod.name,
+            uid,
+        },
+        reason,
+        message,
+    );
+}

@@ -1,0 +1,55 @@
+//! What the monitor does, as the binary's options or a test set it.
+
+use crate::discovery::DiscoveryConfig;
+use std::path::PathBuf;
+use std::time::Duration;
+use vgpu_cluster::decision::NodeLimits;
+
+/// What the monitor does, independent of how it was configured.
+#[derive(Clone, Debug)]
+pub struct MonitorConfig {
+    pub discovery: DiscoveryConfig,
+    /// Time between passes.
+    pub interval: Duration,
+    /// A container launched work within this long ago is active.
+    pub active_window: Duration,
+    /// Achieved utilization is measured over this long.
+    pub utilization_window: Duration,
+    /// Write effective shares (otherwise only observe).
+    pub arbitration: bool,
+    /// Remove regions of deleted pods after this long; `None`: never.
+    pub cleanup_grace: Option<Duration>,
+    /// Also emit HAMi's metric names.
+    pub hami_names: bool,
+    /// Load NVML (from this path, or the default name when `None`).
+    pub nvml: Option<Option<PathBuf>>,
+    /// What the node adds to the limits a decision grants (the device
+    /// plugin's policy, swap and memory scaling): what a grant comes to in
+    /// a region.
+    pub node: NodeLimits,
+    /// Restore the limits a region's decision granted when they were
+    /// changed from inside.
+    pub restore: bool,
+}
+
+impl MonitorConfig {
+    /// Defaults for a region directory (tests, the bench).
+    pub fn for_root(root: PathBuf) -> Self {
+        Self {
+            discovery: DiscoveryConfig {
+                root,
+                region_file: "region.cache".into(),
+                max_containers: 1024,
+            },
+            interval: Duration::from_millis(100),
+            active_window: Duration::from_secs(1),
+            utilization_window: Duration::from_secs(1),
+            arbitration: true,
+            cleanup_grace: Some(Duration::from_secs(300)),
+            hami_names: false,
+            nvml: None,
+            node: NodeLimits::default(),
+            restore: true,
+        }
+    }
+}
