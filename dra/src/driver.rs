@@ -274,3 +274,175 @@ impl Driver {
         Ok(())
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::slice::{device_name, CAPACITY_CORES, CAPACITY_MEMORY, DRIVER_NAME};
+    use k8s_openapi::api::resource::v1::{
+        AllocationResult, DeviceAllocationResult, DeviceRequestAllocationResult,
+        ResourceClaimStatus,
+    };
+    use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
+    use std::collections::BTreeMap;
+    use vgpu_cluster::scaling::MemoryScaling;
+    use vgpu_node_contract::region::Region;
+    use vgpu_node_contract::shim_env::UtilizationPolicy;
+
+    const UID: &str = "0b1c-22";
+
+    fn driver(base: &Path, healthy: bool) -> Driver {
+        let settings = Settings {
+            containers_dir: base.join("containers"),
+            region_file: "region.cache".into(),
+            container_dir: "/usr/local/vgpu/container".into(),
+            library_host: "/opt/vgpu/libvgpu.so".into(),
+            library_container: "/usr/local/vgpu/libvgpu.so".into(),
+            preload_host: Some(base.join("ld.so.preload")),
+            policy: UtilizationPolicy::Default,
+            swap_limit: None,
+            memory_scaling: MemoryScaling::ONE,
+            context_reserve: None,
+        };
+        let gpu = InventoryGpu {
+            uuid: "GPU-0".into(),
+            index: 0,
+            model: "m".into(),
+            memory_bytes: 24 << 30,
+            offered_memory_bytes: None,
+            sm_count: 132,
+            split_count: u32::MAX,
+            numa: None,
+            nvlink_island: None,
+            healthy,
+            utilization_percent: None,
+        };
+        let config = DriverConfig {
+            node: "node-a".into(),
+            settings,
+            cdi_dir: base.join("cdi"),
+            checkpoint: base.join("prepared-claims.json"),
+        };
+        Driver::new(config, vec![gpu]).expect("driver")
+    }
+
+    /// Claim `ns/c` given 4 GiB and 30 % of the node's GPU 0.
+    fn claim() -> ResourceClaim {
+        let mut claim = ResourceClaim::default();
+        claim.metadata.name = Some("c".into());
+        claim.metadata.namespace = Some("ns".into());
+        claim.metadata.uid = Some(UID.into());
+        let result = DeviceRequestAllocationResult {
+            request: "gpu".into(),
+            driver: DRIVER_NAME.into(),
+            pool: "node-a".into(),
+            device: device_name(0),
+            consumed_capacity: Some(BTreeMap::from([
+                (CAPACITY_MEMORY.to_string(), Quantity("4Gi".into())),
+                (CAPACITY_CORES.to_string(), Quantity("30".into())),
+            ])),
+            ..DeviceRequestAllocationResult::default()
+        };
+        claim.status = Some(ResourceClaimStatus {
+            allocation: Some(AllocationResult {
+                devices: Some(DeviceAllocationResult {
+                    results: Some(vec![result]),
+                    config: None,
+                }),
+                ..AllocationResult::default()
+            }),
+            ..ResourceClaimStatus::default()
+        });
+        claim
+    }
+
+    fn temp_dir(tag: &str) -> PathBuf {
+        let dir =
+            std::env::temp_dir().join(format!("vgpu-dra-driver-{}-{tag}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).expect("temp dir");
+        dir
+    }
+
+    #[test]
+    fn a_claims_grants_become_its_region_and_cdi_spec() {
+        let base = temp_dir("prepare");
+        let driver = driver(&base, true);
+        let prepared = driver.prepare(UID, &claim()).expect("prepare");
+        assert_eq!(prepared.devices.len(), 1);
+        assert_eq!(
+            prepared.devices[0].cdi_device_ids,
+            ["vgpu.io/claim=0b1c-22"]
+        );
+
+        let region_dir = base
+            .join("containers")
+            .join(claim_dir_name(UID).expect("a claim's directory"));
+        assert!(
+            region_dir.ends_with("claim-0b1c-22"),
+            "{}",
+            region_dir.display()
+        );
+        let region_path = region_dir.join("region.cache");
+        let region = Region::open_existing(&region_path).expect("the claim's region");
+        assert_eq!(region.device_limit(0), 4 << 30);
+        assert_eq!(region.limits().sm_limit[0], 30);
+
+        let spec: cdi::Spec = serde_json::from_slice(
+            &std::fs::read(cdi::spec_path(&base.join("cdi"), UID).expect("path")).expect("spec"),
+        )
+        .expect("parse the spec");
+        let edits = &spec.devices[0].container_edits;
+        assert!(
+            edits.env.iter().any(|e| e == "CUDA_DEVICE_SM_LIMIT_0=30"),
+            "{:?}",
+            edits.env
+        );
+        assert!(edits
+            .env
+            .iter()
+            .any(|e| e == "NVIDIA_VISIBLE_DEVICES=GPU-0"));
+        let mounts: Vec<(&str, &str, bool)> = edits
+            .mounts
+            .iter()
+            .map(|m| {
+                (
+                    m.host_path.as_str(),
+                    m.container_path.as_str(),
+                    m.options.iter().any(|o| o == "ro"),
+                )
+            })
+            .collect();
+        assert!(
+            region_dir.join(CLAIM_OWNER_FILE).is_file(),
+            "the monitor's owner file"
+        );
+        let region_dir = region_dir.display().to_string();
+        let preload = base.join("ld.so.preload").display().to_string();
+        assert_eq!(
+            mounts,
+            vec![
+                ("/opt/vgpu/libvgpu.so", "/usr/local/vgpu/libvgpu.so", true),
+                (region_dir.as_str(), "/usr/local/vgpu/container", false),
+                (preload.as_str(), "/etc/ld.so.preload", true),
+            ]
+        );
+
+        driver.unprepare(UID).expect("unprepare");
+        assert!(!region_path.exists());
+        let _ = std::fs::remove_dir_all(&base);
+    }
+
+    #[test]
+    fn a_claim_on_an_unhealthy_gpu_is_refused_in_its_own_name() {
+        let base = temp_dir("unhealthy");
+        let driver = driver(&base, false);
+        let error = driver.prepare(UID, &claim()).expect_err("unhealthy");
+        assert_eq!(
+            vgpu_cluster::report::with_causes(&error),
+            "the allocation gives claim ns/c GPU GPU-0, which is unhealthy"
+        );
+        assert!(driver.prepared(UID).is_none());
+        let _ = std::fs::remove_dir_all(&base);
+    }
+}

@@ -35,7 +35,7 @@ pub const CONTAINER_PRELOAD: &str = "/etc/ld.so.preload";
 #[derive(Clone, Debug)]
 pub struct Settings {
     /// Host directory holding one directory per region: a container's
-    /// `<podUID>_<container>`, a claim's `claim_<uid>`.
+    /// `<podUID>_<container>`, a claim's `claim-<uid>`.
     pub containers_dir: PathBuf,
     /// Name of the region file inside a region's directory.
     pub region_file: String,
@@ -572,7 +572,7 @@ mod tests {
         let claim = Holder::Claim("ns/c".into());
         let grants = Grants {
             holder: &claim,
-            dir_name: "claim_0b1c",
+            dir_name: "claim-0b1c",
             devices: &[grant("GPU-2", 1, 1)],
             priority: None,
         };
@@ -603,15 +603,15 @@ mod tests {
         let claim = Holder::Claim("ns/c".into());
         let grants = Grants {
             holder: &claim,
-            dir_name: "claim_0b1c",
+            dir_name: "claim-0b1c",
             devices: &[grant("GPU-1", 1 << 30, 40)],
             priority: None,
         };
         let plan = plan(&settings(Path::new("/b")), grants, &gpus()).expect("plan");
-        assert_eq!(plan.host_dir, Path::new("/b/containers/claim_0b1c"));
+        assert_eq!(plan.host_dir, Path::new("/b/containers/claim-0b1c"));
         assert_eq!(
             plan.region_host,
-            Path::new("/b/containers/claim_0b1c/region.cache")
+            Path::new("/b/containers/claim-0b1c/region.cache")
         );
         assert_eq!(plan.holder.name(), "ns/c");
         assert_eq!(plan.limits.sm_limit[0], 40);
