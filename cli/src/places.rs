@@ -10,6 +10,7 @@ use std::ffi::OsStr;
 use std::os::unix::fs::{DirBuilderExt, MetadataExt};
 use std::path::{Path, PathBuf};
 use thiserror::Error;
+use vgpu_cluster::file_error::{io_error, FileError};
 use vgpu_node_contract::figures::split_key;
 
 /// The directory the device plugin writes and the node monitor watches.
@@ -24,12 +25,10 @@ const LIBRARY_NAME: &str = "libvgpu.so";
 
 #[derive(Debug, Error)]
 pub enum PlaceError {
-    #[error("{path}: {op}: {source}")]
+    #[error("{file}: {}", file.source)]
     Io {
-        path: PathBuf,
-        op: &'static str,
-        #[source]
-        source: std::io::Error,
+        #[from]
+        file: FileError,
     },
     #[error("{path} is not a private directory of this user (owner {owner}, mode {mode:o}); choose another with --root")]
     Unsafe {
@@ -43,11 +42,6 @@ pub enum PlaceError {
     MissingLibrary(PathBuf),
     #[error("no region {target:?} in {roots}")]
     NotFound { target: String, roots: String },
-}
-
-pub fn io_error(path: &Path, op: &'static str) -> impl FnOnce(std::io::Error) -> PlaceError {
-    let path = path.to_path_buf();
-    move |source| PlaceError::Io { path, op, source }
 }
 
 /// The effective user ID.
@@ -96,7 +90,7 @@ pub fn ensure_root(root: &Path) -> Result<(), PlaceError> {
         .create(root)
     {
         Ok(()) => {}
-        Err(error) => return Err(io_error(root, "create directory")(error)),
+        Err(error) => return Err(io_error(root, "create directory")(error).into()),
     }
     let meta = std::fs::symlink_metadata(root).map_err(io_error(root, "stat"))?;
     let uid = effective_uid();
@@ -258,6 +252,17 @@ pub fn preload_names(text: &OsStr, library: &Path) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_file_error_names_the_path_the_operation_and_the_cause() {
+        let error = PlaceError::from(io_error(Path::new("/r"), "stat")(
+            std::io::Error::from_raw_os_error(libc::EACCES),
+        ));
+        assert_eq!(
+            error.to_string(),
+            "/r: stat: Permission denied (os error 13)"
+        );
+    }
 
     #[test]
     fn origins_follow_the_directory_names() {

@@ -11,6 +11,7 @@ use std::ffi::OsString;
 use std::fs::File;
 use std::path::Path;
 use thiserror::Error;
+use vgpu_cluster::file_error::{io_error, FileError};
 use vgpu_node_contract::figures::has_live_process;
 use vgpu_node_contract::region::{Region, RegionError, RegionLimits, MAX_DEVICES, UNCAPPED};
 use vgpu_node_contract::shim_env::{self, share_cap, ShimConfig};
@@ -60,10 +61,11 @@ impl RunError {
     }
 }
 
-/// An I/O failure on `path`, as the places' own.
-fn io_error(path: &Path, op: &'static str) -> impl FnOnce(std::io::Error) -> RunError {
-    let place = places::io_error(path, op);
-    move |source| RunError::Place(place(source))
+/// An I/O failure of a run is told as the places' own.
+impl From<FileError> for RunError {
+    fn from(error: FileError) -> Self {
+        Self::Place(error.into())
+    }
 }
 
 /// The limits a run asks for, the same on every GPU.
