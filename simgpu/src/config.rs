@@ -19,6 +19,7 @@
 //! | `SIMGPU_TIMING` | `timeline`: a launch places its kernel on the shared timeline at once, with its exact duration; `wall`: each process's device is a thread that runs the queued work in wall-clock time (see [`crate::executor`]) | `timeline` |
 //! | `SIMGPU_LAUNCH_OVERHEAD` | host time each launch call spends before its work reaches the device (a duration) | `4us` with `wall`, else `0ns` |
 //! | `SIMGPU_KERNELS` | durations that replace what module images declare, by kernel name: `k1ms=200us,k30ms=5ms` | none |
+//! | `SIMGPU_SWITCH_COST` | wall timing only: device time spent, and given to no process, each time the device passes from one process's work to another's, as a GPU spends it saving one context and loading the next (a duration up to 1s: `60us`) | `0ns` |
 //! | `SIMGPU_KERNEL_JITTER` | how much a kernel's time varies from run to run, as a GPU's does with its clocks: each kernel runs its duration times a factor drawn uniformly from 1 ± this (`5%`, below 100 %) | `0%` |
 //!
 //! The topology variables are described in [`crate::topology`].
@@ -84,6 +85,8 @@ pub struct Config {
     pub kernel_durations: Vec<(String, u64)>,
     /// A kernel's time varies by up to this fraction either way.
     pub kernel_jitter: f64,
+    /// Wall timing: device time each switch between processes costs.
+    pub switch_cost_ns: u64,
 }
 
 impl Config {
@@ -343,6 +346,25 @@ pub fn from_env(var: impl Fn(&str) -> Option<String>) -> Result<Config, String> 
         None if timing == Timing::Wall => WALL_LAUNCH_OVERHEAD_NS,
         None => 0,
     };
+    let switch_cost_ns = match var("SIMGPU_SWITCH_COST") {
+        Some(v) => {
+            let ns = parse_duration(&v)
+                .filter(|&ns| ns <= 1_000_000_000)
+                .ok_or_else(|| {
+                    format!("bad SIMGPU_SWITCH_COST={v:?}: expected a duration up to 1s (60us)")
+                })?;
+            // Timeline timing places kernels back to back when they are
+            // launched and never hands the device between processes: a
+            // cost there would silently do nothing.
+            if ns > 0 && timing != Timing::Wall {
+                return Err(format!(
+                    "bad SIMGPU_SWITCH_COST={v:?}: only wall timing switches between processes (SIMGPU_TIMING=wall)"
+                ));
+            }
+            ns
+        }
+        None => 0,
+    };
     let kernel_durations = match var("SIMGPU_KERNELS") {
         Some(v) => parse_kernel_durations(&v)?,
         None => Vec::new(),
@@ -372,6 +394,7 @@ pub fn from_env(var: impl Fn(&str) -> Option<String>) -> Result<Config, String> 
         launch_overhead_ns,
         kernel_durations,
         kernel_jitter,
+        switch_cost_ns,
     })
 }
 
@@ -495,6 +518,9 @@ mod tests {
             [("SIMGPU_KERNEL_JITTER", "5")],
             [("SIMGPU_KERNEL_JITTER", "100%")],
             [("SIMGPU_KERNEL_JITTER", "-1%")],
+            [("SIMGPU_SWITCH_COST", "60")],
+            [("SIMGPU_SWITCH_COST", "2s")],
+            [("SIMGPU_SWITCH_COST", "60us")],
         ] {
             let err = cfg(&pairs).expect_err("must be rejected");
             assert!(err.contains(pairs[0].0), "{err}");
@@ -532,6 +558,19 @@ mod tests {
         assert_eq!(tuned.kernel_duration("k20us", 20_000), 20_000);
         let timeline_with_overhead = cfg(&[("SIMGPU_LAUNCH_OVERHEAD", "2us")]).expect("valid");
         assert_eq!(timeline_with_overhead.launch_overhead_ns, 2_000);
+    }
+
+    #[test]
+    fn a_switch_cost_is_a_duration_for_wall_timing() {
+        assert_eq!(cfg(&[]).expect("valid").switch_cost_ns, 0);
+        let wall = cfg(&[("SIMGPU_TIMING", "wall"), ("SIMGPU_SWITCH_COST", "60us")]);
+        assert_eq!(wall.expect("valid").switch_cost_ns, 60_000);
+        // Timeline timing refuses a cost it would not charge (see
+        // `bad_values`), but not an explicit zero.
+        let zero = cfg(&[("SIMGPU_SWITCH_COST", "0us")]).expect("valid");
+        assert_eq!(zero.switch_cost_ns, 0);
+        let err = cfg(&[("SIMGPU_SWITCH_COST", "60us")]).expect_err("timeline");
+        assert!(err.contains("SIMGPU_TIMING=wall"), "{err}");
     }
 
     #[test]

@@ -9,7 +9,9 @@
 //! the device (a process keeps the device while it has work queued, at most
 //! a time slice while another waits, see
 //! [`crate::state::Shared::acquire_device`]), then the thread sleeps until
-//! the kernel's duration has passed on the clock. What the device did is
+//! the kernel's duration has passed on the clock. A turn that passes the
+//! device from another process's work to this one's first costs
+//! `SIMGPU_SWITCH_COST` of device time, which goes to no process. What the device did is
 //! worked out as a GPU would have done it, from when work reached it: a
 //! kernel starts when it was handed over (or when the device became free, or
 //! the work before it ended) and lasts its duration, varied from run to run
@@ -167,6 +169,7 @@ impl Executor {
         // the calling thread.
         unsafe { libc::prctl(libc::PR_SET_TIMERSLACK, DEVICE_TIMER_SLACK_NS, 0, 0, 0) };
         let shared = driver::shared().ok();
+        let switch_cost_ns = crate::config::get().map_or(0, |cfg| cfg.switch_cost_ns);
         // When the device finished the previous operation: the next one
         // cannot be reached before.
         let mut finished = 0u64;
@@ -200,12 +203,21 @@ impl Executor {
             let needs_device = !matches!(op, Op::Wait { .. });
             match (needs_device, turn, shared) {
                 (true, None, Some(shared)) => {
-                    if let Ok((ticket, free_since)) = shared.acquire_device(self.device) {
+                    if let Ok(taken) = shared.acquire_device(self.device) {
                         // Waiting for another context's turn to end is not
                         // this work's time.
-                        reached = reached.max(free_since);
+                        reached = reached.max(taken.free_since);
+                        if taken.switched {
+                            // The device passes from another process's work
+                            // to this one's: it first spends the switch
+                            // cost, as a GPU saves one context and loads the
+                            // next, and that time is nobody's kernel time.
+                            reached = reached.saturating_add(switch_cost_ns);
+                            clock::sleep_until(reached);
+                            shared.record_switch(self.device, switch_cost_ns);
+                        }
                         turn = Some(Turn {
-                            ticket,
+                            ticket: taken.ticket,
                             since: clock::now_ns(),
                         });
                     }

@@ -5,7 +5,7 @@
 //! | offset | content |
 //! | --- | --- |
 //! | 0 | [`Header`]: magic, layout version, header size, file size, counts, offsets |
-//! | 4096 | 16 × [`DeviceRecord`]: total and used bytes, `busy_until_ns`, ring head, robust process-shared mutex, busy ns, last injected XID event, who holds the device in wall timing and whose turn is next |
+//! | 4096 | 16 × [`DeviceRecord`]: total and used bytes, `busy_until_ns`, ring head, robust process-shared mutex, busy ns, last injected XID event, who holds the device in wall timing, whose turn is next and whose work ran last, and the switches between processes (count and device time) |
 //! | `slots_offset` | 256 × [`SlotRecord`]: pid, per-device used bytes, busy ns, context count |
 //! | `rings_offset` | per device, 65536 × [`KernelRecord`] (start, end, pid) |
 //!
@@ -35,7 +35,8 @@ pub const MAX_SLOTS: usize = 256;
 pub const RING_CAPACITY: u64 = 65_536;
 /// "SIMGPU" followed by the format generation.
 const MAGIC: u64 = 0x5349_4d47_5055_0001;
-const LAYOUT_VERSION: u32 = 1;
+/// 2: device records gained the last holder and the switch counters.
+const LAYOUT_VERSION: u32 = 2;
 const PAGE: u64 = 4096;
 /// Slot liveness lock bytes live far beyond the end of the file.
 const LOCK_BASE: i64 = 1 << 40;
@@ -87,8 +88,20 @@ pub struct DeviceRecord {
     /// from 0, so two processes' kernels never overlap whatever the tickets
     /// say.
     pub holder: AtomicU32,
-    _pad: u32,
+    /// Wall timing: slot + 1 of the process whose turn came last (whose
+    /// work the device holds loaded); 0 before any, [`GONE`] once that
+    /// process has exited. The next turn of another process is a switch.
+    pub last_holder: AtomicU32,
+    /// Wall timing: switches between processes completed on the device.
+    pub switches: AtomicU64,
+    /// Wall timing: device time those switches took (ns), given to no
+    /// process.
+    pub switch_ns: AtomicU64,
 }
+
+/// [`DeviceRecord::last_holder`] of a process that has exited: the turn of
+/// whichever process comes next, even one in the same slot, is a switch.
+const GONE: u32 = u32::MAX;
 
 /// One process's accounting.
 #[repr(C)]
@@ -240,6 +253,17 @@ impl Drop for DeviceGuard<'_> {
     }
 }
 
+/// A process's turn on a device (wall timing), as it was taken.
+#[derive(Clone, Copy, Debug)]
+pub struct Turn {
+    /// Hands the device on ([`Shared::release_device`]).
+    pub ticket: u32,
+    /// When the device's last work ended.
+    pub free_since: u64,
+    /// Another process's work ran on the device last: it switches.
+    pub switched: bool,
+}
+
 /// Busy time inside a window, for the device and per process.
 #[derive(Debug, Default)]
 pub struct Busy {
@@ -333,8 +357,31 @@ impl Shared {
             }
             rec.contexts[d].store(0, Ordering::Release);
             rec.busy_ns[d].store(0, Ordering::Release);
+            // The device may still hold this process's work loaded; a new
+            // owner of the slot is another process all the same.
+            let _ = self.record(d).last_holder.compare_exchange(
+                index as u32 + 1,
+                GONE,
+                Ordering::AcqRel,
+                Ordering::Acquire,
+            );
         }
         rec.pid.store(0, Ordering::Release);
+    }
+
+    /// Hands on every device that the dead owner of `index` held (wall
+    /// timing): it may have exited before its device thread let go. The
+    /// caller holds the slot's lock, so no live process holds a device
+    /// with it; waiters would find the dead holder by its slot, but not
+    /// once a new process uses that slot, and would wait for ever.
+    fn free_dead_holds(&self, index: usize) {
+        for machine in 0..self.layout.devices {
+            let rec = self.record(machine);
+            if rec.holder.load(Ordering::Acquire) == index as u32 + 1 {
+                let serving = rec.ticket_serving.load(Ordering::Acquire);
+                self.hand_on(machine, index as u32 + 1, serving);
+            }
+        }
     }
 
     /// This process's slot, claimed on first use.
@@ -363,6 +410,7 @@ impl Shared {
         let index = claimed.ok_or(StateError::NoFreeSlot)?;
         // A previous owner died: give its memory back before reusing.
         self.clear_slot(index);
+        self.free_dead_holds(index);
         let rec = self.slot(index);
         rec.claimed_realtime_us
             .store(clock::realtime_us(), Ordering::Release);
@@ -386,6 +434,7 @@ impl Shared {
             }
             if let Ok(true) = self.lock_slot_byte(i, libc::F_WRLCK as libc::c_short) {
                 self.clear_slot(i);
+                self.free_dead_holds(i);
                 let _ = self.lock_slot_byte(i, libc::F_UNLCK as libc::c_short);
             }
         }
@@ -515,9 +564,10 @@ impl Shared {
     /// while it has work queued (at most a time slice while others wait),
     /// as a GPU time-slices contexts: another context's work, its events
     /// included, progresses only in its own turns. Returns the ticket (to
-    /// hand the device on with [`Shared::release_device`]) and when the
-    /// device's last work ended.
-    pub fn acquire_device(&self, device: usize) -> Result<(u32, u64), StateError> {
+    /// hand the device on with [`Shared::release_device`]), when the
+    /// device's last work ended, and whether another process's work ran
+    /// last (a switch, see [`Shared::record_switch`]).
+    pub fn acquire_device(&self, device: usize) -> Result<Turn, StateError> {
         let machine = self.physical(device);
         let slot = self.ensure_slot()?;
         let me = slot as u32 + 1;
@@ -533,7 +583,12 @@ impl Shared {
                     .compare_exchange(0, me, Ordering::AcqRel, Ordering::Acquire)
                     .is_ok()
                 {
-                    return Ok((ticket, rec.busy_until_ns.load(Ordering::Acquire)));
+                    let last = rec.last_holder.swap(me, Ordering::AcqRel);
+                    return Ok(Turn {
+                        ticket,
+                        free_since: rec.busy_until_ns.load(Ordering::Acquire),
+                        switched: last != 0 && last != me,
+                    });
                 }
             } else if (ticket.wrapping_sub(serving) as i32) < 0 {
                 // Our turn passed while we did not take it (passed over as
@@ -600,6 +655,24 @@ impl Shared {
             .busy_until_ns
             .fetch_max(idle_since, Ordering::AcqRel);
         self.hand_on(machine, slot as u32 + 1, ticket);
+    }
+
+    /// Wall timing: the device, held, has switched to this process's work
+    /// at a cost of `cost_ns` of device time, which no process is given.
+    pub fn record_switch(&self, device: usize, cost_ns: u64) {
+        let rec = self.record(self.physical(device));
+        rec.switch_ns.fetch_add(cost_ns, Ordering::AcqRel);
+        rec.switches.fetch_add(1, Ordering::AcqRel);
+    }
+
+    /// Wall timing: (switches between processes, device time they took)
+    /// on `device` so far.
+    pub fn switches(&self, device: usize) -> (u64, u64) {
+        let rec = self.record(self.physical(device));
+        (
+            rec.switches.load(Ordering::Acquire),
+            rec.switch_ns.load(Ordering::Acquire),
+        )
     }
 
     /// Wall timing: a kernel of this process runs on `device` (held) from

@@ -571,6 +571,39 @@ pub extern "C" fn simgpu_device_busy_ns(device: c_int) -> u64 {
     busy_hook(device, None)
 }
 
+/// One of `device`'s switch counters (wall timing); `u64::MAX` on error.
+/// Reads the shared state file (no `cuInit` needed).
+fn switch_hook(device: c_int, pick: fn((u64, u64)) -> u64) -> u64 {
+    std::panic::catch_unwind(|| {
+        let Ok(cfg) = config::get() else {
+            return u64::MAX;
+        };
+        if device < 0 || device as usize >= cfg.devices {
+            return u64::MAX;
+        }
+        match crate::state::shared() {
+            Ok(s) => pick(s.switches(device as usize)),
+            Err(_) => u64::MAX,
+        }
+    })
+    .unwrap_or(u64::MAX)
+}
+
+/// Test hook: how many times `device` has passed from one process's work
+/// to another's (wall timing; completed switches); `u64::MAX` for a bad
+/// device or an unusable state file.
+#[no_mangle]
+pub extern "C" fn simgpu_device_switches(device: c_int) -> u64 {
+    switch_hook(device, |(switches, _)| switches)
+}
+
+/// Test hook: device time those switches took (`SIMGPU_SWITCH_COST` each),
+/// in no process's busy time nor the device's; `u64::MAX` on error.
+#[no_mangle]
+pub extern "C" fn simgpu_device_switch_ns(device: c_int) -> u64 {
+    switch_hook(device, |(_, ns)| ns)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

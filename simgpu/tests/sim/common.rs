@@ -212,6 +212,8 @@ api!(Cu {
     cuGraphLaunch(e: CUgraphExec, s: CUstream) -> CUresult;
     simgpu_process_busy_ns(d: c_int, pid: u32) -> u64;
     simgpu_device_busy_ns(d: c_int) -> u64;
+    simgpu_device_switches(d: c_int) -> u64;
+    simgpu_device_switch_ns(d: c_int) -> u64;
 });
 
 api!(Nvml {

@@ -380,6 +380,126 @@ fn wall_timing_two_processes_take_turns_and_never_overlap() {
     }
 }
 
+/// What one `wall_switch_step` run reported.
+#[derive(Debug, PartialEq, Eq)]
+struct Ran {
+    switches: u64,
+    switch_ns: u64,
+    own_busy_ns: u64,
+    device_busy_ns: u64,
+}
+
+/// Has `process` run `count` 1 ms kernels; answers what it reported and
+/// how long the run took (ns).
+fn run_kernels(process: &mut common::Running, count: u32) -> (Ran, u64) {
+    process.send(&format!("run {count}"));
+    let numbers: Vec<u64> = process
+        .expect("RAN")
+        .split_whitespace()
+        .map(|n| n.parse().expect("a number"))
+        .collect();
+    let ran = Ran {
+        switches: numbers[0],
+        switch_ns: numbers[1],
+        own_busy_ns: numbers[2],
+        device_busy_ns: numbers[3],
+    };
+    (ran, numbers[4])
+}
+
+const SWITCH_COST_NS: u64 = 500_000;
+
+/// `SIMGPU_SWITCH_COST`: each time the device passes from one process's
+/// work to another's (a process that exited counts as another, even if a
+/// new one reuses its slot) it spends the cost first, and that time is in
+/// no process's kernel time nor the device's. A process that takes the
+/// device again after nobody else had it does not switch.
+#[test]
+fn wall_timing_a_switch_between_processes_costs_device_time_given_to_no_process() {
+    const MS: u64 = 1_000_000;
+    let env = wall("switch").var("SIMGPU_SWITCH_COST", "500us");
+    let mut a = env.spawn("wall_switch_step", &[]);
+    let mut b = env.spawn("wall_switch_step", &[]);
+    a.expect("READY");
+    b.expect("READY");
+    let ran = |switches, own_ms, device_ms| Ran {
+        switches,
+        switch_ns: switches * SWITCH_COST_NS,
+        own_busy_ns: own_ms * MS,
+        device_busy_ns: device_ms * MS,
+    };
+
+    // The first process on the device, and the same one again: no switch.
+    assert_eq!(run_kernels(&mut a, 3).0, ran(0, 3, 3));
+    assert_eq!(run_kernels(&mut a, 2).0, ran(0, 5, 5));
+    // The device passes to b: one switch, whose time b waits for on top
+    // of its kernel, and which neither b's nor the device's kernel time
+    // holds.
+    let (after_b, took) = run_kernels(&mut b, 1);
+    assert_eq!(after_b, ran(1, 1, 6));
+    assert!(took >= SWITCH_COST_NS + MS, "b's run took {took} ns");
+    // And back to a: a second switch, not in a's time either.
+    assert_eq!(run_kernels(&mut a, 1).0, ran(2, 6, 7));
+    // a exits while the device holds its work; whoever comes next, even in
+    // a's slot, switches.
+    a.send("exit");
+    a.finish();
+    let mut c = env.spawn("wall_switch_step", &[]);
+    c.expect("READY");
+    assert_eq!(run_kernels(&mut c, 1).0, ran(3, 1, 8));
+    assert_eq!(run_kernels(&mut b, 1).0, ran(4, 2, 9));
+    for mut p in [b, c] {
+        p.send("exit");
+        p.finish();
+    }
+}
+
+/// Two processes saturating the device switch back and forth at every
+/// turn; every switch is charged exactly the cost, and kernel and switch
+/// time together never exceed the wall time they ran in.
+#[test]
+fn wall_timing_switches_of_two_saturating_processes_are_each_charged_the_cost() {
+    let env = wall("switchsaturate").var("SIMGPU_SWITCH_COST", "200us");
+    let spawn = || {
+        env.spawn(
+            "wall_saturate",
+            &[("KERNEL_MS", "1".into()), ("SECONDS", "1".into())],
+        )
+    };
+    let (mut a, mut b) = (spawn(), spawn());
+    a.expect("READY");
+    b.expect("READY");
+    let start = Instant::now();
+    a.send("go");
+    b.send("go");
+    let busy: Vec<u64> = [&mut a, &mut b]
+        .into_iter()
+        .map(|p| p.expect("BUSY").parse().expect("busy ns"))
+        .collect();
+    let wall_ns = start.elapsed().as_nanos() as u64;
+    a.send("switches");
+    let counters: Vec<u64> = a
+        .expect("SWITCHES")
+        .split_whitespace()
+        .map(|n| n.parse().expect("a number"))
+        .collect();
+    let (switches, switch_ns) = (counters[0], counters[1]);
+    for p in [&mut a, &mut b] {
+        p.send("exit");
+    }
+    a.finish();
+    b.finish();
+    // Turns of at most 2 ms while the other waits: hundreds of switches in
+    // a second (a hundred even if the host is slow to queue work).
+    assert!(switches >= 100, "{switches} switches, busy {busy:?}");
+    assert_eq!(switch_ns, switches * 200_000);
+    let device_ns = busy[0] + busy[1] + switch_ns;
+    assert!(
+        device_ns <= wall_ns,
+        "kernels {busy:?} and switches {switch_ns} ns in {wall_ns} ns of wall time"
+    );
+}
+
 #[test]
 fn wall_timing_a_process_killed_holding_the_device_never_blocks_it() {
     let env = wall("wallrobust");
@@ -389,6 +509,39 @@ fn wall_timing_a_process_killed_holding_the_device_never_blocks_it() {
     looper.kill();
     let out = env.command("kernel_once", &[]).output().expect("spawn");
     common::assert_passed("kernel_once", &out);
+}
+
+/// A process that exits normally while its kernel runs gives its slot back
+/// still holding the device; the next process, given that same slot, must
+/// not take the stale hold for its own and wait for ever.
+#[test]
+fn wall_timing_a_process_reusing_the_slot_of_one_that_exited_holding_the_device_runs() {
+    let env = wall("wallreuse");
+    env.run("wall_exit_running", &[]);
+    let mut next = env
+        .command("kernel_once", &[])
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .expect("spawn");
+    // The kernel left behind ends within 200 ms; ten seconds leave room
+    // for a loaded machine.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let status = loop {
+        if let Some(status) = next.try_wait().expect("wait") {
+            break Some(status);
+        }
+        if Instant::now() > deadline {
+            let _ = next.kill();
+            let _ = next.wait();
+            break None;
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    };
+    assert!(
+        status.is_some_and(|s| s.success()),
+        "the next process never ran its kernel: {status:?}"
+    );
 }
 
 #[test]

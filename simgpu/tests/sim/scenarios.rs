@@ -52,6 +52,8 @@ pub fn run(name: &str) {
         "wall_jitter" => crate::wall::wall_jitter(),
         "wall_cross_device" => crate::wall::wall_cross_device(),
         "wall_saturate" => crate::wall::wall_saturate(),
+        "wall_switch_step" => crate::wall::wall_switch_step(),
+        "wall_exit_running" => crate::wall::wall_exit_running(),
         other => panic!("unknown scenario {other}"),
     }
 }

@@ -216,5 +216,64 @@ pub fn wall_saturate() {
         ok(cu.cuStreamSynchronize(s), "sync");
     }
     report("BUSY", cu.simgpu_process_busy_ns(0, std::process::id()));
-    wait_parent();
+    // The parent may ask for the device's switch counters once every
+    // process has reported (so none switches any more) before it ends us.
+    if wait_parent().trim() == "switches" {
+        report(
+            "SWITCHES",
+            format!(
+                "{} {}",
+                cu.simgpu_device_switches(0),
+                cu.simgpu_device_switch_ns(0)
+            ),
+        );
+        wait_parent();
+    }
+}
+
+/// Runs 1 ms kernels when the parent says `run N` (N of them, then waits
+/// for them), and reports `RAN` with the device's switches and their
+/// device time, this process's and the device's kernel time, and how long
+/// the run took; any other line ends it.
+pub fn wall_switch_step() {
+    let (_lib, cu) = load();
+    context(&cu);
+    let m = load_module(&cu, "SIMGPU-MODULE\nk 1ms\n");
+    let k = function(&cu, m, "k");
+    let s = stream(&cu);
+    let pid = std::process::id();
+    report("READY", pid);
+    loop {
+        let line = wait_parent();
+        let Some(count) = line.trim().strip_prefix("run ") else {
+            return;
+        };
+        let count: u32 = count.parse().expect("a kernel count");
+        let start = mono_ns();
+        for _ in 0..count {
+            ok(launch(&cu, k, s), "launch");
+        }
+        ok(cu.cuStreamSynchronize(s), "sync");
+        let took = mono_ns() - start;
+        report(
+            "RAN",
+            format!(
+                "{} {} {} {} {took}",
+                cu.simgpu_device_switches(0),
+                cu.simgpu_device_switch_ns(0),
+                cu.simgpu_process_busy_ns(0, pid),
+                cu.simgpu_device_busy_ns(0),
+            ),
+        );
+    }
+}
+
+/// Launches a 200 ms kernel and exits at once, normally (its exit handler
+/// gives its slot back while its device thread still holds the device).
+pub fn wall_exit_running() {
+    let (_lib, cu) = load();
+    context(&cu);
+    let m = load_module(&cu, "SIMGPU-MODULE\nlong 200ms\n");
+    let long = function(&cu, m, "long");
+    ok(launch(&cu, long, stream(&cu)), "launch");
 }
