@@ -174,7 +174,7 @@ class ChartExtender:
         self.pod_spec = deployment["spec"]["template"]["spec"]
         self.container = next(c for c in self.pod_spec["containers"]
                               if c["command"] == ["/usr/local/bin/vgpu-scheduler"])
-        secret_name = next(v["secret"]["secretName"] for v in self.pod_spec["volumes"] if "secret" in v)
+        secret_name = next(v["secret"]["secretName"] for v in self.pod_spec["volumes"] if v["name"] == "tls")
         secret = json.loads(cluster.kubectl("get", "secret", secret_name, "-n", namespace, "-o", "json").stdout)
         for key in ("tls.crt", "tls.key"):
             (workdir / key).write_bytes(base64.b64decode(secret["data"][key]))
@@ -319,12 +319,14 @@ def test_a_hami_pod_goes_through_the_webhook_kube_scheduler_and_the_extender(tmp
              "addressType": "IPv4", "endpoints": [{"addresses": [network.address]}], "ports": ports},
         ]}))
         # kube-scheduler as the chart runs it: its configuration from the
-        # chart's ConfigMap, as the chart's ServiceAccount.
+        # chart's ConfigMap, as its own ServiceAccount.
         config_map = next(item for item in extender.installed
                           if item["kind"] == "ConfigMap" and "config.yaml" in item.get("data", {}))
         config = tmp_path / "kube-scheduler.yaml"
+        as_kube_scheduler = cluster.token_kubeconfig(namespace, "hook-vgpu-kube-scheduler",
+                                                     tmp_path / "kube-scheduler.kubeconfig")
         config.write_text(config_map["data"]["config.yaml"]
-                          + f"clientConnection:\n  kubeconfig: {extender.kubeconfig}\n")
+                          + f"clientConnection:\n  kubeconfig: {as_kube_scheduler}\n")
         scheduler_log = tmp_path / "vgpu-kube-scheduler.log"
         with open(scheduler_log, "w") as log:
             scheduler = subprocess.Popen(cluster.command([
