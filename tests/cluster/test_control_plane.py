@@ -107,11 +107,14 @@ def test_the_monitor_names_pods_and_records_events_as_the_charts_node_account(cl
         {"name": "main", "init": False, "priority": 1,
          "devices": [{"uuid": "GPU-simulated", "memoryBytes": 2 * GIB, "coresPercent": 30}]}]}
     cluster.kubectl("create", "namespace", "team-d")
-    pod = {"apiVersion": "v1", "kind": "Pod",
-           "metadata": {"name": "trainer", "namespace": "team-d",
-                        "annotations": {"vgpu.io/decision": json.dumps(decision)}},
+    pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "trainer", "namespace": "team-d"},
            "spec": {"nodeName": "gpu-node-1", "containers": [{"name": "main", "image": "cuda"}]}}
     cluster.kubectl("create", "-f", "-", input=json.dumps(pod))
+    # The decision written as the chart's extender writes it: the chart's
+    # admission policy lets no other account (the admin's included).
+    as_extender = cluster.token_kubeconfig(namespace, "rbac-vgpu-scheduler", tmp_path / "extender.kubeconfig")
+    cluster.kubectl("annotate", "pod", "trainer", "-n", "team-d", f"vgpu.io/decision={json.dumps(decision)}",
+                    kubeconfig=as_extender)
     uid = cluster.kubectl("get", "pod", "trainer", "-n", "team-d", "-o", "jsonpath={.metadata.uid}").stdout
 
     # Its container's process under the shim, created with a 4 GiB cap: the

@@ -386,7 +386,10 @@ def test_a_restarted_plugin_checks_its_records_against_kubelets(chart_cluster):
         running(cc, name)
     # One pod's allocation record goes missing (kubelet still holds its
     # devices); then node-2's plugin is killed and restarted by its pod.
-    cc.cluster.kubectl("annotate", "pod", "unrecorded", "-n", NAMESPACE, "vgpu.io/allocated-")
+    # (Removed as the extender's account: the chart's admission policy lets
+    # no other account, the admin's included, write vgpu's records.)
+    as_extender = cc.cluster.token_kubeconfig(RELEASE_NAMESPACE, "vgpu-scheduler", cc.workdir / "extender.kubeconfig")
+    cc.cluster.kubectl("annotate", "pod", "unrecorded", "-n", NAMESPACE, "vgpu.io/allocated-", kubeconfig=as_extender)
     agent = next(p for p in kubectl_json(cc.cluster, "get", "pods", "-n", RELEASE_NAMESPACE,
                                          "-l", "app.kubernetes.io/component=node")["items"]
                  if p["spec"]["nodeName"] == "node-2")["metadata"]["name"]

@@ -8,6 +8,7 @@ import copy
 import json
 import os
 import pathlib
+import re
 import subprocess
 
 import helm_python as helm
@@ -446,6 +447,120 @@ def test_our_roles_delete_nothing_but_reclaimed_elastic_gpus():
             assert rule["resources"] == ["elasticgpus"] and deleting == {"delete"}, rule
 
 
+def policies(objects):
+    """The admission policies by name, each with its binding."""
+    found = {o["metadata"]["name"]: o for o in objects if o["kind"] == "ValidatingAdmissionPolicy"}
+    for binding in (o for o in objects if o["kind"] == "ValidatingAdmissionPolicyBinding"):
+        policy = found[binding["spec"]["policyName"]]
+        assert binding["spec"]["validationActions"] == ["Deny"], binding
+        policy["bound"] = True
+    return found
+
+
+def expressions(policy):
+    spec = policy["spec"]
+    return [
+        item["expression"]
+        for item in spec.get("variables", []) + spec.get("validations", []) + spec.get("matchConditions", [])
+    ]
+
+
+def named_accounts(policy):
+    """The service accounts a policy's expressions name."""
+    return set(re.findall(r"system:serviceaccount:([a-z0-9-]+:[a-z0-9-]+)", " ".join(expressions(policy))))
+
+
+def test_admission_policies_keep_vgpus_records_to_vgpus_accounts():
+    objects = render({"dra": {"enabled": True}}, namespace="vgpu-system")
+    found = policies(objects)
+    assert sorted(found) == ["vgpu-binding-records", "vgpu-node-agents", "vgpu-pod-records"]
+    for policy in found.values():
+        assert policy.get("bound"), policy["metadata"]["name"]
+        # Refused when an expression cannot be evaluated (too costly, or a
+        # field missing), never let through.
+        assert policy["spec"]["failurePolicy"] == "Fail"
+
+    def rules(policy):
+        return {
+            (tuple(r["apiGroups"]), resource, operation)
+            for r in policy["spec"]["matchConstraints"]["resourceRules"]
+            for resource in r["resources"]
+            for operation in r["operations"]
+        }
+
+    # Pods on creation and every update, pods/status too (it may change
+    # annotations); Bindings, whose annotations go into the pod.
+    pod_rules = {(("",), r, op) for r in ("pods", "pods/status") for op in ("CREATE", "UPDATE")}
+    assert pod_rules <= rules(found["vgpu-pod-records"])
+    assert rules(found["vgpu-binding-records"]) == {(("",), "pods/binding", "CREATE"), (("",), "bindings", "CREATE")}
+    agents = {(groups, resource) for groups, resource, _ in rules(found["vgpu-node-agents"])}
+    assert agents == {
+        (("",), "nodes"),
+        (("",), "nodes/status"),
+        (("coordination.k8s.io",), "leases"),
+        (("resource.k8s.io",), "resourceslices"),
+    }
+    # The accounts they let write are the ones the chart's programs run as.
+    node_sa, extender_sa, _ = accounts(objects)
+    dra_sa = find(objects, "DaemonSet", "-dra")["spec"]["template"]["spec"]["serviceAccountName"]
+    assert named_accounts(found["vgpu-pod-records"]) == {f"vgpu-system:{extender_sa}", f"vgpu-system:{node_sa}"}
+    assert named_accounts(found["vgpu-binding-records"]) == {f"vgpu-system:{extender_sa}"}
+    assert named_accounts(found["vgpu-node-agents"]) == {f"vgpu-system:{node_sa}", f"vgpu-system:{dra_sa}"}
+    # The node a node agent writes for is the one its pod-bound token names.
+    for name in ("vgpu-pod-records", "vgpu-node-agents"):
+        assert "authentication.kubernetes.io/node-name" in " ".join(expressions(found[name]))
+    # Without DRA, no ResourceSlice rule.
+    plain = policies(render())["vgpu-node-agents"]
+    assert all("resource.k8s.io" not in r["apiGroups"] for r in plain["spec"]["matchConstraints"]["resourceRules"])
+
+
+# The vgpu.io/ annotation constants of the code that names them
+# (cluster/src, scheduler/src/vocabulary), by what they are: set by users
+# on their pods, vgpu's own record on a pod, or on something not a pod.
+USER_INPUT_ANNOTATIONS = {"GPU_POLICY_ANNOTATION", "NODE_POLICY_ANNOTATION", "GPU_CORES_BURST_ANNOTATION"}
+RECORD_ANNOTATIONS = {"DECISION_ANNOTATION", "ALLOCATED_ANNOTATION", "USES_CLAIMS_ANNOTATION"}
+NOT_ON_PODS = {"NODE_INVENTORY_ANNOTATION", "RECLAIM_POLICY_ANNOTATION", "BINDING_MODE_ANNOTATION"}
+
+
+def test_the_policy_knows_every_vgpu_pod_annotation_the_code_names():
+    """Every vgpu.io/ pod annotation is vgpu's record (only vgpu's accounts
+    write it) unless the policy lists it as a user's input: a new annotation
+    in the code must be sorted here, and the policy's list must be exactly
+    the users' ones."""
+    constants = {}
+    for folder in ("cluster/src", "scheduler/src/vocabulary"):
+        for source in sorted((ROOT / folder).rglob("*.rs")):
+            text = source.read_text()
+            for name, value in re.findall(r'pub const (\w+_ANNOTATION): &str = "(vgpu\.io/[^"]+)";', text):
+                constants[name] = value
+    unsorted = set(constants) - USER_INPUT_ANNOTATIONS - RECORD_ANNOTATIONS - NOT_ON_PODS
+    assert not unsorted, f"sort into a user's input or vgpu's record (templates/admission-policy.yaml): {unsorted}"
+    assert {"vgpu.io/decision", "vgpu.io/allocated", "vgpu.io/elasticgpu-claims"} == {
+        constants[name] for name in RECORD_ANNOTATIONS
+    }
+    pod_records = policies(render())["vgpu-pod-records"]
+    (user_inputs,) = [v["expression"] for v in pod_records["spec"]["variables"] if v["name"] == "userInputs"]
+    assert sorted(re.findall(r"'([^']+)'", user_inputs)) == sorted(constants[name] for name in USER_INPUT_ANNOTATIONS)
+
+
+def test_the_admission_policies_can_be_switched_off():
+    objects = render({"admissionPolicy": {"enabled": False}})
+    assert not [o for o in objects if o["kind"].startswith("ValidatingAdmissionPolicy")]
+
+
+def test_other_releases_accounts_may_write_too():
+    """Each release's policies apply to every pod of the cluster, so a
+    second release's extender and node agents are named in the first's."""
+    found = policies(render({"admissionPolicy": {"otherReleases": ["gpu-b/vgpu-b"]}}, namespace="vgpu-system"))
+    assert named_accounts(found["vgpu-pod-records"]) == {
+        "vgpu-system:vgpu-scheduler",
+        "vgpu-system:vgpu-node",
+        "gpu-b:vgpu-b-scheduler",
+        "gpu-b:vgpu-b-node",
+    }
+    assert "gpu-b:vgpu-b-dra" in named_accounts(found["vgpu-node-agents"])
+
+
 def test_one_scheduler_replica():
     deployment = find(render(), "Deployment", "-scheduler")
     assert deployment["spec"]["replicas"] == 1
@@ -485,6 +600,8 @@ def test_kube_scheduler_follows_the_cluster_version_unless_pinned():
         ({"grafana": {"dashboard": {"namespace": "Monitoring"}}}, "namespace"),
         ({"grafana": {"dashboard": {"annotations": {"grafana_folder": 1}}}}, "grafana_folder"),
         ({"grafana": {"dashboard": {"label": "app.kubernetes.io/name"}}}, "grafana.dashboard.label"),
+        ({"admissionPolicy": {"otherReleases": ["vgpu-b"]}}, "otherReleases"),
+        ({"admissionPolicy": {"enabled": "yes"}}, "enabled"),
     ],
 )
 def test_bad_values_are_refused_with_their_name(values, words):

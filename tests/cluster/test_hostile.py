@@ -1,0 +1,277 @@
+"""A hostile tenant, and a node agent's stolen identity, against the chart
+on simulated nodes under the real control plane (kube-apiserver 1.36 with
+RBAC, the chart installed by the real helm): each attack is a test that
+the chart without its admission policy (admissionPolicy.enabled=false, or
+the chart before it had one) lets through, and that the chart refuses.
+
+The tenant is a service account bound to the `admin` ClusterRole in its own
+namespace: every right a namespace owner has. Its pods ask for vGPUs as
+HAMi's pods do, so the webhook sends them to vgpu's scheduler.
+
+- It rewrites or removes the decision of its running pod (memoryBytes 0 is
+  uncapped in the region): refused.
+- It creates a pod that carries a decision and an allocation record:
+  refused.
+- It creates a pod naming its node itself (spec.nodeName, which no
+  scheduler then checks) with a forged decision for that node's GPU:
+  refused.
+- The node agent of node-1, with the token its pod has, writes a vGPU
+  annotation or a label of a pod on node-2, node-2's Node or node-2's
+  Lease: refused; the node agent's account with a token not bound to its
+  pod writes no pod at all.
+- What vgpu itself does still works: the extender places both pods and
+  records its decisions, each node's plugin records the allocation, the
+  node agent of node-1 updates the record of a pod on node-1, the tenant
+  sets the annotations users set (vgpu.io/gpu-scheduler-policy) and any
+  of its own; and the API server type-checked the policies without a
+  warning.
+
+One control plane and one chart install serve every test (module fixture);
+the fixture prints how long they took. VGPU_CHART names another chart
+directory to run these against (e.g. an older release's, to see the
+attacks succeed there)."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+import chartcluster  # noqa: E402
+from chartcluster import RELEASE_NAMESPACE, ChartCluster, kubectl_json, wait_for  # noqa: E402
+from controlplane import kubeconfig  # noqa: E402
+
+if os.environ.get("VGPU_CHART"):
+    chartcluster.CHART = Path(os.environ["VGPU_CHART"]).resolve()
+
+TENANT = "tenant"
+RELEASE = "vgpu"
+NODE_ACCOUNT = f"{RELEASE}-node"
+DECISION = "vgpu.io/decision"
+ALLOCATED = "vgpu.io/allocated"
+
+
+class Hostile:
+    """The running cluster and the identities the attacks use."""
+
+    def __init__(self, cc: ChartCluster, workdir: Path):
+        self.cc = cc
+        self.workdir = workdir
+        self.tenant = Path()
+        self.agent_1 = Path()
+
+    def kubectl(self, identity: Path, *args: str, input: str | None = None):
+        return self.cc.cluster.kubectl(*args, kubeconfig=identity, input=input, check=False)
+
+    def pod(self, name: str) -> dict:
+        return kubectl_json(self.cc.cluster, "get", "pod", name, "-n", TENANT)
+
+    def annotations(self, name: str) -> dict:
+        return self.pod(name)["metadata"].get("annotations", {})
+
+
+def vgpu_pod(name: str, node: str | None = None, annotations: dict | None = None) -> dict:
+    """A pod as a HAMi user writes it: one vGPU of 1 GiB and 10 %."""
+    spec = {"restartPolicy": "Never", "terminationGracePeriodSeconds": 1,
+            "containers": [{"name": "main", "image": "cuda:test", "command": ["/usr/bin/sleep", "3600"],
+                            "resources": {"limits": {"nvidia.com/gpu": "1", "nvidia.com/gpumem": "1024",
+                                                     "nvidia.com/gpucores": "10"}}}]}
+    if node:
+        spec["nodeSelector"] = {"kubernetes.io/hostname": node}
+    return {"apiVersion": "v1", "kind": "Pod",
+            "metadata": {"name": name, "namespace": TENANT, "annotations": annotations or {}}, "spec": spec}
+
+
+def uncapped(decision_text: str) -> str:
+    """The same decision with every grant uncapped and the whole GPU's time."""
+    forged = json.loads(decision_text)
+    for container in forged["containers"]:
+        for device in container["devices"]:
+            device["memoryBytes"] = 0
+            device["coresPercent"] = 100
+    return json.dumps(forged)
+
+
+def refused_by_policy(done, *words: str) -> None:
+    """The API server refused the request, and its admission policy did."""
+    assert done.returncode != 0, f"the API server accepted it:\n{done.stdout}"
+    for word in ("ValidatingAdmissionPolicy", *words):
+        assert word in done.stderr, done.stderr
+
+
+def agent_token(cc: ChartCluster, node: str) -> str:
+    """The token kubelet mounted into the node agent's pod on `node`: the
+    credentials its device plugin and monitor use."""
+    pods = kubectl_json(cc.cluster, "get", "pods", "-n", RELEASE_NAMESPACE,
+                        "-l", "app.kubernetes.io/component=node")["items"]
+    (agent,) = [pod["metadata"]["name"] for pod in pods if pod["spec"].get("nodeName") == node]
+    folder = cc.node(node).pod_dir(RELEASE_NAMESPACE, agent)
+    assert folder is not None, f"{node} keeps nothing of {agent}"
+    (token,) = (folder / "volumes").glob("kube-api-access-*/token")
+    return token.read_text().strip()
+
+
+@pytest.fixture(scope="module")
+def hostile(tmp_path_factory):
+    started = time.monotonic()
+    workdir = tmp_path_factory.mktemp("hostile")
+    with ChartCluster(workdir, nodes=2, gpus=1) as cc:
+        up = time.monotonic() - started
+        world = Hostile(cc, workdir)
+        cluster = cc.cluster
+        cluster.kubectl("create", "namespace", TENANT)
+        cluster.kubectl("create", "serviceaccount", "owner", "-n", TENANT)
+        cluster.kubectl("create", "rolebinding", "owner", "--clusterrole=admin",
+                        f"--serviceaccount={TENANT}:owner", "-n", TENANT)
+        world.tenant = cluster.token_kubeconfig(TENANT, "owner", workdir / "tenant.kubeconfig")
+        world.agent_1 = workdir / "agent-1.kubeconfig"
+        world.agent_1.write_text(kubeconfig(cluster.server, cluster.pki, {"token": agent_token(cc, "node-1")}))
+
+        # Where the chart has a policy, the API server enforces it a moment
+        # after it is stored: wait for that (a server-side dry run of the
+        # simplest forgery) so no attack runs before it.
+        policies = kubectl_json(cluster, "get", "validatingadmissionpolicies",
+                                "-l", f"app.kubernetes.io/instance={RELEASE}")["items"]
+        if policies:
+            probe = json.dumps(vgpu_pod("probe", annotations={DECISION: "{}"}))
+            wait_for("the admission policy enforced", lambda: cluster.kubectl(
+                "create", "--dry-run=server", "-f", "-", input=probe, check=False).returncode != 0,
+                timeout=30, log=cc.logs)
+
+        # The tenant's two vGPU pods, one on each node, placed by the chart.
+        for index in (1, 2):
+            created = world.kubectl(world.tenant, "create", "-f", "-", input=json.dumps(vgpu_pod(
+                f"own-{index}", node=f"node-{index}", annotations={"vgpu.io/gpu-scheduler-policy": "binpack"})))
+            assert created.returncode == 0, created.stderr
+        for index in (1, 2):
+            wait_for(f"own-{index} Running with its allocation recorded", lambda index=index: (
+                world.pod(f"own-{index}")["status"].get("phase") == "Running"
+                and ALLOCATED in world.annotations(f"own-{index}")), timeout=90, log=cc.logs)
+        ready = time.monotonic() - started
+        yield world
+    print(f"\ntest_hostile: chart cluster up in {up:.1f} s, tenant's pods running at {ready:.1f} s, "
+          f"everything (tests and teardown included) {time.monotonic() - started:.1f} s")
+
+
+def test_a_tenant_cannot_rewrite_the_decision_of_its_running_pod(hostile):
+    before = hostile.annotations("own-1")
+    forged = hostile.kubectl(hostile.tenant, "annotate", "--overwrite", "pod", "own-1", "-n", TENANT,
+                             f"{DECISION}={uncapped(before[DECISION])}")
+    refused_by_policy(forged, DECISION)
+    removed = hostile.kubectl(hostile.tenant, "annotate", "pod", "own-1", "-n", TENANT, f"{DECISION}-", f"{ALLOCATED}-")
+    refused_by_policy(removed, DECISION, ALLOCATED)
+    after = hostile.annotations("own-1")
+    assert (after[DECISION], after[ALLOCATED]) == (before[DECISION], before[ALLOCATED])
+
+
+def test_a_tenant_cannot_create_a_pod_with_a_decision(hostile):
+    forged = uncapped(hostile.annotations("own-1")[DECISION])
+    created = hostile.kubectl(hostile.tenant, "create", "-f", "-", input=json.dumps(
+        vgpu_pod("forged-create", annotations={DECISION: forged, ALLOCATED: "[]"})))
+    try:
+        refused_by_policy(created, DECISION, ALLOCATED)
+    finally:
+        hostile.cc.cluster.kubectl("delete", "pod", "forged-create", "-n", TENANT, "--ignore-not-found",
+                                   "--wait=false")
+
+
+def test_a_tenant_cannot_create_a_pod_on_a_node_with_a_forged_decision(hostile):
+    # The whole of node-1's GPU, uncapped, for a pod no scheduler looks at.
+    forged = uncapped(hostile.annotations("own-1")[DECISION])
+    assert json.loads(forged)["node"] == "node-1"
+    pod = vgpu_pod("forged-node", annotations={DECISION: forged})
+    pod["spec"]["nodeName"] = "node-1"
+    created = hostile.kubectl(hostile.tenant, "create", "-f", "-", input=json.dumps(pod))
+    try:
+        refused_by_policy(created, DECISION)
+    finally:
+        hostile.cc.cluster.kubectl("delete", "pod", "forged-node", "-n", TENANT, "--ignore-not-found",
+                                   "--wait=false")
+
+
+def test_a_node_agent_cannot_write_a_pod_on_another_node(hostile):
+    own_2 = hostile.pod("own-2")
+    assert own_2["spec"]["nodeName"] == "node-2"
+    record = own_2["metadata"]["annotations"][ALLOCATED]
+    # node-1's agent, with its own pod's token, rewrites the record of a pod
+    # on node-2 (a plugin then serves its containers again), or its labels
+    # (what Services select).
+    rewritten = hostile.kubectl(hostile.agent_1, "annotate", "--overwrite", "pod", "own-2", "-n", TENANT,
+                                f"{ALLOCATED}=[]")
+    refused_by_policy(rewritten, "node-1")
+    relabelled = hostile.kubectl(hostile.agent_1, "label", "pod", "own-2", "-n", TENANT, "app=stolen")
+    refused_by_policy(relabelled, "node-1")
+    # The node agent's account with a token not bound to its pod (made by
+    # anyone who may create tokens for it) names no node: it writes no pod,
+    # not even on node-1.
+    unbound = hostile.cc.cluster.token_kubeconfig(RELEASE_NAMESPACE, NODE_ACCOUNT,
+                                                  hostile.workdir / "unbound-agent.kubeconfig")
+    own_1_record = hostile.annotations("own-1")[ALLOCATED]
+    anywhere = hostile.kubectl(unbound, "annotate", "--overwrite", "pod", "own-1", "-n", TENANT, f"{ALLOCATED}=[]")
+    refused_by_policy(anywhere, "names none")
+    assert hostile.annotations("own-2")[ALLOCATED] == record
+    assert hostile.annotations("own-1")[ALLOCATED] == own_1_record
+    assert "app" not in hostile.pod("own-2")["metadata"].get("labels", {})
+
+
+def test_a_node_agent_cannot_write_another_nodes_node_or_lease(hostile):
+    cluster = hostile.cc.cluster
+    inventory = kubectl_json(cluster, "get", "node", "node-2")["metadata"]["annotations"]["vgpu.io/node-gpus"]
+    node = hostile.kubectl(hostile.agent_1, "annotate", "--overwrite", "node", "node-2",
+                           'vgpu.io/node-gpus={"version":1,"gpus":[]}')
+    refused_by_policy(node, "node-1")
+    lease = hostile.kubectl(hostile.agent_1, "patch", "lease", "vgpu-node-2", "-n", "kube-node-lease",
+                            "--type=merge", "-p", '{"spec":{"holderIdentity":"node-1"}}')
+    refused_by_policy(lease, "node-1")
+    assert kubectl_json(cluster, "get", "node", "node-2")["metadata"]["annotations"]["vgpu.io/node-gpus"] == inventory
+    holder = kubectl_json(cluster, "get", "lease", "vgpu-node-2", "-n", "kube-node-lease")["spec"]["holderIdentity"]
+    assert holder == "node-2"
+
+
+def test_what_vgpu_and_the_tenant_do_still_works(hostile):
+    cluster = hostile.cc.cluster
+    # The extender placed both pods and recorded each decision for the
+    # node it bound the pod to; each node's plugin recorded the allocation.
+    for index in (1, 2):
+        pod = hostile.pod(f"own-{index}")
+        decision = json.loads(pod["metadata"]["annotations"][DECISION])
+        assert decision["node"] == pod["spec"]["nodeName"] == f"node-{index}"
+        assert json.loads(pod["metadata"]["annotations"][ALLOCATED]) == ["main"]
+        assert pod["metadata"]["annotations"]["vgpu.io/gpu-scheduler-policy"] == "binpack"
+    # node-1's agent rewrites the record of its own node's pod (the same
+    # list, spelt differently, so the running pod is not disturbed), and
+    # puts it back.
+    record = hostile.annotations("own-1")[ALLOCATED]
+    for value in ('[ "main" ]', record):
+        done = hostile.kubectl(hostile.agent_1, "annotate", "--overwrite", "pod", "own-1", "-n", TENANT,
+                               f"{ALLOCATED}={value}")
+        assert done.returncode == 0, done.stderr
+        assert hostile.annotations("own-1")[ALLOCATED] == value
+    # The tenant annotates and labels its own pod as it likes, user inputs
+    # under vgpu.io/ included.
+    done = hostile.kubectl(hostile.tenant, "annotate", "--overwrite", "pod", "own-1", "-n", TENANT,
+                           "team=ml", "vgpu.io/gpu-scheduler-policy=spread")
+    assert done.returncode == 0, done.stderr
+    done = hostile.kubectl(hostile.tenant, "label", "pod", "own-1", "-n", TENANT, "app=trainer")
+    assert done.returncode == 0, done.stderr
+    # The API server found every expression well typed against the kinds
+    # each policy matches (kube-controller-manager's check, in the status).
+    policies = {p["metadata"]["name"]: p for p in kubectl_json(
+        cluster, "get", "validatingadmissionpolicies", "-l", f"app.kubernetes.io/instance={RELEASE}")["items"]}
+    assert set(policies) == {f"{RELEASE}-pod-records", f"{RELEASE}-binding-records", f"{RELEASE}-node-agents"}
+
+    def checked():
+        current = kubectl_json(cluster, "get", "validatingadmissionpolicies",
+                               "-l", f"app.kubernetes.io/instance={RELEASE}")["items"]
+        done = all(p.get("status", {}).get("observedGeneration") == p["metadata"]["generation"] for p in current)
+        return current if done else None
+    warnings = {policy["metadata"]["name"]: policy["status"].get("typeChecking", {}).get("expressionWarnings", [])
+                for policy in wait_for("the policies type-checked", checked, timeout=60, log=hostile.cc.logs)}
+    assert warnings == {name: [] for name in policies}, warnings
+
