@@ -20,7 +20,7 @@ use thiserror::Error;
 use vgpu_cluster::decision::{DeviceGrant, InventoryGpu};
 use vgpu_cluster::file_error::{io_error, FileError};
 use vgpu_node_agent::allocation::{self, AllocationError, Grants, Holder, Settings};
-use vgpu_node_contract::claim_owner::{ClaimOwner, CLAIM_DIR_PREFIX, CLAIM_OWNER_FILE};
+use vgpu_node_contract::claim_owner::{self, ClaimGrant, ClaimOwner, CLAIM_DIR_PREFIX};
 
 #[derive(Debug, Error)]
 pub enum DriverError {
@@ -66,6 +66,9 @@ fn write_owner(path: &Path, owner: &ClaimOwner) -> Result<(), FileError> {
     let text = owner
         .to_text()
         .map_err(|error| io_error(path, WRITE_OWNER)(std::io::Error::other(error)))?;
+    if let Some(dir) = path.parent() {
+        std::fs::create_dir_all(dir).map_err(io_error(dir, WRITE_OWNER))?;
+    }
     let mut temporary = path.as_os_str().to_owned();
     temporary.push(".tmp");
     let temporary = PathBuf::from(temporary);
@@ -170,7 +173,9 @@ impl Driver {
         };
         let plan = allocation::plan(&self.config.settings, grants, &gpus)?;
         allocation::prepare(&plan)?;
-        // Who the region belongs to, for the node monitor's series.
+        // Who the region belongs to and what it was granted, for the node
+        // monitor's series and for restoring the claim's limits; kept
+        // outside the claim's directory, which its containers can write.
         let owner = ClaimOwner {
             namespace: namespace.clone(),
             claim: name.clone(),
@@ -183,8 +188,17 @@ impl Driver {
                 .filter(|consumer| consumer.resource == "pods")
                 .map(|consumer| consumer.name.clone())
                 .collect(),
+            grants: devices
+                .iter()
+                .map(|grant| ClaimGrant {
+                    uuid: grant.uuid.clone(),
+                    memory_bytes: grant.memory_bytes,
+                    cores_percent: grant.cores_percent,
+                    burst_percent: grant.burst_percent,
+                })
+                .collect(),
         };
-        write_owner(&plan.host_dir.join(CLAIM_OWNER_FILE), &owner)?;
+        write_owner(&self.record_path(uid)?, &owner)?;
         let mounts = plan
             .mounts
             .iter()
@@ -246,6 +260,14 @@ impl Driver {
 
     /// Releases the claim `uid`: its CDI spec, its region directory and
     /// its record. Releasing a claim that is not prepared succeeds.
+    /// Where the record of claim `uid` is kept for the node monitor.
+    fn record_path(&self, uid: &str) -> Result<PathBuf, DriverError> {
+        Ok(claim_owner::record_path(
+            &self.config.settings.containers_dir,
+            &claim_dir_name(uid)?,
+        ))
+    }
+
     pub fn unprepare(&self, uid: &str) -> Result<(), DriverError> {
         let mut checkpoint = self
             .checkpoint
@@ -260,6 +282,13 @@ impl Driver {
         match std::fs::remove_dir_all(&dir) {
             Err(source) if source.kind() != std::io::ErrorKind::NotFound => {
                 return Err(io_error(&dir, "remove the claim's region directory")(source).into())
+            }
+            _ => {}
+        }
+        let record = self.record_path(uid)?;
+        match std::fs::remove_file(&record) {
+            Err(source) if source.kind() != std::io::ErrorKind::NotFound => {
+                return Err(io_error(&record, "remove the claim's record")(source).into())
             }
             _ => {}
         }
@@ -413,10 +442,14 @@ mod tests {
                 )
             })
             .collect();
-        assert!(
-            region_dir.join(CLAIM_OWNER_FILE).is_file(),
-            "the monitor's owner file"
-        );
+        // The monitor's record: outside the directory the containers get,
+        // with what the claim was granted.
+        let record_path = driver.record_path(UID).expect("record path");
+        assert!(!record_path.starts_with(&region_dir));
+        let record = claim_owner::read_record(&record_path).expect("the claim's record");
+        assert_eq!(record.grants.len(), 1);
+        assert_eq!(record.grants[0].uuid, "GPU-0");
+        assert_eq!(record.grants[0].cores_percent, 30);
         let region_dir = region_dir.display().to_string();
         let preload = base.join("ld.so.preload").display().to_string();
         assert_eq!(
@@ -430,6 +463,7 @@ mod tests {
 
         driver.unprepare(UID).expect("unprepare");
         assert!(!region_path.exists());
+        assert!(!record_path.exists(), "the record goes with the claim");
         let _ = std::fs::remove_dir_all(&base);
     }
 

@@ -4,9 +4,12 @@
 //! inside; the anomalies found on the way are reported once
 //! ([`Reported`]).
 //!
-//! The scheduler's decision, not the container's own region, says which
-//! GPUs a container may use and with what share: the region is writable
-//! by the container it limits.
+//! The scheduler's decision (or a DRA claim's record), not the container's
+//! own region, says which GPUs a container may use, with what share and at
+//! what priority, and the node's configuration says under which policy: the
+//! region is writable by the container it limits. Only a monitor with no
+//! API behind it (`vgpu run` on a machine without Kubernetes) takes
+//! priority and policy from the region, which is then the only record.
 
 use crate::activity::{granted_rate, is_metered, observe, observe_waits, record_history, Track};
 use crate::arbitration::{Contender, Load};
@@ -14,13 +17,13 @@ use crate::config::MonitorConfig;
 use crate::discovery::ContainerRegion;
 use crate::events::{EventRecorder, PodRef};
 use crate::metrics::{ContainerDevice, ContainerSummary};
-use crate::names::{PodDirectory, PodRecord};
+use crate::names::{ApiState, PodDirectory, PodRecord};
 use crate::reported::Reported;
 use crate::unenforced::Unenforced;
 use std::collections::HashMap;
 use vgpu_cluster::decision::{region_limits, DeviceGrant};
 use vgpu_node_contract::region::{RegionLimits, SHARE_FULL};
-use vgpu_node_contract::shim_env::UtilizationPolicy;
+use vgpu_node_contract::shim_env::{UtilizationPolicy, DEFAULT_PRIORITY};
 use vgpu_nvml_host::GpuSample;
 
 /// What is remembered of each container device between passes, by
@@ -102,10 +105,22 @@ pub fn assess_region(
             region.pod_uid.clone().unwrap_or_else(|| region.key.clone()),
         ),
     };
+    // With an API, what the container wrote is never its priority or
+    // policy: a forged priority would pause every neighbour.
+    let region_is_the_record = context.pods.state() == ApiState::Disabled;
     let priority = pod
         .as_ref()
         .and_then(|p| p.priorities.get(&region.container).copied())
-        .unwrap_or(figures.priority);
+        .unwrap_or(if region_is_the_record {
+            figures.priority
+        } else {
+            DEFAULT_PRIORITY
+        });
+    let policy_raw = if region_is_the_record {
+        figures.policy
+    } else {
+        config.node.policy as u32
+    };
     out.container_index
         .insert(region.key.clone(), out.containers.len());
     // A DRA claim's series are named by the claim.
@@ -120,8 +135,29 @@ pub fn assess_region(
         processes: figures.active_slots,
         ..ContainerSummary::default()
     });
-    let policy = UtilizationPolicy::from_u32(figures.policy);
-    let granted = pod.as_ref().and_then(|p| p.grants.get(&region.container));
+    let policy = UtilizationPolicy::from_u32(policy_raw);
+    // A DRA claim's grants, from the driver's record.
+    let claim_grants: Option<Vec<DeviceGrant>> = region
+        .claim
+        .as_ref()
+        .filter(|claim| !claim.grants.is_empty())
+        .map(|claim| {
+            claim
+                .grants
+                .iter()
+                .map(|grant| DeviceGrant {
+                    uuid: grant.uuid.clone(),
+                    memory_bytes: grant.memory_bytes,
+                    cores_percent: grant.cores_percent,
+                    burst_percent: grant.burst_percent,
+                })
+                .collect()
+        });
+    let granted: Option<&[DeviceGrant]> = pod
+        .as_ref()
+        .and_then(|p| p.grants.get(&region.container))
+        .map(Vec::as_slice)
+        .or(claim_grants.as_deref());
     for device in &figures.devices {
         // The decision, not the container's own region, says which GPUs
         // it may use and with what share.
@@ -218,7 +254,7 @@ pub fn assess_region(
             uuid: device.uuid.clone(),
             contender: Contender::from_raw(
                 region.key.clone(),
-                figures.policy,
+                policy_raw,
                 priority,
                 device.sm_limit,
                 device.sm_burst,

@@ -6,9 +6,14 @@
 //!   ([`Region::reclaim_dead_slots`]). That takes the region's mutex, which
 //!   lives in a file the container can write: a hostile or broken container
 //!   could hold it forever. So reclaiming runs on a separate *janitor*
-//!   thread; if one reclaim takes longer than [`JANITOR_STUCK_AFTER`], that
-//!   region is never reclaimed again (one log line), the stuck thread is
-//!   abandoned and a fresh janitor serves the others.
+//!   thread, which waits at most [`MUTEX_WAIT`] for a region's mutex; a
+//!   region whose mutex stays held is left alone for [`HELD_RETRY_AFTER`]
+//!   (whatever happens to its file meanwhile: replacing the file does not
+//!   buy another wait), so one janitor thread serves every region and no
+//!   thread is ever left blocked. As a last resort, if one reclaim still
+//!   takes longer than [`JANITOR_STUCK_AFTER`], that region is never
+//!   reclaimed again (one log line), the stuck thread is abandoned and a
+//!   fresh janitor serves the others.
 //! - **Regions of deleted pods.** A container directory whose pod is gone
 //!   (the API is available, synced, and has not listed the pod) for longer
 //!   than the grace period is removed, unless a process still holds one of
@@ -22,10 +27,15 @@ use std::sync::mpsc;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 use thiserror::Error;
-use vgpu_node_contract::region::{Region, MAX_SLOTS};
+use vgpu_node_contract::region::{Region, RegionError, MAX_SLOTS};
 
-/// A reclaim running longer than this is taken to be stuck on a held mutex.
+/// A reclaim running longer than this is taken to be stuck.
 pub const JANITOR_STUCK_AFTER: Duration = Duration::from_secs(5);
+/// Longest wait for a region's mutex: its legitimate holders (the shim's
+/// allocations) hold it for microseconds.
+pub const MUTEX_WAIT: Duration = Duration::from_millis(100);
+/// A region whose mutex stayed held is tried again after this long.
+pub const HELD_RETRY_AFTER: Duration = Duration::from_secs(60);
 
 #[derive(Debug, Error)]
 pub enum CleanupError {
@@ -129,14 +139,29 @@ struct Worker {
     busy: Arc<Mutex<Option<(String, Instant)>>>,
 }
 
+/// What the janitor thread shares with the monitor's loop.
+#[derive(Clone, Default)]
+struct Shared {
+    /// Keys queued or being reclaimed.
+    pending: Arc<Mutex<HashSet<String>>>,
+    /// Keys whose mutex was found held, and when.
+    held: Arc<Mutex<HashMap<String, Instant>>>,
+    /// Slots reclaimed so far.
+    reclaimed: Arc<AtomicU64>,
+    /// Reclaims given up because a mutex stayed held.
+    held_total: Arc<AtomicU64>,
+}
+
 /// Reclaims dead slots off the monitor's loop (see the module docs).
 pub struct Janitor {
     worker: Worker,
-    pending: Arc<Mutex<HashSet<String>>>,
-    /// Regions whose mutex was found held for too long: never again.
+    shared: Shared,
+    /// Regions whose reclaim got stuck: never again.
     quarantined: HashSet<String>,
     /// Slots reclaimed so far.
     pub reclaimed: Arc<AtomicU64>,
+    /// Reclaims given up because a region's mutex stayed held.
+    pub held_total: Arc<AtomicU64>,
 }
 
 impl Default for Janitor {
@@ -147,24 +172,35 @@ impl Default for Janitor {
 
 impl Janitor {
     pub fn new() -> Self {
-        let pending = Arc::new(Mutex::new(HashSet::new()));
-        let reclaimed = Arc::new(AtomicU64::new(0));
+        let shared = Shared::default();
         Self {
-            worker: spawn_worker(Arc::clone(&pending), Arc::clone(&reclaimed)),
-            pending,
+            worker: spawn_worker(shared.clone()),
+            reclaimed: Arc::clone(&shared.reclaimed),
+            held_total: Arc::clone(&shared.held_total),
+            shared,
             quarantined: HashSet::new(),
-            reclaimed,
         }
     }
 
-    /// Queues a reclaim of `region` unless one is queued already or the
-    /// region is quarantined.
+    /// Queues a reclaim of `region` unless one is queued already, the
+    /// region is quarantined, or its mutex was found held less than
+    /// [`HELD_RETRY_AFTER`] ago.
     pub fn request(&mut self, key: &str, region: Arc<Region>) {
         if self.quarantined.contains(key) {
             return;
         }
         {
-            let mut pending = lock(&self.pending);
+            let mut held = lock(&self.shared.held);
+            match held.get(key) {
+                Some(at) if at.elapsed() < HELD_RETRY_AFTER => return,
+                Some(_) => {
+                    held.remove(key);
+                }
+                None => {}
+            }
+        }
+        {
+            let mut pending = lock(&self.shared.pending);
             if !pending.insert(key.to_string()) {
                 return;
             }
@@ -174,7 +210,7 @@ impl Janitor {
             region,
         };
         if self.worker.sender.send(job).is_err() {
-            lock(&self.pending).remove(key);
+            lock(&self.shared.pending).remove(key);
         }
     }
 
@@ -197,14 +233,14 @@ impl Janitor {
         );
         self.quarantined.insert(key.clone());
         // The stuck thread keeps its own pending set entries; start afresh.
-        let pending = Arc::new(Mutex::new(HashSet::new()));
-        self.pending = Arc::clone(&pending);
-        self.worker = spawn_worker(pending, Arc::clone(&self.reclaimed));
+        self.shared.pending = Arc::new(Mutex::new(HashSet::new()));
+        self.worker = spawn_worker(self.shared.clone());
         Some(key)
     }
 
     /// Forgets a region that is no longer tracked (a new file under the same
-    /// key starts with a clean record).
+    /// key starts with a clean record, except that a mutex found held keeps
+    /// its region waiting out [`HELD_RETRY_AFTER`]).
     pub fn forget(&mut self, key: &str) {
         self.quarantined.remove(key);
     }
@@ -218,7 +254,7 @@ fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     mutex.lock().unwrap_or_else(|poison| poison.into_inner())
 }
 
-fn spawn_worker(pending: Arc<Mutex<HashSet<String>>>, reclaimed: Arc<AtomicU64>) -> Worker {
+fn spawn_worker(shared: Shared) -> Worker {
     let (sender, receiver) = mpsc::channel::<Job>();
     let busy: Arc<Mutex<Option<(String, Instant)>>> = Arc::new(Mutex::new(None));
     let busy_in_thread = Arc::clone(&busy);
@@ -227,14 +263,28 @@ fn spawn_worker(pending: Arc<Mutex<HashSet<String>>>, reclaimed: Arc<AtomicU64>)
         .spawn(move || {
             for job in receiver {
                 *lock(&busy_in_thread) = Some((job.key.clone(), Instant::now()));
-                match job.region.reclaim_dead_slots(None) {
+                match job.region.reclaim_dead_slots_within(MUTEX_WAIT) {
                     Ok(0) => {}
                     Ok(count) => {
                         tracing::info!(
                             "region {}: reclaimed {count} dead process slot(s)",
                             job.key
                         );
-                        reclaimed.fetch_add(count as u64, Ordering::Relaxed);
+                        shared.reclaimed.fetch_add(count as u64, Ordering::Relaxed);
+                    }
+                    Err(RegionError::Busy { .. }) => {
+                        let first = lock(&shared.held)
+                            .insert(job.key.clone(), Instant::now())
+                            .is_none();
+                        shared.held_total.fetch_add(1, Ordering::Relaxed);
+                        if first {
+                            tracing::warn!(
+                                "region {}: its mutex stayed held for {} ms; its dead slots are tried again in {} s",
+                                job.key,
+                                MUTEX_WAIT.as_millis(),
+                                HELD_RETRY_AFTER.as_secs()
+                            );
+                        }
                     }
                     Err(error) => tracing::warn!(
                         error = &error as &dyn std::error::Error,
@@ -243,7 +293,7 @@ fn spawn_worker(pending: Arc<Mutex<HashSet<String>>>, reclaimed: Arc<AtomicU64>)
                     ),
                 }
                 *lock(&busy_in_thread) = None;
-                lock(&pending).remove(&job.key);
+                lock(&shared.pending).remove(&job.key);
             }
         });
     if let Err(error) = spawned {

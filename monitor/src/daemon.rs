@@ -232,6 +232,7 @@ impl Monitor {
             regions: self.discovery.len(),
             refused_total: self.discovery.refused_total,
             reclaimed_total: self.janitor.reclaimed.load(Ordering::Relaxed),
+            reclaims_held_total: self.janitor.held_total.load(Ordering::Relaxed),
             sweeps_total: self.sweeps,
             api_up: match collected.api_state {
                 ApiState::Disabled => None,

@@ -20,7 +20,9 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 use thiserror::Error;
-use vgpu_node_contract::claim_owner::{ClaimOwner, CLAIM_DIR_PREFIX, CLAIM_OWNER_FILE};
+use vgpu_node_contract::claim_owner::{
+    self, ClaimOwner, ClaimRecordError, CLAIM_DIR_PREFIX, CLAIM_OWNER_FILE,
+};
 use vgpu_node_contract::region::{Region, RegionError, REGION_BYTES};
 
 /// How long a file that could not be used is left alone if it does not change.
@@ -82,29 +84,45 @@ pub struct FileIdentity {
 }
 
 /// The owner of a DRA claim's region directory, if `name` is one and its
-/// owner file reads (a claim whose file is missing or bad is still
-/// measured, named by its directory).
-fn claim_owner(name: &str, dir: &std::path::Path) -> Option<ClaimOwner> {
+/// record reads (a claim whose record is missing or bad is still measured,
+/// named by its directory). The record comes from the records directory the
+/// containers are not given; failing that, from the owner file older drivers
+/// kept in the claim's own directory, for naming only: its containers can
+/// write that one, so its grants are dropped. Neither file is trusted
+/// ([`claim_owner::read_record`]) and neither's text is logged.
+fn claim_owner(root: &Path, name: &str, dir: &Path) -> Option<ClaimOwner> {
     name.strip_prefix(CLAIM_DIR_PREFIX)?;
-    let path = dir.join(CLAIM_OWNER_FILE);
-    let text = std::fs::read_to_string(&path)
-        .inspect_err(|error| {
+    let record = claim_owner::record_path(root, name);
+    let error = match claim_owner::read_record(&record) {
+        Ok(owner) => return Some(owner),
+        Err(ClaimRecordError::Open(error)) if error.kind() == std::io::ErrorKind::NotFound => None,
+        Err(error) => Some(error),
+    };
+    let legacy = dir.join(CLAIM_OWNER_FILE);
+    if let Some(error) = &error {
+        tracing::warn!(
+            error = error as &dyn std::error::Error,
+            "claim record {}",
+            record.display()
+        );
+    } else if !legacy.exists() {
+        tracing::warn!("claim {name}: no record at {}", record.display());
+        return None;
+    }
+    match claim_owner::read_record(&legacy) {
+        Ok(owner) => Some(ClaimOwner {
+            grants: Vec::new(),
+            ..owner
+        }),
+        Err(error) => {
             tracing::warn!(
-                error = error as &dyn std::error::Error,
-                "{}",
-                path.display()
-            )
-        })
-        .ok()?;
-    ClaimOwner::parse(&text)
-        .inspect_err(|error| {
-            tracing::warn!(
-                error = error as &dyn std::error::Error,
-                "{}",
-                path.display()
-            )
-        })
-        .ok()
+                error = &error as &dyn std::error::Error,
+                "claim owner file {}",
+                legacy.display()
+            );
+            None
+        }
+    }
 }
 
 /// An open container region.
@@ -307,7 +325,7 @@ impl Discovery {
             match open_region(&path) {
                 Ok((region, guard, identity)) => {
                     let (pod_uid, container) = split_key(&name);
-                    let claim = claim_owner(&name, &dir);
+                    let claim = claim_owner(&self.config.root, &name, &dir);
                     tracing::info!("region {name} opened ({})", path.display());
                     self.rejected.remove(&name);
                     report.added.push(name.clone());

@@ -47,7 +47,8 @@
 //! no live slot of any region accounts for: running without the shim).
 //!
 //! The monitor itself: `vgpu_monitor_regions`, `vgpu_monitor_regions_refused_total`,
-//! `vgpu_monitor_slots_reclaimed_total`, `vgpu_monitor_cleanup_sweeps_total`,
+//! `vgpu_monitor_slots_reclaimed_total`, `vgpu_monitor_reclaims_held_total`,
+//! `vgpu_monitor_cleanup_sweeps_total`,
 //! `vgpu_monitor_kubernetes_api_up`,
 //! `vgpu_monitor_loop_duration_seconds`.
 
@@ -99,6 +100,8 @@ pub struct Snapshot {
     pub regions: usize,
     pub refused_total: u64,
     pub reclaimed_total: u64,
+    /// Reclaims given up because a region's mutex stayed held.
+    pub reclaims_held_total: u64,
     /// Cleanup sweeps done (one at most every second).
     pub sweeps_total: u64,
     /// `None` when no API is configured.
@@ -437,6 +440,12 @@ pub fn render(snapshot: &Snapshot, hami_names: bool) -> Vec<u8> {
         "Process slots of dead processes returned by the monitor.",
         Counter,
         snapshot.reclaimed_total as f64,
+    );
+    w.single(
+        "vgpu_monitor_reclaims_held_total",
+        "Dead-slot reclaims given up because the region's mutex stayed held (by its container, or by one that means harm).",
+        Counter,
+        snapshot.reclaims_held_total as f64,
     );
     w.single(
         "vgpu_monitor_cleanup_sweeps_total",

@@ -193,7 +193,17 @@ fn record_of(pod: &Pod) -> Option<(String, PodRecord)> {
         .as_ref()
         .and_then(|a| a.get(DECISION_ANNOTATION))
     {
+        let node = pod.spec.as_ref().and_then(|spec| spec.node_name.as_deref());
         match Decision::parse(text) {
+            // A decision made for another node is not this pod's: forged,
+            // or left from a placement that did not happen.
+            Ok(decision) if node.is_some_and(|node| node != decision.node) => {
+                tracing::warn!(
+                    "pod {uid}: its decision names node {}, not the pod's {}; ignored",
+                    decision.node,
+                    node.unwrap_or_default()
+                );
+            }
             Ok(decision) => {
                 for container in decision.containers {
                     if let Some(priority) = container.priority {
@@ -308,5 +318,20 @@ mod tests {
         let (_, record) = record_of(&p).expect("record");
         assert_eq!(record.priorities.get("main"), Some(&0));
         assert_eq!(record.priorities.get("side"), None);
+        assert_eq!(record.grants.len(), 2);
+
+        // The same decision on a pod bound to another node grants nothing.
+        p.spec = Some(k8s_openapi::api::core::v1::PodSpec {
+            node_name: Some("elsewhere".into()),
+            ..Default::default()
+        });
+        let (_, record) = record_of(&p).expect("record");
+        assert!(record.grants.is_empty() && record.priorities.is_empty());
+        p.spec = Some(k8s_openapi::api::core::v1::PodSpec {
+            node_name: Some("n".into()),
+            ..Default::default()
+        });
+        let (_, record) = record_of(&p).expect("record");
+        assert_eq!(record.grants.len(), 2, "its own node's decision is kept");
     }
 }

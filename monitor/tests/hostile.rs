@@ -7,13 +7,23 @@
 mod common;
 
 use common::*;
+use k8s_openapi::api::core::v1::{Pod, PodSpec};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
+use kube::runtime::watcher::Event;
 use proptest::prelude::*;
+use std::collections::BTreeMap;
 use std::os::unix::fs::FileExt;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
+use vgpu_cluster::decision::{ContainerDecision, Decision, DeviceGrant, DECISION_ANNOTATION};
 use vgpu_monitor::daemon::{Monitor, MonitorConfig};
 use vgpu_monitor::metrics::Snapshot;
 use vgpu_monitor::names::PodDirectory;
-use vgpu_node_contract::region::{Region, RegionLimits, MAX_DEVICES, MAX_SLOTS, REGION_BYTES};
+use vgpu_node_contract::region::{
+    Region, RegionLimits, MAX_DEVICES, MAX_SLOTS, REGION_BYTES, SHARE_FULL,
+};
+use vgpu_node_contract::shim_env::{UtilizationPolicy, DEFAULT_PRIORITY};
 
 const GOOD: &str = "u-good_c";
 
@@ -329,4 +339,226 @@ fn a_mutex_held_forever_stalls_neither_the_loop_nor_other_regions() {
     );
     let snapshot = monitor.shared().snapshot();
     assert_eq!(snapshot.regions, 2, "the stuck region is still exported");
+}
+
+/// A pod on this node, as the API lists it, whose decision gives `container`
+/// `cores` percent of GPU `uuid` and names no priority.
+fn pod_with_decision(uid: &str, container: &str, uuid: &str, cores: u32) -> Pod {
+    let decision = Decision {
+        version: 1,
+        node: "node-a".into(),
+        decided_unix_ms: 1,
+        containers: vec![ContainerDecision {
+            name: container.into(),
+            init: false,
+            devices: vec![DeviceGrant {
+                uuid: uuid.into(),
+                memory_bytes: 4 * GIB,
+                cores_percent: cores,
+                burst_percent: None,
+            }],
+            priority: None,
+        }],
+    };
+    Pod {
+        metadata: ObjectMeta {
+            uid: Some(uid.into()),
+            namespace: Some("tenants".into()),
+            name: Some(uid.into()),
+            annotations: Some(BTreeMap::from([(
+                DECISION_ANNOTATION.to_string(),
+                decision.to_json(),
+            )])),
+            ..ObjectMeta::default()
+        },
+        spec: Some(PodSpec {
+            node_name: Some("node-a".into()),
+            ..PodSpec::default()
+        }),
+        ..Pod::default()
+    }
+}
+
+/// A directory as a synced watch of the node's pods leaves it.
+fn synced_directory(pods: Vec<Pod>) -> Arc<PodDirectory> {
+    let directory = PodDirectory::new();
+    directory.apply(Event::Init);
+    for pod in pods {
+        directory.apply(Event::InitApply(pod));
+    }
+    directory.apply(Event::InitDone);
+    directory
+}
+
+fn launch(region: &Region) {
+    region.layout().devices[0]
+        .compute
+        .launches
+        .fetch_add(1, Ordering::Relaxed);
+}
+
+#[test]
+fn a_priority_and_policy_forged_in_a_region_take_no_share_from_a_neighbour() {
+    let host = HostDir::new("forged-priority");
+    let limits = |cores: u32| {
+        let mut limits = RegionLimits::default();
+        limits.memory_limit[0] = 4 * GIB;
+        limits.sm_limit[0] = cores;
+        limits
+    };
+    let attacker = host.create_region("u-attacker_c", &limits(50));
+    let victim = host.create_region("u-victim_c", &limits(50));
+    for region in [&attacker, &victim] {
+        region.set_device_uuid(0, "GPU-shared");
+    }
+    let directory = synced_directory(vec![
+        pod_with_decision("u-attacker", "c", "GPU-shared", 50),
+        pod_with_decision("u-victim", "c", "GPU-shared", 50),
+    ]);
+    let config = MonitorConfig {
+        cleanup_grace: None,
+        ..MonitorConfig::for_root(host.root.clone())
+    };
+    let mut monitor = Monitor::new(config, directory);
+    let effective = |region: &Region| {
+        region.layout().devices[0]
+            .sm_effective
+            .load(Ordering::Relaxed)
+    };
+    let mut lowest = u32::MAX;
+    for _ in 0..10 {
+        // Between every two passes the attacker writes the most important
+        // priority and another policy into its region and keeps launching,
+        // as does its neighbour.
+        let header = &attacker.layout().header;
+        header.priority.store(i32::MIN, Ordering::Relaxed);
+        header
+            .policy
+            .store(UtilizationPolicy::Force as u32, Ordering::Relaxed);
+        launch(&attacker);
+        launch(&victim);
+        monitor.tick();
+        lowest = lowest.min(effective(&victim));
+    }
+    assert!(
+        lowest >= 50 * SHARE_FULL / 100,
+        "the neighbour keeps its own share (lowest effective share {lowest} of {SHARE_FULL})"
+    );
+    let snapshot = monitor.shared().snapshot();
+    let attacker_priority = snapshot
+        .devices
+        .iter()
+        .find(|d| d.pod == "u-attacker")
+        .map(|d| d.priority);
+    assert_eq!(
+        attacker_priority,
+        Some(DEFAULT_PRIORITY),
+        "the priority in force is the decision's (none: the default), not the region's"
+    );
+}
+
+/// The monitor's peak resident memory, in KiB.
+fn peak_rss_kib(pid: u32) -> u64 {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).expect("status");
+    status
+        .lines()
+        .find_map(|line| line.strip_prefix("VmHWM:"))
+        .and_then(|rest| rest.trim().trim_end_matches("kB").trim().parse().ok())
+        .expect("VmHWM")
+}
+
+#[test]
+fn a_claim_owner_file_that_is_a_fifo_or_a_link_neither_hangs_the_monitor_nor_leaks() {
+    let host = HostDir::new("claim-owner");
+    let secret = host.root.join("service-account-token");
+    std::fs::write(&secret, "s3cr3t-token-value\n").expect("secret");
+    let mut regions = Vec::new();
+    for name in ["claim-fifo", "claim-zero", "claim-secret", "claim-good"] {
+        let region = host.create_region(name, &RegionLimits::default());
+        region.set_device_uuid(0, "GPU-claims");
+        regions.push(region);
+    }
+    // What a root container can do to the owner file in its own claim
+    // directory (where older drivers kept it).
+    let legacy = |name: &str| host.root.join(name).join("claim.owner");
+    let fifo =
+        std::ffi::CString::new(legacy("claim-fifo").as_os_str().as_encoded_bytes()).expect("path");
+    // SAFETY: `fifo` is a NUL-terminated path that outlives the call.
+    assert_eq!(unsafe { libc::mkfifo(fifo.as_ptr(), 0o666) }, 0);
+    std::os::unix::fs::symlink("/dev/zero", legacy("claim-zero")).expect("link");
+    std::os::unix::fs::symlink(&secret, legacy("claim-secret")).expect("link");
+    // The driver's record of the good claim, where containers cannot reach.
+    let records = host.root.join(".claims");
+    std::fs::create_dir_all(&records).expect("records");
+    std::fs::write(
+        records.join("claim-good.owner"),
+        "namespace=ml\nclaim=good\npod=train-0\n",
+    )
+    .expect("record");
+    let monitor = MonitorProcess::start(
+        MonitorProcess::command(),
+        &[
+            "--containers-dir",
+            host.root.to_str().expect("utf8"),
+            "--no-nvml",
+            "--no-kubernetes",
+        ],
+    );
+    // Every region is exported, the good claim by its record, the others
+    // by their directory: the monitor's passes neither hung on the FIFO
+    // nor read /dev/zero.
+    monitor.wait_for_metrics(Duration::from_secs(10), |s| {
+        let good = value(
+            s,
+            "vgpu_container_memory_used_bytes",
+            &[("namespace", "ml"), ("container", "good")],
+        );
+        let others = ["claim-fifo", "claim-zero", "claim-secret"]
+            .iter()
+            .all(|pod| value(s, "vgpu_container_memory_used_bytes", &[("pod", pod)]).is_some());
+        (good.is_some() && others).then_some(())
+    });
+    let peak = peak_rss_kib(monitor.child.id());
+    assert!(peak < 256 * 1024, "peak resident memory {peak} KiB");
+    let log = monitor.log();
+    assert!(
+        !log.contains("s3cr3t"),
+        "the secret reached the log:\n{log}"
+    );
+    assert!(
+        log.contains("claim-fifo") && log.contains("not a regular file"),
+        "the refusal is logged:\n{log}"
+    );
+    let (status, _) = http_get(monitor.addr, "/healthz").expect("healthz");
+    assert_eq!(status, 200);
+    drop(regions);
+}
+
+#[test]
+fn a_monitor_killed_while_it_paused_containers_gives_their_shares_back_on_its_first_pass() {
+    let host = HostDir::new("killed-with-paused");
+    let mut limits = RegionLimits::default();
+    limits.memory_limit[0] = 4 * GIB;
+    limits.sm_limit[0] = 30;
+    // What a monitor SIGKILLed mid-arbitration leaves behind: containers
+    // paused (share 0) or lent more than their share, nobody to undo it.
+    let paused = host.create_region("u-paused_c", &limits);
+    let lent = host.create_region("u-lent_c", &limits);
+    for region in [&paused, &lent] {
+        region.set_device_uuid(0, "GPU-shared");
+    }
+    fn effective(region: &Region) -> &std::sync::atomic::AtomicU32 {
+        &region.layout().devices[0].sm_effective
+    }
+    effective(&paused).store(0, Ordering::Relaxed);
+    effective(&lent).store(90 * SHARE_FULL / 100, Ordering::Relaxed);
+    let mut monitor = monitor(&host);
+    monitor.tick();
+    for (name, region) in [("paused", &paused), ("lent", &lent)] {
+        assert_eq!(
+            effective(region).load(Ordering::Relaxed),
+            30 * SHARE_FULL / 100,
+            "the {name} container has its own share again after one pass"
+        );
+    }
 }

@@ -36,6 +36,7 @@ use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
 use std::ptr::NonNull;
 use std::sync::atomic::{AtomicI32, AtomicI64, AtomicU32, AtomicU64, Ordering};
+use std::time::Duration;
 use thiserror::Error;
 
 /// Devices per container the region describes (HAMi-core's limit too).
@@ -335,6 +336,8 @@ pub enum RegionError {
     Corrupt { path: PathBuf, what: String },
     #[error("region {path}: all {MAX_SLOTS} process slots are held by live processes")]
     SlotsExhausted { path: PathBuf },
+    #[error("region {path}: its shared mutex stayed held past the wait (by its container, or by someone who means to block its readers)")]
+    Busy { path: PathBuf },
     #[error("region {path}: shared mutex: {what} (error {code})")]
     Mutex {
         path: PathBuf,
@@ -836,7 +839,7 @@ impl Region {
             }
             let slot = &self.layout().slots[index];
             if slot.is_active() {
-                self.return_slot_memory(index)?;
+                self.return_slot_memory(index, None)?;
             }
             slot.pid.store(pid, Ordering::Relaxed);
             slot.host_pid.store(host_pid, Ordering::Relaxed);
@@ -853,6 +856,21 @@ impl Region {
     /// Returns the memory of every slot whose owner has died. `own` is a slot
     /// this process holds (skipped). Returns how many slots were reclaimed.
     pub fn reclaim_dead_slots(&self, own: Option<usize>) -> Result<usize, RegionError> {
+        self.reclaim_dead_slots_waiting(own, None)
+    }
+
+    /// [`Region::reclaim_dead_slots`] for a caller that must not wait on a
+    /// mutex the region's container may hold for ever (the node monitor):
+    /// gives up with [`RegionError::Busy`] after `wait` for each slot.
+    pub fn reclaim_dead_slots_within(&self, wait: Duration) -> Result<usize, RegionError> {
+        self.reclaim_dead_slots_waiting(None, Some(wait))
+    }
+
+    fn reclaim_dead_slots_waiting(
+        &self,
+        own: Option<usize>,
+        wait: Option<Duration>,
+    ) -> Result<usize, RegionError> {
         let mut reclaimed = 0;
         let layout = self.layout();
         for index in layout.active.indices() {
@@ -861,7 +879,10 @@ impl Region {
             }
             if self.try_lock_liveness(index)? {
                 if layout.slots[index].is_active() {
-                    self.return_slot_memory(index)?;
+                    if let Err(error) = self.return_slot_memory(index, wait) {
+                        self.unlock_liveness(index);
+                        return Err(error);
+                    }
                     layout.slots[index]
                         .state
                         .store(STATE_FREE, Ordering::Release);
@@ -885,7 +906,7 @@ impl Region {
 
     /// Gives up `index` (a process that stops using the GPU cleanly).
     pub fn release_slot(&self, index: usize) -> Result<(), RegionError> {
-        self.return_slot_memory(index)?;
+        self.return_slot_memory(index, None)?;
         let layout = self.layout();
         layout.slots[index]
             .state
@@ -1119,10 +1140,10 @@ impl Region {
         fresh >= 0
     }
 
-    fn return_slot_memory(&self, index: usize) -> Result<(), RegionError> {
+    fn return_slot_memory(&self, index: usize, wait: Option<Duration>) -> Result<(), RegionError> {
         let layout = self.layout();
         let slot = &layout.slots[index];
-        self.with_lock(|| {
+        self.with_lock_waiting(wait, || {
             for (record, held) in layout.devices.iter().zip(slot.devices.iter()) {
                 let bytes = held.device_bytes();
                 let used = record.used.load(Ordering::Relaxed);
@@ -1144,12 +1165,34 @@ impl Region {
     /// Runs `f` holding the region mutex. If the previous holder died inside
     /// it, totals are first rebuilt from the slots.
     fn with_lock<T>(&self, f: impl FnOnce() -> T) -> Result<T, RegionError> {
+        self.with_lock_waiting(None, f)
+    }
+
+    /// [`Region::with_lock`], waiting at most `wait` for the mutex when given.
+    fn with_lock_waiting<T>(
+        &self,
+        wait: Option<Duration>,
+        f: impl FnOnce() -> T,
+    ) -> Result<T, RegionError> {
         let raw = self.layout().lock.raw.get();
-        // SAFETY: `raw` is the process-shared robust mutex initialised by the
-        // region's creator; it lives as long as the mapping.
-        let code = unsafe { libc::pthread_mutex_lock(raw) };
+        let code = match wait {
+            // SAFETY: `raw` is the process-shared robust mutex initialised by
+            // the region's creator; it lives as long as the mapping.
+            None => unsafe { libc::pthread_mutex_lock(raw) },
+            Some(wait) => {
+                let deadline = realtime_after(wait);
+                // SAFETY: as above; `deadline` is a valid timespec read
+                // during the call.
+                unsafe { libc::pthread_mutex_timedlock(raw, &deadline) }
+            }
+        };
         match code {
             0 => {}
+            libc::ETIMEDOUT => {
+                return Err(RegionError::Busy {
+                    path: self.path.clone(),
+                })
+            }
             libc::EOWNERDEAD => {
                 self.recount_totals();
                 // SAFETY: we hold the mutex (EOWNERDEAD grants it).
@@ -1217,6 +1260,28 @@ impl Region {
             what,
             code,
         }
+    }
+}
+
+/// `CLOCK_REALTIME` plus `wait`: the deadline `pthread_mutex_timedlock`
+/// takes.
+fn realtime_after(wait: Duration) -> libc::timespec {
+    let mut now = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: clock_gettime writes only `now`.
+    unsafe {
+        libc::clock_gettime(libc::CLOCK_REALTIME, &mut now);
+    }
+    let nanos = i64::from(wait.subsec_nanos()) + now.tv_nsec;
+    let seconds = i64::try_from(wait.as_secs())
+        .unwrap_or(i64::MAX)
+        .saturating_add(now.tv_sec)
+        .saturating_add(nanos / 1_000_000_000);
+    libc::timespec {
+        tv_sec: seconds,
+        tv_nsec: nanos % 1_000_000_000,
     }
 }
 
