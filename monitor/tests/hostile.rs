@@ -562,3 +562,41 @@ fn a_monitor_killed_while_it_paused_containers_gives_their_shares_back_on_its_fi
         );
     }
 }
+
+#[test]
+fn a_dra_claims_region_changed_from_inside_gets_its_recorded_grant_back() {
+    let host = HostDir::new("claim-restore");
+    let mut granted = RegionLimits::default();
+    granted.memory_limit[0] = 4 * GIB;
+    granted.sm_limit[0] = 30;
+    let region = host.create_region("claim-0b1c", &granted);
+    region.set_device_uuid(0, "GPU-claims");
+    let records = host.root.join(".claims");
+    std::fs::create_dir_all(&records).expect("records");
+    std::fs::write(
+        records.join("claim-0b1c.owner"),
+        format!(
+            "namespace=ml\nclaim=train\npod=train-0\ndevice=GPU-claims,{},30,\n",
+            4 * GIB
+        ),
+    )
+    .expect("record");
+    // The claim's container lifts its own caps.
+    let mut lifted = granted;
+    lifted.memory_limit[0] = 0;
+    lifted.sm_limit[0] = 100;
+    region.restore_limits(&lifted);
+    assert_eq!(region.limits().sm_limit[0], 100);
+    let config = MonitorConfig {
+        cleanup_grace: None,
+        ..MonitorConfig::for_root(host.root.clone())
+    };
+    let mut monitor = Monitor::new(config, synced_directory(Vec::new()));
+    monitor.tick();
+    let restored = region.limits();
+    assert_eq!(
+        (restored.memory_limit[0], restored.sm_limit[0]),
+        (4 * GIB, 30),
+        "the driver's record, not the region, says what the claim has"
+    );
+}
