@@ -100,8 +100,16 @@ def test_chart_lints_without_findings():
         },
         {"scheduler": {"webhook": {"enabled": False}, "service": {"enabled": False}}},
         {"node": {"monitor": {"serviceMonitor": {"enabled": True}}}},
+        {
+            "networkPolicy": {
+                "enabled": True,
+                "apiServerCIDRs": ["10.0.0.1/32"],
+                "metricsFrom": [{"namespaceSelector": {"matchLabels": {"team": "monitoring"}}}],
+                "kubeSchedulerFrom": [{"podSelector": {"matchLabels": {"app": "egpu"}}}],
+            },
+        },
     ],
-    ids=["defaults", "tls-swap-force", "no-webhook", "service-monitor"],
+    ids=["defaults", "tls-swap-force", "no-webhook", "service-monitor", "network-policies"],
 )
 def test_every_object_matches_the_kubernetes_schema(values):
     objects = render(values)
@@ -982,3 +990,52 @@ def test_the_image_holds_every_binary_the_chart_runs():
     for binary in run:
         assert f"-p {binary} " in dockerfile, f"the Dockerfile does not build {binary}"
         assert f"/src/target/release/{binary} " in dockerfile, f"the Dockerfile does not copy {binary}"
+
+
+def test_network_policies_are_off_by_default_and_name_only_the_peers_given():
+    assert not [o for o in render() if o["kind"] == "NetworkPolicy"]
+    monitoring = {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}}
+    objects = render({
+        "networkPolicy": {
+            "enabled": True,
+            "apiServerCIDRs": ["10.0.0.1/32"],
+            "metricsFrom": [monitoring],
+        },
+    })
+    scheduler = find(objects, "NetworkPolicy", "-scheduler")
+    deployment = find(objects, "Deployment", "-scheduler")
+    selected = scheduler["spec"]["podSelector"]["matchLabels"]
+    pod_labels = deployment["spec"]["template"]["metadata"]["labels"]
+    assert selected.items() <= pod_labels.items(), "it selects the scheduler pod"
+    webhook, plain = scheduler["spec"]["ingress"]
+    assert webhook["ports"] == [{"port": 39443, "protocol": "TCP"}]
+    assert webhook["from"] == [{"ipBlock": {"cidr": "10.0.0.1/32"}}]
+    assert plain["ports"] == [{"port": 39999, "protocol": "TCP"}]
+    assert plain["from"] == [monitoring], "the plain port only for the peers named"
+
+    monitor = find(objects, "NetworkPolicy", "-monitor")
+    daemonset = find(objects, "DaemonSet", "-node")
+    selected = monitor["spec"]["podSelector"]["matchLabels"]
+    assert selected.items() <= daemonset["spec"]["template"]["metadata"]["labels"].items()
+    (rule,) = monitor["spec"]["ingress"]
+    assert rule["from"] == [monitoring]
+    assert rule["ports"] == [{"port": 31992, "protocol": "TCP"}]
+
+    # Without peers for metrics, nothing reaches the monitors and only the
+    # webhook port reaches the scheduler pod.
+    objects = render({"networkPolicy": {"enabled": True}})
+    assert find(objects, "NetworkPolicy", "-monitor")["spec"]["ingress"] == []
+    (webhook,) = find(objects, "NetworkPolicy", "-scheduler")["spec"]["ingress"]
+    assert "from" not in webhook
+
+
+def test_a_network_policy_peer_that_is_not_one_is_refused():
+    for bad, words in (
+        ({"apiServerCIDRs": ["not-a-cidr"]}, "apiServerCIDRs"),
+        ({"metricsFrom": [{}]}, "metricsFrom"),
+        ({"metricsFrom": [{"podSelektor": {}}]}, "podSelektor"),
+        ({"kubeSchedulerFrom": [{"ipBlock": {}}]}, "cidr"),
+    ):
+        with pytest.raises(Exception) as error:
+            render({"networkPolicy": {"enabled": True, **bad}})
+        assert words in str(error.value), str(error.value)
