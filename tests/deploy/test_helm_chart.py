@@ -446,7 +446,8 @@ def test_our_roles_delete_nothing_but_reclaimed_elastic_gpus():
     ElasticGPUs of deleted claims (Elastic GPU's reclaim policy Delete).
     kube-scheduler keeps system:kube-scheduler's right to delete the pods
     its preemption evicts."""
-    for role in (o for o in render() if o["kind"] in ("ClusterRole", "Role")):
+    objects = render({"dra": {"enabled": True}})
+    for role in (o for o in objects if o["kind"] in ("ClusterRole", "Role")):
         for rule in role.get("rules", []):
             deleting = {"delete", "deletecollection", "*"} & set(rule["verbs"])
             if not deleting:
