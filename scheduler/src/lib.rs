@@ -10,7 +10,8 @@
 //! that no two modules import each other, directly or through others):
 //!
 //! 1. [`vocabulary`]: the annotations and labels read and written, with
-//!    pure readers of them (leaf modules).
+//!    pure readers of them (leaf modules). [`bounded`]: reading JSON from
+//!    the network within bounds.
 //! 2. [`requests`]: what a pod asks for. [`api`]: the Kubernetes client,
 //!    knowing nothing of the extender's state. [`leader`]: leader
 //!    election among replicas.
@@ -28,6 +29,7 @@
 
 pub mod admission;
 pub mod api;
+pub mod bounded;
 pub mod cache;
 pub mod claim_controller;
 pub mod cli;

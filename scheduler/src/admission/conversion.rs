@@ -17,6 +17,7 @@
 //! (the API server refuses anything else); everything else is copied.
 
 use crate::admission::review::{Review, WebhookReply};
+use crate::bounded::{check_shape, ShapeError, ShapeLimits};
 use crate::vocabulary::elastic::{
     BINDING_MODE_ANNOTATION, README_VERSION, RECLAIM_POLICY_ANNOTATION, STORED_VERSION,
 };
@@ -51,8 +52,32 @@ pub enum ConversionError {
     Malformed { name: String, what: String },
 }
 
+/// What a `ConversionReview` may hold: it is parsed whole into
+/// `serde_json::Value`s (converted field by field), at most ~640 bytes an
+/// object (a map's first B-tree node) and 32 a value: 32 MB and 16 MB at
+/// most. Room for about 3,000 ElasticGPUClaims of 15 objects in one list
+/// conversion.
+const REVIEW_SHAPE: ShapeLimits = ShapeLimits {
+    objects: 50_000,
+    values: 500_000,
+};
+
 /// Answers one `ConversionReview`.
 pub fn convert(body: &[u8]) -> WebhookReply {
+    // Bodies that are not JSON are left to the parse below, which names
+    // what is wrong with them.
+    if let Ok(text) = std::str::from_utf8(body) {
+        match check_shape(text, REVIEW_SHAPE) {
+            Ok(()) | Err(ShapeError::Json(_)) => {}
+            Err(too_large) => return WebhookReply {
+                status: 413,
+                body:
+                    json!({ "error": format!("ConversionReview too large to read: {too_large}") })
+                        .to_string()
+                        .into_bytes(),
+            },
+        }
+    }
     let (api_version, request) = match Review::<ReviewRequest>::read(body, "ConversionReview") {
         Ok(read) => read,
         Err(reply) => return reply,
@@ -307,5 +332,18 @@ mod tests {
             assert_eq!(reply.status, 400);
             assert!(String::from_utf8_lossy(&reply.body).contains(words));
         }
+    }
+
+    #[test]
+    fn a_review_of_too_many_objects_is_refused_unparsed() {
+        // 50,001 empty objects: 150 kB that would be 32 MB of maps.
+        let objects = vec!["{}"; 50_001].join(",");
+        let body = format!(
+            r#"{{"kind":"ConversionReview","request":{{"uid":"u","desiredAPIVersion":"{STORED_VERSION}","objects":[{objects}]}}}}"#
+        );
+        let reply = convert(body.as_bytes());
+        assert_eq!(reply.status, 413);
+        let words = String::from_utf8_lossy(&reply.body).into_owned();
+        assert!(words.contains("more than 50000 JSON objects"), "{words}");
     }
 }

@@ -26,12 +26,14 @@ use crate::admission::kubeshare::kubeshare_patch;
 use crate::admission::look_up::{ClaimAnswers, ClaimLookUpError};
 use crate::admission::patch::resource_patch;
 use crate::admission::review::{Review, WebhookReply};
+use crate::bounded::read_pod;
 use crate::requests::{asks_for_vgpu, elastic_count_to_add, ResourceNames};
 use crate::vocabulary::claims::{claim_uses, ClaimError, ClaimShare, CLAIM_ANNOTATION_PREFIX};
 use crate::vocabulary::kubeshare::KubeShareError;
 use base64::Engine;
 use k8s_openapi::api::core::v1::{Container, Pod};
 use serde::{Deserialize, Serialize};
+use serde_json::value::RawValue;
 use serde_json::{json, Value};
 use thiserror::Error;
 use vgpu_cluster::report::with_causes;
@@ -44,7 +46,8 @@ struct ReviewRequest {
     uid: String,
     operation: Option<String>,
     namespace: Option<String>,
-    object: Option<Value>,
+    /// The pod, parsed once its shape is checked ([`read_pod`]).
+    object: Option<Box<RawValue>>,
 }
 
 #[derive(Debug, Serialize)]
@@ -97,7 +100,7 @@ pub fn claims_to_look_up(body: &[u8]) -> Option<(String, Vec<String>)> {
     if !matches!(request.operation.as_deref(), None | Some("CREATE")) {
         return None;
     }
-    let pod: Pod = serde_json::from_value(request.object?).ok()?;
+    let pod = read_pod(request.object?.get()).ok()?;
     let mut claims: Vec<String> = pod
         .metadata
         .annotations
@@ -143,7 +146,7 @@ pub fn mutate(
     let creating = matches!(request.operation.as_deref(), None | Some("CREATE"));
     let pod = request
         .object
-        .map(serde_json::from_value::<Pod>)
+        .map(|object| read_pod(object.get()))
         .transpose();
     let refused = match &pod {
         Ok(Some(pod)) if creating && !policy.allow_privileged => {
@@ -222,6 +225,21 @@ pub fn mutate(
             }
         }
         Ok(_) => {}
+        // A pod too large to read safely could hide a privileged vGPU
+        // container: refused rather than let through unread.
+        Err(error) if error.too_large() => {
+            tracing::warn!(
+                error = &error as &dyn std::error::Error,
+                "admission review {}: refused",
+                response.uid
+            );
+            response.allowed = false;
+            response.status = Some(json!({
+                "code": 413,
+                "reason": "RequestEntityTooLarge",
+                "message": format!("vgpu webhook: {error}"),
+            }));
+        }
         Err(error) => {
             tracing::warn!(
                 error = &error as &dyn std::error::Error,

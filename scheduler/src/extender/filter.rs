@@ -5,14 +5,17 @@ use crate::cache::clock::now_unix_ms;
 use crate::extender::reply::Reply;
 use crate::extender::scheduler::{NotServing, Scheduler};
 use crate::extender::score_cache::ScoreEntry;
-use crate::extender::wire::{ExtenderArgs, ExtenderFilterResult, FailedNodesMap, NodeList};
+use crate::extender::wire::{ExtenderArgs, ExtenderFilterResult, FailedNodesMap, RawNodeList};
 use crate::placement::coscheduling::pass_gate;
 use crate::placement::filter::{filter_nodes, NodeVerdicts};
 use crate::placement::pod_to_place::PodToPlace;
 use crate::placement::rules::{pod_key, PodRequestError};
 use crate::placement::snapshot::Snapshot;
 use crate::vocabulary::kubeshare::{group_of, KubeShareError};
+use k8s_openapi::api::core::v1::Pod;
 use serde::Serialize;
+use serde_json::value::RawValue;
+use std::borrow::Cow;
 use std::hash::BuildHasher;
 use std::time::Instant;
 use thiserror::Error;
@@ -45,7 +48,7 @@ pub enum FilterError {
 #[derive(Serialize)]
 struct FilterReply<'a> {
     #[serde(rename = "Nodes")]
-    nodes: Option<NodeList>,
+    nodes: Option<RawNodeList<'a>>,
     #[serde(rename = "NodeNames")]
     node_names: Option<&'a [&'a str]>,
     #[serde(rename = "FailedNodes")]
@@ -56,17 +59,18 @@ struct FilterReply<'a> {
     error: &'a str,
 }
 
-/// Candidate node names, in the order kube-scheduler sent them.
-pub(super) fn candidates<'a>(args: &'a ExtenderArgs<'a>) -> Result<Vec<&'a str>, FilterError> {
+/// Candidate node names, in the order kube-scheduler sent them (borrowed
+/// from the request body unless written with escapes).
+pub(super) fn candidates<'a>(args: &ExtenderArgs<'a>) -> Result<Vec<Cow<'a, str>>, FilterError> {
     if let Some(names) = &args.node_names {
-        return Ok(names.iter().map(|n| n.as_ref()).collect());
+        return Ok(names.iter().map(|n| n.0.clone()).collect());
     }
     if let Some(nodes) = &args.nodes {
         return Ok(nodes
             .items
             .iter()
             .flatten()
-            .filter_map(NodeList::node_name)
+            .filter_map(|node| RawNodeList::node_name(node))
             .collect());
     }
     Err(FilterError::NoCandidates)
@@ -75,18 +79,27 @@ pub(super) fn candidates<'a>(args: &'a ExtenderArgs<'a>) -> Result<Vec<&'a str>,
 impl Scheduler {
     /// `POST /filter`.
     pub fn filter(&self, body: &[u8]) -> Reply {
-        let args = match serde_json::from_slice::<ExtenderArgs>(body) {
-            Ok(args) => args,
+        let (args, pod) = match ExtenderArgs::read(body) {
+            Ok(read) => read,
             Err(error) => {
                 return Reply::json(
-                    400,
-                    &ExtenderFilterResult::error(format!(
-                        "request body is not ExtenderArgs JSON: {error}"
-                    )),
+                    error.status(),
+                    &ExtenderFilterResult::error(error.to_string()),
                 )
             }
         };
-        let verdicts = match self.filter_verdicts(&args) {
+        let read = pod
+            .as_ref()
+            .ok_or(FilterError::NoPod)
+            .and_then(|pod| Ok((pod, candidates(&args)?)));
+        let (pod, names) = match read {
+            Ok(read) => read,
+            Err(error) => {
+                return Reply::json(200, &ExtenderFilterResult::error(with_causes(&error)))
+            }
+        };
+        let borrowed: Vec<&str> = names.iter().map(AsRef::as_ref).collect();
+        let verdicts = match self.filter_verdicts(pod, borrowed) {
             Ok(verdicts) => verdicts,
             Err(error) => {
                 return Reply::json(200, &ExtenderFilterResult::error(with_causes(&error)))
@@ -104,15 +117,18 @@ impl Scheduler {
             reply.node_names = Some(&passed);
         } else if let Some(nodes) = &args.nodes {
             let keep: std::collections::HashSet<&str> = passed.iter().copied().collect();
-            reply.nodes = Some(NodeList {
-                metadata: nodes.metadata.clone(),
+            let passing = |node: &&RawValue| {
+                RawNodeList::node_name(node).is_some_and(|name| keep.contains(name.as_ref()))
+            };
+            reply.nodes = Some(RawNodeList {
+                metadata: nodes.metadata,
                 items: Some(
                     nodes
                         .items
                         .iter()
                         .flatten()
-                        .filter(|n| NodeList::node_name(n).is_some_and(|name| keep.contains(name)))
-                        .cloned()
+                        .copied()
+                        .filter(passing)
                         .collect(),
                 ),
             });
@@ -126,11 +142,10 @@ impl Scheduler {
     /// that follows.
     fn filter_verdicts<'a>(
         &self,
-        args: &'a ExtenderArgs<'a>,
+        pod: &Pod,
+        names: Vec<&'a str>,
     ) -> Result<NodeVerdicts<'a>, FilterError> {
         self.check_leading()?;
-        let pod = args.pod.as_ref().ok_or(FilterError::NoPod)?;
-        let names = candidates(args)?;
         let request = self
             .rules
             .parse(pod)

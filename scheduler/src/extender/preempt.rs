@@ -10,6 +10,7 @@ use crate::extender::wire::{
 use crate::placement::preemption::{fewest_victims, Evictions};
 use crate::placement::rules::PodRequestError;
 use crate::placement::snapshot::Snapshot;
+use k8s_openapi::api::core::v1::Pod;
 use thiserror::Error;
 use vgpu_cluster::report::with_causes;
 
@@ -51,18 +52,18 @@ impl Scheduler {
     /// `POST /preempt`: kube-scheduler found no node for a pod and proposes,
     /// per node, the lower-priority pods its own dry run would evict.
     pub fn preempt(&self, body: &[u8]) -> Reply {
-        let args = match serde_json::from_slice::<ExtenderPreemptionArgs>(body) {
-            Ok(args) => args,
+        let (args, pod) = match ExtenderPreemptionArgs::read(body) {
+            Ok(read) => read,
             Err(error) => {
                 return Reply::json(
-                    400,
+                    error.status(),
                     &ErrorBody {
-                        error: format!("request body is not ExtenderPreemptionArgs JSON: {error}"),
+                        error: error.to_string(),
                     },
                 )
             }
         };
-        match self.preemption(&args) {
+        match self.preemption(&args, pod.as_ref()) {
             Ok(result) => Reply::json(200, &result),
             Err(error) => {
                 let error = with_causes(&error);
@@ -75,9 +76,10 @@ impl Scheduler {
     fn preemption(
         &self,
         args: &ExtenderPreemptionArgs,
+        pod: Option<&Pod>,
     ) -> Result<ExtenderPreemptionResult, PreemptError> {
         self.check_leading()?;
-        let pod = args.pod.as_ref().ok_or(PreemptError::NoPod)?;
+        let pod = pod.ok_or(PreemptError::NoPod)?;
         let proposed: Vec<Evictions<'_>> = args
             .proposed()
             .into_iter()

@@ -8,6 +8,7 @@ use crate::extender::wire::{ExtenderArgs, MAX_EXTENDER_PRIORITY};
 use crate::placement::pod_to_place::PodToPlace;
 use crate::placement::scores::score_nodes;
 use crate::placement::snapshot::Snapshot;
+use k8s_openapi::api::core::v1::Pod;
 use serde::Serialize;
 use std::hash::BuildHasher;
 use vgpu_cluster::report::with_causes;
@@ -24,22 +25,37 @@ struct Score<'a> {
 impl Scheduler {
     /// `POST /prioritize`.
     pub fn prioritize(&self, body: &[u8]) -> Reply {
-        match serde_json::from_slice::<ExtenderArgs>(body) {
-            Ok(args) => match self.prioritize_scores(&args) {
-                Ok(list) => Reply::json_sized(200, &list, 16 + 40 * list.len()),
-                Err(error) => Reply::json(
-                    400,
+        let (args, pod) = match ExtenderArgs::read(body) {
+            Ok(read) => read,
+            Err(error) => {
+                return Reply::json(
+                    error.status(),
                     &ErrorBody {
-                        error: with_causes(&error),
+                        error: error.to_string(),
                     },
-                ),
-            },
-            Err(error) => Reply::json(
+                )
+            }
+        };
+        let refused = |error: FilterError| {
+            Reply::json(
                 400,
                 &ErrorBody {
-                    error: format!("request body is not ExtenderArgs JSON: {error}"),
+                    error: with_causes(&error),
                 },
-            ),
+            )
+        };
+        let read = pod
+            .as_ref()
+            .ok_or(FilterError::NoPod)
+            .and_then(|pod| Ok((pod, candidates(&args)?)));
+        let (pod, names) = match read {
+            Ok(read) => read,
+            Err(error) => return refused(error),
+        };
+        let borrowed: Vec<&str> = names.iter().map(AsRef::as_ref).collect();
+        match self.prioritize_scores(pod, &borrowed) {
+            Ok(list) => Reply::json_sized(200, &list, 16 + 40 * list.len()),
+            Err(error) => refused(error),
         }
     }
 
@@ -48,17 +64,11 @@ impl Scheduler {
     /// version in the last seconds.
     fn prioritize_scores<'a>(
         &self,
-        args: &'a ExtenderArgs<'a>,
+        pod: &Pod,
+        names: &[&'a str],
     ) -> Result<Vec<Score<'a>>, FilterError> {
         self.check_leading()?;
-        let pod = args.pod.as_ref().ok_or(FilterError::NoPod)?;
-        let names = candidates(args)?;
-        let zero = |names: Vec<&'a str>| {
-            names
-                .into_iter()
-                .map(|host| Score { host, score: 0 })
-                .collect()
-        };
+        let zero = |names: &[&'a str]| names.iter().map(|&host| Score { host, score: 0 }).collect();
         let request = match self.rules.parse(pod) {
             Ok(request) if !request.is_empty() => request,
             Ok(_) => return Ok(zero(names)),
@@ -81,14 +91,14 @@ impl Scheduler {
                 .as_ref()
                 .and_then(|c| c.loads.get(&self.hasher.hash_one(name)).copied())
         };
-        let scores = score_nodes(&snapshot, &names, &placing, &request, known, |name| {
+        let scores = score_nodes(&snapshot, names, &placing, &request, known, |name| {
             self.random(uid, name)
         });
         drop(state);
         Ok(names
-            .into_iter()
+            .iter()
             .zip(scores)
-            .map(|(host, score)| Score {
+            .map(|(&host, score)| Score {
                 host,
                 score: ((score * MAX_EXTENDER_PRIORITY as f64).round() as i64)
                     .clamp(0, MAX_EXTENDER_PRIORITY),
