@@ -1,5 +1,6 @@
 //! `POST /bind`: where the choice becomes real, and where conflicting
-//! choices are ruled out by construction:
+//! choices are ruled out by construction. Only pods that ask for vGPUs are
+//! bound; any other is refused before anything is written.
 //!
 //! 1. One in-process lock per node is held across check, record and bind,
 //!    so two binds to one node never interleave.
@@ -56,6 +57,11 @@ pub enum BindError {
     },
     #[error(transparent)]
     Request(#[from] PodRequestError),
+    #[error(
+        "pod {pod} asks for no vGPU resource: vgpu-scheduler binds only the pods it places on GPUs \
+         (kube-scheduler sends it only those that ask for its managedResources)"
+    )]
+    NotOurs { pod: String },
     #[error("pod {pod} is already bound to node {node}")]
     AlreadyBound { pod: String, node: String },
     #[error("binding pod {pod} to node {node} failed")]
@@ -149,6 +155,15 @@ impl Scheduler {
 
         let mut pod = self.fetch(api, args).await?;
         let request = self.rules.parse(&pod)?;
+        // The extender's binding rights are for the pods it places: a pod
+        // that asks for no vGPU (nor, through the webhook, for an Elastic
+        // GPU claim or KubeShare labels, which become vGPU resources) is
+        // not sent here by a kube-scheduler configured with
+        // managedResources, so a request to bind one comes from someone
+        // else, and would bind any pending pod to any node.
+        if request.is_empty() {
+            return Err(BindError::NotOurs { pod: key });
+        }
         if let Some(bound) = pod.spec.as_ref().and_then(|s| s.node_name.as_deref()) {
             return if bound == node.as_str() {
                 Ok(" (it already was)".to_string())
@@ -158,16 +173,6 @@ impl Scheduler {
                     node: bound.to_string(),
                 })
             };
-        }
-        if request.is_empty() {
-            api.bind(namespace, name, &args.pod_uid, node)
-                .await
-                .map_err(|source| BindError::Bind {
-                    pod: key,
-                    node: node.clone(),
-                    source,
-                })?;
-            return Ok(" (no GPUs)".to_string());
         }
 
         // Check, record and bind under the node's lock.
@@ -220,6 +225,9 @@ impl Scheduler {
                         return Err(BindError::BoundMeanwhile { pod: key });
                     }
                     request = self.rules.parse(&pod)?;
+                    if request.is_empty() {
+                        return Err(BindError::NotOurs { pod: key });
+                    }
                 }
                 Err(source) => return Err(BindError::RecordDecision { pod: key, source }),
             }

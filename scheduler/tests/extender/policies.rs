@@ -464,7 +464,7 @@ async fn recorded_kube_scheduler_bodies_work_in_both_node_modes() {
 }
 
 #[tokio::test]
-async fn pods_without_gpus_pass_everywhere_and_bind_without_a_decision() {
+async fn pods_without_gpus_pass_everywhere_but_are_not_bound_by_the_extender() {
     let h = Harness::start(test_config()).await;
     h.add_nodes(vec![
         node_with_annotation("plain", None),
@@ -485,9 +485,13 @@ async fn pods_without_gpus_pass_everywhere_and_bind_without_a_decision() {
         .await
         .iter()
         .all(|s| s.score == 0));
-    assert!(h.bind(&p, "plain").await.error.is_empty());
-    let bound = h.api.pod("web").await.expect("pod");
-    assert_eq!(bound["spec"]["nodeName"], "plain");
+    // kube-scheduler binds such a pod itself (it asks for none of the
+    // extender's managedResources); a bind asked of the extender is not
+    // kube-scheduler's, and is refused (hostile::bind_refuses_pods_that_ask_for_no_vgpu).
+    let refused = h.bind(&p, "plain").await.error;
+    assert!(refused.contains("asks for no vGPU resource"), "{refused}");
+    let unbound = h.api.pod("web").await.expect("pod");
+    assert!(unbound["spec"]["nodeName"].is_null());
     assert!(h.decision(&p).await.is_none());
 }
 
