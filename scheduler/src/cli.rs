@@ -2,6 +2,7 @@
 
 use crate::admission::mutate::AdmissionPolicy;
 use crate::api::ApiSource;
+use crate::extender::config::Limits;
 use crate::extender::Config;
 use crate::leader::LeaderConfig;
 use crate::requests::RequestDefaults;
@@ -17,16 +18,36 @@ use vgpu_cluster::resources::ShareResourceFlags;
 /// nodes and GPUs, and binds them.
 ///
 /// Configure kube-scheduler with an extender whose urlPrefix points here
-/// (http(s)://<service>:39999), filterVerb "filter", prioritizeVerb
-/// "prioritize", bindVerb "bind", preemptVerb "preempt", nodeCacheCapable
-/// true (false works too), and the vGPU resources as managedResources,
-/// ignoredByScheduler false for all but the priority (kube-scheduler's
-/// preemption finds victims only among pods taking what it counts).
-/// nvidia-gpu-scheduler's urlPrefix
+/// (http://127.0.0.1:39999 from a kube-scheduler in the same pod, as the
+/// chart runs it), filterVerb "filter", prioritizeVerb "prioritize",
+/// bindVerb "bind", preemptVerb "preempt", nodeCacheCapable true (false
+/// works too, with a larger --max-request-bytes), and the vGPU resources as
+/// managedResources, ignoredByScheduler false for all but the priority
+/// (kube-scheduler's preemption finds victims only among pods taking what
+/// it counts). nvidia-gpu-scheduler's urlPrefix
 /// (.../apis/nvidia-gpu-scheduler/v1/schedule) is answered too.
 /// One replica, or several with --leader-elect: per-node locks are kept in
 /// memory, so only the elected replica filters, prioritizes and binds (the
 /// others answer that they stand by; the webhook is served by all).
+///
+/// Who reaches what: --port serves every endpoint (kube-scheduler's verbs,
+/// which bind pods, /debug/state and the views, which show every vGPU pod,
+/// the webhooks, probes and /metrics) on --address, loopback by default,
+/// where only the pod's own containers reach it. --health-address (the
+/// pod's IP) serves only /healthz, /readyz and /metrics on the same port,
+/// for kubelet's probes and Prometheus. --secure-port serves only what the
+/// API server calls (/webhook/mutate, /convert) and the probes, over HTTPS,
+/// on --secure-address. A kube-scheduler elsewhere (the Elastic GPU
+/// Scheduler's or nvidia-gpu-scheduler's stanza pointing at the Service)
+/// needs --address 0.0.0.0, which lets every pod that reaches the port bind
+/// any pending vGPU pod and read every vGPU pod: allow it only with a
+/// NetworkPolicy that admits that kube-scheduler alone.
+///
+/// Bind refuses pods that ask for no vGPU resource. Every request is read
+/// within limits: headers and body each within --read-timeout-seconds,
+/// bodies of at most --max-request-bytes (a bind's: 64 KiB), a pod of at
+/// most 10,000 JSON objects and 200,000 values, at most 15,000 nodes a
+/// request, --max-connections per listener and --max-watches in all.
 ///
 /// Pod annotations: nvidia.com/use-gputype, nvidia.com/nouse-gputype
 /// (comma lists, matched as case-insensitive substrings of the GPU model),
@@ -36,7 +57,8 @@ use vgpu_cluster::resources::ShareResourceFlags;
 /// vgpu.io/gpucores-burst (percent up to which the pod's capped vGPUs may
 /// borrow idle capacity).
 ///
-/// The Elastic GPU Scheduler's extender stanza works unchanged: urlPrefix
+/// The Elastic GPU Scheduler's extender stanza works unchanged (with
+/// --address 0.0.0.0, see above): urlPrefix
 /// http://<service>:39999/scheduler, prioritizeVerb "priorities", its
 /// Elastic GPU resources as managedResources without ignoredByScheduler
 /// (the device plugin publishes their capacity in the node's status).
@@ -48,12 +70,17 @@ use vgpu_cluster::resources::ShareResourceFlags;
 /// sharedgpu/ labels into vGPU requests (pods naming --scheduler-alias get
 /// --scheduler-name; opportunistic ones --opportunistic-priority-class). The API server calls webhooks
 /// over HTTPS only: with --secure-port, HTTPS is served there and --port
-/// stays plain HTTP for kube-scheduler; without it, --port serves HTTPS.
+/// stays plain HTTP for kube-scheduler; without it, --port serves HTTPS
+/// (every endpoint, on --address).
 #[derive(Debug, Parser)]
 #[command(name = "vgpu-scheduler", version, about, long_about)]
 pub struct Cli {
-    /// Address to listen on.
-    #[arg(long, default_value = "0.0.0.0", value_name = "IP")]
+    /// Address --port listens on, serving every endpoint: loopback, for
+    /// the kube-scheduler in the same pod. 0.0.0.0 exposes kube-scheduler's
+    /// verbs (which bind pods), /debug/state and the views to every client
+    /// that reaches the port: only for a kube-scheduler elsewhere, behind a
+    /// NetworkPolicy.
+    #[arg(long, default_value = "127.0.0.1", value_name = "IP")]
     pub address: IpAddr,
 
     /// Port to listen on: plain HTTP, or HTTPS with --tls-cert/--tls-key
@@ -61,10 +88,53 @@ pub struct Cli {
     #[arg(long, default_value_t = 39999)]
     pub port: u16,
 
+    /// Also listen on this address (the pod's IP) at --port, serving only
+    /// /healthz, /readyz and /metrics, for kubelet's probes and Prometheus.
+    /// Not used when --address already covers it (0.0.0.0, ::).
+    #[arg(long, value_name = "IP")]
+    pub health_address: Option<IpAddr>,
+
     /// A second port, serving HTTPS with --tls-cert/--tls-key (which it
-    /// needs), while --port serves plain HTTP.
+    /// needs), while --port serves plain HTTP. It serves only what the API
+    /// server calls (/webhook/mutate, /convert) and /healthz, /readyz.
     #[arg(long, value_name = "PORT", requires = "tls_cert")]
     pub secure_port: Option<u16>,
+
+    /// Address --secure-port listens on (the API server reaches it through
+    /// the Service).
+    #[arg(long, default_value = "0.0.0.0", value_name = "IP")]
+    pub secure_address: IpAddr,
+
+    /// The largest request body of filter, prioritize, preempt and the
+    /// webhooks (a bind's is at most 64 KiB). The default, 8 MiB, is what a
+    /// 5,000-node cluster needs with nodeCacheCapable: a pod (at most
+    /// 3 MiB) and 5,000 node names (1.22 MiB), or a preemption's victims
+    /// on 500 nodes (2.56 MiB). Without nodeCacheCapable kube-scheduler
+    /// sends whole Node objects (5-20 kB each): raise it to match. Each
+    /// listener holds at most the larger of 32 MiB and this in bodies at
+    /// once.
+    #[arg(long, default_value_t = crate::extender::config::DEFAULT_MAX_BODY_BYTES as u64, value_name = "BYTES",
+          value_parser = clap::value_parser!(u64).range(1024..=1 << 30))]
+    pub max_request_bytes: u64,
+
+    /// How long a request's headers may take to arrive (counted from the
+    /// connection's start or its previous request, so also how long an
+    /// idle connection stays open), and then how long its body may take.
+    /// A slower client's connection is closed (its body answered 408).
+    #[arg(long, default_value_t = 10, value_name = "SECONDS",
+          value_parser = clap::value_parser!(u64).range(1..=3600))]
+    pub read_timeout_seconds: u64,
+
+    /// Connections open at once on each listener; one more is closed as
+    /// soon as it is accepted.
+    #[arg(long, default_value_t = 1024, value_name = "N",
+          value_parser = clap::value_parser!(u32).range(1..=65536))]
+    pub max_connections: u32,
+
+    /// Watches of nvidia-gpu-scheduler's views open at once; one more is
+    /// answered 429.
+    #[arg(long, default_value_t = 64, value_name = "N")]
+    pub max_watches: u32,
 
     /// PEM certificate (chain) for HTTPS; needs --tls-key. Without both, plain HTTP.
     #[arg(long, value_name = "PATH", requires = "tls_key")]
@@ -211,7 +281,27 @@ impl Cli {
                     .filter(|alias| !alias.is_empty()),
                 opportunistic_class: self.opportunistic_priority_class.0.clone(),
             },
+            limits: self.limits(),
         }
+    }
+
+    /// What the servers take from each client.
+    pub fn limits(&self) -> Limits {
+        let read_timeout = Duration::from_secs(self.read_timeout_seconds);
+        Limits {
+            max_body_bytes: usize::try_from(self.max_request_bytes).unwrap_or(usize::MAX),
+            header_timeout: read_timeout,
+            body_timeout: read_timeout,
+            max_connections: self.max_connections as usize,
+            max_watches: self.max_watches as usize,
+        }
+    }
+
+    /// Where --port serves only the probes and metrics besides --address,
+    /// if anywhere: not where --address already listens.
+    pub fn health_listener(&self) -> Option<IpAddr> {
+        self.health_address
+            .filter(|health| !self.address.is_unspecified() && *health != self.address)
     }
 
     /// The leader election the flags ask for, or why they are incomplete.
@@ -316,6 +406,11 @@ mod tests {
         .expect("parse");
         let config = cli.config();
         assert_eq!(cli.port, 8443);
+        // kube-scheduler's verbs on loopback unless asked otherwise.
+        assert_eq!(cli.address, IpAddr::from([127, 0, 0, 1]));
+        assert_eq!(cli.secure_address, IpAddr::from([0, 0, 0, 0]));
+        assert_eq!(config.limits, Limits::default());
+        assert_eq!(cli.health_listener(), None);
         assert_eq!(config.gpu_policy, GpuPolicy::Binpack);
         assert_eq!(config.node_policy, NodePolicy::Spread);
         assert_eq!(config.resources.gpu, "example.com/vgpu");
@@ -354,6 +449,46 @@ mod tests {
                 Cli::try_parse_from(["vgpu-scheduler", "--opportunistic-priority-class", bad])
                     .is_err(),
                 "{bad}"
+            );
+        }
+        let exposed = Cli::try_parse_from([
+            "vgpu-scheduler",
+            "--address",
+            "0.0.0.0",
+            "--health-address",
+            "10.0.0.7",
+            "--max-request-bytes",
+            "134217728",
+            "--read-timeout-seconds",
+            "3",
+            "--max-connections",
+            "10",
+            "--max-watches",
+            "2",
+        ])
+        .expect("parse");
+        assert_eq!(exposed.health_listener(), None, "0.0.0.0 covers it");
+        assert_eq!(
+            exposed.config().limits,
+            Limits {
+                max_body_bytes: 128 << 20,
+                header_timeout: Duration::from_secs(3),
+                body_timeout: Duration::from_secs(3),
+                max_connections: 10,
+                max_watches: 2,
+            }
+        );
+        let probed =
+            Cli::try_parse_from(["vgpu-scheduler", "--health-address", "10.0.0.7"]).expect("parse");
+        assert_eq!(probed.health_listener(), Some(IpAddr::from([10, 0, 0, 7])));
+        for bad in [
+            ["--max-request-bytes", "0"],
+            ["--read-timeout-seconds", "0"],
+            ["--max-connections", "0"],
+        ] {
+            assert!(
+                Cli::try_parse_from(["vgpu-scheduler", bad[0], bad[1]]).is_err(),
+                "{bad:?}"
             );
         }
         let help = Cli::command().render_long_help().to_string();

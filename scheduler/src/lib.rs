@@ -43,6 +43,7 @@ pub mod vocabulary;
 use crate::api::{ApiError, ApiSource, KubeApi};
 use crate::cache::state::SharedState;
 use crate::extender::{Config, Scheduler};
+pub use crate::server::routes::Surface;
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
@@ -67,7 +68,8 @@ pub struct Running {
     server: JoinHandle<()>,
     /// Servers on further listeners ([`Running::serve_also`]).
     more_servers: Vec<JoinHandle<()>>,
-    router: axum::Router,
+    /// What the routers of every listener share.
+    shared: server::routes::Shared,
     watches: Vec<JoinHandle<()>>,
     /// Set once: every server stops accepting.
     shutdown: tokio::sync::watch::Sender<bool>,
@@ -75,9 +77,10 @@ pub struct Running {
     election: Option<(kube::Client, leader::LeaderConfig)>,
 }
 
-/// Starts the extender on `listener`, with its state fed by the API at
-/// `source`. It answers at once; filter and bind refuse until the first
-/// complete lists of pods and nodes are in (`GET /readyz`).
+/// Starts the extender on `listener` (every route: [`Surface::All`]), with
+/// its state fed by the API at `source`. It answers at once; filter and
+/// bind refuse until the first complete lists of pods and nodes are in
+/// (`GET /readyz`).
 pub async fn start(
     config: Config,
     source: &ApiSource,
@@ -105,26 +108,37 @@ pub async fn start(
     )));
     let local_addr = listener.local_addr().map_err(StartError::Listener)?;
     let (shutdown, _) = tokio::sync::watch::channel(false);
-    let router = server::router(
+    let shared = server::routes::Shared::new(
         scheduler.clone(),
         Arc::new(server::metrics::ServerMetrics::new()?),
         shutdown.subscribe(),
     );
-    let server = tokio::spawn(server::serve(
-        listener,
-        router.clone(),
-        tls,
-        stopped(&shutdown),
-    ));
+    let server = spawn_server(&shared, Surface::All, listener, tls, stopped(&shutdown));
     Ok(Running {
         local_addr,
         scheduler,
         server,
         more_servers: Vec::new(),
-        router,
+        shared,
         watches,
         shutdown,
         election: election.map(|e| (client, e)),
+    })
+}
+
+/// Serves the routes of `surface` on `listener` within the configured
+/// limits until `stop` completes.
+fn spawn_server(
+    shared: &server::routes::Shared,
+    surface: Surface,
+    listener: TcpListener,
+    tls: Option<Arc<rustls::ServerConfig>>,
+    stop: impl std::future::Future<Output = ()> + Send + 'static,
+) -> JoinHandle<()> {
+    let router = server::routes::routes(surface, shared);
+    let limits = shared.limits().clone();
+    tokio::spawn(async move {
+        server::serve::serve_with(listener, router, tls, &limits, stop).await;
     })
 }
 
@@ -137,21 +151,25 @@ fn stopped(shutdown: &tokio::sync::watch::Sender<bool>) -> impl std::future::Fut
 }
 
 impl Running {
-    /// Serves the same routes on `listener` too (HTTPS when `tls` is
-    /// given), e.g. plain HTTP for kube-scheduler beside HTTPS for the
-    /// API server's webhooks; answers the address it listens on.
+    /// Serves the routes of `surface` on `listener` too (HTTPS when
+    /// `tls` is given), e.g. the webhooks over HTTPS for the API server
+    /// beside every route on loopback for kube-scheduler; answers the
+    /// address it listens on. Each listener has its own connection limit
+    /// and budget of body bytes.
     pub fn serve_also(
         &mut self,
         listener: TcpListener,
         tls: Option<Arc<rustls::ServerConfig>>,
+        surface: Surface,
     ) -> Result<SocketAddr, StartError> {
         let address = listener.local_addr().map_err(StartError::Listener)?;
-        self.more_servers.push(tokio::spawn(server::serve(
+        self.more_servers.push(spawn_server(
+            &self.shared,
+            surface,
             listener,
-            self.router.clone(),
             tls,
             stopped(&self.shutdown),
-        )));
+        ));
         Ok(address)
     }
 

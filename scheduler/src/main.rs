@@ -4,6 +4,7 @@ use anyhow::Context;
 use clap::Parser;
 use std::net::SocketAddr;
 use vgpu_scheduler::cli::Cli;
+use vgpu_scheduler::Surface;
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
@@ -27,16 +28,32 @@ async fn main() -> anyhow::Result<()> {
     let config = cli.config();
     let election = cli.leader_config()?;
     tracing::info!(
-        "vgpu-scheduler listening on {}://{address} (GPU policy {}, node policy {})",
+        "vgpu-scheduler listening on {}://{address} (every endpoint; GPU policy {}, node policy {})",
         if main_tls.is_some() { "https" } else { "http" },
         config.gpu_policy,
         config.node_policy
     );
+    if !cli.address.is_loopback() {
+        tracing::warn!(
+            "kube-scheduler's verbs, /debug/state and the views are served on {address}: \
+             every client that reaches it can bind pending vGPU pods and read every vGPU pod"
+        );
+    }
     let mut running =
         vgpu_scheduler::start(config, &cli.api_source(), listener, main_tls, election).await?;
     if let Some((port, tls)) = secure {
-        let address = running.serve_also(listen(cli.address, port).await?, tls)?;
-        tracing::info!("vgpu-scheduler listening on https://{address} too");
+        let address = running.serve_also(
+            listen(cli.secure_address, port).await?,
+            tls,
+            Surface::Webhooks,
+        )?;
+        tracing::info!("vgpu-scheduler listening on https://{address} too (webhooks and probes)");
+    }
+    if let Some(health) = cli.health_listener() {
+        // The port --port got (it may have been 0: any).
+        let port = address.port();
+        let address = running.serve_also(listen(health, port).await?, None, Surface::Health)?;
+        tracing::info!("vgpu-scheduler listening on http://{address} too (probes and metrics)");
     }
     // Binds in flight get the time kube-scheduler gives them (5 s) to finish.
     running

@@ -28,6 +28,56 @@ pub struct Config {
     /// How long past its duration a node Lease may go unrenewed before
     /// the node gets no new pods ([`crate::cache::leases`]).
     pub node_lease_grace: Duration,
+    /// What the servers take from each client.
+    pub limits: Limits,
+}
+
+/// The largest body of filter, prioritize, preempt and the webhooks by
+/// default: what a 5,000-node cluster needs with `nodeCacheCapable`
+/// (which the chart sets). A filter or prioritize call carries the pod
+/// (at most 3 MiB: the API server takes no larger JSON body, and stores
+/// at most 1.5 MiB) and the candidates' names (5,000 of at most 253
+/// characters, quoted and separated: 1.22 MiB): 4.22 MiB. A preempt call
+/// carries the pod and, for each of kube-scheduler's candidate nodes (10 %
+/// of 5,000 by default: 500), its name and the UIDs of up to 110 pods
+/// (`{"UID":"<36>"},`, 46 bytes): 500 × (256 + 40 + 110 × 46) = 2.56 MiB,
+/// 5.56 MiB with the pod. An admission review carries one pod (3 MiB).
+/// 8 MiB covers them all. Without `nodeCacheCapable`, kube-scheduler sends
+/// whole Node objects (5 to 20 kB each): raise it (`--max-request-bytes`).
+pub const DEFAULT_MAX_BODY_BYTES: usize = 8 << 20;
+
+/// What the servers take from each client: time, bytes, connections and
+/// watches, so that no client, slow or large, takes the extender's memory
+/// or keeps kube-scheduler's calls from being answered.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Limits {
+    /// The largest request body of filter, prioritize, preempt and the
+    /// webhooks (a bind's is a few hundred bytes: at most 64 KiB).
+    pub max_body_bytes: usize,
+    /// How long a request's headers may take to arrive, counted from the
+    /// connection's start or the end of its previous request (so it is
+    /// also how long an idle kept-alive connection stays open).
+    pub header_timeout: Duration,
+    /// How long a request's body may take to arrive in full.
+    pub body_timeout: Duration,
+    /// Connections open at once on each listener; one more is closed as
+    /// soon as it is accepted.
+    pub max_connections: usize,
+    /// Watches of nvidia-gpu-scheduler's views open at once; one more is
+    /// answered 429.
+    pub max_watches: usize,
+}
+
+impl Default for Limits {
+    fn default() -> Self {
+        Self {
+            max_body_bytes: DEFAULT_MAX_BODY_BYTES,
+            header_timeout: Duration::from_secs(10),
+            body_timeout: Duration::from_secs(10),
+            max_connections: 1024,
+            max_watches: 64,
+        }
+    }
 }
 
 impl Default for Config {
@@ -42,6 +92,7 @@ impl Default for Config {
             scheduler_name: DEFAULT_SCHEDULER_NAME.into(),
             admission: AdmissionPolicy::default(),
             node_lease_grace: DEFAULT_NODE_LEASE_GRACE,
+            limits: Limits::default(),
         }
     }
 }

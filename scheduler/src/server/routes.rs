@@ -1,45 +1,146 @@
-//! The routes: `POST /filter`, `/prioritize`, `/bind`, `/preempt`,
-//! `/webhook/mutate`, `/convert`, `GET /healthz`, `/readyz`, `/metrics`,
-//! `/debug/state` and nvidia-gpu-scheduler's views; also `POST
-//! /priorities` and `/scheduler/{filter,priorities,prioritize,bind}`
-//! (Elastic GPU Scheduler's URLs).
+//! The routes, and which listener serves which ([`Surface`]):
+//!
+//! - [`Surface::All`]: `POST /filter`, `/prioritize`, `/bind`,
+//!   `/preempt` (also `POST /priorities` and
+//!   `/scheduler/{filter,priorities,prioritize,bind,preempt}`, Elastic GPU
+//!   Scheduler's URLs, and nvidia-gpu-scheduler's
+//!   `/apis/nvidia-gpu-scheduler/v1/schedule/...`), `/webhook/mutate`,
+//!   `/convert`, `GET /healthz`, `/readyz`, `/metrics`, `/debug/state` and
+//!   nvidia-gpu-scheduler's views. Served on loopback by default: these
+//!   bind pods and show every vGPU pod, and kube-scheduler calls them from
+//!   the same pod.
+//! - [`Surface::Webhooks`]: what the API server calls
+//!   (`POST /webhook/mutate`, `/convert`) and the probes (`GET /healthz`,
+//!   `/readyz`); the HTTPS port every pod of the cluster can reach.
+//! - [`Surface::Health`]: `GET /healthz`, `/readyz`, `/metrics`, for
+//!   kubelet's probes and Prometheus on the pod's own address.
+//!
+//! Every body is read within the listener's budget and the limits of
+//! [`Limits`] ([`super::body`]); filter, prioritize, preempt and the
+//! webhooks parse one body at a time per listener, so that what parsing
+//! takes (bounded per body by [`crate::bounded`]) is bounded per
+//! listener too.
 
 use crate::admission::conversion::convert;
 use crate::admission::look_up::{look_up, ClaimAnswers, ClaimLookUpError};
 use crate::admission::mutate::{claims_to_look_up, mutate};
-use crate::extender::reply::Reply;
+use crate::extender::config::Limits;
+use crate::extender::reply::{ErrorBody, Reply};
 use crate::extender::Scheduler;
+use crate::server::body::{read_body, BodyError, Budget, ReadBody};
 use crate::server::metrics::{content_type, ServerMetrics, Verb};
 use crate::server::views::{self, View};
-use axum::body::{Body, Bytes};
-use axum::extract::{DefaultBodyLimit, State};
+use axum::body::Body;
+use axum::extract::{Request, State};
 use axum::http::{header, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::Router;
 use std::sync::Arc;
 use std::time::Instant;
+use tokio::sync::{Semaphore, SemaphorePermit};
 
-/// Largest request body accepted (a full `NodeList` of thousands of nodes
-/// when the extender is not `nodeCacheCapable`).
-pub const MAX_BODY_BYTES: usize = 256 << 20;
+/// The largest body of a bind: `ExtenderBindingArgs` is four names of at
+/// most 253 characters.
+pub const MAX_BIND_BODY_BYTES: usize = 64 << 10;
 
-/// What every route is served with.
+/// The least a listener's budget of body bytes held at once is: four
+/// bodies of the default limit (a larger limit gets one body at a time).
+pub const MIN_BODY_BUDGET_BYTES: usize = 32 << 20;
+
+/// Which routes a listener serves.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Surface {
+    /// Everything: kube-scheduler's verbs, the webhooks, the probes,
+    /// metrics, `/debug/state` and the views.
+    All,
+    /// The webhooks the API server calls, and the probes.
+    Webhooks,
+    /// The probes and metrics.
+    Health,
+}
+
+/// What the routers of every listener share.
 #[derive(Clone)]
-struct Served {
+pub struct Shared {
     scheduler: Arc<Scheduler>,
     metrics: Arc<ServerMetrics>,
     /// Becomes true when the servers stop: open watches end.
     stopping: tokio::sync::watch::Receiver<bool>,
+    /// Watches of the views open at once, across listeners.
+    watches: Arc<Semaphore>,
 }
 
-/// The routes; `metrics` records each verb's time and is served at
-/// `GET /metrics`.
+impl Shared {
+    pub fn new(
+        scheduler: Arc<Scheduler>,
+        metrics: Arc<ServerMetrics>,
+        stopping: tokio::sync::watch::Receiver<bool>,
+    ) -> Self {
+        let watches = Arc::new(Semaphore::new(scheduler.config().limits.max_watches));
+        Self {
+            scheduler,
+            metrics,
+            stopping,
+            watches,
+        }
+    }
+
+    /// The limits the extender was configured with.
+    pub fn limits(&self) -> &Limits {
+        &self.scheduler.config().limits
+    }
+}
+
+/// What every route of one listener is served with.
+#[derive(Clone)]
+struct Served {
+    shared: Shared,
+    /// Body bytes held at once by this listener's requests.
+    budget: Budget,
+    /// One body parsed at a time on this listener.
+    parsing: Arc<Semaphore>,
+}
+
+/// Every route ([`Surface::All`]); `metrics` records each verb's time and
+/// is served at `GET /metrics`.
 pub fn router(
     scheduler: Arc<Scheduler>,
     metrics: Arc<ServerMetrics>,
     stopping: tokio::sync::watch::Receiver<bool>,
 ) -> Router {
+    routes(Surface::All, &Shared::new(scheduler, metrics, stopping))
+}
+
+/// The routes of `surface`, with a body budget of their own.
+pub fn routes(surface: Surface, shared: &Shared) -> Router {
+    let served = Served {
+        budget: Budget::new(shared.limits().max_body_bytes.max(MIN_BODY_BUDGET_BYTES)),
+        parsing: Arc::new(Semaphore::new(1)),
+        shared: shared.clone(),
+    };
+    let health = Router::new()
+        .route("/healthz", get(|| async { "ok" }))
+        .route("/readyz", get(readyz));
+    let webhooks = Router::new()
+        .route("/webhook/mutate", post(mutate_pod))
+        .route("/convert", post(convert_resources));
+    let router = match surface {
+        Surface::Health => health.route("/metrics", get(serve_metrics)),
+        Surface::Webhooks => health.merge(webhooks),
+        Surface::All => health
+            .merge(webhooks)
+            .route("/metrics", get(serve_metrics))
+            .merge(verbs())
+            .route("/debug/state", get(debug_state))
+            .route("/apis/nvidia-gpu-scheduler/v1/gpupods", get(gpu_pods))
+            .route("/apis/nvidia-gpu-scheduler/v1/gpunodes", get(gpu_nodes)),
+    };
+    router.with_state(served)
+}
+
+/// kube-scheduler's verbs under every URL prefix answered.
+fn verbs() -> Router<Served> {
     Router::new()
         .route("/filter", post(filter))
         .route("/prioritize", post(prioritize))
@@ -68,20 +169,88 @@ pub fn router(
             "/apis/nvidia-gpu-scheduler/v1/schedule/preempt",
             post(preempt),
         )
-        .route("/webhook/mutate", post(mutate_pod))
-        .route("/convert", post(convert_resources))
-        .route("/healthz", get(|| async { "ok" }))
-        .route("/readyz", get(readyz))
-        .route("/metrics", get(serve_metrics))
-        .route("/debug/state", get(debug_state))
-        .route("/apis/nvidia-gpu-scheduler/v1/gpupods", get(gpu_pods))
-        .route("/apis/nvidia-gpu-scheduler/v1/gpunodes", get(gpu_nodes))
-        .layer(DefaultBodyLimit::max(MAX_BODY_BYTES))
-        .with_state(Served {
-            scheduler,
-            metrics,
-            stopping,
-        })
+}
+
+impl Served {
+    /// Reads a request's body of at most `limit` bytes; the deadline its
+    /// handling keeps to.
+    async fn body(
+        &self,
+        request: Request,
+        limit: usize,
+    ) -> Result<(ReadBody, tokio::time::Instant), Response> {
+        let deadline = tokio::time::Instant::now() + self.shared.limits().body_timeout;
+        let announced = request
+            .headers()
+            .get(header::CONTENT_LENGTH)
+            .and_then(|value| value.to_str().ok())
+            .and_then(|value| value.parse::<u64>().ok());
+        match read_body(
+            request.into_body(),
+            announced,
+            limit,
+            deadline,
+            &self.budget,
+        )
+        .await
+        {
+            Ok(body) => Ok((body, deadline)),
+            Err(error) => Err(refused(&error)),
+        }
+    }
+
+    /// This listener's turn to parse, waited for until `deadline`.
+    async fn parse_turn(
+        &self,
+        deadline: tokio::time::Instant,
+    ) -> Result<SemaphorePermit<'_>, Response> {
+        match tokio::time::timeout_at(deadline, self.parsing.acquire()).await {
+            Ok(Ok(turn)) => Ok(turn),
+            Ok(Err(_)) | Err(_) => Err(refused(&BodyError::Busy)),
+        }
+    }
+
+    /// A verb answered from its body alone, in one turn of parsing.
+    async fn parsed(
+        &self,
+        request: Request,
+        verb: Verb,
+        answer: impl FnOnce(&Scheduler, &[u8]) -> Reply,
+    ) -> Response {
+        let started = Instant::now();
+        let (body, deadline) = match self
+            .body(request, self.shared.limits().max_body_bytes)
+            .await
+        {
+            Ok(read) => read,
+            Err(response) => return response,
+        };
+        let reply = match self.parse_turn(deadline).await {
+            Ok(_turn) => answer(&self.shared.scheduler, &body.bytes),
+            Err(response) => return response,
+        };
+        self.shared.metrics.observe(verb, started.elapsed());
+        respond(reply)
+    }
+}
+
+/// The answer to a body that was not read; the connection is closed after
+/// it, as what is left of the body is not read.
+fn refused(error: &BodyError) -> Response {
+    let status = StatusCode::from_u16(error.status()).unwrap_or(StatusCode::BAD_REQUEST);
+    tracing::debug!(error = error as &dyn std::error::Error, "request refused");
+    let reply = Reply::json(
+        status.as_u16(),
+        &ErrorBody {
+            error: error.to_string(),
+        },
+    );
+    let mut response = respond(reply);
+    response.headers_mut().insert(
+        header::CONNECTION,
+        axum::http::HeaderValue::from_static("close"),
+    );
+    response
 }
 
 fn respond(reply: Reply) -> Response {
@@ -94,38 +263,72 @@ fn respond(reply: Reply) -> Response {
         .into_response()
 }
 
-async fn filter(State(served): State<Served>, body: Bytes) -> Response {
+async fn filter(State(served): State<Served>, request: Request) -> Response {
+    served
+        .parsed(request, Verb::Filter, |scheduler, body| {
+            scheduler.filter(body)
+        })
+        .await
+}
+
+async fn preempt(State(served): State<Served>, request: Request) -> Response {
+    served
+        .parsed(request, Verb::Preempt, |scheduler, body| {
+            scheduler.preempt(body)
+        })
+        .await
+}
+
+async fn prioritize(State(served): State<Served>, request: Request) -> Response {
+    served
+        .parsed(request, Verb::Prioritize, |scheduler, body| {
+            scheduler.prioritize(body)
+        })
+        .await
+}
+
+async fn convert_resources(State(served): State<Served>, request: Request) -> Response {
+    served
+        .parsed(request, Verb::Convert, |_, body| {
+            let reply = convert(body);
+            Reply {
+                status: reply.status,
+                body: reply.body,
+            }
+        })
+        .await
+}
+
+async fn bind(State(served): State<Served>, request: Request) -> Response {
     let started = Instant::now();
-    let reply = served.scheduler.filter(&body);
-    served.metrics.observe(Verb::Filter, started.elapsed());
+    // Binds are not parsed in turns: their bodies are small, and a bind
+    // may wait seconds for its node.
+    let (body, _) = match served.body(request, MAX_BIND_BODY_BYTES).await {
+        Ok(read) => read,
+        Err(response) => return response,
+    };
+    let reply = served.shared.scheduler.bind(&body.bytes).await;
+    served.shared.metrics.observe(Verb::Bind, started.elapsed());
     respond(reply)
 }
 
-async fn preempt(State(served): State<Served>, body: Bytes) -> Response {
+async fn mutate_pod(State(served): State<Served>, request: Request) -> Response {
     let started = Instant::now();
-    let reply = served.scheduler.preempt(&body);
-    served.metrics.observe(Verb::Preempt, started.elapsed());
-    respond(reply)
-}
-
-async fn prioritize(State(served): State<Served>, body: Bytes) -> Response {
-    let started = Instant::now();
-    let reply = served.scheduler.prioritize(&body);
-    served.metrics.observe(Verb::Prioritize, started.elapsed());
-    respond(reply)
-}
-
-async fn bind(State(served): State<Served>, body: Bytes) -> Response {
-    let started = Instant::now();
-    let reply = served.scheduler.bind(&body).await;
-    served.metrics.observe(Verb::Bind, started.elapsed());
-    respond(reply)
-}
-
-async fn mutate_pod(State(served): State<Served>, body: Bytes) -> Response {
-    let started = Instant::now();
-    let config = served.scheduler.config();
-    let claims = match (claims_to_look_up(&body), served.scheduler.api()) {
+    let (body, deadline) = match served
+        .body(request, served.shared.limits().max_body_bytes)
+        .await
+    {
+        Ok(read) => read,
+        Err(response) => return response,
+    };
+    let scheduler = &served.shared.scheduler;
+    let config = scheduler.config();
+    // Parsed in two turns, the claims looked up between them.
+    let wanted = match served.parse_turn(deadline).await {
+        Ok(_turn) => claims_to_look_up(&body.bytes),
+        Err(response) => return response,
+    };
+    let claims = match (wanted, scheduler.api()) {
         (Some((namespace, names)), Some(api)) => look_up(api, &namespace, &names).await,
         (Some((_, names)), None) => names
             .into_iter()
@@ -133,24 +336,20 @@ async fn mutate_pod(State(served): State<Served>, body: Bytes) -> Response {
             .collect(),
         (None, _) => ClaimAnswers::new(),
     };
-    let reply = mutate(
-        &body,
-        &config.scheduler_name,
-        &config.resources,
-        &config.admission,
-        &claims,
-    );
-    served.metrics.observe(Verb::Mutate, started.elapsed());
-    respond(Reply {
-        status: reply.status,
-        body: reply.body,
-    })
-}
-
-async fn convert_resources(State(served): State<Served>, body: Bytes) -> Response {
-    let started = Instant::now();
-    let reply = convert(&body);
-    served.metrics.observe(Verb::Convert, started.elapsed());
+    let reply = match served.parse_turn(deadline).await {
+        Ok(_turn) => mutate(
+            &body.bytes,
+            &config.scheduler_name,
+            &config.resources,
+            &config.admission,
+            &claims,
+        ),
+        Err(response) => return response,
+    };
+    served
+        .shared
+        .metrics
+        .observe(Verb::Mutate, started.elapsed());
     respond(Reply {
         status: reply.status,
         body: reply.body,
@@ -158,7 +357,7 @@ async fn convert_resources(State(served): State<Served>, body: Bytes) -> Respons
 }
 
 async fn readyz(State(served): State<Served>) -> Response {
-    if served.scheduler.ready() {
+    if served.shared.scheduler.ready() {
         (StatusCode::OK, "ok").into_response()
     } else {
         (
@@ -170,7 +369,7 @@ async fn readyz(State(served): State<Served>) -> Response {
 }
 
 async fn serve_metrics(State(served): State<Served>) -> Response {
-    match served.metrics.render() {
+    match served.shared.metrics.render() {
         Ok(text) => (
             StatusCode::OK,
             [(header::CONTENT_TYPE, content_type())],
@@ -188,23 +387,25 @@ async fn serve_metrics(State(served): State<Served>) -> Response {
 }
 
 async fn debug_state(State(served): State<Served>) -> Response {
-    respond(served.scheduler.debug_state())
+    respond(served.shared.scheduler.debug_state())
 }
 
 async fn gpu_pods(State(served): State<Served>, uri: axum::http::Uri) -> Response {
     views::serve(
         View::GpuPods,
-        served.scheduler,
+        served.shared.scheduler,
         uri.query(),
-        served.stopping,
+        served.shared.stopping,
+        &served.shared.watches,
     )
 }
 
 async fn gpu_nodes(State(served): State<Served>, uri: axum::http::Uri) -> Response {
     views::serve(
         View::GpuNodes,
-        served.scheduler,
+        served.shared.scheduler,
         uri.query(),
-        served.stopping,
+        served.shared.stopping,
+        &served.shared.watches,
     )
 }

@@ -1,5 +1,11 @@
-//! Serving a router on a listener, HTTP or HTTPS, with a graceful stop.
+//! Serving a router on a listener, HTTP or HTTPS, with a graceful stop,
+//! within the connection limits of [`Limits`]: at most `max_connections`
+//! at once (one more is closed as soon as it is accepted, so it learns at
+//! once rather than waiting in the kernel's queue), headers within
+//! `header_timeout` (which also closes idle kept-alive connections), and
+//! a read buffer of at most [`MAX_READ_BUFFER`] each.
 
+use crate::extender::config::Limits;
 use axum::Router;
 use hyper_util::rt::{TokioIo, TokioTimer};
 use hyper_util::service::TowerToHyperService;
@@ -7,20 +13,42 @@ use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
 use tokio::net::TcpListener;
+use tokio::sync::Semaphore;
 use tokio::task::JoinSet;
 
-/// Serves `router` on `listener` (HTTPS when `tls` is given) until
-/// `shutdown` completes; then stops accepting, lets requests in flight
-/// finish and closes idle connections. Dropping the future closes every
-/// connection at once.
+/// The most a connection buffers of what its client sends before it is
+/// handled: headers must fit (kube-scheduler's and the API server's are a
+/// few hundred bytes), and bodies pass through it in pieces this large.
+/// hyper's default (about 400 KiB) would let each slow client pin that
+/// much with unfinished headers.
+pub const MAX_READ_BUFFER: usize = 16 << 10;
+
+/// Serves `router` on `listener` (HTTPS when `tls` is given) with the
+/// default [`Limits`] until `shutdown` completes.
 pub async fn serve(
     listener: TcpListener,
     router: Router,
     tls: Option<Arc<rustls::ServerConfig>>,
     shutdown: impl Future<Output = ()>,
 ) {
+    serve_with(listener, router, tls, &Limits::default(), shutdown).await;
+}
+
+/// Serves `router` on `listener` (HTTPS when `tls` is given) within
+/// `limits` until `shutdown` completes; then stops accepting, lets
+/// requests in flight finish and closes idle connections. Dropping the
+/// future closes every connection at once.
+pub async fn serve_with(
+    listener: TcpListener,
+    router: Router,
+    tls: Option<Arc<rustls::ServerConfig>>,
+    limits: &Limits,
+    shutdown: impl Future<Output = ()>,
+) {
     let acceptor = tls.map(tokio_rustls::TlsAcceptor::from);
     let (closing, closing_receiver) = tokio::sync::watch::channel(false);
+    let slots = Arc::new(Semaphore::new(limits.max_connections));
+    let header_timeout = limits.header_timeout;
     let mut connections = JoinSet::new();
     tokio::pin!(shutdown);
     loop {
@@ -36,16 +64,26 @@ pub async fn serve(
                         continue;
                     }
                 };
+                let Ok(slot) = slots.clone().try_acquire_owned() else {
+                    tracing::debug!(
+                        "connection from {peer} closed: {} connections are open already",
+                        limits.max_connections
+                    );
+                    drop(stream);
+                    continue;
+                };
                 let _ = stream.set_nodelay(true);
                 let service = TowerToHyperService::new(router.clone());
                 let acceptor = acceptor.clone();
                 let closing = closing_receiver.clone();
                 connections.spawn(async move {
+                    // Held until the connection ends.
+                    let _slot = slot;
                     match acceptor {
-                        None => serve_connection(stream, service, closing, peer).await,
+                        None => serve_connection(stream, service, closing, peer, header_timeout).await,
                         Some(acceptor) => {
-                            match tokio::time::timeout(Duration::from_secs(10), acceptor.accept(stream)).await {
-                                Ok(Ok(tls)) => serve_connection(tls, service, closing, peer).await,
+                            match tokio::time::timeout(header_timeout, acceptor.accept(stream)).await {
+                                Ok(Ok(tls)) => serve_connection(tls, service, closing, peer, header_timeout).await,
                                 Ok(Err(error)) => tracing::debug!(error = &error as &dyn std::error::Error, "TLS handshake with {peer} failed"),
                                 Err(_) => tracing::debug!("TLS handshake with {peer} timed out"),
                             }
@@ -64,13 +102,15 @@ async fn serve_connection<I>(
     service: TowerToHyperService<Router>,
     mut closing: tokio::sync::watch::Receiver<bool>,
     peer: std::net::SocketAddr,
+    header_timeout: Duration,
 ) where
     I: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
 {
     let mut builder = hyper::server::conn::http1::Builder::new();
     builder
         .timer(TokioTimer::new())
-        .header_read_timeout(Duration::from_secs(30));
+        .header_read_timeout(header_timeout)
+        .max_buf_size(MAX_READ_BUFFER);
     let connection = builder.serve_connection(TokioIo::new(io), service);
     tokio::pin!(connection);
     let result = tokio::select! {

@@ -8,9 +8,10 @@
 //! them, one JSON object per line, `{"type": "ADDED" | "MODIFIED" |
 //! "DELETED", "object": {...}}`: first every current object as `ADDED`,
 //! then each change as the state changes. A watch ends after
-//! `timeoutSeconds` (default 1800, as the API server's), or when the
-//! extender stops; clients watch again, as they do with the API server.
-//! Both answer 503 until the extender has listed the cluster once.
+//! `timeoutSeconds` (default 1800, as the API server's; at most 3600), or
+//! when the extender stops; clients watch again, as they do with the API
+//! server. At most `--max-watches` are open at once (another is answered
+//! 429). Both answer 503 until the extender has listed the cluster once.
 //!
 //! A `GPUPod` is a pod with a vGPU decision: `spec` holds the node and,
 //! per container, the GPUs with memory and compute it was given; `status`
@@ -29,12 +30,16 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Duration;
 use thiserror::Error;
-use tokio::sync::watch;
+use tokio::sync::{watch, OwnedSemaphorePermit, Semaphore};
 
 /// The views' group and version.
 pub const API_VERSION: &str = "nvidia-gpu-scheduler/v1";
 /// How long a watch lasts unless `timeoutSeconds` says otherwise.
 const DEFAULT_WATCH_TIMEOUT: Duration = Duration::from_secs(1800);
+/// The longest `timeoutSeconds` honoured: a longer one is cut to it (the
+/// client then watches again, as after any timeout), so a deadline never
+/// lies beyond what an `Instant` can hold.
+pub const MAX_WATCH_TIMEOUT: Duration = Duration::from_secs(3600);
 
 /// Which view.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -138,7 +143,7 @@ pub fn parse_query(query: Option<&str>) -> Result<Query, QueryError> {
                 let seconds: u64 = value
                     .parse()
                     .map_err(|_| QueryError::Timeout(value.to_string()))?;
-                parsed.timeout = Duration::from_secs(seconds);
+                parsed.timeout = Duration::from_secs(seconds).min(MAX_WATCH_TIMEOUT);
             }
             _ => {}
         }
@@ -189,12 +194,13 @@ fn error(status: StatusCode, message: &str) -> Response {
 }
 
 /// Answers `GET` of `view` with `query`; a watch ends when `stopping`
-/// becomes true.
+/// becomes true, and holds one of `watches` while it lasts.
 pub fn serve(
     view: View,
     scheduler: Arc<Scheduler>,
     query: Option<&str>,
     stopping: watch::Receiver<bool>,
+    watches: &Arc<Semaphore>,
 ) -> Response {
     let query = match parse_query(query) {
         Ok(query) => query,
@@ -222,7 +228,14 @@ pub fn serve(
         )
             .into_response();
     }
-    let stream = watch_stream(view, scheduler, query.timeout, stopping);
+    let Ok(slot) = watches.clone().try_acquire_owned() else {
+        let open = scheduler.config().limits.max_watches;
+        return error(
+            StatusCode::TOO_MANY_REQUESTS,
+            &format!("vgpu-scheduler serves {open} watches at once, all open now; retry shortly"),
+        );
+    };
+    let stream = watch_stream(view, scheduler, query.timeout, stopping, slot);
     (
         StatusCode::OK,
         [(header::CONTENT_TYPE, "application/json")],
@@ -239,6 +252,8 @@ struct Watching {
     stopping: watch::Receiver<bool>,
     deadline: tokio::time::Instant,
     sent: BTreeMap<String, Value>,
+    /// One of the watches open at once, given back when the watch ends.
+    _slot: OwnedSemaphorePermit,
 }
 
 fn watch_stream(
@@ -246,14 +261,19 @@ fn watch_stream(
     scheduler: Arc<Scheduler>,
     timeout: Duration,
     stopping: watch::Receiver<bool>,
+    slot: OwnedSemaphorePermit,
 ) -> impl futures_util::Stream<Item = Result<Bytes, std::convert::Infallible>> {
+    let now = tokio::time::Instant::now();
     let watching = Watching {
         view,
         changes: scheduler.state().subscribe(),
         scheduler,
         stopping,
-        deadline: tokio::time::Instant::now() + timeout,
+        // Checked: a query cannot make the deadline overflow, whatever
+        // it asks for.
+        deadline: now.checked_add(timeout).unwrap_or(now + MAX_WATCH_TIMEOUT),
         sent: BTreeMap::new(),
+        _slot: slot,
     };
     futures_util::stream::unfold(watching, |mut watching| async move {
         loop {
@@ -305,6 +325,10 @@ mod tests {
             .expect_err("refused")
             .to_string();
         assert!(bad.contains("timeoutSeconds=\"-1\""), "{bad}");
+        // The largest number there is: cut to the longest watch, not an
+        // overflow when the deadline is computed.
+        let longest = parse_query(Some("watch=true&timeoutSeconds=18446744073709551615"));
+        assert_eq!(longest.map(|q| q.timeout), Ok(MAX_WATCH_TIMEOUT));
     }
 
     #[test]

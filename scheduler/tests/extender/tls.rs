@@ -8,10 +8,11 @@ use std::sync::Arc;
 use std::time::Duration;
 use vgpu_scheduler::api::ApiSource;
 use vgpu_scheduler::server::{tls_config, ServerError};
+use vgpu_scheduler::Surface;
 use vgpu_testkit::extender_client::ExtenderClient;
 
 /// One request over HTTPS, trusting only the test CA; returns status and body.
-async fn https(
+pub async fn https(
     addr: std::net::SocketAddr,
     method: &str,
     path: &str,
@@ -122,7 +123,7 @@ async fn plain_http_for_kube_scheduler_beside_https_for_webhooks() {
         .await
         .expect("listen");
     let secure = running
-        .serve_also(listener, Some(tls))
+        .serve_also(listener, Some(tls), Surface::Webhooks)
         .expect("second port");
     assert!(running.wait_ready(Duration::from_secs(20)).await);
 
@@ -146,6 +147,22 @@ async fn plain_http_for_kube_scheduler_beside_https_for_webhooks() {
     assert_eq!(status, 200, "{review}");
     assert!(review.contains(r#""allowed":true"#), "{review}");
     assert!(ExtenderClient::new(secure).get("/healthz").await.is_err());
+    // The webhook port serves the API server's calls and the probes, not
+    // kube-scheduler's verbs nor what the extender knows.
+    let (status, health) = https(secure, "GET", "/healthz", Vec::new()).await;
+    assert_eq!((status, health.as_str()), (200, "ok"));
+    for (method, path) in [
+        ("POST", "/filter"),
+        ("POST", "/bind"),
+        ("POST", "/scheduler/bind"),
+        ("POST", "/apis/nvidia-gpu-scheduler/v1/schedule/bind"),
+        ("GET", "/debug/state"),
+        ("GET", "/apis/nvidia-gpu-scheduler/v1/gpupods"),
+        ("GET", "/metrics"),
+    ] {
+        let (status, _) = https(secure, method, path, fixture_bytes("bind_args.json")).await;
+        assert_eq!(status, 404, "{method} {path} on the webhook port");
+    }
     running.stop();
 }
 
