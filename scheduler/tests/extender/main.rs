@@ -8,6 +8,7 @@ mod elastic_claims;
 mod errors;
 mod groups;
 mod harness;
+mod hostile;
 mod policies;
 mod preempt;
 mod rejections;

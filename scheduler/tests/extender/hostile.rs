@@ -1,0 +1,901 @@
+//! Attacks on the extender by a client that is neither the kube-scheduler
+//! beside it nor the API server (issue 32, item 2). Each test here failed
+//! before the defence it checks: the rows of docs/threat-model.md's
+//! "Attacks tested".
+//!
+//! Some run the extender's binary in a process of its own, as the chart
+//! runs it, to see what it listens on and how much memory it takes
+//! (`VGPU_SCHEDULER_BINARY` names another build to run, e.g. a release
+//! one, or an older one to see it fail); the others run it in the test, on
+//! a real API server.
+
+use crate::harness::*;
+use serde_json::json;
+use std::net::{IpAddr, SocketAddr};
+use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpStream;
+use vgpu_scheduler::bounded::{check_shape, POD_SHAPE};
+use vgpu_scheduler::extender::config::Limits;
+use vgpu_scheduler::extender::Config;
+use vgpu_testkit::extender_client::ExtenderClient;
+
+// ---------------------------------------------------------------------
+// The extender as a process of its own.
+
+/// The extender binary, started with `args` against an API server that
+/// is not there (its endpoints answer all the same), killed on drop.
+struct Process {
+    child: Child,
+    lines: Arc<Mutex<Vec<String>>>,
+}
+
+impl Process {
+    fn start(args: &[&str]) -> Self {
+        let dead = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+        let api = format!("http://{}", dead.local_addr().expect("addr"));
+        drop(dead);
+        let binary = std::env::var("VGPU_SCHEDULER_BINARY")
+            .unwrap_or_else(|_| env!("CARGO_BIN_EXE_vgpu-scheduler").to_string());
+        let mut child = Command::new(&binary)
+            .args(["--api-server", &api, "--port", "0", "--log-level", "info"])
+            .args(args)
+            .env("NO_COLOR", "1")
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap_or_else(|error| panic!("starting {binary}: {error}"));
+        let stderr = child.stderr.take().expect("piped stderr");
+        let lines = Arc::new(Mutex::new(Vec::new()));
+        let sink = lines.clone();
+        std::thread::spawn(move || {
+            use std::io::BufRead;
+            for line in std::io::BufReader::new(stderr).lines() {
+                let Ok(line) = line else { break };
+                sink.lock().expect("log lines").push(line);
+            }
+        });
+        Self { child, lines }
+    }
+
+    /// The address of the first log line saying `marker`, waited for.
+    fn address(&self, marker: &str) -> SocketAddr {
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            let found = self
+                .lines
+                .lock()
+                .expect("log lines")
+                .iter()
+                .find(|line| line.contains(marker))
+                .cloned();
+            if let Some(line) = found {
+                return address_in(&line);
+            }
+            assert!(
+                Instant::now() < deadline,
+                "no {marker:?} in the log: {:?}",
+                self.lines.lock().expect("log lines")
+            );
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
+
+    fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
+    /// A line of `/proc/<pid>/status`, in kB.
+    fn status_kib(&self, field: &str) -> u64 {
+        let status = std::fs::read_to_string(format!("/proc/{}/status", self.pid()))
+            .expect("the extender is running");
+        status
+            .lines()
+            .find_map(|line| line.strip_prefix(field))
+            .and_then(|rest| rest.trim().trim_end_matches("kB").trim().parse().ok())
+            .unwrap_or_else(|| panic!("{field} in {status}"))
+    }
+
+    fn running(&mut self) -> bool {
+        matches!(self.child.try_wait(), Ok(None))
+    }
+}
+
+impl Drop for Process {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// The `ip:port` after `://` in a log line; an unspecified IP (the old
+/// default, 0.0.0.0) is reached on loopback.
+fn address_in(line: &str) -> SocketAddr {
+    let start = line.find("://").expect("an address in the line") + 3;
+    let text: String = line[start..]
+        .chars()
+        .take_while(|c| !c.is_whitespace())
+        .collect();
+    let address: SocketAddr = text.parse().unwrap_or_else(|_| panic!("{text:?}"));
+    if address.ip().is_unspecified() {
+        SocketAddr::new(IpAddr::from([127, 0, 0, 1]), address.port())
+    } else {
+        address
+    }
+}
+
+/// The IPv4 addresses listening on `port`, from `/proc/net/tcp`.
+fn listening_on(port: u16) -> Vec<IpAddr> {
+    let table = std::fs::read_to_string("/proc/net/tcp").expect("/proc/net/tcp");
+    table
+        .lines()
+        .skip(1)
+        .filter_map(|line| {
+            let fields: Vec<&str> = line.split_whitespace().collect();
+            let (ip, local_port) = fields.get(1)?.split_once(':')?;
+            // 0A: LISTEN.
+            if fields.get(3) != Some(&"0A") || u16::from_str_radix(local_port, 16).ok()? != port {
+                return None;
+            }
+            let ip = u32::from_str_radix(ip, 16).ok()?;
+            Some(IpAddr::from(ip.to_le_bytes()))
+        })
+        .collect()
+}
+
+/// One request on a connection of its own; `None` when the server closed
+/// it without an answer.
+async fn request(addr: SocketAddr, method: &str, path: &str, body: &[u8]) -> Option<(u16, String)> {
+    let mut stream = TcpStream::connect(addr).await.ok()?;
+    let head = format!(
+        "{method} {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
+        body.len()
+    );
+    stream.write_all(head.as_bytes()).await.ok()?;
+    let _ = stream.write_all(body).await;
+    let answer = read_until_closed(&mut stream, Duration::from_secs(30)).await?;
+    let text = String::from_utf8_lossy(&answer).into_owned();
+    let status = text.get(9..12)?.parse().ok()?;
+    let body = text.split_once("\r\n\r\n").map_or("", |(_, b)| b);
+    Some((status, body.to_string()))
+}
+
+/// What the server sends until it closes the connection; `None` if it
+/// is still open after `within`.
+async fn read_until_closed(stream: &mut TcpStream, within: Duration) -> Option<Vec<u8>> {
+    let deadline = tokio::time::Instant::now() + within;
+    let mut got = Vec::new();
+    let mut buffer = [0u8; 4096];
+    loop {
+        match tokio::time::timeout_at(deadline, stream.read(&mut buffer)).await {
+            Err(_) => return None,
+            Ok(Ok(0)) | Ok(Err(_)) => return Some(got),
+            Ok(Ok(n)) => got.extend_from_slice(&buffer[..n]),
+        }
+    }
+}
+
+#[tokio::test]
+async fn the_verbs_are_served_on_loopback_and_the_webhook_port_serves_only_webhooks() {
+    // 127.0.0.2 stands for the pod's IP: another address of this machine.
+    let tls = fixture_path("tls");
+    let (cert, key) = (tls.join("server.pem"), tls.join("server.key"));
+    let extender = Process::start(&[
+        "--health-address",
+        "127.0.0.2",
+        "--secure-port",
+        "0",
+        "--tls-cert",
+        cert.to_str().expect("path"),
+        "--tls-key",
+        key.to_str().expect("path"),
+    ]);
+    let main = extender.address("(every endpoint");
+    let health = extender.address("(probes and metrics)");
+    let secure = extender.address("(webhooks and probes)");
+    assert_eq!(
+        main.ip(),
+        IpAddr::from([127, 0, 0, 1]),
+        "loopback by default"
+    );
+    assert_eq!(
+        health,
+        SocketAddr::new(IpAddr::from([127, 0, 0, 2]), main.port())
+    );
+    // Nothing else listens on the verbs' port: not 0.0.0.0.
+    let mut on_port = listening_on(main.port());
+    on_port.sort();
+    assert_eq!(
+        on_port,
+        vec![IpAddr::from([127, 0, 0, 1]), IpAddr::from([127, 0, 0, 2])]
+    );
+    assert_eq!(
+        listening_on(secure.port()),
+        vec![IpAddr::from([0, 0, 0, 0])]
+    );
+
+    let bind = fixture_bytes("bind_args.json");
+    // On loopback, everything; on the pod's address, probes and metrics only.
+    let (status, _) = request(main, "GET", "/debug/state", b"")
+        .await
+        .expect("answer");
+    assert_eq!(status, 200);
+    let (status, body) = request(main, "POST", "/bind", &bind).await.expect("answer");
+    assert_eq!(status, 200, "{body}");
+    for (path, expected) in [("/healthz", 200), ("/readyz", 503), ("/metrics", 200)] {
+        let (status, _) = request(health, "GET", path, b"").await.expect("answer");
+        assert_eq!(status, expected, "{path} on the pod's address");
+    }
+    for (method, path) in [
+        ("POST", "/bind"),
+        ("POST", "/scheduler/bind"),
+        ("POST", "/apis/nvidia-gpu-scheduler/v1/schedule/bind"),
+        ("POST", "/filter"),
+        ("POST", "/webhook/mutate"),
+        ("GET", "/debug/state"),
+        ("GET", "/apis/nvidia-gpu-scheduler/v1/gpupods"),
+    ] {
+        let (status, _) = request(health, method, path, &bind).await.expect("answer");
+        assert_eq!(status, 404, "{method} {path} on the pod's address");
+    }
+    // The webhook port: the API server's calls and the probes, over HTTPS.
+    let (status, review) = crate::tls::https(
+        secure,
+        "POST",
+        "/webhook/mutate",
+        fixture_bytes("admission_review.json"),
+    )
+    .await;
+    assert_eq!(status, 200, "{review}");
+    for (method, path) in [
+        ("POST", "/bind"),
+        ("POST", "/filter"),
+        ("GET", "/debug/state"),
+        ("GET", "/apis/nvidia-gpu-scheduler/v1/gpunodes"),
+    ] {
+        let (status, _) = crate::tls::https(secure, method, path, bind.clone()).await;
+        assert_eq!(status, 404, "{method} {path} on the webhook port");
+    }
+}
+
+/// `{"Pod":{"metadata":{"name":"<filler>"}},"NodeNames":[]}` of exactly
+/// `size` bytes.
+fn big_string_body(size: usize) -> Vec<u8> {
+    let (head, tail) = (
+        br#"{"Pod":{"metadata":{"name":""#,
+        br#""}},"NodeNames":[]}"#,
+    );
+    let mut body = Vec::with_capacity(size);
+    body.extend_from_slice(head);
+    body.resize(size - tail.len(), b'a');
+    body.extend_from_slice(tail);
+    body
+}
+
+/// Sends `body` in pieces (announced with `Content-Length`, or chunked),
+/// as long as the server reads, reading what it answers meanwhile; the
+/// status it sent, if any.
+async fn send_large(addr: SocketAddr, path: &str, body: &[u8], announced: bool) -> Option<u16> {
+    let stream = TcpStream::connect(addr).await.expect("connect");
+    let (mut reader, mut writer) = stream.into_split();
+    let answer = tokio::spawn(async move {
+        let mut got = Vec::new();
+        let mut buffer = [0u8; 4096];
+        loop {
+            match reader.read(&mut buffer).await {
+                Ok(0) | Err(_) => return got,
+                Ok(n) => got.extend_from_slice(&buffer[..n]),
+            }
+        }
+    });
+    let head = if announced {
+        format!(
+            "POST {path} HTTP/1.1\r\nHost: x\r\nContent-Length: {}\r\n\r\n",
+            body.len()
+        )
+    } else {
+        format!("POST {path} HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n")
+    };
+    let mut sending = writer.write_all(head.as_bytes()).await.is_ok();
+    for piece in body.chunks(1 << 20) {
+        if !sending {
+            break;
+        }
+        sending = if announced {
+            writer.write_all(piece).await.is_ok()
+        } else {
+            let mut chunk = format!("{:x}\r\n", piece.len()).into_bytes();
+            chunk.extend_from_slice(piece);
+            chunk.extend_from_slice(b"\r\n");
+            writer.write_all(&chunk).await.is_ok()
+        };
+    }
+    if sending && !announced {
+        let _ = writer.write_all(b"0\r\n\r\n").await;
+    }
+    let answer = tokio::time::timeout(Duration::from_secs(60), answer)
+        .await
+        .ok()?
+        .ok()?;
+    String::from_utf8_lossy(&answer).get(9..12)?.parse().ok()
+}
+
+/// A pod of `volumes` volumes of 12 bytes each: the pod that costs the
+/// most memory per byte when parsed (3,280 bytes a `Volume`).
+fn pod_of_tiny_volumes(volumes: usize) -> serde_json::Value {
+    let mut pod = pod("tiny-volumes", &[vgpu("main", 1, 1024, 10)], &[]);
+    pod["spec"]["volumes"] = json!(vec![json!({ "name": "" }); volumes]);
+    pod
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_256_mib_body_leaves_the_extender_up_with_its_memory_bounded() {
+    let mut extender = Process::start(&[]);
+    let main = extender.address("listening on http");
+    let (status, _) = request(main, "GET", "/healthz", b"")
+        .await
+        .expect("healthz");
+    assert_eq!(status, 200);
+    let before = extender.status_kib("VmHWM:");
+
+    // Two bodies of 256 MiB at once, one announced and one chunked, and
+    // four pods as costly to parse as the limits let through (all but a
+    // few of their 10,000 objects tiny volumes, with 15,000 node names) to
+    // filter, prioritize and the webhook, at once.
+    let huge = Arc::new(big_string_body(256 << 20));
+    let mut attacks = tokio::task::JoinSet::new();
+    for (label, path, announced) in [
+        ("256 MiB announced", "/filter", true),
+        ("256 MiB chunked", "/webhook/mutate", false),
+    ] {
+        let huge = huge.clone();
+        attacks.spawn(async move {
+            let status = send_large(main, path, &huge, announced).await;
+            (label, status, String::new())
+        });
+    }
+    let volumes = (1..=POD_SHAPE.objects)
+        .rev()
+        .find(|&n| check_shape(&pod_of_tiny_volumes(n).to_string(), POD_SHAPE).is_ok())
+        .expect("a pod within the limits");
+    let costly_pod = pod_of_tiny_volumes(volumes);
+    let names: Vec<String> = (0..15_000).map(|i| format!("node-{i:05}")).collect();
+    let costly = json!({ "Pod": costly_pod, "NodeNames": names })
+        .to_string()
+        .into_bytes();
+    let review = json!({
+        "apiVersion": "admission.k8s.io/v1",
+        "kind": "AdmissionReview",
+        "request": { "uid": "u", "operation": "CREATE", "object": costly_pod },
+    })
+    .to_string()
+    .into_bytes();
+    for (label, path, body) in [
+        ("costly filter", "/filter", costly.clone()),
+        ("costly prioritize", "/prioritize", costly),
+        ("costly review", "/webhook/mutate", review.clone()),
+        ("costly review", "/webhook/mutate", review),
+    ] {
+        attacks.spawn(async move {
+            let answer = request(main, "POST", path, &body).await;
+            let (status, body) = answer.map_or((None, String::new()), |(s, b)| (Some(s), b));
+            (label, status, body)
+        });
+    }
+    let mut answers = Vec::new();
+    while let Some(done) = attacks.join_next().await {
+        answers.push(done.expect("attack"));
+    }
+    answers.sort();
+    let after = extender.status_kib("VmHWM:");
+    let statuses: Vec<(&str, Option<u16>)> = answers.iter().map(|a| (a.0, a.1)).collect();
+    eprintln!(
+        "256 MiB bodies and pods of {volumes} volumes: VmHWM {before} kB before, {after} kB after; \
+         answers {statuses:?}"
+    );
+
+    assert!(extender.running(), "the extender died");
+    let (status, _) = request(main, "GET", "/healthz", b"")
+        .await
+        .expect("healthz");
+    assert_eq!(status, 200);
+    for (label, status, body) in &answers {
+        if label.starts_with("256 MiB") {
+            // Refused (413): the announced one before it is read, the
+            // chunked one at 8 MiB, or cut off while still sending.
+            assert!(matches!(status, Some(413) | None), "{label}: {status:?}");
+        } else {
+            // Read and answered (filter with its error in words: the API
+            // server is not there; the review allowed).
+            assert_eq!(*status, Some(200), "{label}: {body}");
+            if label.ends_with("review") {
+                assert!(body.contains(r#""allowed":true"#), "{label}: {body}");
+            }
+        }
+    }
+    assert!(
+        statuses.contains(&("256 MiB announced", Some(413))),
+        "the announced 256 MiB body is refused: {statuses:?}"
+    );
+    // Half the pod's 512 Mi limit: the budget of bodies (32 MiB), one
+    // parse at a time (at most ~80 MB for the worst pod) and the rest.
+    assert!(
+        after < 256 << 10,
+        "the extender's memory peaked at {after} kB (before: {before} kB)"
+    );
+}
+
+// ---------------------------------------------------------------------
+// In the test, on a real API server.
+
+/// The test's own limit of open files raised to the hard one: a thousand
+/// connections take two thousand descriptors here (both ends).
+fn raise_open_files() {
+    // SAFETY: getrlimit and setrlimit only read and write the struct given.
+    unsafe {
+        let mut limit = std::mem::zeroed::<libc::rlimit>();
+        if libc::getrlimit(libc::RLIMIT_NOFILE, &mut limit) == 0 {
+            limit.rlim_cur = limit.rlim_max;
+            libc::setrlimit(libc::RLIMIT_NOFILE, &limit);
+        }
+    }
+}
+
+#[tokio::test]
+async fn bind_refuses_pods_that_ask_for_no_vgpu() {
+    let h = Harness::start(test_config()).await;
+    h.put_node(node("n1", &[gpu("NVIDIA A10", 24)])).await;
+    // Any pending pod of any namespace, bound through the extender's
+    // rights to any node: before, it was bound before the node was even
+    // looked at.
+    let web = h
+        .create_pod(pod("web", &[ctr("main", &[("cpu", "100m")])], &[]))
+        .await;
+    for (prefix, node) in [
+        ("", "n1"),
+        ("/scheduler", "nowhere"),
+        ("/apis/nvidia-gpu-scheduler/v1/schedule", "n1"),
+    ] {
+        let body = json!({
+            "PodName": name_of(&web),
+            "PodNamespace": NAMESPACE,
+            "PodUID": uid_of(&web),
+            "Node": node,
+        });
+        let (status, reply) = h
+            .post(&format!("{prefix}/bind"), body.to_string().into_bytes())
+            .await;
+        let reply: serde_json::Value = serde_json::from_slice(&reply).expect("JSON");
+        assert_eq!(status, 200);
+        assert!(
+            reply["Error"]
+                .as_str()
+                .is_some_and(|e| e.contains("asks for no vGPU resource")),
+            "{prefix}/bind to {node}: {reply}"
+        );
+    }
+    assert!(h.api.pod("web").await.expect("pod")["spec"]["nodeName"].is_null());
+    assert!(h.decision(&web).await.is_none());
+    // A vGPU pod still binds, under each prefix.
+    for (i, prefix) in ["", "/scheduler", "/apis/nvidia-gpu-scheduler/v1/schedule"]
+        .iter()
+        .enumerate()
+    {
+        let p = h
+            .create_pod(pod(&format!("gpu-{i}"), &[vgpu("main", 1, 1024, 10)], &[]))
+            .await;
+        let body = json!({
+            "PodName": name_of(&p),
+            "PodNamespace": NAMESPACE,
+            "PodUID": uid_of(&p),
+            "Node": "n1",
+        });
+        let (status, reply) = h
+            .post(&format!("{prefix}/bind"), body.to_string().into_bytes())
+            .await;
+        assert_eq!(
+            (status, String::from_utf8_lossy(&reply).as_ref()),
+            (200, r#"{"Error":""}"#),
+            "{prefix}/bind"
+        );
+        assert_eq!(h.decision(&p).await.expect("decision").node, "n1");
+        h.allocate(&p).await;
+    }
+}
+
+/// An extender on a real API server with `limits`, and one node.
+async fn limited(limits: Limits) -> Harness {
+    let h = Harness::start(Config {
+        limits,
+        ..test_config()
+    })
+    .await;
+    h.put_node(node("n1", &[gpu("NVIDIA A10", 24)])).await;
+    h
+}
+
+#[tokio::test]
+async fn slow_and_idle_clients_are_cut_off() {
+    let h = limited(Limits {
+        header_timeout: Duration::from_secs(1),
+        body_timeout: Duration::from_secs(1),
+        ..Limits::default()
+    })
+    .await;
+    let addr = h.running().local_addr;
+    // Before: headers were given 30 s and bodies for ever.
+    let within = Duration::from_secs(6);
+
+    // Connected, saying nothing.
+    let mut idle = TcpStream::connect(addr).await.expect("connect");
+    // Headers a byte at a time.
+    let mut slow_head = TcpStream::connect(addr).await.expect("connect");
+    slow_head
+        .write_all(b"POST /filter HTTP/1.1\r\nHost: x\r\n")
+        .await
+        .expect("write");
+    // A body a byte at a time.
+    let mut slow_body = TcpStream::connect(addr).await.expect("connect");
+    slow_body
+        .write_all(b"POST /bind HTTP/1.1\r\nHost: x\r\nContent-Length: 1000\r\n\r\n{\"PodName\"")
+        .await
+        .expect("write");
+    let started = Instant::now();
+    let dripping = tokio::spawn(async move { tokio::join!(drip(slow_head), drip(slow_body)) });
+    let idle_answer = read_until_closed(&mut idle, within).await;
+    assert!(
+        idle_answer.is_some(),
+        "an idle connection stayed open {within:?}"
+    );
+    let (head_answer, body_answer) = tokio::time::timeout(within, dripping)
+        .await
+        .expect("slow clients cut off in time")
+        .expect("drip task");
+    let elapsed = started.elapsed();
+    let body_answer = String::from_utf8_lossy(&body_answer).into_owned();
+    assert!(
+        body_answer.starts_with("HTTP/1.1 408"),
+        "a body too slow is answered 408: {body_answer:?}"
+    );
+    // Headers too slow get hyper's 408, or nothing.
+    let head_answer = String::from_utf8_lossy(&head_answer).into_owned();
+    assert!(
+        head_answer.is_empty() || head_answer.starts_with("HTTP/1.1 408"),
+        "{head_answer:?}"
+    );
+    eprintln!("slow and idle clients cut off after {elapsed:?}");
+    // The extender answers as before.
+    let fresh = ExtenderClient::new(addr);
+    let (status, _) = fresh.get("/healthz").await.expect("healthz");
+    assert_eq!(status, 200);
+}
+
+/// Sends a byte every 200 ms on `stream` (the attack itself, not a wait)
+/// until the server closes it; answers what the server sent.
+async fn drip(stream: TcpStream) -> Vec<u8> {
+    let (mut reader, mut writer) = stream.into_split();
+    let reading = async move {
+        let mut got = Vec::new();
+        let mut buffer = [0u8; 1024];
+        loop {
+            match reader.read(&mut buffer).await {
+                Ok(0) | Err(_) => return got,
+                Ok(n) => got.extend_from_slice(&buffer[..n]),
+            }
+        }
+    };
+    tokio::pin!(reading);
+    let dripping = async move {
+        loop {
+            tokio::time::sleep(Duration::from_millis(200)).await;
+            if writer.write_all(b" ").await.is_err() {
+                return;
+            }
+        }
+    };
+    tokio::select! {
+        got = &mut reading => got,
+        () = dripping => reading.await,
+    }
+}
+
+/// A watch opened on a connection of its own: the status, the connection
+/// to read it from, and what was read of the body with the headers.
+async fn open_watch(addr: SocketAddr, query: &str) -> (u16, TcpStream, Vec<u8>) {
+    let mut stream = TcpStream::connect(addr).await.expect("connect");
+    let head =
+        format!("GET /apis/nvidia-gpu-scheduler/v1/gpunodes?{query} HTTP/1.1\r\nHost: x\r\n\r\n");
+    stream.write_all(head.as_bytes()).await.expect("write");
+    let mut got = Vec::new();
+    let mut buffer = [0u8; 4096];
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+    while !got.windows(4).any(|w| w == b"\r\n\r\n") {
+        let n = tokio::time::timeout_at(deadline, stream.read(&mut buffer))
+            .await
+            .expect("an answer")
+            .expect("read");
+        assert!(
+            n > 0,
+            "closed without an answer: {:?}",
+            String::from_utf8_lossy(&got)
+        );
+        got.extend_from_slice(&buffer[..n]);
+    }
+    let status = String::from_utf8_lossy(&got)[9..12]
+        .parse()
+        .expect("status");
+    let end = got
+        .windows(4)
+        .position(|w| w == b"\r\n\r\n")
+        .expect("end of headers")
+        + 4;
+    (status, stream, got.split_off(end))
+}
+
+#[tokio::test]
+async fn connections_and_watches_are_limited_and_queries_cannot_overflow() {
+    let h = limited(Limits {
+        max_connections: 8,
+        max_watches: 2,
+        ..Limits::default()
+    })
+    .await;
+    let addr = h.running().local_addr;
+
+    // Eight connections held with unfinished headers: a ninth is closed
+    // unanswered; once they go, connections are answered again.
+    let mut held = Vec::new();
+    for _ in 0..8 {
+        let mut stream = TcpStream::connect(addr).await.expect("connect");
+        stream
+            .write_all(b"GET /healthz HTTP/1.1\r\n")
+            .await
+            .expect("write");
+        held.push(stream);
+    }
+    assert_eq!(
+        request(addr, "GET", "/healthz", b"").await,
+        None,
+        "a connection past the limit is closed unanswered"
+    );
+    drop(held);
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while request(addr, "GET", "/healthz", b"").await.map(|a| a.0) != Some(200) {
+        assert!(
+            Instant::now() < deadline,
+            "connections freed but not answered"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+
+    // Two watches at once; a third is refused in words until one ends.
+    let (status, first, _) = open_watch(addr, "watch=true").await;
+    assert_eq!(status, 200);
+    let (status, second, _) = open_watch(addr, "watch=true").await;
+    assert_eq!(status, 200);
+    let (status, _, _) = open_watch(addr, "watch=true").await;
+    assert_eq!(status, 429, "a third watch");
+    drop(first);
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let (status, stream, _) = open_watch(addr, "watch=true").await;
+        if status == 200 {
+            drop(stream);
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "a watch ended but its slot was not freed"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    drop(second);
+
+    // The largest timeoutSeconds there is: before, the deadline overflowed
+    // and the connection's task panicked, answering nothing.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let (mut stream, mut event) = loop {
+        let (status, stream, read) =
+            open_watch(addr, "watch=true&timeoutSeconds=18446744073709551615").await;
+        if status == 200 {
+            break (stream, read);
+        }
+        assert_eq!(status, 429, "only a watch slot not freed yet may delay it");
+        assert!(Instant::now() < deadline, "no watch slot freed");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
+    let mut buffer = [0u8; 4096];
+    while !String::from_utf8_lossy(&event).contains("\"ADDED\"") {
+        let n = tokio::time::timeout(Duration::from_secs(10), stream.read(&mut buffer))
+            .await
+            .expect("the node's event")
+            .expect("read");
+        assert!(
+            n > 0,
+            "the watch ended: {:?}",
+            String::from_utf8_lossy(&event)
+        );
+        event.extend_from_slice(&buffer[..n]);
+    }
+    assert!(String::from_utf8_lossy(&event).contains("\"n1\""));
+}
+
+/// kube-scheduler's filter and bind for a new pod `name` over `client`
+/// (then the device plugin's allocation); how long each call took.
+async fn place(
+    h: &Harness,
+    client: &ExtenderClient,
+    names: &[&str],
+    name: &str,
+) -> (Duration, Duration) {
+    let p = h
+        .create_pod(pod(name, &[vgpu("main", 1, 1024, 10)], &[]))
+        .await;
+    let body = json!({ "Pod": p, "NodeNames": names });
+    let started = Instant::now();
+    let (status, reply) = client
+        .post("/filter", body.to_string().into_bytes())
+        .await
+        .expect("filter");
+    let filter = started.elapsed();
+    assert_eq!(status, 200);
+    let result: vgpu_scheduler::extender::wire::ExtenderFilterResult =
+        serde_json::from_slice(&reply).expect("filter result");
+    let node = result
+        .node_names
+        .as_ref()
+        .and_then(|names| names.first().cloned())
+        .unwrap_or_else(|| panic!("no node for {name}: {result:?}"));
+    let bind = json!({
+        "PodName": name, "PodNamespace": NAMESPACE, "PodUID": uid_of(&p), "Node": node,
+    });
+    let started = Instant::now();
+    let (status, reply) = client
+        .post("/bind", bind.to_string().into_bytes())
+        .await
+        .expect("bind");
+    let bound = started.elapsed();
+    assert_eq!(
+        (status, String::from_utf8_lossy(&reply).as_ref()),
+        (200, r#"{"Error":""}"#)
+    );
+    h.allocate(&p).await;
+    (filter, bound)
+}
+
+/// The median and the longest of `times`.
+fn median_and_max(times: &mut [Duration]) -> (Duration, Duration) {
+    times.sort();
+    (times[times.len() / 2], times[times.len() - 1])
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_thousand_slow_connections_do_not_delay_filter_and_bind() {
+    raise_open_files();
+    // The default limits: 1,024 connections, 10 s for headers and bodies.
+    let h = Harness::start(test_config()).await;
+    // Room for 200 pods: 10 nodes of 2 GPUs of 10 slots.
+    let nodes: Vec<String> = (1..=10).map(|i| format!("n{i}")).collect();
+    h.add_nodes(
+        nodes
+            .iter()
+            .map(|name| node(name, &[gpu("NVIDIA A10", 24), gpu("NVIDIA A10", 24)]))
+            .collect(),
+    )
+    .await;
+    let names: Vec<&str> = nodes.iter().map(String::as_str).collect();
+    let addr = h.running().local_addr;
+    let client = ExtenderClient::new(addr);
+
+    // First, the same calls without slow connections, to compare.
+    let (mut quiet_filters, mut quiet_binds) = (Vec::new(), Vec::new());
+    for i in 0..20 {
+        let (filter, bind) = place(&h, &client, &names, &format!("quiet{i}")).await;
+        quiet_filters.push(filter);
+        quiet_binds.push(bind);
+    }
+    let (quiet_filter, quiet_filter_max) = median_and_max(&mut quiet_filters);
+    let (quiet_bind, quiet_bind_max) = median_and_max(&mut quiet_binds);
+    eprintln!(
+        "without slow connections: filter median {quiet_filter:?} max {quiet_filter_max:?}, \
+         bind median {quiet_bind:?} max {quiet_bind_max:?}"
+    );
+
+    // 500 connections sending their headers, and 500 their filter bodies,
+    // a byte every half second.
+    const SLOW: usize = 1_000;
+    let open = Arc::new(AtomicUsize::new(0));
+    let opened = Instant::now();
+    let mut slow = tokio::task::JoinSet::new();
+    for i in 0..SLOW {
+        let open = open.clone();
+        slow.spawn(async move {
+            let stream = TcpStream::connect(addr).await.expect("connect");
+            let (mut reader, mut writer) = stream.into_split();
+            let head: &[u8] = if i % 2 == 0 {
+                b"POST /filter HTTP/1.1\r\nHost: x\r\n"
+            } else {
+                b"POST /filter HTTP/1.1\r\nHost: x\r\nContent-Length: 4000000\r\n\r\n{\"Pod\":"
+            };
+            writer.write_all(head).await.expect("write");
+            open.fetch_add(1, Ordering::SeqCst);
+            let drip = async {
+                loop {
+                    tokio::time::sleep(Duration::from_millis(500)).await;
+                    if writer.write_all(b" ").await.is_err() {
+                        break;
+                    }
+                }
+            };
+            let closed = async {
+                let mut buffer = [0u8; 512];
+                while matches!(reader.read(&mut buffer).await, Ok(n) if n > 0) {}
+            };
+            tokio::select! {
+                _ = drip => {}
+                _ = closed => {}
+            }
+            open.fetch_sub(1, Ordering::SeqCst);
+        });
+    }
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while open.load(Ordering::SeqCst) < SLOW {
+        assert!(
+            Instant::now() < deadline,
+            "only {} slow connections opened",
+            open.load(Ordering::SeqCst)
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+
+    // kube-scheduler's calls meanwhile, for 5 s (well within the 10 s the
+    // slow connections are given).
+    let mut filters = Vec::new();
+    let mut binds = Vec::new();
+    let mut least_open = SLOW;
+    let measuring = Instant::now();
+    let mut placed = 0;
+    while (measuring.elapsed() < Duration::from_secs(5) || placed < 5) && placed < 170 {
+        least_open = least_open.min(open.load(Ordering::SeqCst));
+        let (filter, bind) = place(&h, &client, &names, &format!("p{placed}")).await;
+        filters.push(filter);
+        binds.push(bind);
+        least_open = least_open.min(open.load(Ordering::SeqCst));
+        placed += 1;
+    }
+    let (filter, filter_max) = median_and_max(&mut filters);
+    let (bind, bind_max) = median_and_max(&mut binds);
+    eprintln!(
+        "{placed} pods placed with at least {least_open} of {SLOW} slow connections open: \
+         filter median {filter:?} max {filter_max:?}, bind median {bind:?} max {bind_max:?}"
+    );
+    assert_eq!(
+        least_open, SLOW,
+        "slow connections were cut before the calls were measured"
+    );
+    // kube-scheduler gives a call 5 s (the chart's httpTimeout).
+    assert!(filter_max < Duration::from_secs(1), "{filters:?}");
+    assert!(bind_max < Duration::from_secs(2), "{binds:?}");
+
+    // And the slow connections are cut off after their 10 s (before:
+    // headers after 30 s, bodies never).
+    let deadline = opened + Duration::from_secs(25);
+    while open.load(Ordering::SeqCst) > 0 {
+        assert!(
+            Instant::now() < deadline,
+            "{} slow connections still open after {:?}",
+            open.load(Ordering::SeqCst),
+            opened.elapsed()
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    eprintln!(
+        "all slow connections cut off {:?} after they opened",
+        opened.elapsed()
+    );
+    while slow.join_next().await.is_some() {}
+}
