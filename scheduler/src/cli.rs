@@ -88,10 +88,11 @@ pub struct Cli {
     #[arg(long, default_value_t = 39999)]
     pub port: u16,
 
-    /// Also listen on this address (the pod's IP) at --port, serving only
-    /// /healthz, /readyz and /metrics, for kubelet's probes and Prometheus.
-    /// Not used when --address already covers it (0.0.0.0, ::).
-    #[arg(long, value_name = "IP")]
+    /// Also listen on this address (the pod's IP: POD_IP, as the chart
+    /// sets it) at --port, serving only /healthz, /readyz and /metrics, for
+    /// kubelet's probes and Prometheus. Not used when --address already
+    /// covers it (0.0.0.0, ::).
+    #[arg(long, env = "POD_IP", value_name = "IP")]
     pub health_address: Option<IpAddr>,
 
     /// A second port, serving HTTPS with --tls-cert/--tls-key (which it

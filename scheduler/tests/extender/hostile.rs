@@ -44,6 +44,7 @@ impl Process {
             .args(["--api-server", &api, "--port", "0", "--log-level", "info"])
             .args(args)
             .env("NO_COLOR", "1")
+            .env_remove("POD_IP")
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(Stdio::piped())
