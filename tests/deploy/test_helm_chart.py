@@ -410,11 +410,6 @@ def test_kube_scheduler_has_an_account_and_a_token_of_its_own():
     assert [s["name"] for s in extender_binding["subjects"]] == [extender_sa]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="until templates/scheduler-deployment.yaml mounts each container's own token and "
-    "scheduler-rbac.yaml's $sharedAccount is false (both programs still run as the pod's account)",
-)
 def test_kube_scheduler_and_the_extender_run_as_separate_accounts():
     objects = render()
     _, extender_sa, kube_scheduler_sa = accounts(objects)
