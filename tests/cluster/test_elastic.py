@@ -43,7 +43,10 @@ CONTEXT_RESERVE_MIB = 256
 
 @pytest.fixture(scope="module")
 def chart_cluster(tmp_path_factory):
-    with ChartCluster(tmp_path_factory.mktemp("elastic-cluster"), nodes=2) as running:
+    # The Elastic GPU Scheduler's kube-scheduler runs outside the extender's
+    # pod and reaches it through its Service.
+    with ChartCluster(tmp_path_factory.mktemp("elastic-cluster"), nodes=2,
+                      helm_args=("--set", "scheduler.extender.exposeVerbs=true")) as running:
         running.cluster.kubectl("create", "namespace", NAMESPACE)
         yield running
 

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -275,3 +276,44 @@ def test_what_vgpu_and_the_tenant_do_still_works(hostile):
                 for policy in wait_for("the policies type-checked", checked, timeout=60, log=hostile.cc.logs)}
     assert warnings == {name: [] for name in policies}, warnings
 
+
+
+def test_another_pod_reaches_no_verb_nor_debug_view_of_the_extender(hostile):
+    """From the cluster network (where any pod is), the extender's pod
+    address answers only its probes and metrics: /bind of a pending pod,
+    /filter, /debug/state and the views are not served there (kube-scheduler
+    calls them on loopback inside the pod), nor on the webhook port."""
+    address = chartcluster.extender_address(hostile.cc)
+    victim = vgpu_pod("victim")
+    created = hostile.kubectl(hostile.tenant, "create", "-f", "-", input=json.dumps(
+        {**victim, "spec": {**victim["spec"], "schedulerName": "nobody"}}))
+    assert created.returncode == 0, created.stderr
+    uid = hostile.pod("victim")["metadata"]["uid"]
+    bind = json.dumps({"PodName": "victim", "PodNamespace": TENANT, "PodUID": uid, "Node": "node-1"})
+    plain = f"http://{address}:{chartcluster.EXTENDER_PORT}"
+    secure = f"https://{address}:{chartcluster.EXTENDER_SECURE_PORT}"
+    calls = [(f"{base}{path}", body) for base in (plain, secure) for path, body in (
+        ("/bind", bind), ("/scheduler/bind", bind), ("/filter", "{}"), ("/debug/state", None),
+        ("/apis/nvidia-gpu-scheduler/v1/gpupods", None))] + [(f"{plain}/metrics", None)]
+    # Run inside the test network, where the pods' addresses are.
+    script = """
+import json, ssl, sys, urllib.error, urllib.request
+context = ssl._create_unverified_context()  # the webhook port's own certificate
+out = []
+for url, body in json.loads(sys.argv[1]):
+    request = urllib.request.Request(url, data=body.encode() if body else None,
+                                     headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=10, context=context) as answer:
+            out.append(answer.status)
+    except urllib.error.HTTPError as error:
+        out.append(error.code)
+print(json.dumps(out))
+"""
+    ran = subprocess.run(hostile.cc.cluster.command([sys.executable, "-c", script, json.dumps(calls)]),
+                         check=False, capture_output=True, text=True, timeout=120)
+    assert ran.returncode == 0, ran.stderr
+    statuses = dict(zip((url for url, _ in calls), json.loads(ran.stdout), strict=True))
+    assert statuses.pop(f"{plain}/metrics") == 200, "Prometheus still scrapes it"
+    assert set(statuses.values()) == {404}, statuses
+    assert "nodeName" not in hostile.pod("victim")["spec"], "the pod stays unbound"

@@ -64,7 +64,10 @@ LEASE_SECONDS, LEASE_GRACE_SECONDS = 8, 2
 def chart_cluster(tmp_path_factory):
     with ChartCluster(tmp_path_factory.mktemp("kubeshare-cluster"), nodes=2, gpu_names=(GTX, V100),
                       helm_args=("--set", f"node.devicePlugin.leaseDurationSeconds={LEASE_SECONDS}",
-                                 "--set", f"scheduler.extender.nodeLeaseGraceSeconds={LEASE_GRACE_SECONDS}"),
+                                 "--set", f"scheduler.extender.nodeLeaseGraceSeconds={LEASE_GRACE_SECONDS}",
+                                 # nvidia-gpu-scheduler's kube-scheduler runs
+                                 # outside the extender's pod.
+                                 "--set", "scheduler.extender.exposeVerbs=true"),
                       ) as running:
         running.cluster.kubectl("create", "namespace", NAMESPACE)
         yield running
