@@ -156,12 +156,15 @@ impl Scheduler {
         let mut pod = self.fetch(api, args).await?;
         let request = self.rules.parse(&pod)?;
         // The extender's binding rights are for the pods it places: a pod
-        // that asks for no vGPU (nor, through the webhook, for an Elastic
+        // that names no vGPU resource (nor, through the webhook, an Elastic
         // GPU claim or KubeShare labels, which become vGPU resources) is
         // not sent here by a kube-scheduler configured with
         // managedResources, so a request to bind one comes from someone
-        // else, and would bind any pending pod to any node.
-        if request.is_empty() {
+        // else, and would bind any pending pod to any node. One that names
+        // them at zero (`nvidia.com/gpu: 0`, as charts render a CPU-only
+        // variant) is sent here and bound, with no decision.
+        let named = self.rules.names_a_resource(&pod);
+        if request.is_empty() && !named {
             return Err(BindError::NotOurs { pod: key });
         }
         if let Some(bound) = pod.spec.as_ref().and_then(|s| s.node_name.as_deref()) {
@@ -173,6 +176,19 @@ impl Scheduler {
                     node: bound.to_string(),
                 })
             };
+        }
+        if request.is_empty() {
+            if !self.state.read().node(node).is_some_and(|n| n.in_api) {
+                return Err(BindError::UnknownNode(node.clone()));
+            }
+            api.bind(namespace, name, &args.pod_uid, node)
+                .await
+                .map_err(|source| BindError::Bind {
+                    pod: key,
+                    node: node.clone(),
+                    source,
+                })?;
+            return Ok(" (no GPUs)".to_string());
         }
 
         // Check, record and bind under the node's lock.
@@ -226,6 +242,8 @@ impl Scheduler {
                     }
                     request = self.rules.parse(&pod)?;
                     if request.is_empty() {
+                        // It no longer asks for a vGPU: no decision to
+                        // record, and not this bind's to finish.
                         return Err(BindError::NotOurs { pod: key });
                     }
                 }

@@ -55,6 +55,33 @@ pub struct PodRequestError {
 }
 
 impl Rules {
+    /// Whether any container of `pod` names one of the vGPU resources,
+    /// whatever the quantity (`nvidia.com/gpu: 0` included): what makes a
+    /// kube-scheduler configured with them as `managedResources` send the
+    /// pod to the extender.
+    pub fn names_a_resource(&self, pod: &Pod) -> bool {
+        let names = &self.resources;
+        let all = [
+            &names.gpu,
+            &names.memory,
+            &names.memory_percentage,
+            &names.cores,
+            &names.priority,
+            &names.elastic_memory,
+            &names.elastic_cores,
+        ];
+        let Some(spec) = pod.spec.as_ref() else {
+            return false;
+        };
+        spec.containers
+            .iter()
+            .chain(spec.init_containers.iter().flatten())
+            .filter_map(|container| container.resources.as_ref())
+            .flat_map(|resources| [&resources.limits, &resources.requests])
+            .flatten()
+            .any(|quantities| all.iter().any(|name| quantities.contains_key(*name)))
+    }
+
     /// What `pod` asks for, as these rules read it.
     pub fn parse(&self, pod: &Pod) -> Result<PodRequest, PodRequestError> {
         parse_pod(pod, &self.resources, &self.defaults).map_err(|source| PodRequestError {

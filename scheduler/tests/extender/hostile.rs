@@ -506,6 +506,27 @@ async fn bind_refuses_pods_that_ask_for_no_vgpu() {
         assert_eq!(h.decision(&p).await.expect("decision").node, "n1");
         h.allocate(&p).await;
     }
+    // A pod naming the vGPU resource at zero (a chart's CPU-only variant)
+    // is sent here by kube-scheduler, and bound, with no decision.
+    let zero = h
+        .create_pod(pod("zero", &[ctr("main", &[("nvidia.com/gpu", "0")])], &[]))
+        .await;
+    let body = json!({
+        "PodName": name_of(&zero),
+        "PodNamespace": NAMESPACE,
+        "PodUID": uid_of(&zero),
+        "Node": "n1",
+    });
+    let (status, reply) = h.post("/bind", body.to_string().into_bytes()).await;
+    assert_eq!(
+        (status, String::from_utf8_lossy(&reply).as_ref()),
+        (200, r#"{"Error":""}"#)
+    );
+    assert_eq!(
+        h.api.pod("zero").await.expect("pod")["spec"]["nodeName"],
+        "n1"
+    );
+    assert!(h.decision(&zero).await.is_none());
 }
 
 /// An extender on a real API server with `limits`, and one node.
