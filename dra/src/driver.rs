@@ -172,7 +172,6 @@ impl Driver {
             priority: None,
         };
         let plan = allocation::plan(&self.config.settings, grants, &gpus)?;
-        allocation::prepare(&plan)?;
         // Who the region belongs to and what it was granted, for the node
         // monitor's series and for restoring the claim's limits; kept
         // outside the claim's directory, which its containers can write.
@@ -198,7 +197,15 @@ impl Driver {
                 })
                 .collect(),
         };
-        write_owner(&self.record_path(uid)?, &owner)?;
+        // The record first: the monitor reads it when it first sees the
+        // claim's region, which may be as soon as the region exists.
+        let record = self.record_path(uid)?;
+        write_owner(&record, &owner)?;
+        if let Err(error) = allocation::prepare(&plan) {
+            // Nothing of the claim is left but what kubelet will retry.
+            let _ = std::fs::remove_file(&record);
+            return Err(error.into());
+        }
         let mounts = plan
             .mounts
             .iter()
@@ -258,8 +265,6 @@ impl Driver {
         Ok(prepared)
     }
 
-    /// Releases the claim `uid`: its CDI spec, its region directory and
-    /// its record. Releasing a claim that is not prepared succeeds.
     /// Where the record of claim `uid` is kept for the node monitor.
     fn record_path(&self, uid: &str) -> Result<PathBuf, DriverError> {
         Ok(claim_owner::record_path(
@@ -268,6 +273,8 @@ impl Driver {
         ))
     }
 
+    /// Releases the claim `uid`: its CDI spec, its region directory and
+    /// its record. Releasing a claim that is not prepared succeeds.
     pub fn unprepare(&self, uid: &str) -> Result<(), DriverError> {
         let mut checkpoint = self
             .checkpoint
