@@ -1035,3 +1035,24 @@ def test_a_network_policy_peer_that_is_not_one_is_refused():
         with pytest.raises(Exception) as error:
             render({"networkPolicy": {"enabled": True, **bad}})
         assert words in str(error.value), str(error.value)
+
+
+def test_the_extender_listens_on_loopback_unless_its_verbs_are_exposed():
+    extender = container(find(render(), "Deployment", "-scheduler"), "extender")
+    assert flags(extender)["address"] == "127.0.0.1"
+    env = {e["name"]: e for e in extender.get("env", [])}
+    assert env["POD_IP"]["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
+    exposed = render({"scheduler": {"extender": {"exposeVerbs": True}}})
+    assert flags(container(find(exposed, "Deployment", "-scheduler"), "extender"))["address"] == "0.0.0.0"
+
+
+def test_large_extender_limits_render_as_integers_the_extender_parses():
+    values = {"scheduler": {"extender": {
+        "maxWatches": 65536, "maxConnections": 65536, "maxRequestBytes": 1073741824, "readTimeoutSeconds": 3600}}}
+    extender = container(find(render(values), "Deployment", "-scheduler"), "extender")
+    got = flags(extender)
+    assert (got["max-watches"], got["max-connections"], got["max-request-bytes"], got["read-timeout-seconds"]) == (
+        "65536", "65536", "1073741824", "3600")
+    with pytest.raises(Exception) as error:
+        render({"scheduler": {"extender": {"maxWatches": 1000000}}})
+    assert "maxWatches" in str(error.value)
