@@ -233,6 +233,13 @@ def test_a_node_agent_cannot_write_another_nodes_node_or_lease(hostile):
     assert kubectl_json(cluster, "get", "node", "node-2")["metadata"]["annotations"]["vgpu.io/node-gpus"] == inventory
     holder = kubectl_json(cluster, "get", "lease", "vgpu-node-2", "-n", "kube-node-lease")["spec"]["holderIdentity"]
     assert holder == "node-2"
+    # Its own Lease, held in another node's name, would keep that node
+    # alive in the extender's eyes (it goes by the holder).
+    own = hostile.kubectl(hostile.agent_1, "patch", "lease", "vgpu-node-1", "-n", "kube-node-lease",
+                          "--type=merge", "-p", '{"spec":{"holderIdentity":"node-2"}}')
+    refused_by_policy(own, "node-1")
+    holder = kubectl_json(cluster, "get", "lease", "vgpu-node-1", "-n", "kube-node-lease")["spec"]["holderIdentity"]
+    assert holder == "node-1"
 
 
 def test_what_vgpu_and_the_tenant_do_still_works(hostile):
