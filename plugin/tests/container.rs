@@ -16,7 +16,9 @@ use support::*;
 use vgpu_cluster::decision::DeviceGrant;
 use vgpu_device_plugin::api::v1beta1 as api;
 use vgpu_node_contract::region::Region;
-use vgpu_testkit::compute::{process_share, wait_until, BusyMeter, Workload};
+use vgpu_testkit::compute::{
+    assert_share, process_share, wait_until, BusyMeter, Reference, Workload,
+};
 use vgpu_testkit::{key_values, number, run_ok, shim_library, Sandbox};
 
 const WAIT: Duration = Duration::from_secs(15);
@@ -139,28 +141,33 @@ async fn containers_started_with_the_answer_are_held_to_their_own_limits() {
     let mut meter = BusyMeter::new(&main);
     let window = Duration::from_secs(2);
     let seconds = 1.0 + window.as_secs_f64() + 0.5;
+    // The same program uncapped beside them: what the machine lets it reach.
+    let mut reference = Reference::start(&[], "burst", "k1ms", seconds, 1);
     let first = Workload::start(&main, "burst", "k1ms", seconds, 1);
     let second = Workload::start(&side, "burst", "k1ms", seconds, 1);
     let start = [meter.read(0, first.pid()), meter.read(0, second.pid())];
     wait_until(start[0].at_ns + 1_000_000_000);
     let settled = [meter.read(0, first.pid()), meter.read(0, second.pid())];
+    let reference_settled = reference.read(0);
     wait_until(settled[0].at_ns + window.as_nanos() as u64);
     let end = [meter.read(0, first.pid()), meter.read(0, second.pid())];
+    let uncapped = process_share(reference_settled, reference.read(0));
     first.finish();
     second.finish();
-    let shares = [
+    reference.finish();
+    assert_share(
+        "main",
         process_share(settled[0], end[0]),
-        process_share(settled[1], end[1]),
-    ];
-    assert!(
-        (shares[0] - 30.0).abs() <= 5.0,
-        "main at {:.1} %",
-        shares[0]
+        30.0,
+        uncapped,
+        5.0,
     );
-    assert!(
-        (shares[1] - 50.0).abs() <= 5.0,
-        "side at {:.1} %",
-        shares[1]
+    assert_share(
+        "side",
+        process_share(settled[1], end[1]),
+        50.0,
+        uncapped,
+        5.0,
     );
 }
 
@@ -239,16 +246,22 @@ async fn a_decided_burst_lets_a_lone_container_use_idle_capacity() {
     let mut meter = BusyMeter::new(&main);
     let window = Duration::from_secs(2);
     let seconds = 1.5 + window.as_secs_f64() + 0.5;
+    let mut reference = Reference::start(&[], "burst", "k1ms", seconds, 1);
     let work = Workload::start(&main, "burst", "k1ms", seconds, 1);
     let start = meter.read(0, work.pid());
     wait_until(start.at_ns + 1_500_000_000);
     let settled = meter.read(0, work.pid());
+    let reference_settled = reference.read(0);
     wait_until(settled.at_ns + window.as_nanos() as u64);
     let end = meter.read(0, work.pid());
+    let uncapped = process_share(reference_settled, reference.read(0));
     work.finish();
-    let share = process_share(settled, end);
-    assert!(
-        (share - 80.0).abs() <= 5.0,
-        "lone container at {share:.1} %"
+    reference.finish();
+    assert_share(
+        "lone container with a burst of 80",
+        process_share(settled, end),
+        80.0,
+        uncapped,
+        5.0,
     );
 }

@@ -141,6 +141,72 @@ impl Drop for Workload {
     }
 }
 
+/// The same program run uncapped beside a measured one, on a simulated GPU
+/// of its own: what the program can reach under the load the measured one
+/// runs under, read over the same windows. A share judged against a fixed
+/// figure fails whenever the machine is busy (the program falls behind for
+/// want of CPU, not of tokens); judged against this, it fails only when the
+/// cap costs more than the cap.
+pub struct Reference {
+    meter: BusyMeter,
+    workload: Workload,
+    _sandbox: Sandbox,
+}
+
+impl Reference {
+    /// Starts `workload PATTERN KERNEL SECONDS DEVICES` under the shim with
+    /// no cap, in a sandbox of its own with `env` set for the simulated GPU.
+    pub fn start(
+        env: &[(&str, &str)],
+        pattern: &str,
+        kernel: &str,
+        seconds: f64,
+        devices: u32,
+    ) -> Self {
+        let mut sandbox = Sandbox::new("reference", devices, "16Gi");
+        for (key, value) in env {
+            sandbox.set(key, value);
+        }
+        let meter = BusyMeter::new(&sandbox);
+        let workload = Workload::start(&sandbox, pattern, kernel, seconds, devices);
+        Self {
+            meter,
+            workload,
+            _sandbox: sandbox,
+        }
+    }
+
+    /// Device time the reference has used on `device` so far.
+    pub fn read(&mut self, device: u32) -> Reading {
+        let pid = self.workload.pid();
+        self.meter.read(device, pid)
+    }
+
+    /// Waits for the reference to finish on its own.
+    pub fn finish(self) {
+        self.workload.finish();
+    }
+}
+
+/// Judges a share measured under a cap of `limit` percent: the cap holds
+/// strictly (never more than `limit` plus `tolerance` points), and the
+/// program gets its share unless it could not reach it at all: no less than
+/// the smaller of `limit` and `uncapped` (what the same program reached with
+/// no cap beside it, over the same window), less `tolerance`.
+pub fn assert_share(what: &str, achieved: f64, limit: f64, uncapped: f64, tolerance: f64) {
+    assert!(
+        achieved <= limit + tolerance,
+        "{what}: {achieved:.2} % is over its cap of {limit} % (allowed {tolerance} points; \
+         uncapped beside it: {uncapped:.2} %)"
+    );
+    let floor = limit.min(uncapped) - tolerance;
+    assert!(
+        achieved >= floor,
+        "{what}: {achieved:.2} % is short of {floor:.2} % (cap {limit} %, uncapped beside it \
+         {uncapped:.2} %, allowed {tolerance} points)"
+    );
+}
+
 /// What one measured run achieved.
 #[derive(Clone, Copy, Debug)]
 pub struct ShareResult {
@@ -148,26 +214,49 @@ pub struct ShareResult {
     pub first_second: f64,
     /// Share over the measured window after that (percent).
     pub steady: f64,
+    /// What the same program reached uncapped beside it over that window.
+    pub uncapped: f64,
 }
 
-/// Runs one workload alone in a fresh sandbox at `limit` percent and
-/// measures its share over `window` after a one-second start.
+/// Runs one workload in a fresh sandbox at `limit` percent, beside its
+/// uncapped [`Reference`], and measures its share over `window` after a
+/// one-second start.
 pub fn measure_single(limit: u32, pattern: &str, kernel: &str, window: Duration) -> ShareResult {
+    measure_single_in(&[], limit, pattern, kernel, window)
+}
+
+/// Like [`measure_single`], with `env` set for the simulated GPU (of both
+/// the measured workload and its reference).
+pub fn measure_single_in(
+    env: &[(&str, &str)],
+    limit: u32,
+    pattern: &str,
+    kernel: &str,
+    window: Duration,
+) -> ShareResult {
     let mut sandbox = Sandbox::new("share", 1, "16Gi");
     sandbox.set("CUDA_DEVICE_SM_LIMIT", &limit.to_string());
+    for (key, value) in env {
+        sandbox.set(key, value);
+    }
     let mut meter = BusyMeter::new(&sandbox);
     let seconds = 1.0 + window.as_secs_f64() + 0.5;
+    let mut reference = Reference::start(env, pattern, kernel, seconds, 1);
     let workload = Workload::start(&sandbox, pattern, kernel, seconds, 1);
     let pid = workload.pid();
     let start = meter.read(0, pid);
     wait_until(start.at_ns + 1_000_000_000);
     let settled = meter.read(0, pid);
+    let reference_settled = reference.read(0);
     wait_until(settled.at_ns + window.as_nanos() as u64);
     let end = meter.read(0, pid);
+    let reference_end = reference.read(0);
     workload.finish();
+    reference.finish();
     ShareResult {
         first_second: process_share(start, settled),
         steady: process_share(settled, end),
+        uncapped: process_share(reference_settled, reference_end),
     }
 }
 

@@ -22,7 +22,7 @@ use std::path::PathBuf;
 use std::sync::Mutex;
 use std::time::Duration;
 use vgpu_bench::{AccuracyCase, AccuracyResults, RunInfo, SavedResults, SimulatedGpu, TenantCase};
-use vgpu_testkit::compute::{process_share, wait_until, BusyMeter, Reading, ShareResult, Workload};
+use vgpu_testkit::compute::{process_share, wait_until, BusyMeter, Reading, Workload};
 use vgpu_testkit::Sandbox;
 
 const LIMITS: [u32; 6] = [5, 10, 25, 50, 75, 90];
@@ -253,15 +253,25 @@ fn sandbox(tag: &str, env: &[(String, String)], kernel: &str) -> (Sandbox, Strin
     (sandbox, name.to_string())
 }
 
+/// What one workload alone achieved (percent of the device).
+#[derive(Clone, Copy)]
+struct Single {
+    /// Over the first second after start.
+    first_second: f64,
+    /// Over the measured window after that.
+    steady: f64,
+}
+
 /// One workload alone at `limit`: its share over the first second and
-/// over `window` after it.
+/// over `window` after it. Alone: the sweep measures the limiter on a quiet
+/// machine, so it runs no uncapped reference beside it.
 fn measure_single(
     env: &[(String, String)],
     limit: u32,
     pattern: &str,
     kernel: &str,
     window: Duration,
-) -> ShareResult {
+) -> Single {
     let (mut sandbox, kernel) = sandbox("share", env, kernel);
     sandbox.set("CUDA_DEVICE_SM_LIMIT", &limit.to_string());
     let mut meter = BusyMeter::new(&sandbox);
@@ -274,7 +284,7 @@ fn measure_single(
     wait_until(settled.at_ns + window.as_nanos() as u64);
     let end = meter.read(0, pid);
     workload.finish();
-    ShareResult {
+    Single {
         first_second: process_share(start, settled),
         steady: process_share(settled, end),
     }
