@@ -47,7 +47,8 @@ use vgpu_cluster::resources::ShareResourceFlags;
 /// within limits: headers and body each within --read-timeout-seconds,
 /// bodies of at most --max-request-bytes (a bind's: 64 KiB), a pod of at
 /// most 10,000 JSON objects and 200,000 values, at most 15,000 nodes a
-/// request, --max-connections per listener and --max-watches in all.
+/// request, --max-connections per listener (--max-connections-per-client
+/// of them from one address) and --max-watches in all.
 ///
 /// Pod annotations: nvidia.com/use-gputype, nvidia.com/nouse-gputype
 /// (comma lists, matched as case-insensitive substrings of the GPU model),
@@ -131,6 +132,15 @@ pub struct Cli {
     #[arg(long, default_value_t = 1024, value_name = "N",
           value_parser = clap::value_parser!(u32).range(1..=65536))]
     pub max_connections: u32,
+
+    /// Connections open at once on each listener from one client address
+    /// (at most --max-connections): a pod that reaches the webhook port
+    /// cannot hold every connection while the API server's calls wait.
+    /// kube-scheduler's calls all come from one address (loopback in the
+    /// chart), as do the API server's: leave them room for their bursts.
+    #[arg(long, default_value_t = 256, value_name = "N",
+          value_parser = clap::value_parser!(u32).range(1..=65536))]
+    pub max_connections_per_client: u32,
 
     /// Watches of nvidia-gpu-scheduler's views open at once; one more is
     /// answered 429.
@@ -294,6 +304,8 @@ impl Cli {
             header_timeout: read_timeout,
             body_timeout: read_timeout,
             max_connections: self.max_connections as usize,
+            max_connections_per_client: self.max_connections_per_client.min(self.max_connections)
+                as usize,
             max_watches: self.max_watches as usize,
         }
     }
@@ -464,6 +476,8 @@ mod tests {
             "3",
             "--max-connections",
             "10",
+            "--max-connections-per-client",
+            "40",
             "--max-watches",
             "2",
         ])
@@ -476,8 +490,10 @@ mod tests {
                 header_timeout: Duration::from_secs(3),
                 body_timeout: Duration::from_secs(3),
                 max_connections: 10,
+                max_connections_per_client: 10,
                 max_watches: 2,
-            }
+            },
+            "a client's limit is at most the listener's"
         );
         let probed =
             Cli::try_parse_from(["vgpu-scheduler", "--health-address", "10.0.0.7"]).expect("parse");
@@ -486,6 +502,7 @@ mod tests {
             ["--max-request-bytes", "0"],
             ["--read-timeout-seconds", "0"],
             ["--max-connections", "0"],
+            ["--max-connections-per-client", "0"],
         ] {
             assert!(
                 Cli::try_parse_from(["vgpu-scheduler", bad[0], bad[1]]).is_err(),

@@ -14,6 +14,11 @@ async fn main() -> anyhow::Result<()> {
         .with_writer(std::io::stderr)
         .init();
 
+    // Up to three listeners of --max-connections each, the watches and the
+    // API client: more than the 1,024 open files a container's soft limit
+    // often is.
+    raise_open_files_limit(3 * u64::from(cli.max_connections) + 256);
+
     let tls = match (&cli.tls_cert, &cli.tls_key) {
         (Some(cert), Some(key)) => Some(vgpu_scheduler::server::tls_config(cert, key)?),
         _ => None,
@@ -61,6 +66,52 @@ async fn main() -> anyhow::Result<()> {
         .await;
     tracing::info!("vgpu-scheduler stopped");
     Ok(())
+}
+
+/// Raises the soft limit on open files toward `wanted`, as far as the hard
+/// limit allows (no privilege needed), and says when that is short of it:
+/// past the soft limit, accepting fails and kube-scheduler's calls with it.
+fn raise_open_files_limit(wanted: u64) {
+    let mut limit = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: getrlimit writes one rlimit into `limit`, which we own.
+    if unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut limit) } != 0 {
+        tracing::warn!(
+            "cannot read the open-files limit: {}",
+            std::io::Error::last_os_error()
+        );
+        return;
+    }
+    let before = limit.rlim_cur;
+    if before >= wanted {
+        return;
+    }
+    let raised = libc::rlimit {
+        rlim_cur: wanted.min(limit.rlim_max),
+        rlim_max: limit.rlim_max,
+    };
+    // SAFETY: setrlimit reads one rlimit from `raised`, which we own.
+    if unsafe { libc::setrlimit(libc::RLIMIT_NOFILE, &raised) } != 0 {
+        tracing::warn!(
+            "cannot raise the open-files limit from {before}: {}",
+            std::io::Error::last_os_error()
+        );
+        return;
+    }
+    if raised.rlim_cur < wanted {
+        tracing::warn!(
+            "open files limited to {} (hard limit), short of the {wanted} the connection limits \
+             allow: lower --max-connections or raise the container's limit",
+            raised.rlim_cur
+        );
+    } else {
+        tracing::info!(
+            "open-files limit raised from {before} to {}",
+            raised.rlim_cur
+        );
+    }
 }
 
 async fn listen(ip: std::net::IpAddr, port: u16) -> anyhow::Result<tokio::net::TcpListener> {

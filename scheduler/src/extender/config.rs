@@ -63,6 +63,10 @@ pub struct Limits {
     /// Connections open at once on each listener; one more is closed as
     /// soon as it is accepted.
     pub max_connections: usize,
+    /// Connections open at once on each listener from one client address,
+    /// so that no one client (a pod that reaches the webhook port) holds
+    /// them all while the API server's or kube-scheduler's calls wait.
+    pub max_connections_per_client: usize,
     /// Watches of nvidia-gpu-scheduler's views open at once; one more is
     /// answered 429.
     pub max_watches: usize,
@@ -75,6 +79,7 @@ impl Default for Limits {
             header_timeout: Duration::from_secs(10),
             body_timeout: Duration::from_secs(10),
             max_connections: 1024,
+            max_connections_per_client: 256,
             max_watches: 64,
         }
     }

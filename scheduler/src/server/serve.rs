@@ -1,7 +1,8 @@
 //! Serving a router on a listener, HTTP or HTTPS, with a graceful stop,
 //! within the connection limits of [`Limits`]: at most `max_connections`
-//! at once (one more is closed as soon as it is accepted, so it learns at
-//! once rather than waiting in the kernel's queue), headers within
+//! at once, and `max_connections_per_client` of them from one address (one
+//! more is closed as soon as it is accepted, so it learns at once rather
+//! than waiting in the kernel's queue), headers within
 //! `header_timeout` (which also closes idle kept-alive connections), and
 //! a read buffer of at most [`MAX_READ_BUFFER`] each.
 
@@ -9,8 +10,10 @@ use crate::extender::config::Limits;
 use axum::Router;
 use hyper_util::rt::{TokioIo, TokioTimer};
 use hyper_util::service::TowerToHyperService;
+use std::collections::HashMap;
 use std::future::Future;
-use std::sync::Arc;
+use std::net::IpAddr;
+use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 use tokio::net::TcpListener;
 use tokio::sync::Semaphore;
@@ -22,6 +25,48 @@ use tokio::task::JoinSet;
 /// hyper's default (about 400 KiB) would let each slow client pin that
 /// much with unfinished headers.
 pub const MAX_READ_BUFFER: usize = 16 << 10;
+
+/// Connections open per client address on one listener.
+#[derive(Default)]
+struct PerClient(Mutex<HashMap<IpAddr, usize>>);
+
+/// One client's connection, counted while it is held.
+struct ClientSlot {
+    clients: Arc<PerClient>,
+    address: IpAddr,
+}
+
+impl PerClient {
+    /// Counts one more connection from `address`, unless it holds `limit`.
+    fn take(self: &Arc<Self>, address: IpAddr, limit: usize) -> Option<ClientSlot> {
+        let mut open = self.0.lock().unwrap_or_else(PoisonError::into_inner);
+        let count = open.entry(address).or_insert(0);
+        if *count >= limit {
+            return None;
+        }
+        *count += 1;
+        Some(ClientSlot {
+            clients: Arc::clone(self),
+            address,
+        })
+    }
+}
+
+impl Drop for ClientSlot {
+    fn drop(&mut self) {
+        let mut open = self
+            .clients
+            .0
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        if let Some(count) = open.get_mut(&self.address) {
+            *count -= 1;
+            if *count == 0 {
+                open.remove(&self.address);
+            }
+        }
+    }
+}
 
 /// Serves `router` on `listener` (HTTPS when `tls` is given) with the
 /// default [`Limits`] until `shutdown` completes.
@@ -48,6 +93,7 @@ pub async fn serve_with(
     let acceptor = tls.map(tokio_rustls::TlsAcceptor::from);
     let (closing, closing_receiver) = tokio::sync::watch::channel(false);
     let slots = Arc::new(Semaphore::new(limits.max_connections));
+    let clients = Arc::new(PerClient::default());
     let header_timeout = limits.header_timeout;
     let mut connections = JoinSet::new();
     tokio::pin!(shutdown);
@@ -72,13 +118,23 @@ pub async fn serve_with(
                     drop(stream);
                     continue;
                 };
+                let Some(client_slot) = clients.take(peer.ip(), limits.max_connections_per_client) else {
+                    // debug, as above: a client that floods would flood the log.
+                    tracing::debug!(
+                        "connection from {peer} closed: {} connections from {} are open already",
+                        limits.max_connections_per_client,
+                        peer.ip()
+                    );
+                    drop(stream);
+                    continue;
+                };
                 let _ = stream.set_nodelay(true);
                 let service = TowerToHyperService::new(router.clone());
                 let acceptor = acceptor.clone();
                 let closing = closing_receiver.clone();
                 connections.spawn(async move {
                     // Held until the connection ends.
-                    let _slot = slot;
+                    let _slots = (slot, client_slot);
                     match acceptor {
                         None => serve_connection(stream, service, closing, peer, header_timeout).await,
                         Some(acceptor) => {

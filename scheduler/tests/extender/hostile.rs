@@ -35,12 +35,26 @@ struct Process {
 
 impl Process {
     fn start(args: &[&str]) -> Self {
+        Self::start_under(&[], args)
+    }
+
+    /// Started by `launcher` (a command that execs the rest, as `prlimit`
+    /// does), so the process is the extender itself.
+    fn start_under(launcher: &[&str], args: &[&str]) -> Self {
         let dead = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
         let api = format!("http://{}", dead.local_addr().expect("addr"));
         drop(dead);
         let binary = std::env::var("VGPU_SCHEDULER_BINARY")
             .unwrap_or_else(|_| env!("CARGO_BIN_EXE_vgpu-scheduler").to_string());
-        let mut child = Command::new(&binary)
+        let mut command = match launcher.split_first() {
+            Some((first, rest)) => {
+                let mut command = Command::new(first);
+                command.args(rest).arg(&binary);
+                command
+            }
+            None => Command::new(&binary),
+        };
+        let mut child = command
             .args(["--api-server", &api, "--port", "0", "--log-level", "info"])
             .args(args)
             .env("NO_COLOR", "1")
@@ -99,6 +113,21 @@ impl Process {
             .find_map(|line| line.strip_prefix(field))
             .and_then(|rest| rest.trim().trim_end_matches("kB").trim().parse().ok())
             .unwrap_or_else(|| panic!("{field} in {status}"))
+    }
+
+    /// The soft limit on open files, from `/proc/<pid>/limits`.
+    fn open_files_limit(&self) -> u64 {
+        let limits = std::fs::read_to_string(format!("/proc/{}/limits", self.pid()))
+            .expect("the extender is running");
+        limits
+            .lines()
+            .find_map(|line| line.strip_prefix("Max open files"))
+            .and_then(|rest| rest.split_whitespace().next()?.parse().ok())
+            .unwrap_or_else(|| panic!("Max open files in {limits}"))
+    }
+
+    fn log(&self) -> String {
+        self.lines.lock().expect("log lines").join("\n")
     }
 
     fn running(&mut self) -> bool {
@@ -746,6 +775,121 @@ async fn connections_and_watches_are_limited_and_queries_cannot_overflow() {
     assert!(String::from_utf8_lossy(&event).contains("\"n1\""));
 }
 
+/// One request on a connection of its own from `source` (an address of
+/// this machine); `None` when the server closed it without an answer.
+async fn request_from(source: IpAddr, addr: SocketAddr, path: &str) -> Option<(u16, String)> {
+    let socket = tokio::net::TcpSocket::new_v4().ok()?;
+    socket.bind(SocketAddr::new(source, 0)).ok()?;
+    let mut stream = socket.connect(addr).await.ok()?;
+    let head = format!("GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n");
+    stream.write_all(head.as_bytes()).await.ok()?;
+    let answer = read_until_closed(&mut stream, Duration::from_secs(30)).await?;
+    let text = String::from_utf8_lossy(&answer).into_owned();
+    let status = text.get(9..12)?.parse().ok()?;
+    Some((status, text))
+}
+
+/// This process's hard limit on open files; `None`: unlimited.
+fn hard_open_files_limit() -> Option<u64> {
+    let limits = std::fs::read_to_string("/proc/self/limits").expect("own limits");
+    let hard = limits
+        .lines()
+        .find_map(|line| line.strip_prefix("Max open files"))
+        .and_then(|rest| rest.split_whitespace().nth(1))
+        .unwrap_or_else(|| panic!("Max open files in {limits}"));
+    (hard != "unlimited").then(|| hard.parse().expect("a number or unlimited"))
+}
+
+#[test]
+fn the_open_files_limit_is_raised_for_the_connections_allowed() {
+    // A container's soft limit of 1,024 under a higher hard limit: before,
+    // the extender kept 1,024 and refused connections past about a
+    // thousand open files, kube-scheduler's among them.
+    // (A hard limit may be lowered without privilege, not raised: this
+    // process's own is the highest the test can give.)
+    let hard = hard_open_files_limit();
+    let nofile = match hard {
+        Some(hard) => format!("--nofile=1024:{hard}"),
+        None => "--nofile=1024:unlimited".to_string(),
+    };
+    let extender =
+        Process::start_under(&["prlimit", &nofile, "--"], &["--max-connections", "2000"]);
+    extender.address("(every endpoint");
+    let wanted = 3 * 2000 + 256;
+    let expected = hard.map_or(wanted, |hard| hard.min(wanted));
+    assert_eq!(extender.open_files_limit(), expected, "{}", extender.log());
+    assert!(
+        extender
+            .log()
+            .contains(&format!("open-files limit raised from 1024 to {wanted}"))
+            || expected < wanted,
+        "{}",
+        extender.log()
+    );
+    // A hard limit short of it (1,024 connections need 3,328): as far as it
+    // goes, and said.
+    let short = Process::start_under(&["prlimit", "--nofile=1024:2048", "--"], &[]);
+    short.address("(every endpoint");
+    assert_eq!(short.open_files_limit(), 2048, "{}", short.log());
+    assert!(
+        short
+            .log()
+            .contains("open files limited to 2048 (hard limit)"),
+        "{}",
+        short.log()
+    );
+}
+
+#[tokio::test]
+async fn one_client_cannot_hold_every_connection() {
+    let h = limited(Limits {
+        max_connections: 8,
+        max_connections_per_client: 3,
+        ..Limits::default()
+    })
+    .await;
+    let addr = h.running().local_addr;
+    // 127.0.0.1 is the tenant's pod; 127.0.0.2 the API server.
+    let tenant = IpAddr::from([127, 0, 0, 1]);
+    let api_server = IpAddr::from([127, 0, 0, 2]);
+    let mut held = Vec::new();
+    for _ in 0..3 {
+        let socket = tokio::net::TcpSocket::new_v4().expect("socket");
+        socket.bind(SocketAddr::new(tenant, 0)).expect("bind");
+        let mut stream = socket.connect(addr).await.expect("connect");
+        stream
+            .write_all(b"GET /healthz HTTP/1.1\r\n")
+            .await
+            .expect("write");
+        held.push(stream);
+    }
+    // Before: every connection was the listener's to take by anyone, so
+    // this client could have held all 8 (and, by default, all 1,024).
+    assert_eq!(
+        request_from(tenant, addr, "/healthz").await,
+        None,
+        "a fourth connection from the same address is closed unanswered"
+    );
+    for _ in 0..3 {
+        assert_eq!(
+            request_from(api_server, addr, "/healthz")
+                .await
+                .map(|a| a.0),
+            Some(200),
+            "another client is answered while the first holds its limit"
+        );
+    }
+    drop(held);
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while request_from(tenant, addr, "/healthz").await.map(|a| a.0) != Some(200) {
+        assert!(
+            Instant::now() < deadline,
+            "the client's connections ended but it is still refused"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
 /// kube-scheduler's filter and bind for a new pod `name` over `client`
 /// (then the device plugin's allocation); how long each call took.
 async fn place(
@@ -828,7 +972,8 @@ async fn a_thousand_slow_connections_do_not_delay_filter_and_bind() {
     );
 
     // 500 connections sending their headers, and 500 their filter bodies,
-    // a byte every half second.
+    // a byte every half second, from five addresses (200 each: within a
+    // client's 256; kube-scheduler's calls come from 127.0.0.1).
     const SLOW: usize = 1_000;
     let open = Arc::new(AtomicUsize::new(0));
     let opened = Instant::now();
@@ -836,7 +981,10 @@ async fn a_thousand_slow_connections_do_not_delay_filter_and_bind() {
     for i in 0..SLOW {
         let open = open.clone();
         slow.spawn(async move {
-            let stream = TcpStream::connect(addr).await.expect("connect");
+            let socket = tokio::net::TcpSocket::new_v4().expect("socket");
+            let source = IpAddr::from([127, 0, 0, 10 + (i % 5) as u8]);
+            socket.bind(SocketAddr::new(source, 0)).expect("bind");
+            let stream = socket.connect(addr).await.expect("connect");
             let (mut reader, mut writer) = stream.into_split();
             let head: &[u8] = if i % 2 == 0 {
                 b"POST /filter HTTP/1.1\r\nHost: x\r\n"
