@@ -988,6 +988,22 @@ def test_the_image_holds_every_binary_the_chart_runs():
         assert f"/src/target/release/{binary} " in dockerfile, f"the Dockerfile does not copy {binary}"
 
 
+def test_the_image_builds_with_the_rust_release_the_tests_run_with():
+    """The Dockerfile's build stage uses the Rust release this test run
+    compiles with (major.minor), on the Debian release of its runtime stage:
+    the image holds what the tests test, not what an older compiler makes."""
+    dockerfile = (ROOT / "deploy/images/Dockerfile").read_text()
+    build = re.search(r"^FROM rust:(\d+\.\d+)-(\w+) AS build$", dockerfile, re.M)
+    assert build, "the build stage names no rust:<major.minor>-<debian> image"
+    runtime = re.search(r"^FROM debian:(\w+)-slim$", dockerfile, re.M)
+    assert runtime, "the runtime stage names no debian:<release>-slim image"
+    version = subprocess.run(["rustc", "--version"], capture_output=True, text=True, check=True).stdout
+    tested = re.match(r"rustc (\d+\.\d+)\.", version)
+    assert tested, version
+    assert build.group(1) == tested.group(1), f"Dockerfile builds with Rust {build.group(1)}, tests with {version}"
+    assert build.group(2) == runtime.group(1), "build and runtime stages on different Debian releases"
+
+
 def test_network_policies_are_off_by_default_and_name_only_the_peers_given():
     assert not [o for o in render() if o["kind"] == "NetworkPolicy"]
     monitoring = {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}}
