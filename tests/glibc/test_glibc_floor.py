@@ -13,7 +13,6 @@ Needs root (chroot, debootstrap) and debootstrap; without them the chroot
 tests skip, except under CI, where they fail.
 """
 
-import fcntl
 import os
 import pathlib
 import re
@@ -23,6 +22,9 @@ import sys
 import tempfile
 
 import pytest
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "common"))
+import debian_root as debian_roots  # noqa: E402
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 CHECKER = pathlib.Path(__file__).resolve().parent / "check_symbols.py"
@@ -35,7 +37,6 @@ ZIGBUILD = (
 )
 # The oldest Debian suite the package mirror still serves (its glibc: 2.31).
 SUITE = "bullseye"
-CACHE = ROOT / ".cache" / "debootstrap"
 MIB = 1 << 20
 
 
@@ -123,65 +124,17 @@ def test_the_checker_refuses_a_library_outside_glibc(tmp_path):
 # ---------------------------------------------------------------- the old root
 
 
-def debian_mirror():
-    """The Debian archive apt uses here: the source serving this machine's
-    own release (not -updates or -security)."""
-    release = dict(
-        line.split("=", 1) for line in pathlib.Path("/etc/os-release").read_text().splitlines() if "=" in line
-    )
-    codename = release.get("VERSION_CODENAME", "").strip('"')
-    sources = [pathlib.Path("/etc/apt/sources.list"), *sorted(pathlib.Path("/etc/apt/sources.list.d").glob("*"))]
-    for source in sources:
-        if not source.is_file():
-            continue
-        text = source.read_text()
-        if source.suffix == ".sources":  # deb822 stanzas
-            for stanza in re.split(r"\n\s*\n", text):
-                fields = dict(re.findall(r"^(\w[\w-]*):\s*(.*)$", stanza, re.MULTILINE))
-                if "deb" in fields.get("Types", "").split() and codename in fields.get("Suites", "").split():
-                    return fields["URIs"].split()[0]
-        else:  # one-line entries: deb [options] URI suite components...
-            for line in text.splitlines():
-                words = re.sub(r"\[[^]]*\]", "", line.split("#", 1)[0]).split()
-                if len(words) >= 3 and words[0] == "deb" and words[2] == codename:
-                    return words[1]
-    pytest.fail(f"no apt source for Debian {codename or '(unknown release)'} in {', '.join(map(str, sources))}")
-
-
 @pytest.fixture(scope="session")
 def debian_root():
-    """A minimal Debian root of SUITE, made once per machine and kept in
-    .cache/debootstrap/SUITE (tests copy it, never change it)."""
+    """A minimal Debian root of SUITE (tests/common/debian_root.py)."""
     if os.geteuid() != 0:
         unavailable("chroot and debootstrap need root")
     if not shutil.which("debootstrap"):
         unavailable("debootstrap is not installed (apt-get install debootstrap)")
-    CACHE.mkdir(parents=True, exist_ok=True)
-    root = CACHE / SUITE
-    # Two test runs on one machine wait for one bootstrap.
-    with open(CACHE / f"{SUITE}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if not root.is_dir():
-            # Made aside and renamed when complete: a killed run leaves no
-            # half-made root behind under the cached name.
-            partial = CACHE / f"{SUITE}.partial"
-            shutil.rmtree(partial, ignore_errors=True)
-            mirror = debian_mirror()
-            done = subprocess.run(
-                ["debootstrap", "--variant=minbase", SUITE, str(partial), mirror],
-                capture_output=True,
-                text=True,
-                timeout=1800,
-                check=False,
-            )
-            if done.returncode != 0:
-                log = (partial / "debootstrap" / "debootstrap.log").read_text()[-3000:] if partial.exists() else ""
-                pytest.fail(
-                    f"debootstrap {SUITE} from {mirror} failed ({done.returncode}):\n"
-                    f"{done.stdout[-3000:]}\n{done.stderr[-3000:]}\n{log}"
-                )
-            partial.rename(root)
-    return root
+    try:
+        return debian_roots.debian_root(SUITE)
+    except debian_roots.DebootstrapError as error:
+        pytest.fail(str(error))
 
 
 class OldRoot:
