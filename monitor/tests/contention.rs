@@ -190,11 +190,10 @@ fn with_the_monitor_both_containers_share_the_switching_loss_in_proportion() {
             "the container at {share} gets {achieved:.1} %, its part of the {total:.1} % achieved is {fair:.1} %"
         );
     }
-    assert!(
-        (shares[1] - SHARES[1]).abs() <= 2.0,
-        "the 70 within 2 points of 70: {:.1} %",
-        shares[1]
-    );
+    // No figure of its own for the 70: what it reaches is its part of what
+    // the device achieved (above), and how much that is depends on the
+    // machine (beside two CPU hogs the device ran 97.2 %, and the 70 its
+    // part of it, 67.9 %).
     assert_eq!(
         effective[1], 7_000,
         "the container that never waits keeps its share"
