@@ -142,12 +142,13 @@ struct Tenants {
 
 /// Judges a program that its configured `limit` % must not hold: it reaches
 /// about what the same program under the shim with no cap reached beside it
-/// (two uncapped programs on a busy machine differ by a few points over two
-/// seconds), and, where the machine lets it, clearly more than the limit.
+/// (within `SIDE_BY_SIDE_SPREAD` of it: two uncapped programs on a busy
+/// machine differ by a few points over two seconds), and, where the machine
+/// lets it, clearly more than the limit.
 fn assert_not_held(what: &str, share: f64, limit: f64, uncapped: f64) {
     eprintln!("{what}: {share:.2} % (uncapped beside it {uncapped:.2} %)");
     assert!(
-        share >= 0.8 * uncapped,
+        share >= (1.0 - SIDE_BY_SIDE_SPREAD) * uncapped,
         "{what}: {share:.2} %, while uncapped beside it reached {uncapped:.2} %"
     );
     if uncapped > limit + 4.0 * TOLERANCE {

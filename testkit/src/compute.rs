@@ -188,18 +188,31 @@ impl Reference {
     }
 }
 
+/// How far apart two uncapped runs of one program, side by side on a busy
+/// machine, may end over a few seconds, as a fraction of what they reach:
+/// beside two CPU hogs, 25.3 % against 30.2 % (`vgpu run` under a cap it
+/// never reached) and 90.6 % against 95.2 % were measured.
+pub const SIDE_BY_SIDE_SPREAD: f64 = 0.2;
+
 /// Judges a share measured under a cap of `limit` percent: the cap holds
 /// strictly (never more than `limit` plus `tolerance` points), and the
 /// program gets its share unless it could not reach it at all: no less than
 /// the smaller of `limit` and `uncapped` (what the same program reached with
-/// no cap beside it, over the same window), less `tolerance`.
+/// no cap beside it, over the same window), less `tolerance`. Where the
+/// program beside it did not reach the cap, the cap was not what held this
+/// one either: the two are then compared as two uncapped runs, within
+/// [`SIDE_BY_SIDE_SPREAD`] of the reference (or `tolerance`, the larger).
 pub fn assert_share(what: &str, achieved: f64, limit: f64, uncapped: f64, tolerance: f64) {
     assert!(
         achieved <= limit + tolerance,
         "{what}: {achieved:.2} % is over its cap of {limit} % (allowed {tolerance} points; \
          uncapped beside it: {uncapped:.2} %)"
     );
-    let floor = limit.min(uncapped) - tolerance;
+    let floor = if uncapped >= limit + tolerance {
+        limit - tolerance
+    } else {
+        limit.min(uncapped) - tolerance.max(SIDE_BY_SIDE_SPREAD * uncapped)
+    };
     assert!(
         achieved >= floor,
         "{what}: {achieved:.2} % is short of {floor:.2} % (cap {limit} %, uncapped beside it \
