@@ -146,7 +146,7 @@ impl Drop for Workload {
 /// runs under, read over the same windows. A share judged against a fixed
 /// figure fails whenever the machine is busy (the program falls behind for
 /// want of CPU, not of tokens); judged against this, it fails only when the
-/// cap costs more than the cap.
+/// limiter takes more from the program than its cap asks.
 pub struct Reference {
     meter: BusyMeter,
     workload: Workload,
@@ -271,33 +271,6 @@ pub fn measure_single_in(
         steady: process_share(settled, end),
         uncapped: process_share(reference_settled, reference_end),
     }
-}
-
-/// Runs the same workload without the shim (no cap at all) and measures its
-/// share over `window`.
-pub fn measure_without_shim(pattern: &str, kernel: &str, window: Duration) -> f64 {
-    let sandbox = Sandbox::new("alone", 1, "16Gi");
-    let mut meter = BusyMeter::new(&sandbox);
-    let mut child = sandbox
-        .command_without_shim(&programs_dir().join("workload"))
-        .args([
-            pattern,
-            kernel,
-            &(window.as_secs_f64() + 0.5).to_string(),
-            "1",
-        ])
-        .stdout(Stdio::piped())
-        .spawn()
-        .expect("spawn workload");
-    let mut line = String::new();
-    BufReader::new(child.stdout.as_mut().expect("workload stdout"))
-        .read_line(&mut line)
-        .expect("workload ready");
-    let start = meter.read(0, child.id());
-    wait_until(start.at_ns + window.as_nanos() as u64);
-    let end = meter.read(0, child.id());
-    let _ = child.wait();
-    process_share(start, end)
 }
 
 /// Sleeps until CLOCK_MONOTONIC reaches `deadline_ns`: the end of a
