@@ -1036,6 +1036,13 @@ fn initialise(
     cfg: &Config,
     path: &Path,
 ) -> Result<(), StateError> {
+    // Every process on the machine shares the device, whichever user runs
+    // it (a container's non-root user too), as every user may open a real
+    // GPU's device nodes: the creator's umask must not narrow that. Only
+    // the file's owner may change its mode; another user's file was made
+    // so already, so a failure here changes nothing.
+    // SAFETY: fchmod on an open descriptor of our own.
+    unsafe { libc::fchmod(fd, 0o666) };
     // SAFETY: fd is an open, writable file.
     if unsafe { libc::ftruncate(fd, layout.file_size as libc::off_t) } != 0 {
         return Err(io_err("cannot size", path));

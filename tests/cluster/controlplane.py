@@ -220,7 +220,11 @@ class ControlPlane:
                 # be one; nothing in the tests uses it).
                 "--endpoint-reconciler-type=none",
                 f"--service-cluster-ip-range={SERVICE_RANGE}",
-                "--authorization-mode=RBAC",
+                # What a production cluster runs: kubelets (the real test
+                # nodes, with system:node:<name> certificates) may touch only
+                # their own Node, its pods and what those pods use.
+                "--authorization-mode=Node,RBAC",
+                "--enable-admission-plugins=NodeRestriction",
                 f"--client-ca-file={pki / 'ca.crt'}",
                 f"--tls-cert-file={pki / 'server.crt'}",
                 f"--tls-private-key-file={pki / 'server.key'}",

@@ -560,3 +560,30 @@ fn wall_timing_cooperative_multi_device_launch() {
 fn wall_timing_busy_time_stays_exact_beyond_the_ring() {
     wall("wallbusylong").run("busy_long", &[]);
 }
+
+#[test]
+fn the_state_file_is_open_to_every_user_whatever_the_creators_umask() {
+    use std::os::unix::fs::PermissionsExt;
+    use std::os::unix::process::CommandExt;
+    // A container's non-root process shares the device with the node's
+    // root-run agents: the file root creates under umask 077 must still
+    // open for everyone, as a real GPU's device nodes do.
+    let env = TestEnv::new("mode")
+        .var("SIMGPU_MEMORY", "1Gi")
+        .var("SIMGPU_CONTEXT_BYTES", "16Mi");
+    let mut command = env.command("memory_accounting", &[]);
+    // SAFETY: umask is async-signal-safe and touches only the child.
+    unsafe {
+        command.pre_exec(|| {
+            libc::umask(0o077);
+            Ok(())
+        });
+    }
+    let out = command.output().expect("spawn scenario");
+    common::assert_passed("memory_accounting", &out);
+    let mode = std::fs::metadata(&env.state)
+        .expect("the state file")
+        .permissions()
+        .mode();
+    assert_eq!(mode & 0o777, 0o666, "mode {mode:o}");
+}

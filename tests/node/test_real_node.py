@@ -1,0 +1,316 @@
+"""vgpu as it is deployed: the image built from deploy/images/Dockerfile,
+imported into a real containerd, the chart installed with the real helm,
+its pods run by a real kubelet through containerd and runc on a node joined
+to the real control plane with a node identity (Node authorizer and
+NodeRestriction on). The node's containers get the simulated GPU's driver
+the way NVIDIA's runtime mounts the real one; nothing of vgpu knows.
+
+A pod written for HAMi then runs in a real container: its own mount
+namespace, the plugin's mounts and environment applied by containerd and
+runc, the shim preloaded through the mounted /etc/ld.so.preload."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent.parent
+sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(REPO / "tests/cluster"))
+sys.path.insert(0, str(REPO / "tests/common"))
+import images  # noqa: E402
+from controlplane import ControlPlane, ControlPlaneError, wait_for  # noqa: E402
+from nodenet import TestNetwork  # noqa: E402
+from realnode import PAUSE_IMAGE, RealNode, missing_tools  # noqa: E402
+
+CHART = REPO / "deploy/helm/vgpu"
+RELEASE_NAMESPACE = "vgpu-system"
+TARGET = images.TARGET
+WORKLOADS_IMAGE = "localhost/vgpu-workloads:test"
+MIB = 1 << 20
+
+
+def unavailable(reason: str):
+    # CI runs as root with everything scripts/test installs: a skip there
+    # would hide a test that never ran.
+    if os.environ.get("CI"):
+        pytest.fail(f"{reason}; CI must run this test")
+    pytest.skip(reason)
+
+
+def chart_image() -> str:
+    """What the chart's default image (repository `vgpu`, the chart's
+    appVersion) names, as containerd normalizes it."""
+    version = re.search(r'^appVersion:\s*"?([^"\s]+)"?', (CHART / "Chart.yaml").read_text(), re.M)
+    assert version, "Chart.yaml has no appVersion"
+    return f"docker.io/library/vgpu:{version.group(1)}"
+
+
+def compile_program(name: str, source: Path, folder: Path, *flags: str) -> Path:
+    program = folder / name
+    done = subprocess.run([os.environ.get("CC", "cc"), "-O2", "-Wall", "-Werror", "-Wno-deprecated-declarations",
+                           "-I", str(REPO / "testkit/programs"), "-o", str(program), str(source), *flags],
+                          capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        raise ControlPlaneError(f"building {name}: {done.stderr}")
+    return program
+
+
+def build_images(folder: Path, kube_scheduler: Path, kube_version: str) -> list[Path]:
+    """Every image the node runs, as docker-archives: vgpu's (the
+    Dockerfile), kube-scheduler's (the control plane's binary on the same
+    Debian base), the pause image, and the test workloads."""
+    buildah = images.Buildah(folder / "buildah")
+    base = buildah.debian_base()
+    buildah.vgpu(chart_image())
+    buildah.assemble(f"registry.k8s.io/kube-scheduler:{kube_version}", base,
+                     {"/usr/local/bin/kube-scheduler": kube_scheduler})
+    programs = folder / "programs"
+    programs.mkdir()
+    pause = compile_program("pause", HERE / "pause.c", programs, "-static")
+    buildah.assemble(PAUSE_IMAGE, "scratch", {"/pause": pause}, entrypoint=["/pause"])
+    probe = compile_program("probe", REPO / "testkit/programs/probe.c", programs, "-ldl")
+    workload = compile_program("workload", REPO / "testkit/programs/workload.c", programs, "-ldl", "-lpthread")
+    buildah.assemble(WORKLOADS_IMAGE, base, {"/usr/local/bin/probe": probe, "/usr/local/bin/workload": workload})
+    names = [chart_image(), f"registry.k8s.io/kube-scheduler:{kube_version}", PAUSE_IMAGE, WORKLOADS_IMAGE]
+    return [buildah.export(name, folder / f"image-{index}.tar") for index, name in enumerate(names)]
+
+
+def kubectl_json(cluster: ControlPlane, *args: str):
+    return json.loads(cluster.kubectl(*args, "-o", "json").stdout)
+
+
+class RealCluster:
+    def __init__(self, cluster: ControlPlane, node: RealNode):
+        self.cluster = cluster
+        self.node = node
+
+    def logs(self) -> str:
+        parts = [f"--- kubelet\n{self.node.log('kubelet')[-3000:]}",
+                 f"--- containerd\n{self.node.log('containerd')[-2000:]}"]
+        for log in sorted((self.node.host / "var/log/pods").glob("*/*/*.log")):
+            parts.append(f"--- {log.relative_to(self.node.host)}\n{log.read_text(errors='replace')[-1500:]}")
+        parts.append(self.cluster.kubectl("get", "pods", "-A", "-o", "wide", check=False).stdout)
+        parts.append(self.cluster.kubectl("get", "events", "-A", check=False).stdout[-4000:])
+        return "\n".join(parts)
+
+    def run_pod(self, pod: dict, timeout: float = 120) -> dict:
+        """Creates `pod` and waits until it runs (or ends)."""
+        namespace, name = pod["metadata"]["namespace"], pod["metadata"]["name"]
+        self.cluster.kubectl("create", "namespace", namespace, check=False)
+        self.cluster.kubectl("create", "-f", "-", input=json.dumps(pod))
+
+        def started():
+            found = kubectl_json(self.cluster, "get", "pod", name, "-n", namespace)
+            return found if found["status"].get("phase") in ("Running", "Succeeded", "Failed") else None
+        return wait_for(f"pod {namespace}/{name} running", started, timeout=timeout, log=self.logs)
+
+    def metrics(self) -> str:
+        pods = kubectl_json(self.cluster, "get", "pods", "-n", RELEASE_NAMESPACE,
+                            "-l", "app.kubernetes.io/component=node")["items"]
+        addresses = [pod["status"].get("podIP") for pod in pods if pod["status"].get("phase") == "Running"]
+        if not addresses or not addresses[0]:
+            return ""
+        try:
+            return self.node.get(f"http://{addresses[0]}:31992/metrics")
+        except OSError:
+            return ""
+
+
+@pytest.fixture(scope="module")
+def real_cluster(tmp_path_factory):
+    if os.geteuid() != 0:
+        unavailable("a real node needs root (namespaces, cgroups, mounts)")
+    missing = images.missing_tools() + missing_tools()
+    if missing:
+        unavailable(f"not installed: {', '.join(missing)}")
+    simulated_gpu = TARGET / "libsimgpu.so"
+    if not simulated_gpu.is_file():
+        pytest.fail(f"{simulated_gpu} is missing: build the release binaries first (scripts/test does)")
+    folder = tmp_path_factory.mktemp("real-node")
+    with TestNetwork() as hub, ControlPlane(folder / "control-plane", network=hub) as cluster:
+        version = json.loads(cluster.kubectl("version", "-o", "json").stdout)["serverVersion"]["gitVersion"]
+        archives = build_images(folder / "images", cluster.bin / "kube-scheduler", version)
+        with RealNode(cluster, hub, 1, folder / "node-1", simulated_gpu=simulated_gpu,
+                      labels={"gpu": "on"}) as node:
+            for archive in archives:
+                node.import_image(archive)
+            running = RealCluster(cluster, node)
+            # What the NVIDIA container toolkit sets up on a GPU cluster.
+            cluster.kubectl("apply", "-f", "-", input=json.dumps({
+                "apiVersion": "node.k8s.io/v1", "kind": "RuntimeClass", "metadata": {"name": "nvidia"},
+                "handler": "nvidia"}))
+            cluster.helm("install", "vgpu", str(CHART), "-n", RELEASE_NAMESPACE, "--create-namespace",
+                         "--set", "image.pullPolicy=Never")
+
+            def registered():
+                found = kubectl_json(cluster, "get", "node", node.name)
+                return int(found["status"].get("allocatable", {}).get("nvidia.com/gpu", "0")) > 0
+            wait_for("the plugin registered with the real kubelet", registered, timeout=180, log=running.logs)
+
+            def endpoint_ready():
+                slices = kubectl_json(cluster, "get", "endpointslices", "-n", RELEASE_NAMESPACE)["items"]
+                return any(endpoint.get("conditions", {}).get("ready") for item in slices
+                           if item["metadata"]["labels"].get("kubernetes.io/service-name", "").endswith("-scheduler")
+                           for endpoint in item.get("endpoints") or [])
+            wait_for("the extender's pod ready behind its Service", endpoint_ready, timeout=180, log=running.logs)
+            yield running
+
+
+def test_the_chart_runs_on_a_real_node(real_cluster):
+    """helm install alone: the node agent's init container put the shim on
+    the node's disk, the plugin registered with kubelet and advertises
+    split GPUs, the monitor serves in its container; containerd runs them
+    from the image built from the Dockerfile."""
+    cluster, node = real_cluster.cluster, real_cluster.node
+    shipped = images.shipped_shim().read_bytes()
+    assert (node.host / "usr/local/vgpu/libvgpu.so").read_bytes() == shipped, "the shim on the node is not the one shipped"
+    found = kubectl_json(cluster, "get", "node", node.name)
+    assert found["status"]["capacity"]["nvidia.com/gpu"] == str(node.gpus * 10)
+    assert found["status"]["nodeInfo"]["containerRuntimeVersion"].startswith("containerd://2."), found["status"]["nodeInfo"]
+    inventory = json.loads(found["metadata"]["annotations"]["vgpu.io/node-gpus"])
+    assert len(inventory["gpus"]) == node.gpus
+    containers = node.ctr("containers", "list").stdout
+    assert chart_image() in containers, containers
+    text = wait_for("the monitor serving", real_cluster.metrics, timeout=60, log=real_cluster.logs)
+    totals = [line for line in text.splitlines() if line.startswith("vgpu_gpu_memory_total_bytes{")]
+    for gpu in inventory["gpus"]:
+        assert any(gpu["uuid"] in line for line in totals), (gpu["uuid"], totals)
+
+
+def report(text: str) -> dict[str, str]:
+    return dict(line.split("=", 1) for line in text.splitlines() if "=" in line and " " not in line.split("=")[0])
+
+
+# A container's script: one process holds 1 GiB while NVML is asked what
+# the container sees, then another fills the device until refused.
+CAP_SCRIPT = """
+set -e
+mkfifo /tmp/hold
+probe dlsym hold 1073741824 < /tmp/hold > /tmp/hold.out &
+exec 3> /tmp/hold
+until grep -q ready /tmp/hold.out 2>/dev/null; do sleep 0.1; done
+probe dlsym nvml
+exec 3>&-
+wait
+probe dlsym fill 268435456
+echo done=1
+sleep infinity
+"""
+
+
+def test_a_hami_pod_runs_in_a_real_container_at_its_cap(real_cluster):
+    cluster, node = real_cluster.cluster, real_cluster.node
+    pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "hami", "namespace": "team-a"},
+           "spec": {"terminationGracePeriodSeconds": 1, "containers": [{
+               "name": "main", "image": WORKLOADS_IMAGE, "imagePullPolicy": "Never",
+               "command": ["/bin/sh", "-c", CAP_SCRIPT],
+               "resources": {"limits": {"nvidia.com/gpu": "1", "nvidia.com/gpumem": "4096",
+                                        "nvidia.com/gpucores": "30"}}}]}}
+    found = real_cluster.run_pod(pod)
+    assert found["spec"]["schedulerName"] == "vgpu-scheduler", "the webhook gave the pod our scheduler"
+    assert found["status"]["phase"] == "Running", json.dumps(found["status"], indent=1)
+    text = wait_for("the workload's report", lambda: "done=1" in node.container_log("team-a", "hami", "main")
+                    and node.container_log("team-a", "hami", "main"), timeout=60, log=real_cluster.logs)
+    seen = report(text)
+    print(f"\nin the container: NVML total {int(seen['nvml_total']) // MIB} MiB, {seen['processes']} process(es) "
+          f"holding {int(seen['processes_memory']) // MIB} MiB; fill refused ({seen['refusal']}) after "
+          f"{int(seen['allocated']) // MIB} MiB, total {int(seen['mem_total']) // MIB} MiB")
+    # NVML in the container: a 4096 MiB device, and the holding process
+    # with its memory.
+    assert int(seen["nvml_total"]) == 4096 * MIB, seen
+    assert int(seen["processes"]) >= 1 and int(seen["processes_memory"]) >= 1024 * MIB, seen
+    # The CUDA program is refused (CUDA_ERROR_OUT_OF_MEMORY) before the cap
+    # and sees the cap as the device's total.
+    assert seen["refusal"] == "2", seen
+    assert 2048 * MIB <= int(seen["allocated"]) <= 4096 * MIB, seen
+    assert int(seen["mem_total"]) == 4096 * MIB, seen
+
+    def named():
+        return [line for line in real_cluster.metrics().splitlines()
+                if 'namespace="team-a"' in line and 'pod="hami"' in line and 'container="main"' in line]
+    assert wait_for("the monitor naming the pod's container", named, timeout=30, log=real_cluster.logs)
+    cluster.kubectl("delete", "pod", "hami", "-n", "team-a", "--wait=true", "--timeout=60s")
+
+
+def test_a_hami_pod_is_held_at_its_compute_share(real_cluster):
+    """`gpucores: 30` in a real container: 1 ms kernels back to back; the
+    device time it gets, as the node's monitor reads it through NVML (not
+    from the shim), is held near 30 % of the device."""
+    cluster, node = real_cluster.cluster, real_cluster.node
+    pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "share", "namespace": "team-b"},
+           "spec": {"terminationGracePeriodSeconds": 1, "containers": [{
+               "name": "main", "image": WORKLOADS_IMAGE, "imagePullPolicy": "Never",
+               "command": ["workload", "sync", "k1ms", "60"],
+               "resources": {"limits": {"nvidia.com/gpu": "1", "nvidia.com/gpumem": "1024",
+                                        "nvidia.com/gpucores": "30"}}}]}}
+    found = real_cluster.run_pod(pod)
+    assert found["status"]["phase"] == "Running", json.dumps(found["status"], indent=1)
+    wait_for("the workload ready", lambda: "ready" in node.container_log("team-b", "share", "main"),
+             timeout=30, log=real_cluster.logs)
+
+    def figure(name: str):
+        for line in real_cluster.metrics().splitlines():
+            if line.startswith(name + "{") and 'namespace="team-b"' in line and 'pod="share"' in line:
+                return float(line.rsplit(" ", 1)[1])
+        return None
+    assert wait_for("the configured share", lambda: figure("vgpu_container_compute_share_ratio"),
+                    log=real_cluster.logs) == pytest.approx(0.30)
+    assert wait_for("a utilization reading", lambda: figure("vgpu_container_utilization_ratio") is not None,
+                    log=real_cluster.logs)
+    # The monitor's window is one second: readings over five windows after
+    # two seconds of warm-up.
+    started = time.monotonic()
+    readings = []
+    while time.monotonic() - started < 7:
+        value = figure("vgpu_container_utilization_ratio")
+        if time.monotonic() - started >= 2 and value is not None:
+            readings.append(value)
+        time.sleep(0.5)  # a sampling interval, not a wait for anything
+    achieved = statistics.median(readings)
+    print(f"\ngpucores 30 in a real container: {achieved:.3f} of the device (median of {len(readings)} readings)")
+    assert 0.22 <= achieved <= 0.38, readings
+    cluster.kubectl("delete", "pod", "share", "-n", "team-b", "--wait=true", "--timeout=60s")
+
+
+FILL_SCRIPT = "probe dlsym fill 268435456; echo done=1; sleep infinity"
+
+
+def test_a_non_root_pod_with_a_read_only_root_and_two_containers_is_held(real_cluster):
+    """Each container of a pod running as user 1000 on a read-only root
+    filesystem gets its own cap, through the preload file the plugin
+    mounts and the region it writes."""
+    cluster, node = real_cluster.cluster, real_cluster.node
+    containers = [{
+        "name": name, "image": WORKLOADS_IMAGE, "imagePullPolicy": "Never",
+        "command": ["/bin/sh", "-c", FILL_SCRIPT],
+        "securityContext": {"runAsUser": 1000, "runAsGroup": 1000, "runAsNonRoot": True,
+                            "readOnlyRootFilesystem": True, "allowPrivilegeEscalation": False,
+                            "capabilities": {"drop": ["ALL"]}},
+        "resources": {"limits": {"nvidia.com/gpu": "1", "nvidia.com/gpumem": str(mib)}}}
+        for name, mib in (("first", 2048), ("second", 1024))]
+    pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "locked", "namespace": "team-c"},
+           "spec": {"terminationGracePeriodSeconds": 1, "containers": containers}}
+    found = real_cluster.run_pod(pod)
+    assert found["status"]["phase"] == "Running", json.dumps(found["status"], indent=1)
+    for name, mib in (("first", 2048), ("second", 1024)):
+        text = wait_for(f"{name}'s report", lambda name=name: "done=1" in node.container_log("team-c", "locked", name)
+                        and node.container_log("team-c", "locked", name), timeout=60, log=real_cluster.logs)
+        seen = report(text)
+        assert "refusal" in seen, f"{name}: {text}"
+        print(f"\nuser 1000, read-only root, container {name}: refused ({seen['refusal']}) after "
+              f"{int(seen['allocated']) // MIB} MiB of a {mib} MiB cap, total {int(seen['mem_total']) // MIB} MiB")
+        assert seen["refusal"] == "2", seen
+        assert int(seen["mem_total"]) == mib * MIB, seen
+        assert mib * MIB // 2 <= int(seen["allocated"]) <= mib * MIB, seen
+    cluster.kubectl("delete", "pod", "locked", "-n", "team-c", "--wait=true", "--timeout=60s")
