@@ -11,10 +11,10 @@ runc, the shim preloaded through the mounted /etc/ld.so.preload."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
-import shutil
 import statistics
 import subprocess
 import sys
@@ -29,9 +29,10 @@ sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(REPO / "tests/cluster"))
 sys.path.insert(0, str(REPO / "tests/common"))
 import images  # noqa: E402
+from realnode import PAUSE_IMAGE, RealNode, missing_tools  # noqa: E402
+
 from controlplane import ControlPlane, ControlPlaneError, wait_for  # noqa: E402
 from nodenet import TestNetwork  # noqa: E402
-from realnode import PAUSE_IMAGE, RealNode, missing_tools  # noqa: E402
 
 CHART = REPO / "deploy/helm/vgpu"
 RELEASE_NAMESPACE = "vgpu-system"
@@ -91,15 +92,21 @@ def kubectl_json(cluster: ControlPlane, *args: str):
 
 
 class RealCluster:
-    def __init__(self, cluster: ControlPlane, node: RealNode):
+    """The control plane, its real nodes (node-1 first) and the chart."""
+
+    def __init__(self, cluster: ControlPlane, nodes: list[RealNode]):
         self.cluster = cluster
-        self.node = node
+        self.nodes = nodes
+        self.node = nodes[0]
 
     def logs(self) -> str:
-        parts = [f"--- kubelet\n{self.node.log('kubelet')[-3000:]}",
-                 f"--- containerd\n{self.node.log('containerd')[-2000:]}"]
-        for log in sorted((self.node.host / "var/log/pods").glob("*/*/*.log")):
-            parts.append(f"--- {log.relative_to(self.node.host)}\n{log.read_text(errors='replace')[-1500:]}")
+        parts = []
+        for node in self.nodes:
+            parts += [f"--- {node.name} kubelet\n{node.log('kubelet')[-3000:]}",
+                      f"--- {node.name} containerd\n{node.log('containerd')[-2000:]}"]
+            for log in sorted((node.host / "var/log/pods").glob("*/*/*.log")):
+                parts.append(f"--- {node.name} {log.relative_to(node.host)}\n"
+                             f"{log.read_text(errors='replace')[-1500:]}")
         parts.append(self.cluster.kubectl("get", "pods", "-A", "-o", "wide", check=False).stdout)
         parts.append(self.cluster.kubectl("get", "events", "-A", check=False).stdout[-4000:])
         return "\n".join(parts)
@@ -115,20 +122,48 @@ class RealCluster:
             return found if found["status"].get("phase") in ("Running", "Succeeded", "Failed") else None
         return wait_for(f"pod {namespace}/{name} running", started, timeout=timeout, log=self.logs)
 
-    def metrics(self) -> str:
-        pods = kubectl_json(self.cluster, "get", "pods", "-n", RELEASE_NAMESPACE,
-                            "-l", "app.kubernetes.io/component=node")["items"]
+    def wait_until_serving(self) -> None:
+        """The node agents ready on both nodes and the extender's pod ready
+        behind its Service."""
+        def agents_ready():
+            pods = kubectl_json(self.cluster, "get", "pods", "-n", RELEASE_NAMESPACE,
+                                "-l", "vgpu.io/monitor=true")["items"]
+            ready = {pod["spec"].get("nodeName") for pod in pods
+                     if any(c["type"] == "Ready" and c["status"] == "True"
+                            for c in pod["status"].get("conditions", []))}
+            return ready >= {node.name for node in self.nodes}
+        wait_for("the node agents ready on every node", agents_ready, timeout=180, log=self.logs)
+
+        def endpoint_ready():
+            slices = kubectl_json(self.cluster, "get", "endpointslices", "-n", RELEASE_NAMESPACE)["items"]
+            return any(endpoint.get("conditions", {}).get("ready") for item in slices
+                       if item["metadata"]["labels"].get("kubernetes.io/service-name", "").endswith("-scheduler")
+                       for endpoint in item.get("endpoints") or [])
+        wait_for("the extender's pod ready behind its Service", endpoint_ready, timeout=180, log=self.logs)
+
+    def metrics(self, node: RealNode | None = None) -> str:
+        """The /metrics of `node`'s monitor (node-1's by default), read
+        from inside the node's network."""
+        node = node or self.node
+        pods = kubectl_json(self.cluster, "get", "pods", "-n", RELEASE_NAMESPACE, "-l", "vgpu.io/monitor=true",
+                            "--field-selector", f"spec.nodeName={node.name}")["items"]
         addresses = [pod["status"].get("podIP") for pod in pods if pod["status"].get("phase") == "Running"]
         if not addresses or not addresses[0]:
             return ""
         try:
-            return self.node.get(f"http://{addresses[0]}:31992/metrics")
+            return node.get(f"http://{addresses[0]}:31992/metrics")
         except OSError:
             return ""
 
 
+# The node label (the chart's dra.nodeLabel) that moves a node to DRA.
+DRA_NODE_LABEL = "vgpu.io/allocation"
+
+
 @pytest.fixture(scope="module")
 def real_cluster(tmp_path_factory):
+    """Two real nodes: node-1 offers its GPUs through the device plugin,
+    node-2 through the DRA driver."""
     if os.geteuid() != 0:
         unavailable("a real node needs root (namespaces, cgroups, mounts)")
     missing = images.missing_tools() + missing_tools()
@@ -138,33 +173,34 @@ def real_cluster(tmp_path_factory):
     if not simulated_gpu.is_file():
         pytest.fail(f"{simulated_gpu} is missing: build the release binaries first (scripts/test does)")
     folder = tmp_path_factory.mktemp("real-node")
-    with TestNetwork() as hub, ControlPlane(folder / "control-plane", network=hub) as cluster:
+    with contextlib.ExitStack() as stack:
+        hub = stack.enter_context(TestNetwork())
+        cluster = stack.enter_context(ControlPlane(folder / "control-plane", network=hub))
         version = json.loads(cluster.kubectl("version", "-o", "json").stdout)["serverVersion"]["gitVersion"]
         archives = build_images(folder / "images", cluster.bin / "kube-scheduler", version)
-        with RealNode(cluster, hub, 1, folder / "node-1", simulated_gpu=simulated_gpu,
-                      labels={"gpu": "on"}) as node:
+        nodes = [stack.enter_context(RealNode(cluster, hub, index, folder / f"node-{index}",
+                                              simulated_gpu=simulated_gpu, labels=labels))
+                 for index, labels in ((1, {"gpu": "on"}), (2, {"gpu": "on", DRA_NODE_LABEL: "dra"}))]
+        for node in nodes:
             for archive in archives:
                 node.import_image(archive)
-            running = RealCluster(cluster, node)
-            # What the NVIDIA container toolkit sets up on a GPU cluster.
-            cluster.kubectl("apply", "-f", "-", input=json.dumps({
-                "apiVersion": "node.k8s.io/v1", "kind": "RuntimeClass", "metadata": {"name": "nvidia"},
-                "handler": "nvidia"}))
-            cluster.helm("install", "vgpu", str(CHART), "-n", RELEASE_NAMESPACE, "--create-namespace",
-                         "--set", "image.pullPolicy=Never")
+        running = RealCluster(cluster, nodes)
+        # What the NVIDIA container toolkit sets up on a GPU cluster.
+        cluster.kubectl("apply", "-f", "-", input=json.dumps({
+            "apiVersion": "node.k8s.io/v1", "kind": "RuntimeClass", "metadata": {"name": "nvidia"},
+            "handler": "nvidia"}))
+        cluster.helm("install", "vgpu", str(CHART), "-n", RELEASE_NAMESPACE, "--create-namespace",
+                     "--set", "image.pullPolicy=Never", "--set", "dra.enabled=true")
 
-            def registered():
-                found = kubectl_json(cluster, "get", "node", node.name)
-                return int(found["status"].get("allocatable", {}).get("nvidia.com/gpu", "0")) > 0
-            wait_for("the plugin registered with the real kubelet", registered, timeout=180, log=running.logs)
-
-            def endpoint_ready():
-                slices = kubectl_json(cluster, "get", "endpointslices", "-n", RELEASE_NAMESPACE)["items"]
-                return any(endpoint.get("conditions", {}).get("ready") for item in slices
-                           if item["metadata"]["labels"].get("kubernetes.io/service-name", "").endswith("-scheduler")
-                           for endpoint in item.get("endpoints") or [])
-            wait_for("the extender's pod ready behind its Service", endpoint_ready, timeout=180, log=running.logs)
-            yield running
+        def registered():
+            plugin = kubectl_json(cluster, "get", "node", nodes[0].name)
+            slices = kubectl_json(cluster, "get", "resourceslices")["items"]
+            return (int(plugin["status"].get("allocatable", {}).get("nvidia.com/gpu", "0")) > 0
+                    and any(item["spec"].get("nodeName") == nodes[1].name for item in slices))
+        wait_for("the plugin registered with node-1's kubelet, node-2's driver published its slice", registered,
+                 timeout=180, log=running.logs)
+        running.wait_until_serving()
+        yield running
 
 
 def test_the_chart_runs_on_a_real_node(real_cluster):
@@ -174,10 +210,12 @@ def test_the_chart_runs_on_a_real_node(real_cluster):
     from the image built from the Dockerfile."""
     cluster, node = real_cluster.cluster, real_cluster.node
     shipped = images.shipped_shim().read_bytes()
-    assert (node.host / "usr/local/vgpu/libvgpu.so").read_bytes() == shipped, "the shim on the node is not the one shipped"
+    installed = (node.host / "usr/local/vgpu/libvgpu.so").read_bytes()
+    assert installed == shipped, "the shim on the node is not the one shipped"
     found = kubectl_json(cluster, "get", "node", node.name)
     assert found["status"]["capacity"]["nvidia.com/gpu"] == str(node.gpus * 10)
-    assert found["status"]["nodeInfo"]["containerRuntimeVersion"].startswith("containerd://2."), found["status"]["nodeInfo"]
+    runtime = found["status"]["nodeInfo"]["containerRuntimeVersion"]
+    assert runtime.startswith("containerd://2."), runtime
     inventory = json.loads(found["metadata"]["annotations"]["vgpu.io/node-gpus"])
     assert len(inventory["gpus"]) == node.gpus
     containers = node.ctr("containers", "list").stdout
@@ -243,6 +281,30 @@ def test_a_hami_pod_runs_in_a_real_container_at_its_cap(real_cluster):
     cluster.kubectl("delete", "pod", "hami", "-n", "team-a", "--wait=true", "--timeout=60s")
 
 
+def measured_share(real_cluster: RealCluster, node: RealNode, namespace: str, pod: str, configured: float) -> float:
+    """The median device time the node's monitor reads for the pod's
+    container over five of its one-second windows (after two seconds of
+    warm-up), once the monitor shows the configured share."""
+    def figure(name: str):
+        for line in real_cluster.metrics(node).splitlines():
+            if line.startswith(name + "{") and f'namespace="{namespace}"' in line and f'pod="{pod}"' in line:
+                return float(line.rsplit(" ", 1)[1])
+        return None
+    assert wait_for("the configured share", lambda: figure("vgpu_container_compute_share_ratio"),
+                    timeout=60, log=real_cluster.logs) == pytest.approx(configured)
+    assert wait_for("a utilization reading", lambda: figure("vgpu_container_utilization_ratio") is not None,
+                    timeout=60, log=real_cluster.logs)
+    started = time.monotonic()
+    readings = []
+    while time.monotonic() - started < 7:
+        value = figure("vgpu_container_utilization_ratio")
+        if time.monotonic() - started >= 2 and value is not None:
+            readings.append(value)
+        time.sleep(0.5)  # a sampling interval, not a wait for anything
+    assert readings, "no utilization readings"
+    return statistics.median(readings)
+
+
 def test_a_hami_pod_is_held_at_its_compute_share(real_cluster):
     """`gpucores: 30` in a real container: 1 ms kernels back to back; the
     device time it gets, as the node's monitor reads it through NVML (not
@@ -259,27 +321,9 @@ def test_a_hami_pod_is_held_at_its_compute_share(real_cluster):
     wait_for("the workload ready", lambda: "ready" in node.container_log("team-b", "share", "main"),
              timeout=30, log=real_cluster.logs)
 
-    def figure(name: str):
-        for line in real_cluster.metrics().splitlines():
-            if line.startswith(name + "{") and 'namespace="team-b"' in line and 'pod="share"' in line:
-                return float(line.rsplit(" ", 1)[1])
-        return None
-    assert wait_for("the configured share", lambda: figure("vgpu_container_compute_share_ratio"),
-                    log=real_cluster.logs) == pytest.approx(0.30)
-    assert wait_for("a utilization reading", lambda: figure("vgpu_container_utilization_ratio") is not None,
-                    log=real_cluster.logs)
-    # The monitor's window is one second: readings over five windows after
-    # two seconds of warm-up.
-    started = time.monotonic()
-    readings = []
-    while time.monotonic() - started < 7:
-        value = figure("vgpu_container_utilization_ratio")
-        if time.monotonic() - started >= 2 and value is not None:
-            readings.append(value)
-        time.sleep(0.5)  # a sampling interval, not a wait for anything
-    achieved = statistics.median(readings)
-    print(f"\ngpucores 30 in a real container: {achieved:.3f} of the device (median of {len(readings)} readings)")
-    assert 0.22 <= achieved <= 0.38, readings
+    achieved = measured_share(real_cluster, node, "team-b", "share", 0.30)
+    print(f"\ngpucores 30 in a real container: {achieved:.3f} of the device (median of the monitor's readings)")
+    assert 0.22 <= achieved <= 0.38, achieved
     cluster.kubectl("delete", "pod", "share", "-n", "team-b", "--wait=true", "--timeout=60s")
 
 
@@ -314,3 +358,105 @@ def test_a_non_root_pod_with_a_read_only_root_and_two_containers_is_held(real_cl
         assert int(seen["mem_total"]) == mib * MIB, seen
         assert mib * MIB // 2 <= int(seen["allocated"]) <= mib * MIB, seen
     cluster.kubectl("delete", "pod", "locked", "-n", "team-c", "--wait=true", "--timeout=60s")
+
+
+def regions(node: RealNode) -> dict[str, list[dict]]:
+    """Every region on the node, with its limits as `vgpu inspect` reads
+    them."""
+    found = {}
+    for path in sorted((node.host / "usr/local/vgpu/containers").glob("*/region.cache")):
+        shown = subprocess.run([str(TARGET / "vgpu"), "inspect", str(path), "--json"],
+                               capture_output=True, text=True, check=True)
+        found[path.parent.name] = [device["limits"] for device in json.loads(shown.stdout)["devices"]]
+    return found
+
+
+def test_caps_and_shares_hold_through_restarts_of_kubelet_containerd_and_the_agent(real_cluster):
+    """A pod at 30 % with a 1 GiB cap keeps running through a restart of
+    kubelet, of containerd, and the deletion of the node agent's pod (its
+    DaemonSet brings it back): its region is never lost, its share holds
+    after each, and a pod created afterwards is admitted and capped."""
+    cluster, node = real_cluster.cluster, real_cluster.node
+    pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "steady", "namespace": "team-d"},
+           "spec": {"terminationGracePeriodSeconds": 1, "containers": [{
+               "name": "main", "image": WORKLOADS_IMAGE, "imagePullPolicy": "Never",
+               "command": ["workload", "sync", "k1ms", "3600"],
+               "resources": {"limits": {"nvidia.com/gpu": "1", "nvidia.com/gpumem": "1024",
+                                        "nvidia.com/gpucores": "30"}}}]}}
+    found = real_cluster.run_pod(pod)
+    assert found["status"]["phase"] == "Running", json.dumps(found["status"], indent=1)
+    wait_for("the workload ready", lambda: "ready" in node.container_log("team-d", "steady", "main"),
+             timeout=30, log=real_cluster.logs)
+    before = regions(node)
+    assert before, "no region on the node"
+    shares = {"before": measured_share(real_cluster, node, "team-d", "steady", 0.30)}
+
+    def node_ready():
+        conditions = kubectl_json(cluster, "get", "node", node.name)["status"]["conditions"]
+        return any(c["type"] == "Ready" and c["status"] == "True" for c in conditions)
+
+    for component in ("kubelet", "containerd"):
+        node.restart(component)
+        wait_for(f"{node.name} ready after {component} restarted", node_ready, timeout=120, log=real_cluster.logs)
+        real_cluster.wait_until_serving()
+        assert regions(node) == before, f"regions changed over a {component} restart"
+        shares[component] = measured_share(real_cluster, node, "team-d", "steady", 0.30)
+
+    agent = kubectl_json(cluster, "get", "pods", "-n", RELEASE_NAMESPACE, "-l", "app.kubernetes.io/component=node",
+                         "--field-selector", f"spec.nodeName={node.name}")["items"][0]["metadata"]["name"]
+    cluster.kubectl("delete", "pod", agent, "-n", RELEASE_NAMESPACE, "--wait=true", "--timeout=60s")
+    real_cluster.wait_until_serving()
+    assert regions(node) == before, "regions changed when the node agent's pod was replaced"
+    shares["agent replaced"] = measured_share(real_cluster, node, "team-d", "steady", 0.30)
+    steady = kubectl_json(cluster, "get", "pod", "steady", "-n", "team-d")
+    assert steady["status"]["containerStatuses"][0]["restartCount"] == 0, steady["status"]
+    print("\n30 % share through restarts: " + ", ".join(f"{k} {v:.3f}" for k, v in shares.items()))
+    for moment, achieved in shares.items():
+        assert 0.22 <= achieved <= 0.38, (moment, shares)
+
+    after = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "after", "namespace": "team-d"},
+             "spec": {"terminationGracePeriodSeconds": 1, "containers": [{
+                 "name": "main", "image": WORKLOADS_IMAGE, "imagePullPolicy": "Never",
+                 "command": ["/bin/sh", "-c", FILL_SCRIPT],
+                 "resources": {"limits": {"nvidia.com/gpu": "1", "nvidia.com/gpumem": "2048"}}}]}}
+    assert real_cluster.run_pod(after)["status"]["phase"] == "Running"
+    text = wait_for("the new pod's report", lambda: "done=1" in node.container_log("team-d", "after", "main")
+                    and node.container_log("team-d", "after", "main"), timeout=60, log=real_cluster.logs)
+    seen = report(text)
+    assert seen.get("refusal") == "2" and int(seen["mem_total"]) == 2048 * MIB, text
+    cluster.kubectl("delete", "pods", "--all", "-n", "team-d", "--wait=true", "--timeout=60s")
+
+
+def test_a_dra_pod_from_the_readme_template_runs_at_its_cap_and_share(real_cluster):
+    """The README's gpu-4gib-30pct claim template on the DRA node: the
+    driver's CDI spec, applied by containerd, preloads the shim into the
+    container, which is refused at 4 GiB and held at 30 %."""
+    cluster, node = real_cluster.cluster, real_cluster.nodes[1]
+    cluster.kubectl("create", "namespace", "team-e")
+    cluster.kubectl("apply", "-n", "team-e", "-f", str(REPO / "deploy/examples/dra/gpu-4gib-30pct.yaml"))
+    pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "claimed", "namespace": "team-e"},
+           "spec": {"terminationGracePeriodSeconds": 1,
+                    "resourceClaims": [{"name": "gpu", "resourceClaimTemplateName": "gpu-4gib-30pct"}],
+                    "containers": [{
+                        "name": "main", "image": WORKLOADS_IMAGE, "imagePullPolicy": "Never",
+                        "command": ["/bin/sh", "-c", "probe dlsym fill 268435456; echo done=1; "
+                                    "exec workload sync k1ms 3600"],
+                        "resources": {"claims": [{"name": "gpu"}]}}]}}
+    found = real_cluster.run_pod(pod)
+    assert found["status"]["phase"] == "Running", json.dumps(found["status"], indent=1)
+    assert found["spec"]["nodeName"] == node.name
+    text = wait_for("the claimed pod's report", lambda: "done=1" in node.container_log("team-e", "claimed", "main")
+                    and node.container_log("team-e", "claimed", "main"), timeout=60, log=real_cluster.logs)
+    seen = report(text)
+    assert seen.get("refusal") == "2", text
+    assert int(seen["mem_total"]) == 4096 * MIB, seen
+    assert 2048 * MIB <= int(seen["allocated"]) <= 4096 * MIB, seen
+    # containerd applied the driver's CDI spec: the container's spec
+    # carries what the spec names.
+    specs = list((node.host / "var/run/cdi").glob("*.json")) + list((node.host / "var/run/cdi").glob("*.yaml"))
+    assert specs, "the DRA driver wrote no CDI spec on the node"
+    achieved = measured_share(real_cluster, node, "team-e", "claimed", 0.30)
+    print(f"\nDRA claim from the README's template on a real node: refused after "
+          f"{int(seen['allocated']) // MIB} MiB of 4096, {achieved:.3f} of the device at 30 %")
+    assert 0.22 <= achieved <= 0.38, achieved
+    cluster.kubectl("delete", "pod", "claimed", "-n", "team-e", "--wait=true", "--timeout=60s")
