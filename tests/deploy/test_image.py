@@ -16,6 +16,7 @@ import hashlib
 import json
 import os
 import pathlib
+import subprocess
 import sys
 
 import pytest

@@ -278,17 +278,20 @@ class RealNode:
         one (v2), with the controllers kubelet needs enabled for its
         children."""
         for folder in self._cgroup_dirs():
-            folder.mkdir(exist_ok=True)
-            # A cpuset cgroup takes no process until it has CPUs and memory
-            # nodes (v1 starts them empty).
-            for name in ("cpuset.cpus", "cpuset.mems"):
-                own, parent = folder / name, folder.parent / name
-                if own.exists() and not own.read_text().strip():
-                    own.write_text(parent.read_text())
-        if cgroup_v2():
-            root = self._cgroup_dirs()[0]
-            wanted = set((CGROUP / "cgroup.subtree_control").read_text().split())
-            (root / "cgroup.subtree_control").write_text(" ".join(f"+{name}" for name in sorted(wanted)))
+            # The root kubelet is given, and a leaf beside its pods for the
+            # node's own daemons (v2 lets no process sit in a cgroup whose
+            # children have controllers).
+            for cgroup in (folder, folder / "daemons"):
+                cgroup.mkdir(exist_ok=True)
+                # A cpuset cgroup takes no process until it has CPUs and
+                # memory nodes (v1 starts them empty).
+                for name in ("cpuset.cpus", "cpuset.mems"):
+                    own, parent = cgroup / name, cgroup.parent / name
+                    if own.exists() and not own.read_text().strip():
+                        own.write_text(parent.read_text())
+            if cgroup_v2():
+                wanted = set((CGROUP / "cgroup.subtree_control").read_text().split())
+                (folder / "cgroup.subtree_control").write_text(" ".join(f"+{name}" for name in sorted(wanted)))
 
     def _kill_cgroups(self) -> None:
         """Every process left under the node's cgroups (its containers and
@@ -414,7 +417,11 @@ state = '/run/containerd'
     def _spawn(self, name: str, argv: list[str]) -> None:
         log = open(self.workdir / f"{name}.log", "a")  # noqa: SIM115 -- open while the process runs
         env = dict(os.environ, PATH=f"{self.bin}:{os.environ.get('PATH', '/usr/bin:/bin')}")
-        self.processes[name] = subprocess.Popen(self.command(argv), stdout=log, stderr=subprocess.STDOUT,
+        daemons = " ".join(str(folder / "daemons" / "cgroup.procs") for folder in self._cgroup_dirs())
+        # kubelet, containerd and the shims containerd starts live in the
+        # node's cgroups, so stopping the node finds every one of them.
+        joined = ["sh", "-c", f'for procs in {daemons}; do echo $$ > "$procs"; done; exec "$@"', name, *argv]
+        self.processes[name] = subprocess.Popen(self.command(joined), stdout=log, stderr=subprocess.STDOUT,
                                                 stdin=subprocess.DEVNULL, env=env, start_new_session=True)
         log.close()
 

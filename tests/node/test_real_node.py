@@ -33,6 +33,7 @@ from realnode import PAUSE_IMAGE, RealNode, missing_tools  # noqa: E402
 
 from controlplane import ControlPlane, ControlPlaneError, wait_for  # noqa: E402
 from nodenet import TestNetwork  # noqa: E402
+from placement import count  # noqa: E402
 
 CHART = REPO / "deploy/helm/vgpu"
 RELEASE_NAMESPACE = "vgpu-system"
@@ -82,7 +83,12 @@ def build_images(folder: Path, kube_scheduler: Path, kube_version: str) -> list[
     buildah.assemble(PAUSE_IMAGE, "scratch", {"/pause": pause}, entrypoint=["/pause"])
     probe = compile_program("probe", REPO / "testkit/programs/probe.c", programs, "-ldl")
     workload = compile_program("workload", REPO / "testkit/programs/workload.c", programs, "-ldl", "-lpthread")
-    buildah.assemble(WORKLOADS_IMAGE, base, {"/usr/local/bin/probe": probe, "/usr/local/bin/workload": workload})
+    # hold, linked statically: a program no preload reaches (the attack
+    # test's escape, which the monitor must report).
+    escape = compile_program("hold-static", REPO / "tests/cluster/workloads/hold.c", programs,
+                             "-static", "-ldl", "-lpthread")
+    buildah.assemble(WORKLOADS_IMAGE, base, {"/usr/local/bin/probe": probe, "/usr/local/bin/workload": workload,
+                                             "/usr/local/bin/hold-static": escape})
     names = [chart_image(), f"registry.k8s.io/kube-scheduler:{kube_version}", PAUSE_IMAGE, WORKLOADS_IMAGE]
     return [buildah.export(name, folder / f"image-{index}.tar") for index, name in enumerate(names)]
 
@@ -218,6 +224,18 @@ def test_the_chart_runs_on_a_real_node(real_cluster):
     assert runtime.startswith("containerd://2."), runtime
     inventory = json.loads(found["metadata"]["annotations"]["vgpu.io/node-gpus"])
     assert len(inventory["gpus"]) == node.gpus
+    # The plugin offers the share resources in the node's status (the
+    # chart's RBAC lets it; NodeRestriction is about kubelet, not it), so
+    # kube-scheduler's retry hint sees a node that can hold a vGPU pod.
+    gpu_mib = sum(gpu.get("offeredMemoryBytes", gpu["memoryBytes"]) >> 20 for gpu in inventory["gpus"])
+    shares = wait_for("the share resources in the node's status", lambda: {
+        name: quantity for name, quantity in kubectl_json(cluster, "get", "node", node.name)
+        ["status"].get("allocatable", {}).items() if name in (
+            "nvidia.com/gpumem", "nvidia.com/gpucores", "nvidia.com/gpumem-percentage")} or None,
+        log=real_cluster.logs)
+    assert count(shares["nvidia.com/gpumem"]) == gpu_mib, shares
+    assert count(shares["nvidia.com/gpucores"]) == 100 * node.gpus, shares
+    assert count(shares["nvidia.com/gpumem-percentage"]) == 100 * node.gpus, shares
     containers = node.ctr("containers", "list").stdout
     assert chart_image() in containers, containers
     text = wait_for("the monitor serving", real_cluster.metrics, timeout=60, log=real_cluster.logs)
@@ -460,3 +478,57 @@ def test_a_dra_pod_from_the_readme_template_runs_at_its_cap_and_share(real_clust
           f"{int(seen['allocated']) // MIB} MiB of 4096, {achieved:.3f} of the device at 30 %")
     assert 0.22 <= achieved <= 0.38, achieved
     cluster.kubectl("delete", "pod", "claimed", "-n", "team-e", "--wait=true", "--timeout=60s")
+
+
+# Root in its container, with the rights a container gets by default (no
+# CAP_SYS_ADMIN), tries to take the shim away, then escapes it with a
+# static program that no preload reaches.
+ATTACK_SCRIPT = """
+attempt() { name=$1; shift; if ( "$@" ) 2>/dev/null; then echo "$name=allowed"; else echo "$name=refused"; fi; }
+attempt preload_write sh -c 'printf "" > /etc/ld.so.preload'
+attempt preload_umount umount /etc/ld.so.preload
+attempt preload_remount mount -o remount,rw,bind /etc/ld.so.preload
+attempt library_write cp /bin/true /usr/local/vgpu/libvgpu.so
+attempt library_umount umount /usr/local/vgpu/libvgpu.so
+env -u LD_PRELOAD probe dlsym fill 268435456
+echo done=1
+exec hold-static 2048
+"""
+
+
+def test_root_in_a_container_cannot_take_the_shim_away_and_an_escape_is_reported(real_cluster):
+    """What only a real runtime can show: the plugin's mounts are read-only
+    and stay in place against root in the container (runc's default
+    capabilities), so the shim holds a program whatever its environment;
+    a statically linked program, which no preload reaches, takes more than
+    the cap, and the node's monitor reports it as unenforced."""
+    cluster, node = real_cluster.cluster, real_cluster.node
+    pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "attacker", "namespace": "tenant"},
+           "spec": {"terminationGracePeriodSeconds": 1, "containers": [{
+               "name": "main", "image": WORKLOADS_IMAGE, "imagePullPolicy": "Never",
+               "command": ["/bin/sh", "-c", ATTACK_SCRIPT],
+               "resources": {"limits": {"nvidia.com/gpu": "1", "nvidia.com/gpumem": "1024"}}}]}}
+    found = real_cluster.run_pod(pod)
+    assert found["status"]["phase"] == "Running", json.dumps(found["status"], indent=1)
+    def log():
+        return node.container_log("tenant", "attacker", "main")
+    text = wait_for("the attacker's report", lambda: "allocated_mib=" in log() and log(), timeout=60,
+                    log=real_cluster.logs)
+    seen = report(text)
+    for attack in ("preload_write", "preload_umount", "preload_remount", "library_write", "library_umount"):
+        assert seen.get(attack) == "refused", (attack, text)
+    assert seen.get("refusal") == "2" and int(seen["mem_total"]) == 1024 * MIB, text
+    escape = re.search(r"allocated_mib=(\d+) error=(-?\d+)", text)
+    assert escape and escape.group(1) == "2048", text
+
+    def unenforced():
+        for line in real_cluster.metrics().splitlines():
+            if (line.startswith("vgpu_container_unenforced_memory_bytes{") and 'namespace="tenant"' in line
+                    and 'pod="attacker"' in line):
+                value = float(line.rsplit(" ", 1)[1])
+                return value if value >= 2048 * MIB else None
+        return None
+    reported = wait_for("the monitor reporting the escape", unenforced, timeout=60, log=real_cluster.logs)
+    print(f"\nroot in a container: every attack on the shim's mounts refused; the shim held the next program "
+          f"at 1024 MiB; a static program took 2048 MiB and the monitor reported {reported / MIB:.0f} MiB unenforced")
+    cluster.kubectl("delete", "pod", "attacker", "-n", "tenant", "--wait=true", "--timeout=60s")
