@@ -7,6 +7,7 @@
 //! - [`claims`]: a pod's claimed containers given their claims' shares.
 //! - [`look_up`]: the claims a pod names, read from the API.
 //! - [`kubeshare`]: KubeShare's labels turned into vgpu's requests.
+//! - [`seccomp`]: the seccomp profile of containers given vGPUs.
 //! - [`mutate`]: the answer to one `AdmissionReview`.
 //! - [`conversion`]: the answer to one `ConversionReview`.
 
@@ -17,3 +18,4 @@ pub mod look_up;
 pub mod mutate;
 pub mod patch;
 pub mod review;
+pub mod seccomp;

@@ -17,7 +17,9 @@
 //! A privileged container that asks for vGPUs is refused (unless the
 //! extender runs with `--allow-privileged-vgpu`): it sees every GPU of its
 //! node and can reach them bypassing the shim, so no cap or share would
-//! hold it. Everything else is allowed unchanged (a pod it cannot read is
+//! hold it. So is one running seccomp `Unconfined`, and one with no seccomp
+//! profile is given the runtime's default ([`crate::admission::seccomp`]):
+//! without one, a user namespace takes the shim away. Everything else is allowed unchanged (a pod it cannot read is
 //! let through as it is), so a webhook outage cannot stop a cluster's
 //! other workloads.
 
@@ -26,6 +28,7 @@ use crate::admission::kubeshare::kubeshare_patch;
 use crate::admission::look_up::{ClaimAnswers, ClaimLookUpError};
 use crate::admission::patch::resource_patch;
 use crate::admission::review::{Review, WebhookReply};
+use crate::admission::seccomp::{runtime_default_patch, unconfined_vgpu_container};
 use crate::bounded::read_pod;
 use crate::requests::{asks_for_vgpu, elastic_count_to_add, ResourceNames};
 use crate::vocabulary::claims::{claim_uses, ClaimError, ClaimShare, CLAIM_ANNOTATION_PREFIX};
@@ -151,20 +154,26 @@ pub fn mutate(
     let refused = match &pod {
         Ok(Some(pod)) if creating && !policy.allow_privileged => {
             privileged_vgpu_container(pod, names)
+                .map(|container| format!(
+                    "container {container} asks for vGPUs and is privileged: a privileged container sees every GPU of its node and bypasses vgpu's memory cap and compute share; drop `privileged`"
+                ))
+                .or_else(|| {
+                    let claimed = claimed_containers(pod);
+                    unconfined_vgpu_container(pod, |c| is_vgpu_container(c, names, &claimed)).map(|container| format!(
+                        "container {container} asks for vGPUs and runs seccomp Unconfined: it could make a user namespace, mount over /etc/ld.so.preload there and run programs outside vgpu's memory cap and compute share; use RuntimeDefault or a Localhost profile"
+                    ))
+                })
         }
         _ => None,
     };
-    if let Some(container) = refused {
-        tracing::info!(
-            "admission review {}: refused, container {container} is privileged and asks for vGPUs",
-            response.uid
-        );
+    if let Some(reason) = refused {
+        tracing::info!("admission review {}: refused: {reason}", response.uid);
         response.allowed = false;
         response.status = Some(json!({
             "code": 403,
             "reason": "Forbidden",
             "message": format!(
-                "container {container} asks for vGPUs and is privileged: a privileged container sees every GPU of its node and bypasses vgpu's memory cap and compute share; drop `privileged` (or install vgpu with scheduler.webhook.allowPrivileged=true to accept this)"
+                "{reason} (or install vgpu with scheduler.webhook.allowPrivileged=true to accept this)"
             ),
         }));
         return reply(&api_version, &response);
@@ -214,6 +223,12 @@ pub fn mutate(
                     "op": "add",
                     "path": "/spec/schedulerName",
                     "value": scheduler_name,
+                }));
+            }
+            if !policy.allow_privileged {
+                let claimed = claimed_containers(&pod);
+                patch.extend(runtime_default_patch(&pod, |c| {
+                    is_vgpu_container(c, names, &claimed)
                 }));
             }
             if !patch.is_empty() {
@@ -325,13 +340,23 @@ fn elastic_device_counts(pod: &Pod, names: &ResourceNames) -> Vec<Value> {
     patch
 }
 
+/// The containers an Elastic GPU claim annotation of `pod` names: they are
+/// given vGPUs too.
+fn claimed_containers(pod: &Pod) -> Vec<String> {
+    claim_uses(pod)
+        .map(|uses| uses.into_iter().map(|u| u.container).collect())
+        .unwrap_or_default()
+}
+
+/// Whether `container` is given vGPUs: it asks for them, or a claim names it.
+fn is_vgpu_container(container: &Container, names: &ResourceNames, claimed: &[String]) -> bool {
+    asks_for_vgpu(container, names) || claimed.contains(&container.name)
+}
+
 /// The name of a privileged container of `pod` that asks for vGPUs.
 fn privileged_vgpu_container(pod: &Pod, names: &ResourceNames) -> Option<String> {
     let spec = pod.spec.as_ref()?;
-    // A container named by a claim annotation is given vGPUs too.
-    let claimed: Vec<String> = claim_uses(pod)
-        .map(|uses| uses.into_iter().map(|u| u.container).collect())
-        .unwrap_or_default();
+    let claimed = claimed_containers(pod);
     spec.containers
         .iter()
         .chain(spec.init_containers.iter().flatten())
@@ -341,7 +366,7 @@ fn privileged_vgpu_container(pod: &Pod, names: &ResourceNames) -> Option<String>
                 .as_ref()
                 .and_then(|context| context.privileged)
                 .unwrap_or(false);
-            privileged && (asks_for_vgpu(container, names) || claimed.contains(&container.name))
+            privileged && is_vgpu_container(container, names, &claimed)
         })
         .map(|container| container.name.clone())
 }
@@ -390,7 +415,10 @@ mod tests {
     }
 
     fn pod(limits: Value, scheduler: Option<&str>) -> Value {
+        // With a seccomp profile already, so that only what a test is about
+        // is patched (seccomp: `seccomp_is_defaulted_for_vgpu_containers`).
         let mut spec = json!({
+            "securityContext": {"seccompProfile": {"type": "RuntimeDefault"}},
             "containers": [{"name": "main", "image": "cuda", "resources": {"limits": limits}}]
         });
         if let Some(name) = scheduler {
@@ -693,6 +721,48 @@ mod tests {
         );
         assert_eq!(value["response"]["allowed"], true);
         assert!(patch_of(&value["response"]).is_some());
+    }
+
+    #[test]
+    fn seccomp_is_defaulted_for_vgpu_containers_and_unconfined_is_refused() {
+        let mut bare = pod(json!({"nvidia.com/gpu": "1"}), Some("vgpu-scheduler"));
+        bare["spec"]
+            .as_object_mut()
+            .expect("spec")
+            .remove("securityContext");
+        assert_eq!(
+            patch_of(&answer(&review(bare.clone()))),
+            Some(
+                json!([{"op": "add", "path": "/spec/containers/0/securityContext",
+                         "value": {"seccompProfile": {"type": "RuntimeDefault"}}}])
+            )
+        );
+        let mut unconfined = bare.clone();
+        unconfined["spec"]["securityContext"] = json!({"seccompProfile": {"type": "Unconfined"}});
+        let value = reply_to(&unconfined, AdmissionPolicy::default());
+        let response = &value["response"];
+        assert_eq!(response["allowed"], false);
+        assert_eq!(response["status"]["code"], 403);
+        let message = response["status"]["message"].as_str().expect("message");
+        assert!(message.contains("container main"), "{message}");
+        assert!(message.contains("Unconfined"), "{message}");
+        assert!(message.contains("allowPrivileged"), "{message}");
+        // The chart's allowPrivileged accepts it, and changes nothing.
+        let allowed = reply_to(
+            &bare,
+            AdmissionPolicy {
+                allow_privileged: true,
+                ..AdmissionPolicy::default()
+            },
+        );
+        assert_eq!(allowed["response"]["allowed"], true);
+        assert_eq!(patch_of(&allowed["response"]), None);
+        // A pod without vGPUs is not touched.
+        let mut plain = pod(json!({"cpu": "1"}), None);
+        plain["spec"]["securityContext"] = json!({"seccompProfile": {"type": "Unconfined"}});
+        let value = reply_to(&plain, AdmissionPolicy::default());
+        assert_eq!(value["response"]["allowed"], true);
+        assert_eq!(patch_of(&value["response"]), None);
     }
 
     #[test]
