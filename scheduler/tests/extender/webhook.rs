@@ -46,9 +46,14 @@ async fn a_vgpu_pod_is_pointed_at_the_vgpu_scheduler() {
         .decode(response["patch"].as_str().expect("patch"))
         .expect("base64");
     let patch: Value = serde_json::from_slice(&patch).expect("patch json");
+    // The pod names no scheduler and its container no seccomp profile.
     assert_eq!(
         patch,
-        serde_json::json!([{"op": "add", "path": "/spec/schedulerName", "value": "vgpu-scheduler"}])
+        serde_json::json!([
+            {"op": "add", "path": "/spec/schedulerName", "value": "vgpu-scheduler"},
+            {"op": "add", "path": "/spec/containers/0/securityContext",
+             "value": {"seccompProfile": {"type": "RuntimeDefault"}}},
+        ])
     );
 
     let (status, body) = post(b"[]".to_vec()).await;
