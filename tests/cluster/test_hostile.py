@@ -324,3 +324,73 @@ print(json.dumps(out))
     assert statuses.pop(f"{plain}/metrics") == 200, "Prometheus still scrapes it"
     assert set(statuses.values()) == {404}, statuses
     assert "nodeName" not in hostile.pod("victim")["spec"], "the pod stays unbound"
+
+
+def node_lease_name(node: str) -> str:
+    """The node agent's Lease name for `node`, as cluster/src/node_lease.rs
+    makes it: vgpu-<node>, or vgpu-<FNV-1a 64 of the name> when too long."""
+    if len("vgpu-") + len(node) <= 253:
+        return f"vgpu-{node}"
+    hashed = 0xCBF29CE484222325
+    for byte in node.encode():
+        hashed = ((hashed ^ byte) * 0x100000001B3) % (1 << 64)
+    return f"vgpu-{hashed:016x}"
+
+
+def long_named_agent(hostile, node: str) -> Path:
+    """A kubeconfig with the node agent account's token bound to a pod on
+    `node` (a Node of that name is made first): what the agent's pod on
+    such a node would have."""
+    cluster = hostile.cc.cluster
+    cluster.kubectl("create", "-f", "-", input=json.dumps({"apiVersion": "v1", "kind": "Node",
+                                                           "metadata": {"name": node}}))
+    name = f"long-named-agent-{node[0]}"
+    created = json.loads(cluster.kubectl("create", "-n", RELEASE_NAMESPACE, "-o", "json", "-f", "-", input=json.dumps({
+        "apiVersion": "v1", "kind": "Pod", "metadata": {"name": name},
+        "spec": {"serviceAccountName": NODE_ACCOUNT, "nodeName": node,
+                 "containers": [{"name": "agent", "image": "none"}]}})).stdout)
+    token = cluster.kubectl("create", "token", NODE_ACCOUNT, "-n", RELEASE_NAMESPACE, "--bound-object-kind=Pod",
+                            f"--bound-object-name={name}", f"--bound-object-uid={created['metadata']['uid']}"
+                            ).stdout.strip()
+    path = hostile.workdir / f"{name}.kubeconfig"
+    path.write_text(kubeconfig(cluster.server, cluster.pki, {"token": token}))
+    return path
+
+
+def test_a_node_agent_on_a_long_named_node_holds_only_its_own_hashed_lease(hostile):
+    """Node names over 248 characters give the agent's Lease a hashed name
+    (vgpu-<16 hex digits>). The agent of such a node writes a Lease of that
+    form held by its own node; it cannot take one another node holds, nor
+    hold one in another node's name; an agent of a short-named node writes
+    none of that form."""
+    first = ".".join(["a" * 63, "b" * 63, "c" * 63, "d" * 61])
+    second = ".".join(["e" * 63, "f" * 63, "g" * 63, "h" * 61])
+    assert len(first) == len(second) == 253
+    own = node_lease_name(first)
+    assert own != f"vgpu-{first}" and len(own) == len("vgpu-") + 16
+    agent_1, agent_2 = long_named_agent(hostile, first), long_named_agent(hostile, second)
+
+    def lease(name: str, holder: str) -> str:
+        return json.dumps({"apiVersion": "coordination.k8s.io/v1", "kind": "Lease",
+                           "metadata": {"name": name, "namespace": "kube-node-lease"},
+                           "spec": {"holderIdentity": holder, "leaseDurationSeconds": 15}})
+    made = hostile.kubectl(agent_1, "create", "-f", "-", input=lease(own, first))
+    assert made.returncode == 0, made.stderr
+    renewed = hostile.kubectl(agent_1, "patch", "lease", own, "-n", "kube-node-lease", "--type=merge",
+                              "-p", '{"spec":{"leaseDurationSeconds":20}}')
+    assert renewed.returncode == 0, renewed.stderr
+    # Held in another node's name, by its own agent or the other's.
+    refused_by_policy(hostile.kubectl(agent_1, "patch", "lease", own, "-n", "kube-node-lease", "--type=merge",
+                                      "-p", json.dumps({"spec": {"holderIdentity": second}})), first[:20])
+    refused_by_policy(hostile.kubectl(agent_2, "patch", "lease", own, "-n", "kube-node-lease", "--type=merge",
+                                      "-p", json.dumps({"spec": {"holderIdentity": second}})), second[:20])
+    # Nor deleted (the agents' role grants no delete; the policy would
+    # refuse it too).
+    deleted = hostile.kubectl(agent_2, "delete", "lease", own, "-n", "kube-node-lease")
+    assert deleted.returncode != 0 and "Forbidden" in deleted.stderr, deleted.stderr
+    holder = kubectl_json(hostile.cc.cluster, "get", "lease", own, "-n", "kube-node-lease")["spec"]["holderIdentity"]
+    assert holder == first
+    # A name of another form, or a hashed one from a short-named node.
+    refused_by_policy(hostile.kubectl(agent_1, "create", "-f", "-", input=lease("vgpu-other", first)), first[:20])
+    refused_by_policy(hostile.kubectl(hostile.agent_1, "create", "-f", "-",
+                                      input=lease("vgpu-0123456789abcdef", "node-1")), "node-1")

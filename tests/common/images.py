@@ -126,6 +126,13 @@ class Buildah:
         self("commit", "--rm", container, name)
         return name
 
+    def remove_storage(self) -> None:
+        """Every image and container of this storage, gone from disk."""
+        self("rm", "--all")
+        shutil.rmtree(self.folder / "graph", ignore_errors=True)
+        shutil.rmtree(self.folder / "run", ignore_errors=True)
+        shutil.rmtree(self.folder / "build", ignore_errors=True)
+
     def export(self, name: str, archive: pathlib.Path) -> pathlib.Path:
         """Image `name` as a docker-archive file, for `ctr images import`."""
         self("push", name, f"docker-archive:{archive}:{name}")

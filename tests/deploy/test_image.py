@@ -56,6 +56,7 @@ def image(tmp_path_factory):
     yield buildah, mounted
     buildah("umount", container)
     buildah("rm", container)
+    buildah.remove_storage()
 
 
 def test_the_image_holds_exactly_the_tested_binaries(image):

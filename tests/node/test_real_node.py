@@ -85,7 +85,11 @@ def build_images(folder: Path, kube_scheduler: Path, kube_version: str) -> list[
     workload = compile_program("workload", REPO / "testkit/programs/workload.c", programs, "-ldl", "-lpthread")
     buildah.assemble(WORKLOADS_IMAGE, base, {"/usr/local/bin/probe": probe, "/usr/local/bin/workload": workload})
     names = [chart_image(), f"registry.k8s.io/kube-scheduler:{kube_version}", PAUSE_IMAGE, WORKLOADS_IMAGE]
-    return [buildah.export(name, folder / f"image-{index}.tar") for index, name in enumerate(names)]
+    archives = [buildah.export(name, folder / f"image-{index}.tar") for index, name in enumerate(names)]
+    # buildah's vfs storage keeps a whole copy of every layer (2.6 GB):
+    # only the archives are needed from here.
+    buildah.remove_storage()
+    return archives
 
 
 def kubectl_json(cluster: ControlPlane, *args: str):
@@ -185,6 +189,8 @@ def real_cluster(tmp_path_factory):
         for node in nodes:
             for archive in archives:
                 node.import_image(archive)
+        for archive in archives:
+            archive.unlink()
         running = RealCluster(cluster, nodes)
         # What the NVIDIA container toolkit sets up on a GPU cluster.
         cluster.kubectl("apply", "-f", "-", input=json.dumps({
