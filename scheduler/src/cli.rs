@@ -147,6 +147,13 @@ pub struct Cli {
     #[arg(long, default_value_t = 64, value_name = "N")]
     pub max_watches: u32,
 
+    /// How long a connection is kept: then it is closed once the request in
+    /// hand is answered (the client connects again), so a client that
+    /// keeps sending requests cannot hold its connection for ever.
+    #[arg(long, default_value_t = 300, value_name = "SECONDS",
+          value_parser = clap::value_parser!(u64).range(1..=86400))]
+    pub max_connection_age_seconds: u64,
+
     /// PEM certificate (chain) for HTTPS; needs --tls-key. Without both, plain HTTP.
     #[arg(long, value_name = "PATH", requires = "tls_key")]
     pub tls_cert: Option<PathBuf>,
@@ -307,6 +314,7 @@ impl Cli {
             max_connections_per_client: self.max_connections_per_client.min(self.max_connections)
                 as usize,
             max_watches: self.max_watches as usize,
+            max_connection_age: Duration::from_secs(self.max_connection_age_seconds),
         }
     }
 
@@ -480,6 +488,8 @@ mod tests {
             "40",
             "--max-watches",
             "2",
+            "--max-connection-age-seconds",
+            "60",
         ])
         .expect("parse");
         assert_eq!(exposed.health_listener(), None, "0.0.0.0 covers it");
@@ -492,6 +502,7 @@ mod tests {
                 max_connections: 10,
                 max_connections_per_client: 10,
                 max_watches: 2,
+                max_connection_age: Duration::from_secs(60),
             },
             "a client's limit is at most the listener's"
         );
@@ -503,6 +514,7 @@ mod tests {
             ["--read-timeout-seconds", "0"],
             ["--max-connections", "0"],
             ["--max-connections-per-client", "0"],
+            ["--max-connection-age-seconds", "0"],
         ] {
             assert!(
                 Cli::try_parse_from(["vgpu-scheduler", bad[0], bad[1]]).is_err(),

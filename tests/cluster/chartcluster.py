@@ -121,6 +121,15 @@ def extra_kube_scheduler(cc: ChartCluster, name: str, extender: dict):
         scheduler.wait(timeout=30)
 
 
+def extender_endpoint_ready(cluster: ControlPlane) -> bool:
+    """Whether the extender's Service has a ready endpoint (the API server
+    can call the webhook)."""
+    slices = kubectl_json(cluster, "get", "endpointslices", "-n", RELEASE_NAMESPACE)["items"]
+    return any(endpoint.get("conditions", {}).get("ready") for item in slices
+               if item["metadata"]["labels"].get("kubernetes.io/service-name", "").endswith("-scheduler")
+               for endpoint in item.get("endpoints") or [])
+
+
 def kubectl_json(cluster: ControlPlane, *args: str):
     return json.loads(cluster.kubectl(*args, "-o", "json").stdout)
 
@@ -232,12 +241,8 @@ class ChartCluster:
         wait_for("every node's plugin registered with its kubelet and published its GPUs", plugins_registered,
                  timeout=120, log=self.logs)
 
-        def endpoint_ready():
-            slices = kubectl_json(self.cluster, "get", "endpointslices", "-n", RELEASE_NAMESPACE)["items"]
-            return any(endpoint.get("conditions", {}).get("ready") for item in slices
-                       if item["metadata"]["labels"].get("kubernetes.io/service-name", "").endswith("-scheduler")
-                       for endpoint in item.get("endpoints") or [])
-        wait_for("the extender's pod ready behind its Service", endpoint_ready, timeout=120, log=self.logs)
+        wait_for("the extender's pod ready behind its Service", lambda: extender_endpoint_ready(self.cluster),
+                 timeout=120, log=self.logs)
 
     def node(self, name: str) -> SimulatedNode:
         return next(node for node in self.nodes if node.name == name)

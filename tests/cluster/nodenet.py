@@ -49,3 +49,23 @@ class TestNetwork:
     def command(self, argv: list[str]) -> list[str]:
         """`argv` run inside the namespace."""
         return ["ip", "netns", "exec", self.name, *argv]
+
+
+def add_node_network(hub: TestNetwork, namespace: str, veth: str, address: str, hub_address: str) -> None:
+    """Network namespace `namespace` joined to the hub by a veth pair
+    (`veth` + "h" on the hub's side, + "n" on the node's; 14 characters at
+    most), `address`/24 on the node's side, `hub_address`/24 on the hub's,
+    and the hub as the node's default route."""
+    outside, inside = f"{veth}h", f"{veth}n"
+    _ip("netns", "add", namespace)
+    _ip("link", "add", outside, "type", "veth", "peer", "name", inside)
+    _ip("link", "set", outside, "netns", hub.name)
+    _ip("link", "set", inside, "netns", namespace)
+    on_hub = ["netns", "exec", hub.name, "ip"]
+    on_node = ["netns", "exec", namespace, "ip"]
+    _ip(*on_hub, "addr", "add", f"{hub_address}/24", "dev", outside)
+    _ip(*on_hub, "link", "set", outside, "up")
+    _ip(*on_node, "link", "set", "lo", "up")
+    _ip(*on_node, "addr", "add", f"{address}/24", "dev", inside)
+    _ip(*on_node, "link", "set", inside, "up")
+    _ip(*on_node, "route", "add", "default", "via", hub_address)

@@ -26,7 +26,7 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parent.parent
 sys.path.insert(0, str(HERE))
 from controlplane import ControlPlane, ControlPlaneError  # noqa: E402
-from nodenet import TestNetwork, _ip  # noqa: E402
+from nodenet import TestNetwork, _ip, add_node_network  # noqa: E402
 
 # Node networks come from the benchmarking range (198.18.0.0/15, RFC 2544):
 # never routed, and not the host's own.
@@ -181,21 +181,8 @@ class SimulatedNode:
         subprocess.run(["ip", "netns", "del", self.namespace], capture_output=True, check=False)
 
     def _network(self) -> None:
-        # veth names are at most 15 characters.
-        outside = f"vg{os.getpid() % 100000}h{self.index}"
-        inside = f"vg{os.getpid() % 100000}n{self.index}"
-        _ip("netns", "add", self.namespace)
-        _ip("link", "add", outside, "type", "veth", "peer", "name", inside)
-        _ip("link", "set", outside, "netns", self.hub.name)
-        _ip("link", "set", inside, "netns", self.namespace)
-        hub = ["netns", "exec", self.hub.name, "ip"]
-        node = ["netns", "exec", self.namespace, "ip"]
-        _ip(*hub, "addr", "add", f"{self.hub_address}/24", "dev", outside)
-        _ip(*hub, "link", "set", outside, "up")
-        _ip(*node, "link", "set", "lo", "up")
-        _ip(*node, "addr", "add", f"{self.address}/24", "dev", inside)
-        _ip(*node, "link", "set", inside, "up")
-        _ip(*node, "route", "add", "default", "via", self.hub_address)
+        add_node_network(self.hub, self.namespace, f"vg{os.getpid() % 100000}x{self.index}", self.address,
+                         self.hub_address)
 
     # Use -----------------------------------------------------------------
 

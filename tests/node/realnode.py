@@ -34,7 +34,7 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parent.parent
 sys.path.insert(0, str(REPO / "tests/cluster"))
 from controlplane import SERVICE_IP, ControlPlane, ControlPlaneError, kubeconfig, openssl  # noqa: E402
-from nodenet import TestNetwork, _ip  # noqa: E402
+from nodenet import TestNetwork, _ip, add_node_network  # noqa: E402
 
 # Pods of node i get 198.19.i.0/24 (the benchmarking range, never routed;
 # the simulated nodes' links are in 198.18.0.0/16).
@@ -228,26 +228,13 @@ class RealNode:
     # Set-up --------------------------------------------------------------
 
     def _network(self) -> None:
-        # veth names are at most 15 characters.
-        outside = f"vr{os.getpid() % 100000}h{self.index}"
-        inside = f"vr{os.getpid() % 100000}n{self.index}"
-        _ip("netns", "add", self.namespace)
-        _ip("link", "add", outside, "type", "veth", "peer", "name", inside)
-        _ip("link", "set", outside, "netns", self.hub.name)
-        _ip("link", "set", inside, "netns", self.namespace)
-        hub = ["netns", "exec", self.hub.name, "ip"]
-        node = ["netns", "exec", self.namespace, "ip"]
-        _ip(*hub, "addr", "add", f"{self.hub_address}/24", "dev", outside)
-        _ip(*hub, "link", "set", outside, "up")
+        add_node_network(self.hub, self.namespace, f"vr{os.getpid() % 100000}x{self.index}", self.address,
+                         self.hub_address)
         # The node's pods are reached through the node (the API server
         # calls webhooks at pod addresses).
-        _ip(*hub, "route", "add", self.pod_subnet, "via", self.address)
-        _ip("netns", "exec", self.hub.name, "sysctl", "-q", "-w", "net.ipv4.ip_forward=1")
-        _ip(*node, "link", "set", "lo", "up")
-        _ip(*node, "addr", "add", f"{self.address}/24", "dev", inside)
-        _ip(*node, "link", "set", inside, "up")
-        _ip(*node, "route", "add", "default", "via", self.hub_address)
-        _ip("netns", "exec", self.namespace, "sysctl", "-q", "-w", "net.ipv4.ip_forward=1")
+        _ip("netns", "exec", self.hub.name, "ip", "route", "add", self.pod_subnet, "via", self.address)
+        for namespace in (self.hub.name, self.namespace):
+            _ip("netns", "exec", namespace, "sysctl", "-q", "-w", "net.ipv4.ip_forward=1")
         # No kube-proxy: the `kubernetes` Service's address, which in-cluster
         # clients are given, leads to the API server.
         api = f"{self.cluster.address}:{self.cluster.api_port}"

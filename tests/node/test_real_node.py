@@ -31,12 +31,12 @@ sys.path.insert(0, str(REPO / "tests/common"))
 import images  # noqa: E402
 from realnode import PAUSE_IMAGE, RealNode, missing_tools  # noqa: E402
 
+from chartcluster import RELEASE_NAMESPACE, extender_endpoint_ready, kubectl_json  # noqa: E402
 from controlplane import ControlPlane, ControlPlaneError, wait_for  # noqa: E402
 from nodenet import TestNetwork  # noqa: E402
 from placement import count  # noqa: E402
 
 CHART = REPO / "deploy/helm/vgpu"
-RELEASE_NAMESPACE = "vgpu-system"
 TARGET = images.TARGET
 WORKLOADS_IMAGE = "localhost/vgpu-workloads:test"
 MIB = 1 << 20
@@ -92,10 +92,6 @@ def build_images(folder: Path, kube_scheduler: Path, kube_version: str) -> list[
     return archives
 
 
-def kubectl_json(cluster: ControlPlane, *args: str):
-    return json.loads(cluster.kubectl(*args, "-o", "json").stdout)
-
-
 class RealCluster:
     """The control plane, its real nodes (node-1 first) and the chart."""
 
@@ -139,12 +135,8 @@ class RealCluster:
             return ready >= {node.name for node in self.nodes}
         wait_for("the node agents ready on every node", agents_ready, timeout=180, log=self.logs)
 
-        def endpoint_ready():
-            slices = kubectl_json(self.cluster, "get", "endpointslices", "-n", RELEASE_NAMESPACE)["items"]
-            return any(endpoint.get("conditions", {}).get("ready") for item in slices
-                       if item["metadata"]["labels"].get("kubernetes.io/service-name", "").endswith("-scheduler")
-                       for endpoint in item.get("endpoints") or [])
-        wait_for("the extender's pod ready behind its Service", endpoint_ready, timeout=180, log=self.logs)
+        wait_for("the extender's pod ready behind its Service", lambda: extender_endpoint_ready(self.cluster),
+                 timeout=180, log=self.logs)
 
     def metrics(self, node: RealNode | None = None) -> str:
         """The /metrics of `node`'s monitor (node-1's by default), read

@@ -70,6 +70,11 @@ pub struct Limits {
     /// Watches of nvidia-gpu-scheduler's views open at once; one more is
     /// answered 429.
     pub max_watches: usize,
+    /// How long a connection is kept: then it is closed once the request
+    /// in hand (if any) is answered, so a client that keeps sending
+    /// requests does not hold its connection (and its place under
+    /// `max_connections_per_client`) for ever.
+    pub max_connection_age: Duration,
 }
 
 impl Default for Limits {
@@ -81,6 +86,7 @@ impl Default for Limits {
             max_connections: 1024,
             max_connections_per_client: 256,
             max_watches: 64,
+            max_connection_age: Duration::from_secs(300),
         }
     }
 }

@@ -3,8 +3,9 @@
 //! at once, and `max_connections_per_client` of them from one address (one
 //! more is closed as soon as it is accepted, so it learns at once rather
 //! than waiting in the kernel's queue), headers within
-//! `header_timeout` (which also closes idle kept-alive connections), and
-//! a read buffer of at most [`MAX_READ_BUFFER`] each.
+//! `header_timeout` (which also closes idle kept-alive connections), a
+//! read buffer of at most [`MAX_READ_BUFFER`] each, and a life of
+//! `max_connection_age` (then closed once the request in hand is answered).
 
 use crate::extender::config::Limits;
 use axum::Router;
@@ -95,6 +96,7 @@ pub async fn serve_with(
     let slots = Arc::new(Semaphore::new(limits.max_connections));
     let clients = Arc::new(PerClient::default());
     let header_timeout = limits.header_timeout;
+    let max_age = limits.max_connection_age;
     let mut connections = JoinSet::new();
     tokio::pin!(shutdown);
     loop {
@@ -136,10 +138,10 @@ pub async fn serve_with(
                     // Held until the connection ends.
                     let _slots = (slot, client_slot);
                     match acceptor {
-                        None => serve_connection(stream, service, closing, peer, header_timeout).await,
+                        None => serve_connection(stream, service, closing, peer, header_timeout, max_age).await,
                         Some(acceptor) => {
                             match tokio::time::timeout(header_timeout, acceptor.accept(stream)).await {
-                                Ok(Ok(tls)) => serve_connection(tls, service, closing, peer, header_timeout).await,
+                                Ok(Ok(tls)) => serve_connection(tls, service, closing, peer, header_timeout, max_age).await,
                                 Ok(Err(error)) => tracing::debug!(error = &error as &dyn std::error::Error, "TLS handshake with {peer} failed"),
                                 Err(_) => tracing::debug!("TLS handshake with {peer} timed out"),
                             }
@@ -159,6 +161,7 @@ async fn serve_connection<I>(
     mut closing: tokio::sync::watch::Receiver<bool>,
     peer: std::net::SocketAddr,
     header_timeout: Duration,
+    max_age: Duration,
 ) where
     I: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
 {
@@ -172,6 +175,11 @@ async fn serve_connection<I>(
     let result = tokio::select! {
         result = connection.as_mut() => result,
         _ = async { closing.wait_for(|closing| *closing).await.is_ok() } => {
+            connection.as_mut().graceful_shutdown();
+            connection.await
+        }
+        () = tokio::time::sleep(max_age) => {
+            tracing::debug!("connection from {peer}: {max_age:?} old, closed after its request in hand");
             connection.as_mut().graceful_shutdown();
             connection.await
         }

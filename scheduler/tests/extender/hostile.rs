@@ -625,6 +625,67 @@ async fn slow_and_idle_clients_are_cut_off() {
     assert_eq!(status, 200);
 }
 
+#[tokio::test]
+async fn a_client_that_keeps_asking_does_not_keep_its_connection() {
+    let h = limited(Limits {
+        max_connection_age: Duration::from_secs(1),
+        ..Limits::default()
+    })
+    .await;
+    let addr = h.running().local_addr;
+    // One kept-alive connection asking for /healthz again and again (the
+    // attack itself: each request is answered before the next is sent).
+    let mut stream = TcpStream::connect(addr).await.expect("connect");
+    let started = Instant::now();
+    let mut answered = 0;
+    let closed_after = loop {
+        assert!(
+            started.elapsed() < Duration::from_secs(10),
+            "the connection was kept {answered} requests, {:?}",
+            started.elapsed()
+        );
+        if stream
+            .write_all(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
+            .await
+            .is_err()
+        {
+            break started.elapsed();
+        }
+        let mut buffer = [0u8; 4096];
+        match tokio::time::timeout(Duration::from_secs(5), stream.read(&mut buffer)).await {
+            Ok(Ok(0)) | Ok(Err(_)) => break started.elapsed(),
+            Ok(Ok(read)) => {
+                let text = String::from_utf8_lossy(&buffer[..read]);
+                assert!(text.starts_with("HTTP/1.1 200"), "{text:?}");
+                answered += 1;
+                if text.to_ascii_lowercase().contains("connection: close") {
+                    // Told so with its last answer: the server closes next.
+                    let mut rest = Vec::new();
+                    let _ =
+                        tokio::time::timeout(Duration::from_secs(5), stream.read_to_end(&mut rest))
+                            .await;
+                    break started.elapsed();
+                }
+            }
+            Err(_) => panic!("no answer within 5 s after {answered} requests"),
+        }
+    };
+    eprintln!(
+        "a client asking without pause was closed after {closed_after:?} and {answered} answers"
+    );
+    assert!(answered > 1, "answered {answered}");
+    assert!(
+        closed_after >= Duration::from_millis(900) && closed_after < Duration::from_secs(5),
+        "closed after {closed_after:?}"
+    );
+    // It connects again and is answered.
+    let (status, _) = ExtenderClient::new(addr)
+        .get("/healthz")
+        .await
+        .expect("healthz");
+    assert_eq!(status, 200);
+}
+
 /// Sends a byte every 200 ms on `stream` (the attack itself, not a wait)
 /// until the server closes it; answers what the server sent.
 async fn drip(stream: TcpStream) -> Vec<u8> {
