@@ -191,7 +191,22 @@ class ChartCluster:
         if hasattr(self, "cluster"):
             self.cluster.stop()
         self.network.__exit__()
+        self.keep_node_logs()
         shutil.rmtree(self.nodes_dir, ignore_errors=True)
+
+    def keep_node_logs(self) -> None:
+        """The nodes' logs (simnode's and every container's), copied into
+        the test's folder, which pytest keeps, before the nodes' folder
+        goes: what a failed test needs to be understood."""
+        kept = self.workdir / "node-logs"
+        for log in self.nodes_dir.glob("*/simnode.log"):
+            target = kept / log.parent.name / log.name
+            target.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(log, target)
+        for log in self.nodes_dir.glob("*/pods/*/*.log"):
+            target = kept / log.relative_to(self.nodes_dir)
+            target.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(log, target)
 
     def logs(self) -> str:
         parts = []
