@@ -138,7 +138,29 @@ def kubeconfig(server: str, pki: Path, user: dict) -> str:
     }, indent=2)
 
 
-class ControlPlane:
+class Started:
+    """A context manager over `start()` and `stop()`: a start that fails
+    part way stops what it had started, and leaving the block stops it."""
+
+    def start(self) -> None:
+        raise NotImplementedError
+
+    def stop(self) -> None:
+        raise NotImplementedError
+
+    def __enter__(self):
+        try:
+            self.start()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+class ControlPlane(Started):
     """etcd, kube-apiserver, kube-controller-manager and kube-scheduler as
     child processes of this one."""
 
@@ -166,17 +188,6 @@ class ControlPlane:
         self.admin_kubeconfig = self.workdir / "admin.kubeconfig"
 
     # Life cycle ----------------------------------------------------------
-
-    def __enter__(self) -> ControlPlane:
-        try:
-            self.start()
-        except BaseException:
-            self.stop()
-            raise
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.stop()
 
     def start(self) -> None:
         make_certificates(self.pki, self.address)

@@ -25,7 +25,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent.parent
 sys.path.insert(0, str(HERE))
-from controlplane import ControlPlane, ControlPlaneError  # noqa: E402
+from controlplane import ControlPlane, ControlPlaneError, Started  # noqa: E402
 from nodenet import TestNetwork, _ip, add_node_network  # noqa: E402
 
 # Node networks come from the benchmarking range (198.18.0.0/15, RFC 2544):
@@ -81,7 +81,7 @@ class NodeImage:
         return flags
 
 
-class SimulatedNode:
+class SimulatedNode(Started):
     """A node named `name` (number `index`, 1-250) with `gpus` simulated
     GPUs of `memory` each, named `gpu_name` (the simulated GPU's own name
     when None), with the simulated GPU's further settings in `gpu_env`
@@ -108,17 +108,6 @@ class SimulatedNode:
         self.hub_address = f"{NODE_NET}.{index}.1"
         self.host_root = self.workdir / "host"
         self.process: subprocess.Popen | None = None
-
-    def __enter__(self) -> SimulatedNode:
-        try:
-            self.start()
-        except BaseException:
-            self.stop()
-            raise
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.stop()
 
     # Life cycle ----------------------------------------------------------
 

@@ -33,7 +33,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent.parent
 sys.path.insert(0, str(REPO / "tests/cluster"))
-from controlplane import SERVICE_IP, ControlPlane, ControlPlaneError, kubeconfig, openssl  # noqa: E402
+from controlplane import SERVICE_IP, ControlPlane, ControlPlaneError, Started, kubeconfig, openssl  # noqa: E402
 from nodenet import TestNetwork, _ip, add_node_network  # noqa: E402
 
 # Pods of node i get 198.19.i.0/24 (the benchmarking range, never routed;
@@ -87,7 +87,7 @@ def cgroup_v2() -> bool:
     return done.stdout.strip() == "cgroup2fs"
 
 
-class RealNode:
+class RealNode(Started):
     """Node `name` (number `index`, 1-250) with `gpus` simulated GPUs of
     `memory` each, labelled `labels`."""
 
@@ -112,17 +112,6 @@ class RealNode:
         self.cgroup_root = f"/{self.namespace}"
         self.holder: subprocess.Popen | None = None
         self.processes: dict[str, subprocess.Popen] = {}
-
-    def __enter__(self) -> RealNode:
-        try:
-            self.start()
-        except BaseException:
-            self.stop()
-            raise
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.stop()
 
     # Life cycle ----------------------------------------------------------
 

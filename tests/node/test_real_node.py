@@ -92,6 +92,15 @@ def build_images(folder: Path, kube_scheduler: Path, kube_version: str) -> list[
     return archives
 
 
+def workload_pod(name: str, namespace: str, command: list[str], limits: dict[str, str]) -> dict:
+    """A pod of one container `main` running `command` from the workloads
+    image with `limits`."""
+    return {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name, "namespace": namespace},
+            "spec": {"terminationGracePeriodSeconds": 1, "containers": [{
+                "name": "main", "image": WORKLOADS_IMAGE, "imagePullPolicy": "Never",
+                "command": command, "resources": {"limits": limits}}]}}
+
+
 class RealCluster:
     """The control plane, its real nodes (node-1 first) and the chart."""
 
@@ -260,12 +269,8 @@ sleep infinity
 
 def test_a_hami_pod_runs_in_a_real_container_at_its_cap(real_cluster):
     cluster, node = real_cluster.cluster, real_cluster.node
-    pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "hami", "namespace": "team-a"},
-           "spec": {"terminationGracePeriodSeconds": 1, "containers": [{
-               "name": "main", "image": WORKLOADS_IMAGE, "imagePullPolicy": "Never",
-               "command": ["/bin/sh", "-c", CAP_SCRIPT],
-               "resources": {"limits": {"nvidia.com/gpu": "1", "nvidia.com/gpumem": "4096",
-                                        "nvidia.com/gpucores": "30"}}}]}}
+    pod = workload_pod("hami", "team-a", ["/bin/sh", "-c", CAP_SCRIPT],
+                       {"nvidia.com/gpu": "1", "nvidia.com/gpumem": "4096", "nvidia.com/gpucores": "30"})
     found = real_cluster.run_pod(pod)
     assert found["spec"]["schedulerName"] == "vgpu-scheduler", "the webhook gave the pod our scheduler"
     assert found["status"]["phase"] == "Running", json.dumps(found["status"], indent=1)
@@ -321,12 +326,8 @@ def test_a_hami_pod_is_held_at_its_compute_share(real_cluster):
     device time it gets, as the node's monitor reads it through NVML (not
     from the shim), is held near 30 % of the device."""
     cluster, node = real_cluster.cluster, real_cluster.node
-    pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "share", "namespace": "team-b"},
-           "spec": {"terminationGracePeriodSeconds": 1, "containers": [{
-               "name": "main", "image": WORKLOADS_IMAGE, "imagePullPolicy": "Never",
-               "command": ["workload", "sync", "k1ms", "60"],
-               "resources": {"limits": {"nvidia.com/gpu": "1", "nvidia.com/gpumem": "1024",
-                                        "nvidia.com/gpucores": "30"}}}]}}
+    pod = workload_pod("share", "team-b", ["workload", "sync", "k1ms", "60"],
+                       {"nvidia.com/gpu": "1", "nvidia.com/gpumem": "1024", "nvidia.com/gpucores": "30"})
     found = real_cluster.run_pod(pod)
     assert found["status"]["phase"] == "Running", json.dumps(found["status"], indent=1)
     wait_for("the workload ready", lambda: "ready" in node.container_log("team-b", "share", "main"),
@@ -388,12 +389,8 @@ def test_caps_and_shares_hold_through_restarts_of_kubelet_containerd_and_the_age
     DaemonSet brings it back): its region is never lost, its share holds
     after each, and a pod created afterwards is admitted and capped."""
     cluster, node = real_cluster.cluster, real_cluster.node
-    pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "steady", "namespace": "team-d"},
-           "spec": {"terminationGracePeriodSeconds": 1, "containers": [{
-               "name": "main", "image": WORKLOADS_IMAGE, "imagePullPolicy": "Never",
-               "command": ["workload", "sync", "k1ms", "3600"],
-               "resources": {"limits": {"nvidia.com/gpu": "1", "nvidia.com/gpumem": "1024",
-                                        "nvidia.com/gpucores": "30"}}}]}}
+    pod = workload_pod("steady", "team-d", ["workload", "sync", "k1ms", "3600"],
+                       {"nvidia.com/gpu": "1", "nvidia.com/gpumem": "1024", "nvidia.com/gpucores": "30"})
     found = real_cluster.run_pod(pod)
     assert found["status"]["phase"] == "Running", json.dumps(found["status"], indent=1)
     wait_for("the workload ready", lambda: "ready" in node.container_log("team-d", "steady", "main"),
@@ -425,11 +422,8 @@ def test_caps_and_shares_hold_through_restarts_of_kubelet_containerd_and_the_age
     for moment, achieved in shares.items():
         assert 0.22 <= achieved <= 0.38, (moment, shares)
 
-    after = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "after", "namespace": "team-d"},
-             "spec": {"terminationGracePeriodSeconds": 1, "containers": [{
-                 "name": "main", "image": WORKLOADS_IMAGE, "imagePullPolicy": "Never",
-                 "command": ["/bin/sh", "-c", FILL_SCRIPT],
-                 "resources": {"limits": {"nvidia.com/gpu": "1", "nvidia.com/gpumem": "2048"}}}]}}
+    after = workload_pod("after", "team-d", ["/bin/sh", "-c", FILL_SCRIPT],
+                         {"nvidia.com/gpu": "1", "nvidia.com/gpumem": "2048"})
     assert real_cluster.run_pod(after)["status"]["phase"] == "Running"
     text = wait_for("the new pod's report", lambda: "done=1" in node.container_log("team-d", "after", "main")
                     and node.container_log("team-d", "after", "main"), timeout=60, log=real_cluster.logs)
@@ -501,10 +495,7 @@ def test_root_in_a_container_cannot_take_the_shim_away(real_cluster):
     environment. A vGPU pod asking to run seccomp Unconfined is refused."""
     cluster, node = real_cluster.cluster, real_cluster.node
     limits = {"nvidia.com/gpu": "1", "nvidia.com/gpumem": "1024"}
-    pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "attacker", "namespace": "tenant"},
-           "spec": {"terminationGracePeriodSeconds": 1, "containers": [{
-               "name": "main", "image": WORKLOADS_IMAGE, "imagePullPolicy": "Never",
-               "command": ["/bin/sh", "-c", ATTACK_SCRIPT], "resources": {"limits": limits}}]}}
+    pod = workload_pod("attacker", "tenant", ["/bin/sh", "-c", ATTACK_SCRIPT], limits)
     found = real_cluster.run_pod(pod)
     assert found["status"]["phase"] == "Running", json.dumps(found["status"], indent=1)
     profile = found["spec"]["containers"][0].get("securityContext", {}).get("seccompProfile")
