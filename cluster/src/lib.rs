@@ -4,6 +4,9 @@
 //! - [`client`]: how a daemon reaches the API server.
 //! - [`resources`]: the extended resources and pod annotations vgpu reads,
 //!   and Kubernetes quantities.
+//! - [`requests`]: what a pod asks for, read from its spec and
+//!   annotations, and whether a decision stays within it; [`policy`]: the
+//!   placement policies a pod may name.
 //! - [`decision`]: the node inventory and per-pod decisions the extender and
 //!   the device plugin exchange through annotations, and the protocol that
 //!   matches kubelet's `Allocate` calls to pods.
@@ -18,6 +21,8 @@ pub mod client;
 pub mod decision;
 pub mod file_error;
 pub mod node_lease;
+pub mod policy;
 pub mod report;
+pub mod requests;
 pub mod resources;
 pub mod scaling;

@@ -56,6 +56,16 @@ fn a_region_replaced_100_times_under_a_held_mutex_costs_no_thread() {
         ..MonitorConfig::for_root(host.root.clone())
     };
     let mut monitor = Monitor::new(config, PodDirectory::disabled());
+    // The janitor names itself once it runs, which on a busy machine can
+    // be after `Monitor::new` returns.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while janitor_threads() == 0 {
+        assert!(
+            Instant::now() < deadline,
+            "the janitor thread never started"
+        );
+        std::thread::yield_now();
+    }
     let threads = janitor_threads();
     assert_eq!(threads, 1, "one janitor thread to start with");
     let held = |monitor: &Monitor| monitor.shared().snapshot().reclaims_held_total;

@@ -60,6 +60,9 @@ pub struct PluginConfig {
     /// The resource names; those of the shares are offered in the node's
     /// status.
     pub resources: vgpu_cluster::resources::ResourceNames,
+    /// What containers get that name no memory or compute share: the
+    /// extender's defaults, which decisions are checked against.
+    pub request_defaults: vgpu_cluster::requests::RequestDefaults,
     /// The GPUs' measured load ([`load::spawn`]), published in the
     /// inventory; `None`: not measured.
     pub load: Option<watch::Receiver<load::LoadFigures>>,
@@ -134,7 +137,11 @@ pub async fn run(
             gpu.nvlink_island
         );
     }
-    let state = PluginState::new(cluster.clone(), config.settings, gpus);
+    let requests = protocol::RequestRules {
+        names: config.resources.clone(),
+        defaults: config.request_defaults,
+    };
+    let state = PluginState::new(cluster.clone(), config.settings, requests, gpus);
 
     let (events, mut received) = tokio::sync::mpsc::unbounded_channel();
     let stop_health = health::spawn(health, move |event| {

@@ -51,6 +51,7 @@ fn main() -> anyhow::Result<()> {
         lease_duration_seconds: options.lease_duration_seconds,
         pod_resources_socket: Some(options.pod_resources_socket.clone()),
         resources: options.share_resources.names(&options.resource_name),
+        request_defaults: options.request_defaults.defaults(),
         load,
     };
 

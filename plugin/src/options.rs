@@ -35,6 +35,12 @@ pub struct Options {
     #[command(flatten)]
     pub share_resources: vgpu_cluster::resources::ShareResourceFlags,
 
+    /// What containers get that name no memory or compute share: give
+    /// the scheduler extender's values. A pod's decision is checked
+    /// against what the pod asks for, read with these.
+    #[command(flatten)]
+    pub request_defaults: vgpu_cluster::requests::RequestDefaultFlags,
+
     /// Devices advertised per GPU: the most containers that may share one.
     #[arg(long, default_value_t = 10, value_name = "N",
           value_parser = clap::value_parser!(u32).range(1..=1000))]

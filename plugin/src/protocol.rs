@@ -7,9 +7,40 @@
 use k8s_openapi::api::core::v1::Pod;
 use thiserror::Error;
 use vgpu_cluster::decision::{
-    kubelet_has_admitted, parse_allocated, ContainerDecision, Decision, FormatError,
+    kubelet_has_admitted, parse_allocated, ContainerDecision, Decision, FormatError, InventoryGpu,
     ALLOCATED_ANNOTATION, DECISION_ANNOTATION,
 };
+use vgpu_cluster::requests::{
+    check_grants, parse_pod, GrantError, RequestDefaults, RequestError, ResourceNames,
+};
+
+/// How this node reads what pods ask for: the extender's resource names
+/// and defaults (the chart gives both the same values).
+#[derive(Clone, Debug, Default)]
+pub struct RequestRules {
+    pub names: ResourceNames,
+    pub defaults: RequestDefaults,
+}
+
+impl RequestRules {
+    /// The rules for a node with `gpus`.
+    pub fn reading<'a>(&'a self, gpus: &'a [InventoryGpu]) -> Reading<'a> {
+        Reading {
+            names: &self.names,
+            defaults: &self.defaults,
+            gpus,
+        }
+    }
+}
+
+/// [`RequestRules`] on a node with its GPUs (memory percentages and whole
+/// GPUs are of what each offers).
+#[derive(Clone, Copy, Debug)]
+pub struct Reading<'a> {
+    pub names: &'a ResourceNames,
+    pub defaults: &'a RequestDefaults,
+    pub gpus: &'a [InventoryGpu],
+}
 
 /// The pod whose containers kubelet is admitting.
 #[derive(Clone, Debug, PartialEq)]
@@ -41,6 +72,18 @@ pub enum ProtocolError {
     },
     #[error("pod {pod}: {what}")]
     Unusable { pod: String, what: String },
+    #[error("pod {pod}: its {DECISION_ANNOTATION} annotation grants what the pod does not ask for, so the vgpu scheduler extender did not write it for this pod; it is refused, never honoured")]
+    NotAsked {
+        pod: String,
+        #[source]
+        source: GrantError,
+    },
+    #[error("pod {pod}: its GPU request cannot be read, so its {DECISION_ANNOTATION} annotation cannot be checked against it")]
+    Request {
+        pod: String,
+        #[source]
+        source: RequestError,
+    },
     #[error("pod {pod}")]
     Annotation {
         pod: String,
@@ -99,7 +142,13 @@ fn may_be_admitting(pod: &Pod, node: &str) -> bool {
 }
 
 /// Reads one candidate; `Ok(None)` when all its containers are allocated.
-fn read_pending(pod: &Pod, node: &str) -> Result<Option<PendingPod>, ProtocolError> {
+/// A decision that grants more than the pod asks for is refused: only the
+/// extender may write one, and it never does that.
+fn read_pending(
+    pod: &Pod,
+    node: &str,
+    reading: Reading<'_>,
+) -> Result<Option<PendingPod>, ProtocolError> {
     let name = pod_name(pod);
     let unusable = |what: String| ProtocolError::Unusable {
         pod: name.clone(),
@@ -117,6 +166,16 @@ fn read_pending(pod: &Pod, node: &str) -> Result<Option<PendingPod>, ProtocolErr
             decision.node
         )));
     }
+    let request = parse_pod(pod, reading.names, reading.defaults).map_err(|source| {
+        ProtocolError::Request {
+            pod: name.clone(),
+            source,
+        }
+    })?;
+    check_grants(&decision, &request, reading.gpus).map_err(|source| ProtocolError::NotAsked {
+        pod: name.clone(),
+        source,
+    })?;
     let allocated = match annotation(pod, ALLOCATED_ANNOTATION) {
         None => Vec::new(),
         Some(text) => parse_allocated(text).map_err(annotation_error)?,
@@ -157,11 +216,15 @@ pub fn records_allocated(pods: &[Pod], uid: &str, containers: &[String]) -> bool
 }
 
 /// The one pod pending on `node` among `pods`.
-pub fn pending_pod(node: &str, pods: &[Pod]) -> Result<PendingPod, ProtocolError> {
+pub fn pending_pod(
+    node: &str,
+    pods: &[Pod],
+    reading: Reading<'_>,
+) -> Result<PendingPod, ProtocolError> {
     let mut pending = Vec::new();
     let mut unusable = Vec::new();
     for pod in pods.iter().filter(|p| may_be_admitting(p, node)) {
-        match read_pending(pod, node) {
+        match read_pending(pod, node, reading) {
             Ok(Some(found)) => pending.push(found),
             Ok(None) => {}
             Err(error) => unusable.push(error),
@@ -177,7 +240,7 @@ pub fn pending_pod(node: &str, pods: &[Pod]) -> Result<PendingPod, ProtocolError
             let mut names: Vec<String> = pending.iter().map(PendingPod::display).collect();
             names.extend(unusable.iter().map(|e| match e {
                 ProtocolError::Unusable { pod, what } => format!("{pod}: {what}"),
-                other => other.to_string(),
+                other => vgpu_cluster::report::with_causes(other),
             }));
             Err(ProtocolError::SeveralPendingPods {
                 node: node.to_string(),
@@ -225,7 +288,8 @@ pub fn match_requests<'a>(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use k8s_openapi::api::core::v1::{PodSpec, PodStatus};
+    use k8s_openapi::api::core::v1::{Container, PodSpec, PodStatus, ResourceRequirements};
+    use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
     use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, Time};
     use vgpu_cluster::decision::{DeviceGrant, FORMAT_VERSION};
 
@@ -253,7 +317,63 @@ mod tests {
         }
     }
 
+    fn gpus() -> Vec<InventoryGpu> {
+        (0..4)
+            .map(|i| InventoryGpu {
+                uuid: format!("GPU-{i}"),
+                index: i,
+                model: "Tesla T4".into(),
+                memory_bytes: 16 << 30,
+                offered_memory_bytes: None,
+                sm_count: 40,
+                split_count: 10,
+                numa: None,
+                nvlink_island: None,
+                healthy: true,
+                utilization_percent: None,
+            })
+            .collect()
+    }
+
+    /// Finds the pending pod as a plugin with the default names and
+    /// defaults on a node of four GPUs does.
+    fn pending(node: &str, pods: &[Pod]) -> Result<PendingPod, ProtocolError> {
+        let gpus = gpus();
+        pending_pod(node, pods, RequestRules::default().reading(&gpus))
+    }
+
+    /// A container asking for what [`decision`] grants: `count` vGPUs of
+    /// 1 GiB and 10 %.
+    fn asking(name: &str, count: usize) -> Container {
+        let limits = [
+            ("nvidia.com/gpu", count.to_string()),
+            ("nvidia.com/gpumem", "1024".to_string()),
+            ("nvidia.com/gpucores", "10".to_string()),
+        ];
+        Container {
+            name: name.into(),
+            resources: Some(ResourceRequirements {
+                limits: Some(
+                    limits
+                        .into_iter()
+                        .map(|(k, v)| (k.to_string(), Quantity(v)))
+                        .collect(),
+                ),
+                ..ResourceRequirements::default()
+            }),
+            ..Container::default()
+        }
+    }
+
     fn pod(name: &str, node: &str, decision: Option<&Decision>, allocated: Option<&str>) -> Pod {
+        let containers = decision
+            .map(|d| {
+                d.containers
+                    .iter()
+                    .map(|c| asking(&c.name, c.devices.len()))
+                    .collect()
+            })
+            .unwrap_or_default();
         let mut annotations = std::collections::BTreeMap::new();
         if let Some(d) = decision {
             annotations.insert(DECISION_ANNOTATION.to_string(), d.to_json());
@@ -272,6 +392,7 @@ mod tests {
             },
             spec: Some(PodSpec {
                 node_name: Some(node.into()),
+                containers,
                 ..PodSpec::default()
             }),
             status: Some(PodStatus {
@@ -299,7 +420,7 @@ mod tests {
             pod("done", "n1", Some(&d), Some(r#"["a","b"]"#)),
             pod("target", "n1", Some(&d), Some(r#"["a"]"#)),
         ];
-        let found = pending_pod("n1", &pods).expect("pending");
+        let found = pending("n1", &pods).expect("pending");
         assert_eq!(found.name, "target");
         assert_eq!(found.uid, "uid-target");
         assert_eq!(found.allocated, vec!["a"]);
@@ -311,28 +432,23 @@ mod tests {
     fn nothing_is_guessed() {
         let d = decision("n1", &[("a", 1)]);
         assert!(matches!(
-            pending_pod("n1", &[]),
+            pending("n1", &[]),
             Err(ProtocolError::NoPendingPod { .. })
         ));
         let two = [
             pod("p", "n1", Some(&d), None),
             pod("q", "n1", Some(&d), None),
         ];
-        let error = pending_pod("n1", &two).expect_err("two");
+        let error = pending("n1", &two).expect_err("two");
         assert!(error.to_string().contains("ns/p"), "{error}");
         assert!(error.to_string().contains("ns/q"), "{error}");
 
         let wrong_node = [pod("p", "n1", Some(&decision("n9", &[("a", 1)])), None)];
-        let error = pending_pod("n1", &wrong_node).expect_err("wrong node");
+        let error = pending("n1", &wrong_node).expect_err("wrong node");
         assert!(error.to_string().contains("n9"), "{error}");
 
-        let mut broken = pod("p", "n1", None, Some("junk"));
-        broken
-            .metadata
-            .annotations
-            .get_or_insert_with(Default::default)
-            .insert(DECISION_ANNOTATION.into(), d.to_json());
-        let error = pending_pod("n1", &[broken.clone()]).expect_err("broken record");
+        let broken = pod("p", "n1", Some(&d), Some("junk"));
+        let error = pending("n1", std::slice::from_ref(&broken)).expect_err("broken record");
         let source = std::error::Error::source(&error).map(ToString::to_string);
         assert!(error.to_string().contains("ns/p"), "{error}");
         assert!(
@@ -343,7 +459,7 @@ mod tests {
         );
         // A broken pod next to a good one: both named, neither picked.
         let error =
-            pending_pod("n1", &[broken, pod("q", "n1", Some(&d), None)]).expect_err("ambiguous");
+            pending("n1", &[broken, pod("q", "n1", Some(&d), None)]).expect_err("ambiguous");
         assert!(matches!(
             error,
             ProtocolError::SeveralPendingPods { count: 2, .. }
@@ -353,7 +469,7 @@ mod tests {
     #[test]
     fn requests_must_match_the_next_containers_by_count() {
         let d = decision("n1", &[("a", 1), ("b", 2)]);
-        let found = pending_pod("n1", &[pod("p", "n1", Some(&d), None)]).expect("pending");
+        let found = pending("n1", &[pod("p", "n1", Some(&d), None)]).expect("pending");
         assert!(matches!(
             match_requests(&found, &[2]),
             Err(ProtocolError::CountMismatch {
@@ -370,6 +486,48 @@ mod tests {
         assert!(matches!(
             match_requests(&found, &[1, 2, 1]),
             Err(ProtocolError::TooManyRequests { .. })
+        ));
+    }
+
+    #[test]
+    fn a_decision_granting_more_than_the_pod_asks_for_is_refused() {
+        let d = decision("n1", &[("a", 1)]);
+        let mut forged = d.clone();
+        forged.containers[0].devices[0].memory_bytes = 0;
+        let mut p = pod("p", "n1", Some(&d), None);
+        p.metadata
+            .annotations
+            .get_or_insert_with(Default::default)
+            .insert(DECISION_ANNOTATION.into(), forged.to_json());
+        let error = pending("n1", &[p.clone()]).expect_err("uncapped");
+        assert!(matches!(
+            &error,
+            ProtocolError::NotAsked {
+                source: GrantError::Memory { decided: 0, .. },
+                ..
+            }
+        ));
+        let text = vgpu_cluster::report::with_causes(&error);
+        assert!(
+            text.contains("ns/p") && text.contains("memory 0 bytes"),
+            "{text}"
+        );
+        // Next to a pod of its own, it is named, and neither is picked.
+        let error = pending("n1", &[p, pod("q", "n1", Some(&d), None)]).expect_err("two");
+        assert!(error.to_string().contains("memory 0 bytes"), "{error}");
+        // A pod whose request cannot be read cannot have its decision checked.
+        let mut unreadable = pod("r", "n1", Some(&d), None);
+        if let Some(spec) = unreadable.spec.as_mut() {
+            spec.containers[0]
+                .resources
+                .get_or_insert_with(Default::default)
+                .limits
+                .get_or_insert_with(Default::default)
+                .insert("nvidia.com/gpumem".into(), Quantity("lots".into()));
+        }
+        assert!(matches!(
+            pending("n1", &[unreadable]),
+            Err(ProtocolError::Request { .. })
         ));
     }
 }

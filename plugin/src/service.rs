@@ -5,7 +5,7 @@ use crate::api::v1beta1 as api;
 use crate::api::v1beta1::device_plugin_server::DevicePlugin;
 use crate::cluster::{Cluster, ClusterError};
 use crate::devices;
-use crate::protocol::{self, PendingPod};
+use crate::protocol::{self, PendingPod, RequestRules};
 use futures_util::Stream;
 use k8s_openapi::api::core::v1::Pod;
 use std::pin::Pin;
@@ -57,6 +57,8 @@ where
 pub struct PluginState {
     pub cluster: Cluster,
     pub settings: Settings,
+    /// How pods' requests are read, to check their decisions against.
+    pub requests: RequestRules,
     /// The node's GPUs with their current health.
     pub gpus: watch::Sender<Vec<InventoryGpu>>,
     /// One `Allocate` at a time (kubelet admits one pod at a time anyway).
@@ -64,10 +66,16 @@ pub struct PluginState {
 }
 
 impl PluginState {
-    pub fn new(cluster: Cluster, settings: Settings, gpus: Vec<InventoryGpu>) -> Arc<Self> {
+    pub fn new(
+        cluster: Cluster,
+        settings: Settings,
+        requests: RequestRules,
+        gpus: Vec<InventoryGpu>,
+    ) -> Arc<Self> {
         Arc::new(Self {
             cluster,
             settings,
+            requests,
             gpus: watch::Sender::new(gpus),
             allocate_lock: Mutex::new(()),
         })
@@ -75,7 +83,8 @@ impl PluginState {
 
     async fn pending_pod(&self, since: Instant) -> Result<PendingPod, Status> {
         let pods = self.pods_on_node(since).await?;
-        protocol::pending_pod(self.cluster.node(), &pods)
+        let gpus = self.gpus.borrow().clone();
+        protocol::pending_pod(self.cluster.node(), &pods, self.requests.reading(&gpus))
             .map_err(|e| Status::failed_precondition(with_causes(&e)))
     }
 
@@ -116,11 +125,12 @@ impl PluginState {
                     return Ok(self.allocated(&earlier.display(), &plans));
                 }
             }
-            let pod = protocol::pending_pod(self.cluster.node(), &pods)
-                .map_err(|e| Status::failed_precondition(with_causes(&e)))?;
+            let gpus = self.gpus.borrow().clone();
+            let pod =
+                protocol::pending_pod(self.cluster.node(), &pods, self.requests.reading(&gpus))
+                    .map_err(|e| Status::failed_precondition(with_causes(&e)))?;
             let containers = protocol::match_requests(&pod, &sizes)
                 .map_err(|e| Status::failed_precondition(with_causes(&e)))?;
-            let gpus = self.gpus.borrow().clone();
             let mut plans = Vec::with_capacity(containers.len());
             for container in &containers {
                 let plan =

@@ -61,8 +61,39 @@ async fn bring_up(api: &ControlPlane, name: &str) -> NodeRun {
     }
 }
 
-/// Pod `i`'s shape: (init containers, containers) as (name, GPUs).
+/// Pod `i`'s shape: (init containers, containers) as (name, GPUs); the
+/// even ones ask for the priorities [`decision_for`] grants them.
 fn shape(i: usize) -> Pod {
+    let mut pod = unprioritized(i);
+    if i.is_multiple_of(2) {
+        if let Some(spec) = pod.spec.as_mut() {
+            let init = spec.init_containers.iter_mut().flatten();
+            let using_gpus = init
+                .chain(spec.containers.iter_mut())
+                .filter(|c| asks_for_gpus(c));
+            for (c, container) in using_gpus.enumerate() {
+                *container = asking(
+                    container.clone(),
+                    "nvidia.com/priority",
+                    &(c % 3).to_string(),
+                );
+            }
+        }
+    }
+    pod
+}
+
+/// Whether `container` asks for at least one GPU.
+fn asks_for_gpus(container: &k8s_openapi::api::core::v1::Container) -> bool {
+    container
+        .resources
+        .as_ref()
+        .and_then(|r| r.limits.as_ref())
+        .and_then(|l| l.get(RESOURCE))
+        .is_some_and(|count| count.0 != "0")
+}
+
+fn unprioritized(i: usize) -> Pod {
     let name = format!("pod-{i:02}");
     match (i / NODES) % 5 {
         0 | 4 => pod(&name, vec![], vec![container("main", 1)]),

@@ -8,6 +8,7 @@
 
 mod support;
 
+use k8s_openapi::api::core::v1::Pod;
 use std::path::PathBuf;
 use std::time::Duration;
 use support::kubelet::FakeKubelet;
@@ -71,6 +72,15 @@ fn container_sandbox(node: &PluginNode, answer: &api::ContainerAllocateResponse)
     sandbox
 }
 
+/// `pod` asking to burst to 80 % (the pod annotation).
+fn bursting(mut pod: Pod) -> Pod {
+    pod.metadata
+        .annotations
+        .get_or_insert_with(Default::default)
+        .insert("vgpu.io/gpucores-burst".into(), "80".into());
+    pod
+}
+
 fn grant(uuid: &str, memory_bytes: u64, cores_percent: u32) -> DeviceGrant {
     DeviceGrant {
         uuid: uuid.into(),
@@ -102,7 +112,10 @@ async fn containers_started_with_the_answer_are_held_to_their_own_limits() {
         .add_pod(pod(
             "app",
             vec![],
-            vec![container("main", 1), container("side", 1)],
+            vec![
+                asking(container("main", 1), "nvidia.com/priority", "0"),
+                container("side", 1),
+            ],
         ))
         .await;
     let decision = decide(&p, "gpu-node", |i, _| match i {
@@ -222,7 +235,7 @@ async fn a_decided_burst_lets_a_lone_container_use_idle_capacity() {
         .clone();
 
     let p = api
-        .add_pod(pod("bursty", vec![], vec![container("main", 1)]))
+        .add_pod(bursting(pod("bursty", vec![], vec![container("main", 1)])))
         .await;
     let decision = decide(&p, "burst-node", |_, _| {
         let mut bursting = grant(&gpu, GIB, 30);

@@ -250,7 +250,10 @@ async fn allocate_serves_the_pending_pod_and_refuses_what_it_cannot_match() {
         .add_pod(pod(
             "train",
             vec![container("setup", 1)],
-            vec![container("main", 2), container("sidecar", 0)],
+            vec![
+                asking(container("main", 2), "nvidia.com/priority", "0"),
+                container("sidecar", 0),
+            ],
         ))
         .await;
     let decision = decide(&p, "node-b", |i, _| match i {
@@ -317,6 +320,33 @@ async fn allocate_serves_the_pending_pod_and_refuses_what_it_cannot_match() {
         error.message()
     );
     api.mark_running("train").await;
+
+    // A decision granting more than its pod asks for (1 GiB and 10 %) is
+    // refused, whoever wrote it: the whole GPU uncapped is not what the
+    // extender decides for this pod.
+    let g = api
+        .add_pod(pod(
+            "greedy",
+            vec![],
+            vec![asking(
+                asking(container("g", 1), "nvidia.com/gpumem", "1024"),
+                "nvidia.com/gpucores",
+                "10",
+            )],
+        ))
+        .await;
+    let d = decide(&g, "node-b", |_, _| (vec![grant(&gpu0, 16 * GIB, 0)], None));
+    api.bind("greedy", &d).await;
+    let error = conn.allocate_one(1).await.expect_err("forged");
+    assert!(
+        error.message().contains("default/greedy")
+            && error.message().contains("does not ask for")
+            && error.message().contains("17179869184 bytes"),
+        "{}",
+        error.message()
+    );
+    assert!(api.allocated("greedy").await.is_empty(), "nothing recorded");
+    api.set_phase("greedy", "Failed").await;
 
     // Kubelet asks for a different count than decided: refused by name.
     let q = api

@@ -5,13 +5,13 @@ use crate::api::ApiSource;
 use crate::extender::config::Limits;
 use crate::extender::Config;
 use crate::leader::LeaderConfig;
-use crate::requests::RequestDefaults;
-use crate::vocabulary::policy::{GpuPolicy, NodePolicy};
 use clap::Parser;
 use std::net::IpAddr;
 use std::path::PathBuf;
 use std::time::Duration;
 use thiserror::Error;
+use vgpu_cluster::policy::{GpuPolicy, NodePolicy};
+use vgpu_cluster::requests::RequestDefaultFlags;
 use vgpu_cluster::resources::ShareResourceFlags;
 
 /// kube-scheduler HTTP extender of vgpu: places pods that ask for vGPUs on
@@ -186,16 +186,11 @@ pub struct Cli {
     #[arg(long, default_value = "binpack", value_name = "POLICY")]
     pub node_policy: NodePolicy,
 
-    /// Memory per vGPU, in MiB, for containers that ask for neither
-    /// nvidia.com/gpumem nor nvidia.com/gpumem-percentage; 0 = the whole GPU.
-    #[arg(long, default_value_t = 0, value_name = "MIB")]
-    pub default_memory_mib: u64,
-
-    /// Compute share per vGPU, in percent, for containers that do not ask
-    /// for nvidia.com/gpucores.
-    #[arg(long, default_value_t = 0, value_name = "PERCENT",
-          value_parser = clap::value_parser!(u32).range(0..=100))]
-    pub default_cores: u32,
+    /// What containers get that name no memory or compute share (the
+    /// device plugins must be given the same: they check decisions
+    /// against it).
+    #[command(flatten)]
+    pub request_defaults: RequestDefaultFlags,
 
     /// How long a bind waits for the node's previous vGPU pod to be admitted
     /// by its device plugin before giving up (kube-scheduler then retries).
@@ -283,10 +278,7 @@ impl Cli {
     pub fn config(&self) -> Config {
         Config {
             resources: self.share_resources.names(&self.resource_gpu),
-            defaults: RequestDefaults {
-                memory_mib: self.default_memory_mib,
-                cores: self.default_cores,
-            },
+            defaults: self.request_defaults.defaults(),
             gpu_policy: self.gpu_policy,
             node_policy: self.node_policy,
             bind_wait: Duration::from_millis(self.bind_wait_ms),

@@ -12,7 +12,9 @@
 //! 1. [`vocabulary`]: the annotations and labels read and written, with
 //!    pure readers of them (leaf modules). [`bounded`]: reading JSON from
 //!    the network within bounds.
-//! 2. [`requests`]: what a pod asks for. [`api`]: the Kubernetes client,
+//! 2. What a pod asks for is read by [`vgpu_cluster::requests`] (the
+//!    device plugin checks decisions against the same reading). [`api`]:
+//!    the Kubernetes client,
 //!    knowing nothing of the extender's state. [`leader`]: leader
 //!    election among replicas.
 //! 3. [`cache`]: the cluster as the watches show it, each kind applying
@@ -36,7 +38,6 @@ pub mod cli;
 pub mod extender;
 pub mod leader;
 pub mod placement;
-pub mod requests;
 pub mod server;
 pub mod vocabulary;
 

@@ -227,6 +227,16 @@ def test_kube_scheduler_reaches_the_extender_with_the_same_names_and_port():
     assert f"--config={mount['mountPath']}/config.yaml" in ks["command"]
 
 
+def test_the_device_plugin_reads_requests_with_the_extenders_defaults():
+    """The plugin checks each decision against what its pod asks for, so it
+    must fill in what a pod leaves out exactly as the extender does."""
+    objects = render({"scheduler": {"extender": {"defaultMemoryMiB": 2048, "defaultCores": 25}}})
+    extender = flags(container(find(objects, "Deployment", "-scheduler"), "extender"))
+    plugin = flags(container(find(objects, "DaemonSet", "-node"), "device-plugin"))
+    for flag, value in (("default-memory-mib", "2048"), ("default-cores", "25")):
+        assert extender[flag] == plugin[flag] == value, flag
+
+
 def test_https_extender_with_a_given_certificate():
     """HTTPS (for the API server's webhooks) on the secure port with the
     given certificate; kube-scheduler keeps plain HTTP on loopback, and the

@@ -519,3 +519,49 @@ def test_root_in_a_container_cannot_take_the_shim_away(real_cluster):
     refused = cluster.kubectl("create", "-f", "-", input=json.dumps(unconfined), check=False)
     assert refused.returncode != 0, refused.stdout
     assert "Unconfined" in refused.stderr and "container main" in refused.stderr, refused.stderr
+
+
+def test_a_decision_granting_more_than_the_pod_asks_for_is_refused_by_the_node(real_cluster):
+    """Behind the admission policy (which lets only vgpu's own accounts
+    write a decision), the node checks every decision against what its pod
+    asks for. Here the extender's own identity (as if it were taken, or the
+    policy switched off) writes an uncapped whole-GPU decision for a pod
+    asking for 1 GiB and 10 %, and binds it: the device plugin refuses it at
+    Allocate, kubelet fails the pod with that reason and says so in an
+    Event, and no container of it ever starts."""
+    cluster, node = real_cluster.cluster, real_cluster.node
+    namespace, name = "tenant", "overgranted"
+    cluster.kubectl("create", "namespace", namespace, check=False)
+    pod = workload_pod(name, namespace, ["/bin/sleep", "3600"],
+                       {"nvidia.com/gpu": "1", "nvidia.com/gpumem": "1024", "nvidia.com/gpucores": "10"})
+    pod["spec"]["schedulerName"] = "nobody"  # left for the "extender" below
+    cluster.kubectl("create", "-f", "-", input=json.dumps(pod))
+    inventory = json.loads(kubectl_json(cluster, "get", "node", node.name)["metadata"]["annotations"]
+                           ["vgpu.io/node-gpus"])
+    gpu = inventory["gpus"][0]
+    forged = {"version": 1, "node": node.name, "decidedUnixMs": int(time.time() * 1000), "containers": [
+        {"name": "main", "init": False, "priority": None,
+         "devices": [{"uuid": gpu["uuid"], "memoryBytes": 0, "coresPercent": 100}]}]}
+    extender = f"--as=system:serviceaccount:{RELEASE_NAMESPACE}:vgpu-scheduler"
+    cluster.kubectl("annotate", "pod", name, "-n", namespace, extender,
+                    f"vgpu.io/decision={json.dumps(forged)}")
+    cluster.kubectl("create", "-f", "-", extender, input=json.dumps({
+        "apiVersion": "v1", "kind": "Binding", "metadata": {"name": name, "namespace": namespace},
+        "target": {"apiVersion": "v1", "kind": "Node", "name": node.name}}))
+
+    def failed():
+        found = kubectl_json(cluster, "get", "pod", name, "-n", namespace)
+        return found if found["status"].get("phase") == "Failed" else None
+    status = wait_for("kubelet failing the pod", failed, timeout=60, log=real_cluster.logs)["status"]
+    print(f"\nthe node refused the decision: {status.get('reason')}: {status.get('message')}")
+    assert status.get("reason") == "UnexpectedAdmissionError", status
+    assert "does not ask for" in status.get("message", "") and "memory 0 bytes" in status["message"], status
+    assert not status.get("containerStatuses"), "no container of it started"
+    events = kubectl_json(cluster, "get", "events", "-n", namespace,
+                          "--field-selector", f"involvedObject.name={name}")["items"]
+    assert any(e["type"] == "Warning" and "does not ask for" in e.get("message", "") for e in events), events
+    uid = kubectl_json(cluster, "get", "pod", name, "-n", namespace)["metadata"]["uid"]
+    assert not any(folder.startswith(uid) for folder in regions(node)), "no region was made for it"
+    assert "vgpu.io/allocated" not in kubectl_json(cluster, "get", "pod", name, "-n", namespace)["metadata"].get(
+        "annotations", {})
+    cluster.kubectl("delete", "pod", name, "-n", namespace, "--wait=false")

@@ -343,6 +343,7 @@ pub fn in_process_config(
         lease_duration_seconds: 2,
         pod_resources_socket: None,
         resources: Default::default(),
+        request_defaults: Default::default(),
         load: None,
     }
 }

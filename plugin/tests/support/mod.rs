@@ -48,6 +48,18 @@ pub fn container(name: &str, gpus: usize) -> Container {
     }
 }
 
+/// `container` also asking for `amount` of resource `name` (what the
+/// extender then grants, and the plugin checks the grants against).
+pub fn asking(mut container: Container, name: &str, amount: &str) -> Container {
+    container
+        .resources
+        .get_or_insert_with(Default::default)
+        .limits
+        .get_or_insert_with(Default::default)
+        .insert(name.into(), Quantity(amount.into()));
+    container
+}
+
 /// An unbound pod with the given init and regular containers. The status
 /// is what the API server gives a new pod anyway (it ignores a client's).
 pub fn pod(name: &str, init: Vec<Container>, containers: Vec<Container>) -> Pod {

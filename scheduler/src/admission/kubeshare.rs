@@ -4,13 +4,13 @@
 //! vGPU pod.
 
 use crate::admission::patch::{json_pointer_token, resource_patch};
-use crate::requests::{asks_for_vgpu, model_key, ResourceNames};
 use crate::vocabulary::kubeshare::{
     KubeShareError, KubeShareMemory, KubeShareRequest, LABEL_PREFIX, OPPORTUNISTIC_TASK_PRIORITY,
 };
 use k8s_openapi::api::core::v1::Pod;
 use serde_json::{json, Value};
 use std::collections::BTreeMap;
+use vgpu_cluster::requests::{asks_for_vgpu, model_key, ResourceNames};
 use vgpu_cluster::resources::{GPU_CORES_BURST_ANNOTATION, GPU_MODEL_ANNOTATION};
 
 /// JSON patch operations, and a warning for the user if there is one.

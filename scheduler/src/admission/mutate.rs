@@ -30,7 +30,6 @@ use crate::admission::patch::resource_patch;
 use crate::admission::review::{Review, WebhookReply};
 use crate::admission::seccomp::{runtime_default_patch, unconfined_vgpu_container};
 use crate::bounded::read_pod;
-use crate::requests::{asks_for_vgpu, elastic_count_to_add, ResourceNames};
 use crate::vocabulary::claims::{claim_uses, ClaimError, ClaimShare, CLAIM_ANNOTATION_PREFIX};
 use crate::vocabulary::kubeshare::KubeShareError;
 use base64::Engine;
@@ -40,6 +39,7 @@ use serde_json::value::RawValue;
 use serde_json::{json, Value};
 use thiserror::Error;
 use vgpu_cluster::report::with_causes;
+use vgpu_cluster::requests::{asks_for_vgpu, elastic_count_to_add, ResourceNames};
 
 /// The scheduler name kube-scheduler uses when a pod names none.
 const DEFAULT_SCHEDULER: &str = "default-scheduler";
@@ -846,17 +846,17 @@ mod tests {
         );
         assert_eq!(limits["nvidia.com/priority"], "2");
         let pod: Pod = serde_json::from_value(pod_value).expect("a pod");
-        let request = crate::requests::parse_pod(
+        let request = vgpu_cluster::requests::parse_pod(
             &pod,
             &ResourceNames::default(),
-            &crate::requests::RequestDefaults::default(),
+            &vgpu_cluster::requests::RequestDefaults::default(),
         )
         .expect("the extender reads it");
         let container = &request.containers[0];
         assert_eq!((container.count, container.cores), (1, 50));
         assert_eq!(
             container.memory,
-            crate::requests::MemoryRequest::Percent(50)
+            vgpu_cluster::requests::MemoryRequest::Percent(50)
         );
         assert_eq!(
             container.priority,

@@ -26,13 +26,13 @@ use crate::extender::wire::{ExtenderBindingArgs, ExtenderBindingResult};
 use crate::placement::on_node::{place_on_node, NodeRefusal, OnNode};
 use crate::placement::rules::PodRequestError;
 use crate::placement::snapshot::Snapshot;
-use crate::requests::PodRequest;
 use crate::vocabulary::claims::claim_keys_held;
 use k8s_openapi::api::core::v1::Pod;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use thiserror::Error;
 use vgpu_cluster::decision::{Decision, DECISION_ANNOTATION};
 use vgpu_cluster::report::with_causes;
+use vgpu_cluster::requests::PodRequest;
 
 /// Why a pod was not bound (kube-scheduler shows it and retries).
 #[derive(Debug, Error)]

@@ -2,9 +2,9 @@
 
 use crate::admission::mutate::AdmissionPolicy;
 use crate::placement::rules::{Rules, DEFAULT_NODE_LEASE_GRACE, DEFAULT_UNBOUND_GRACE};
-use crate::requests::{RequestDefaults, ResourceNames};
-use crate::vocabulary::policy::{GpuPolicy, NodePolicy};
 use std::time::Duration;
+use vgpu_cluster::policy::{GpuPolicy, NodePolicy};
+use vgpu_cluster::requests::{RequestDefaults, ResourceNames};
 
 /// The scheduler name vGPU pods use unless configured otherwise.
 pub const DEFAULT_SCHEDULER_NAME: &str = "vgpu-scheduler";

@@ -10,15 +10,15 @@ use crate::placement::rejection::Rejection;
 use crate::placement::rules::{PodRequestError, Rules};
 use crate::placement::scores::node_score;
 use crate::placement::snapshot::Snapshot;
-use crate::requests::PodRequest;
 use crate::vocabulary::claims::{share_amounts, ClaimShare};
-use crate::vocabulary::policy::NodePolicy;
 use k8s_openapi::api::core::v1::{Container, Pod, PodSpec, ResourceRequirements};
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use thiserror::Error;
 use vgpu_cluster::decision::Decision;
+use vgpu_cluster::policy::NodePolicy;
 use vgpu_cluster::report::with_causes;
+use vgpu_cluster::requests::PodRequest;
 
 /// Why no slice can be placed for a claim now (the claim controller tries
 /// again).

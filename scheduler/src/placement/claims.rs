@@ -5,8 +5,8 @@
 use crate::cache::state::ClusterState;
 use crate::placement::pod_to_place::PodToPlace;
 use crate::placement::rejection::Rejection;
-use crate::requests::PodRequest;
 use thiserror::Error;
+use vgpu_cluster::requests::PodRequest;
 
 /// Another live, placed pod holds a claim the pod holds.
 #[derive(Clone, Debug, Error, PartialEq, Eq)]

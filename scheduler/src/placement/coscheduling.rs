@@ -12,12 +12,12 @@ use crate::placement::pod_to_place::PodToPlace;
 use crate::placement::rejection::Rejection;
 use crate::placement::rules::{PodRequestError, Rules};
 use crate::placement::snapshot::Snapshot;
-use crate::requests::PodRequest;
 use crate::vocabulary::claims::claim_keys_held;
 use crate::vocabulary::kubeshare::GroupLabels;
 use k8s_openapi::api::core::v1::Pod;
 use thiserror::Error;
 use vgpu_cluster::report::with_causes;
+use vgpu_cluster::requests::PodRequest;
 
 /// What the gate says of a pod of a group.
 #[derive(Debug, PartialEq, Eq)]

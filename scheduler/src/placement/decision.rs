@@ -2,8 +2,8 @@
 
 use crate::placement::fit::packing::Scratch;
 use crate::placement::snapshot::Snapshot;
-use crate::requests::PodRequest;
 use vgpu_cluster::decision::{ContainerDecision, Decision, DeviceGrant, FORMAT_VERSION};
+use vgpu_cluster::requests::PodRequest;
 
 impl Snapshot<'_> {
     /// The decision the grants of the last placement in `scratch` (of

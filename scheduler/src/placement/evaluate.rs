@@ -11,10 +11,10 @@ use crate::placement::fit::packing::{place_pod, Scratch};
 use crate::placement::pod_to_place::PodToPlace;
 use crate::placement::rejection::Rejection;
 use crate::placement::snapshot::Snapshot;
-use crate::requests::PodRequest;
-use crate::vocabulary::policy::GpuPolicy;
 use std::borrow::Cow;
 use vgpu_cluster::node_lease::lease_name;
+use vgpu_cluster::policy::GpuPolicy;
+use vgpu_cluster::requests::PodRequest;
 
 impl Snapshot<'_> {
     /// Whether `request` of `pod` fits on node `name` under `policy`; on

@@ -5,8 +5,8 @@ use crate::placement::claims::claim_in_use;
 use crate::placement::fit::packing::Scratch;
 use crate::placement::pod_to_place::PodToPlace;
 use crate::placement::snapshot::Snapshot;
-use crate::requests::PodRequest;
 use std::collections::BTreeMap;
+use vgpu_cluster::requests::PodRequest;
 
 /// A node the pod fits on.
 #[derive(Clone, Copy, Debug, PartialEq)]

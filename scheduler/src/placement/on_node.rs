@@ -9,10 +9,10 @@ use crate::placement::pod_to_place::PodToPlace;
 use crate::placement::rejection::Rejection;
 use crate::placement::rules::pod_key;
 use crate::placement::snapshot::Snapshot;
-use crate::requests::PodRequest;
 use k8s_openapi::api::core::v1::Pod;
 use thiserror::Error;
 use vgpu_cluster::decision::Decision;
+use vgpu_cluster::requests::PodRequest;
 
 /// Where a pod stands on its chosen node.
 #[derive(Clone, Debug, PartialEq, Eq)]

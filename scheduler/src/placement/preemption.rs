@@ -15,9 +15,9 @@ use crate::placement::fit::packing::Scratch;
 use crate::placement::pod_to_place::PodToPlace;
 use crate::placement::rules::pod_key;
 use crate::placement::snapshot::Snapshot;
-use crate::requests::PodRequest;
 use crate::vocabulary::kubeshare::group_of;
 use k8s_openapi::api::core::v1::Pod;
+use vgpu_cluster::requests::PodRequest;
 
 /// The evictions proposed on one node: the victims' UIDs and the
 /// PodDisruptionBudget violations they make.

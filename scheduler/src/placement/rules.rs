@@ -1,11 +1,11 @@
 //! What placement decides by besides the cluster: the extender's
 //! settings, and how it reads a pod's request under them.
 
-use crate::requests::{parse_pod, PodRequest, RequestDefaults, RequestError, ResourceNames};
-use crate::vocabulary::policy::{GpuPolicy, NodePolicy};
 use k8s_openapi::api::core::v1::Pod;
 use std::time::Duration;
 use thiserror::Error;
+use vgpu_cluster::policy::{GpuPolicy, NodePolicy};
+use vgpu_cluster::requests::{parse_pod, PodRequest, RequestDefaults, RequestError, ResourceNames};
 
 /// Grace beyond a node Lease's duration unless configured otherwise.
 pub const DEFAULT_NODE_LEASE_GRACE: Duration = Duration::from_secs(10);

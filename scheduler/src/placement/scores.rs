@@ -6,8 +6,8 @@ use crate::placement::fit::load::measured_load;
 use crate::placement::fit::packing::Scratch;
 use crate::placement::pod_to_place::PodToPlace;
 use crate::placement::snapshot::Snapshot;
-use crate::requests::PodRequest;
-use crate::vocabulary::policy::NodePolicy;
+use vgpu_cluster::policy::NodePolicy;
+use vgpu_cluster::requests::PodRequest;
 
 /// A node's score from its load (0.0 empty to 1.0 full), in `0.0..=1.0`:
 /// for binpack and spread the granted load after placing the pod, for

@@ -5,4 +5,3 @@
 pub mod claims;
 pub mod elastic;
 pub mod kubeshare;
-pub mod policy;

@@ -20,8 +20,8 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
 use std::time::{Duration, Instant};
 use vgpu_cluster::decision::NodeInventory;
+use vgpu_cluster::policy::{GpuPolicy, NodePolicy};
 use vgpu_scheduler::extender::Config;
-use vgpu_scheduler::vocabulary::policy::{GpuPolicy, NodePolicy};
 use vgpu_testkit::decisions::pending_entry;
 use vgpu_testkit::extender_client::ExtenderClient;
 

@@ -3,8 +3,8 @@
 
 use crate::harness::*;
 use serde_json::json;
+use vgpu_cluster::policy::{GpuPolicy, NodePolicy};
 use vgpu_scheduler::extender::Config;
-use vgpu_scheduler::vocabulary::policy::{GpuPolicy, NodePolicy};
 
 /// One node, three A10s: GPU 0 has 1 container (12 GiB, 40 %), GPU 1 has
 /// 3 small ones (3 GiB, 9 %), GPU 2 has 2 big ones (18 GiB, 60 %).

@@ -1,10 +1,10 @@
 //! Whether one GPU can take one vGPU, and why not in words.
 
 use crate::cache::gpus::{NodeGpus, Usage};
-use crate::requests::{ContainerRequest, PodRequest, Selectors, TypeMismatch, UuidMismatch};
 use std::fmt::Write as _;
 use std::sync::Arc;
 use vgpu_cluster::decision::InventoryGpu;
+use vgpu_cluster::requests::{ContainerRequest, PodRequest, Selectors, TypeMismatch, UuidMismatch};
 use vgpu_cluster::resources::{
     GPU_MODEL_ANNOTATION, NOUSE_GPU_TYPE_ANNOTATION, NOUSE_GPU_UUID_ANNOTATION,
     USE_GPU_TYPE_ANNOTATION, USE_GPU_UUID_ANNOTATION,

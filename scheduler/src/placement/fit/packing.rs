@@ -3,8 +3,8 @@
 use crate::cache::gpus::{HotGpu, NodeGpus, Usage};
 use crate::placement::fit::gpu_check::{check_gpu, Miss, ModelVerdicts};
 use crate::placement::fit::load::expected_percent;
-use crate::requests::{ContainerKind, ContainerRequest, PodRequest};
-use crate::vocabulary::policy::GpuPolicy;
+use vgpu_cluster::policy::GpuPolicy;
+use vgpu_cluster::requests::{ContainerKind, ContainerRequest, PodRequest};
 
 /// One vGPU granted: container `container` (index into the request) gets
 /// GPU `gpu` (index into the node's GPUs).

@@ -5,9 +5,9 @@ use super::gpu_check::*;
 use super::load::*;
 use super::packing::*;
 use crate::cache::gpus::{NodeGpus, Usage};
-use crate::requests::{ContainerKind, ContainerRequest, MemoryRequest, PodRequest};
-use crate::vocabulary::policy::GpuPolicy;
 use vgpu_cluster::decision::InventoryGpu;
+use vgpu_cluster::policy::GpuPolicy;
+use vgpu_cluster::requests::{ContainerKind, ContainerRequest, MemoryRequest, PodRequest};
 
 const GIB: u64 = 1 << 30;
 

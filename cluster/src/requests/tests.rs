@@ -2,7 +2,7 @@
 //! what it cannot serve.
 
 use super::*;
-use crate::vocabulary::policy::{GpuPolicy, NodePolicy};
+use crate::policy::{GpuPolicy, NodePolicy};
 use k8s_openapi::api::core::v1::{Container, Pod};
 use k8s_openapi::api::core::v1::{PodSpec, ResourceRequirements};
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;

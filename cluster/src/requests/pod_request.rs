@@ -1,7 +1,7 @@
 //! What a pod asks for, once read: per container the vGPUs, their memory
 //! and compute, and the pod's GPU restrictions and policies.
 
-use crate::vocabulary::policy::{GpuPolicy, NodePolicy};
+use crate::policy::{GpuPolicy, NodePolicy};
 
 /// What a vGPU gets when the container does not say.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -10,6 +10,31 @@ pub struct RequestDefaults {
     pub memory_mib: u64,
     /// Compute share per vGPU in percent.
     pub cores: u32,
+}
+
+/// The flags giving [`RequestDefaults`], the same in every binary that
+/// reads requests (the chart passes the same values to each).
+#[derive(Clone, Debug, clap::Args)]
+pub struct RequestDefaultFlags {
+    /// Memory per vGPU, in MiB, for containers that ask for neither
+    /// nvidia.com/gpumem nor nvidia.com/gpumem-percentage; 0 = the whole GPU.
+    #[arg(long, default_value_t = 0, value_name = "MIB")]
+    pub default_memory_mib: u64,
+
+    /// Compute share per vGPU, in percent, for containers that do not ask
+    /// for nvidia.com/gpucores; 0 = no limit.
+    #[arg(long, default_value_t = 0, value_name = "PERCENT",
+          value_parser = clap::value_parser!(u32).range(0..=100))]
+    pub default_cores: u32,
+}
+
+impl RequestDefaultFlags {
+    pub fn defaults(&self) -> RequestDefaults {
+        RequestDefaults {
+            memory_mib: self.default_memory_mib,
+            cores: self.default_cores,
+        }
+    }
 }
 
 /// Where a container sits in kubelet's admission order and lifetime.
@@ -95,7 +120,7 @@ pub struct Selectors {
     /// UUIDs; empty = any GPU.
     pub use_uuids: Vec<String>,
     pub nouse_uuids: Vec<String>,
-    /// The one model wanted ([`vgpu_cluster::resources::GPU_MODEL_ANNOTATION`]), in the form
+    /// The one model wanted ([`crate::resources::GPU_MODEL_ANNOTATION`]), in the form
     /// [`model_key`] gives.
     pub model: Option<String>,
 }
@@ -164,7 +189,7 @@ impl Selectors {
 pub enum TypeMismatch {
     /// Not one of the `use` types.
     NotWanted,
-    /// Not the model named by [`vgpu_cluster::resources::GPU_MODEL_ANNOTATION`].
+    /// Not the model named by [`crate::resources::GPU_MODEL_ANNOTATION`].
     NotTheModel,
     /// Matches `nouse_types[i]`.
     Excluded(usize),

@@ -1,21 +1,21 @@
 //! Reading a pod's request from its spec and annotations.
 
+use crate::policy::{
+    GPU_POLICY_ANNOTATION, HAMI_GPU_POLICY_ANNOTATION, HAMI_NODE_POLICY_ANNOTATION,
+    NODE_POLICY_ANNOTATION,
+};
 use crate::requests::pod_request::{
     model_key, ContainerKind, ContainerRequest, MemoryRequest, PodRequest, RequestDefaults,
     Selectors,
 };
-use crate::vocabulary::policy::{
-    GPU_POLICY_ANNOTATION, HAMI_GPU_POLICY_ANNOTATION, HAMI_NODE_POLICY_ANNOTATION,
-    NODE_POLICY_ANNOTATION,
-};
-use k8s_openapi::api::core::v1::{Container, Pod};
-use std::collections::BTreeMap;
-use thiserror::Error;
-use vgpu_cluster::resources::{
+use crate::resources::{
     parse_whole_quantity, ResourceNames, GPU_CORES_BURST_ANNOTATION, GPU_MODEL_ANNOTATION,
     NOUSE_GPU_TYPE_ANNOTATION, NOUSE_GPU_UUID_ANNOTATION, USE_GPU_TYPE_ANNOTATION,
     USE_GPU_UUID_ANNOTATION,
 };
+use k8s_openapi::api::core::v1::{Container, Pod};
+use std::collections::BTreeMap;
+use thiserror::Error;
 
 /// The most GPUs one container may ask for (the shim handles 16 devices).
 pub const MAX_GPUS_PER_CONTAINER: u64 = 16;
@@ -41,7 +41,7 @@ pub enum RequestError {
     Annotation {
         annotation: &'static str,
         #[source]
-        source: crate::vocabulary::policy::UnknownPolicy,
+        source: crate::policy::UnknownPolicy,
     },
 }
 
@@ -145,7 +145,7 @@ pub fn parse_pod(
     Ok(request)
 }
 
-fn policy_annotation<P: std::str::FromStr<Err = crate::vocabulary::policy::UnknownPolicy>>(
+fn policy_annotation<P: std::str::FromStr<Err = crate::policy::UnknownPolicy>>(
     annotations: &BTreeMap<String, String>,
     ours: &'static str,
     hami: &'static str,
@@ -185,10 +185,10 @@ fn quantity(container: &Container, resource: &str) -> Result<Option<u64>, Reques
                 resource: resource.to_string(),
                 value: value.0.clone(),
                 reason: match e {
-                    vgpu_cluster::resources::KubeQuantityError::Negative(_) => {
+                    crate::resources::KubeQuantityError::Negative(_) => {
                         "must not be negative".to_string()
                     }
-                    vgpu_cluster::resources::KubeQuantityError::Fractional(_) => {
+                    crate::resources::KubeQuantityError::Fractional(_) => {
                         "must be a whole number".to_string()
                     }
                     other => other.to_string(),

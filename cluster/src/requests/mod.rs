@@ -11,22 +11,25 @@
 //! Pod annotations restrict the GPUs: `nvidia.com/use-gputype` /
 //! `nvidia.com/nouse-gputype` (comma lists, case-insensitive substring of the
 //! model) and `nvidia.com/use-gpuuuid` / `nvidia.com/nouse-gpuuuid`, and
-//! choose the policies (see [`crate::vocabulary::policy`]).
+//! choose the policies (see [`crate::policy`]).
 //!
 //! - [`pod_request`]: the request, once read.
 //! - [`parse`]: reading it, and the reasons a request cannot be served.
+//! - [`grant_check`]: whether a decision grants no more than the request.
 
+pub mod grant_check;
 pub mod parse;
 pub mod pod_request;
 #[cfg(test)]
 mod tests;
 
+pub use crate::resources::ResourceNames;
+pub use grant_check::{check_grants, GrantError};
 pub use parse::{
     asks_for_vgpu, elastic_count_to_add, elastic_gpu_count, parse_pod, RequestError,
     MAX_GPUS_PER_CONTAINER,
 };
 pub use pod_request::{
-    model_key, ContainerKind, ContainerRequest, MemoryRequest, PodRequest, RequestDefaults,
-    Selectors, TypeMismatch, UuidMismatch,
+    model_key, ContainerKind, ContainerRequest, MemoryRequest, PodRequest, RequestDefaultFlags,
+    RequestDefaults, Selectors, TypeMismatch, UuidMismatch,
 };
-pub use vgpu_cluster::resources::ResourceNames;

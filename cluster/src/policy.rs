@@ -1,5 +1,5 @@
 //! Placement policies by name: which GPU on a node, which node in the
-//! cluster (what they do: [`crate::placement`]).
+//! cluster (what they do: the scheduler extender's placement).
 //!
 //! Both are set cluster-wide by flags and per pod by annotation:
 //! [`GPU_POLICY_ANNOTATION`] / [`NODE_POLICY_ANNOTATION`], or HAMi's
