@@ -545,9 +545,10 @@ def test_a_decision_granting_more_than_the_pod_asks_for_is_refused_by_the_node(r
     extender = f"--as=system:serviceaccount:{RELEASE_NAMESPACE}:vgpu-scheduler"
     cluster.kubectl("annotate", "pod", name, "-n", namespace, extender,
                     f"vgpu.io/decision={json.dumps(forged)}")
-    cluster.kubectl("create", "-f", "-", extender, input=json.dumps({
-        "apiVersion": "v1", "kind": "Binding", "metadata": {"name": name, "namespace": namespace},
-        "target": {"apiVersion": "v1", "kind": "Node", "name": node.name}}))
+    binding = {"apiVersion": "v1", "kind": "Binding", "metadata": {"name": name, "namespace": namespace},
+               "target": {"apiVersion": "v1", "kind": "Node", "name": node.name}}
+    cluster.kubectl("create", "--raw", f"/api/v1/namespaces/{namespace}/pods/{name}/binding", "-f", "-",
+                    extender, input=json.dumps(binding))
 
     def failed():
         found = kubectl_json(cluster, "get", "pod", name, "-n", namespace)
