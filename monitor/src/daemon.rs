@@ -148,6 +148,13 @@ impl Monitor {
             self.reported.region_removed(key);
         }
         let gpus = self.sample_gpus();
+        // What each GPU offers bounds decisions asking for a share of its
+        // memory (names.rs).
+        let scaling = self.config.node.memory_scaling;
+        self.pods.set_offered(gpus.iter().filter_map(|gpu| {
+            gpu.memory_total
+                .map(|total| (gpu.uuid.clone(), scaling.offered(total)))
+        }));
         Collected {
             started,
             now,

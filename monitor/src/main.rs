@@ -38,7 +38,7 @@ async fn run(options: Options) -> anyhow::Result<()> {
         }
         (Some(source), Some(node)) => match names::make_client(&source).await {
             Ok(client) => {
-                let directory = PodDirectory::new();
+                let directory = PodDirectory::new(options.request_rules());
                 let events = EventRecorder::new(
                     client.clone(),
                     tokio::runtime::Handle::current(),

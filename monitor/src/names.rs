@@ -12,7 +12,12 @@
 //! gives each container's priority and, per GPU, its share and burst. A
 //! region is written by the container itself, so where the decision exists
 //! the monitor uses its figures instead of the region's, and ignores a
-//! region device on a GPU the decision did not give the container.
+//! region device on a GPU the decision did not give the container. A
+//! decision is only ever as good as what its pod asks for: the monitor
+//! reads the pod's request as the extender does ([`RequestRules`]) and
+//! holds the decision to it ([`within_request`]; a GPU's offered memory,
+//! which bounds a percentage or a whole GPU, from NVML), so a decision
+//! rewritten past the admission policy restores no more than was asked.
 
 use futures_util::StreamExt;
 use k8s_openapi::api::core::v1::Pod;
@@ -23,6 +28,7 @@ use std::collections::HashMap;
 use std::sync::{Arc, RwLock};
 use std::time::Instant;
 use vgpu_cluster::decision::{Decision, DeviceGrant, DECISION_ANNOTATION};
+use vgpu_cluster::requests::{within_request, PodRequest, RequestRules};
 
 pub use vgpu_cluster::client::{make_client, ApiSource, ClientError};
 
@@ -60,38 +66,87 @@ pub enum Presence {
     Unknown,
 }
 
+/// What the directory keeps of one pod.
+#[derive(Clone, Debug)]
+struct Known {
+    namespace: String,
+    name: String,
+    /// Its decision for this node, with what the pod asks for.
+    decided: Option<(Decision, PodRequest)>,
+}
+
+impl Known {
+    /// The record the monitor works with: the decision held to the request,
+    /// with `offered` giving a GPU's offered memory where known.
+    fn record(&self, offered: impl Fn(&str) -> Option<u64>) -> PodRecord {
+        let mut priorities = HashMap::new();
+        let mut grants = HashMap::new();
+        if let Some((decision, request)) = &self.decided {
+            for container in within_request(decision, request, offered).containers {
+                if let Some(priority) = container.priority {
+                    priorities.insert(container.name.clone(), priority);
+                }
+                grants.insert(container.name, container.devices);
+            }
+        }
+        PodRecord {
+            namespace: self.namespace.clone(),
+            name: self.name.clone(),
+            priorities,
+            grants,
+        }
+    }
+}
+
 struct Inner {
     state: ApiState,
-    pods: HashMap<String, PodRecord>,
+    pods: HashMap<String, Known>,
     /// Pods of a relist in progress.
-    incoming: Option<HashMap<String, PodRecord>>,
+    incoming: Option<HashMap<String, Known>>,
     synced_at: Option<Instant>,
+    /// The memory each GPU offers containers, by UUID, as last measured.
+    offered: HashMap<String, u64>,
 }
 
 /// The UID → pod map, shared between the watch task and the monitor loop.
 pub struct PodDirectory {
     inner: RwLock<Inner>,
+    /// How pods' requests are read (the extender's names and defaults).
+    rules: RequestRules,
 }
 
 impl PodDirectory {
     /// A directory with no API behind it: every lookup falls back.
     pub fn disabled() -> Arc<Self> {
-        Arc::new(Self::with_state(ApiState::Disabled))
+        Arc::new(Self::with_state(ApiState::Disabled, RequestRules::default()))
     }
 
-    /// A directory a watch task will fill.
-    pub fn new() -> Arc<Self> {
-        Arc::new(Self::with_state(ApiState::Starting))
+    /// A directory a watch task will fill, reading pods' requests by
+    /// `rules`.
+    pub fn new(rules: RequestRules) -> Arc<Self> {
+        Arc::new(Self::with_state(ApiState::Starting, rules))
     }
 
-    fn with_state(state: ApiState) -> Self {
+    fn with_state(state: ApiState, rules: RequestRules) -> Self {
         Self {
             inner: RwLock::new(Inner {
                 state,
                 pods: HashMap::new(),
                 incoming: None,
                 synced_at: None,
+                offered: HashMap::new(),
             }),
+            rules,
+        }
+    }
+
+    /// Notes the memory each GPU offers (`uuid`, bytes), which bounds the
+    /// decisions of pods that ask for a percentage or a whole GPU.
+    pub fn set_offered(&self, offered: impl IntoIterator<Item = (String, u64)>) {
+        let offered: HashMap<String, u64> = offered.into_iter().collect();
+        let mut inner = self.write();
+        if inner.offered != offered {
+            inner.offered = offered;
         }
     }
 
@@ -113,7 +168,9 @@ impl PodDirectory {
 
     /// The pod with `uid`, if known.
     pub fn lookup(&self, uid: &str) -> Option<PodRecord> {
-        self.read().pods.get(uid).cloned()
+        let inner = self.read();
+        let known = inner.pods.get(uid)?;
+        Some(known.record(|uuid| inner.offered.get(uuid).copied()))
     }
 
     /// Whether the pod with `uid` exists.
@@ -142,7 +199,7 @@ impl PodDirectory {
         match event {
             Event::Init => inner.incoming = Some(HashMap::new()),
             Event::InitApply(pod) => {
-                if let Some((uid, record)) = record_of(&pod) {
+                if let Some((uid, record)) = known_of(&pod, &self.rules) {
                     inner
                         .incoming
                         .get_or_insert_with(HashMap::new)
@@ -159,7 +216,7 @@ impl PodDirectory {
                 inner.synced_at = Some(Instant::now());
             }
             Event::Apply(pod) => {
-                if let Some((uid, record)) = record_of(&pod) {
+                if let Some((uid, record)) = known_of(&pod, &self.rules) {
                     inner.pods.insert(uid, record);
                 }
             }
@@ -183,11 +240,10 @@ impl PodDirectory {
     }
 }
 
-fn record_of(pod: &Pod) -> Option<(String, PodRecord)> {
+fn known_of(pod: &Pod, rules: &RequestRules) -> Option<(String, Known)> {
     let meta = &pod.metadata;
     let uid = meta.uid.clone()?;
-    let mut priorities = HashMap::new();
-    let mut grants = HashMap::new();
+    let mut decided = None;
     if let Some(text) = meta
         .annotations
         .as_ref()
@@ -204,24 +260,29 @@ fn record_of(pod: &Pod) -> Option<(String, PodRecord)> {
                     node.unwrap_or_default()
                 );
             }
-            Ok(decision) => {
-                for container in decision.containers {
-                    if let Some(priority) = container.priority {
-                        priorities.insert(container.name.clone(), priority);
+            Ok(decision) => match rules.parse(pod) {
+                Ok(request) => {
+                    if within_request(&decision, &request, |_| None) != decision {
+                        tracing::warn!(
+                            "pod {uid}: its decision grants more than the pod asks for; only what it asks for is restored"
+                        );
                     }
-                    grants.insert(container.name, container.devices);
+                    decided = Some((decision, request));
                 }
-            }
+                Err(error) => tracing::warn!(
+                    error = &error as &dyn std::error::Error,
+                    "pod {uid}: its request cannot be read, so its decision is not used"
+                ),
+            },
             Err(error) => tracing::debug!(error = &error as &dyn std::error::Error, "pod {uid}"),
         }
     }
     Some((
         uid,
-        PodRecord {
+        Known {
             namespace: meta.namespace.clone().unwrap_or_default(),
             name: meta.name.clone().unwrap_or_default(),
-            priorities,
-            grants,
+            decided,
         },
     ))
 }
@@ -243,6 +304,8 @@ pub async fn watch_pods(client: Client, node: String, directory: Arc<PodDirector
 #[cfg(test)]
 mod tests {
     use super::*;
+    use k8s_openapi::api::core::v1::{Container, PodSpec, ResourceRequirements};
+    use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
     use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 
     fn pod(uid: &str, name: &str) -> Pod {
@@ -259,7 +322,7 @@ mod tests {
 
     #[test]
     fn presence_is_known_only_after_a_complete_list() {
-        let directory = PodDirectory::new();
+        let directory = PodDirectory::new(RequestRules::default());
         assert_eq!(directory.presence("a"), Presence::Unknown);
         directory.apply(Event::Init);
         directory.apply(Event::InitApply(pod("a", "pa")));
@@ -278,7 +341,7 @@ mod tests {
 
     #[test]
     fn a_relist_replaces_the_map() {
-        let directory = PodDirectory::new();
+        let directory = PodDirectory::new(RequestRules::default());
         directory.apply(Event::Init);
         directory.apply(Event::InitApply(pod("a", "pa")));
         directory.apply(Event::InitDone);
@@ -301,37 +364,109 @@ mod tests {
         assert_eq!(directory.state(), ApiState::Disabled);
     }
 
+    /// A container asking for one vGPU with `limits` beside the count.
+    fn asking(name: &str, limits: &[(&str, &str)]) -> Container {
+        let mut all = vec![("nvidia.com/gpu", "1")];
+        all.extend_from_slice(limits);
+        Container {
+            name: name.into(),
+            resources: Some(ResourceRequirements {
+                limits: Some(
+                    all.iter()
+                        .map(|(k, v)| (k.to_string(), Quantity(v.to_string())))
+                        .collect(),
+                ),
+                ..ResourceRequirements::default()
+            }),
+            ..Container::default()
+        }
+    }
+
+    fn with_decision(mut p: Pod, decision: &str, node: &str, containers: Vec<Container>) -> Pod {
+        p.metadata.annotations = Some(
+            [(DECISION_ANNOTATION.to_string(), decision.to_string())]
+                .into_iter()
+                .collect(),
+        );
+        p.spec = Some(PodSpec {
+            node_name: Some(node.into()),
+            containers,
+            ..PodSpec::default()
+        });
+        p
+    }
+
+    fn record(p: &Pod) -> PodRecord {
+        let (_, known) = known_of(p, &RequestRules::default()).expect("record");
+        known.record(|_| Some(16 << 30))
+    }
+
     #[test]
     fn priorities_come_from_the_decision_annotation() {
-        let mut p = pod("u", "p");
         let device = r#"{"uuid":"GPU-1","memoryBytes":1024,"coresPercent":30}"#;
         let decision = format!(
             r#"{{"version":1,"node":"n","decidedUnixMs":1,"containers":[
             {{"name":"main","init":false,"devices":[{device}],"priority":0}},
             {{"name":"side","init":false,"devices":[{device}],"priority":null}}]}}"#
         );
-        p.metadata.annotations = Some(
-            [(DECISION_ANNOTATION.to_string(), decision)]
-                .into_iter()
-                .collect(),
-        );
-        let (_, record) = record_of(&p).expect("record");
-        assert_eq!(record.priorities.get("main"), Some(&0));
-        assert_eq!(record.priorities.get("side"), None);
-        assert_eq!(record.grants.len(), 2);
+        let containers = vec![
+            asking("main", &[("nvidia.com/priority", "0")]),
+            asking("side", &[]),
+        ];
+        let p = with_decision(pod("u", "p"), &decision, "n", containers.clone());
+        let found = record(&p);
+        assert_eq!(found.priorities.get("main"), Some(&0));
+        assert_eq!(found.priorities.get("side"), None);
+        assert_eq!(found.grants.len(), 2);
 
         // The same decision on a pod bound to another node grants nothing.
-        p.spec = Some(k8s_openapi::api::core::v1::PodSpec {
-            node_name: Some("elsewhere".into()),
-            ..Default::default()
-        });
-        let (_, record) = record_of(&p).expect("record");
-        assert!(record.grants.is_empty() && record.priorities.is_empty());
-        p.spec = Some(k8s_openapi::api::core::v1::PodSpec {
-            node_name: Some("n".into()),
-            ..Default::default()
-        });
-        let (_, record) = record_of(&p).expect("record");
-        assert_eq!(record.grants.len(), 2, "its own node's decision is kept");
+        let p = with_decision(pod("u", "p"), &decision, "elsewhere", containers);
+        let found = record(&p);
+        assert!(found.grants.is_empty() && found.priorities.is_empty());
+    }
+
+    #[test]
+    fn a_decision_is_held_to_what_its_pod_asks_for() {
+        // Rewritten to the whole GPU uncapped, the highest priority and
+        // a second GPU, for a pod asking 1 GiB and 30 % of one.
+        let forged = r#"{"version":1,"node":"n","decidedUnixMs":1,"containers":[
+            {"name":"main","init":false,"priority":-2147483648,"devices":[
+            {"uuid":"GPU-1","memoryBytes":0,"coresPercent":100,"burstPercent":100},
+            {"uuid":"GPU-2","memoryBytes":0,"coresPercent":100}]}]}"#;
+        let containers = vec![asking(
+            "main",
+            &[("nvidia.com/gpumem", "1024"), ("nvidia.com/gpucores", "30")],
+        )];
+        let found = record(&with_decision(pod("u", "p"), forged, "n", containers));
+        assert_eq!(found.priorities.get("main"), None, "the pod asks for none");
+        let grants = &found.grants["main"];
+        assert_eq!(grants.len(), 1, "one GPU asked for");
+        assert_eq!(
+            (grants[0].memory_bytes, grants[0].cores_percent, grants[0].burst_percent),
+            (1 << 30, 30, None)
+        );
+        // A pod asking for a quarter of the GPU's memory: a quarter of what
+        // NVML says the GPU offers.
+        let containers = vec![asking("main", &[("nvidia.com/gpumem-percentage", "25")])];
+        let found = record(&with_decision(pod("u", "p"), forged, "n", containers));
+        assert_eq!(found.grants["main"][0].memory_bytes, 4 << 30);
+        // A request that cannot be read leaves nothing of the decision.
+        let containers = vec![asking("main", &[("nvidia.com/gpumem", "lots")])];
+        let found = record(&with_decision(pod("u", "p"), forged, "n", containers));
+        assert!(found.grants.is_empty());
+    }
+
+    #[test]
+    fn lookups_bound_percentages_by_the_measured_gpus() {
+        let forged = r#"{"version":1,"node":"n","decidedUnixMs":1,"containers":[
+            {"name":"main","init":false,"priority":null,"devices":[
+            {"uuid":"GPU-1","memoryBytes":0,"coresPercent":0}]}]}"#;
+        let containers = vec![asking("main", &[("nvidia.com/gpumem-percentage", "50")])];
+        let directory = PodDirectory::new(RequestRules::default());
+        directory.apply(Event::Apply(with_decision(pod("u", "p"), forged, "n", containers)));
+        let memory = |d: &PodDirectory| d.lookup("u").expect("known").grants["main"][0].memory_bytes;
+        assert_eq!(memory(&directory), 0, "unbounded while the GPU is not measured");
+        directory.set_offered([("GPU-1".to_string(), 8 << 30)]);
+        assert_eq!(memory(&directory), 4 << 30);
     }
 }

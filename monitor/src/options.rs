@@ -9,6 +9,8 @@ use std::path::PathBuf;
 use std::time::Duration;
 use thiserror::Error;
 use vgpu_cluster::decision::NodeLimits;
+use vgpu_cluster::requests::{RequestDefaultFlags, RequestRules};
+use vgpu_cluster::resources::ShareResourceFlags;
 use vgpu_cluster::scaling::MemoryScaling;
 use vgpu_node_contract::shim_env::UtilizationPolicy;
 use vgpu_node_contract::size::{parse_size, SizeError};
@@ -100,6 +102,19 @@ pub struct Options {
     #[arg(long)]
     pub no_restore: bool,
 
+    /// The extended resource the GPUs are advertised as (give the device
+    /// plugin's `--resource-name`). With the flags below: how pods'
+    /// requests are read, as the scheduler extender reads them; a decision
+    /// is restored only as far as its pod asks for.
+    #[arg(long, default_value = "nvidia.com/gpu", value_name = "NAME")]
+    pub resource_name: String,
+
+    #[command(flatten)]
+    pub share_resources: ShareResourceFlags,
+
+    #[command(flatten)]
+    pub request_defaults: RequestDefaultFlags,
+
     /// Remove a container's region directory once its pod has been deleted
     /// for this many seconds (and none of its processes lives). Needs the
     /// Kubernetes API; nothing is removed while it is unavailable.
@@ -163,6 +178,14 @@ impl Options {
                 memory_scaling: self.device_memory_scaling,
             },
             restore: !self.no_restore,
+        }
+    }
+
+    /// How pods' requests are read: the extender's names and defaults.
+    pub fn request_rules(&self) -> RequestRules {
+        RequestRules {
+            names: self.share_resources.names(&self.resource_name),
+            defaults: self.request_defaults.defaults(),
         }
     }
 

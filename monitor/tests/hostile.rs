@@ -7,7 +7,8 @@
 mod common;
 
 use common::*;
-use k8s_openapi::api::core::v1::{Pod, PodSpec};
+use k8s_openapi::api::core::v1::{Container, Pod, PodSpec, ResourceRequirements};
+use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use kube::runtime::watcher::Event;
 use proptest::prelude::*;
@@ -17,6 +18,7 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 use vgpu_cluster::decision::{ContainerDecision, Decision, DeviceGrant, DECISION_ANNOTATION};
+use vgpu_cluster::requests::RequestRules;
 use vgpu_monitor::daemon::{Monitor, MonitorConfig};
 use vgpu_monitor::metrics::Snapshot;
 use vgpu_monitor::names::PodDirectory;
@@ -373,6 +375,19 @@ fn pod_with_decision(uid: &str, container: &str, uuid: &str, cores: u32) -> Pod 
         },
         spec: Some(PodSpec {
             node_name: Some("node-a".into()),
+            // What the decision grants is what it asks for.
+            containers: vec![Container {
+                name: container.into(),
+                resources: Some(ResourceRequirements {
+                    limits: Some(BTreeMap::from([
+                        ("nvidia.com/gpu".to_string(), Quantity("1".into())),
+                        ("nvidia.com/gpumem".to_string(), Quantity("4096".into())),
+                        ("nvidia.com/gpucores".to_string(), Quantity(cores.to_string())),
+                    ])),
+                    ..ResourceRequirements::default()
+                }),
+                ..Container::default()
+            }],
             ..PodSpec::default()
         }),
         ..Pod::default()
@@ -381,7 +396,7 @@ fn pod_with_decision(uid: &str, container: &str, uuid: &str, cores: u32) -> Pod 
 
 /// A directory as a synced watch of the node's pods leaves it.
 fn synced_directory(pods: Vec<Pod>) -> Arc<PodDirectory> {
-    let directory = PodDirectory::new();
+    let directory = PodDirectory::new(RequestRules::default());
     directory.apply(Event::Init);
     for pod in pods {
         directory.apply(Event::InitApply(pod));
@@ -599,4 +614,48 @@ fn a_dra_claims_region_changed_from_inside_gets_its_recorded_grant_back() {
         (4 * GIB, 30),
         "the driver's record, not the region, says what the claim has"
     );
+}
+
+#[test]
+fn a_decision_rewritten_past_the_admission_policy_restores_only_what_the_pod_asks_for() {
+    // The pod asks for 4 GiB and 30 % (pod_with_decision); its decision is
+    // rewritten to the whole GPU uncapped and its container lifts its own
+    // caps too.
+    let host = HostDir::new("forged-decision");
+    let mut granted = RegionLimits::default();
+    granted.memory_limit[0] = 4 * GIB;
+    granted.sm_limit[0] = 30;
+    let region = host.create_region("u-greedy_c", &granted);
+    region.set_device_uuid(0, "GPU-shared");
+    let mut pod = pod_with_decision("u-greedy", "c", "GPU-shared", 30);
+    let annotations = pod.metadata.annotations.as_mut().expect("annotations");
+    let mut forged = Decision::parse(&annotations[DECISION_ANNOTATION]).expect("decision");
+    forged.containers[0].devices[0].memory_bytes = 0;
+    forged.containers[0].devices[0].cores_percent = 100;
+    forged.containers[0].priority = Some(i32::MIN);
+    annotations.insert(DECISION_ANNOTATION.to_string(), forged.to_json());
+    let mut lifted = granted;
+    lifted.memory_limit[0] = 0;
+    lifted.sm_limit[0] = 100;
+    region.restore_limits(&lifted);
+    let config = MonitorConfig {
+        cleanup_grace: None,
+        ..MonitorConfig::for_root(host.root.clone())
+    };
+    let mut monitor = Monitor::new(config, synced_directory(vec![pod]));
+    monitor.tick();
+    let restored = region.limits();
+    assert_eq!(
+        (restored.memory_limit[0], restored.sm_limit[0]),
+        (4 * GIB, 30),
+        "what the pod asks for, not what its decision says"
+    );
+    let priority = monitor
+        .shared()
+        .snapshot()
+        .devices
+        .iter()
+        .find(|d| d.pod == "u-greedy")
+        .map(|d| d.priority);
+    assert_eq!(priority, Some(DEFAULT_PRIORITY), "no priority asked for");
 }

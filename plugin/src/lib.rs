@@ -137,7 +137,7 @@ pub async fn run(
             gpu.nvlink_island
         );
     }
-    let requests = protocol::RequestRules {
+    let requests = vgpu_cluster::requests::RequestRules {
         names: config.resources.clone(),
         defaults: config.request_defaults,
     };

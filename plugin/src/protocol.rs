@@ -10,35 +10,14 @@ use vgpu_cluster::decision::{
     kubelet_has_admitted, parse_allocated, ContainerDecision, Decision, FormatError, InventoryGpu,
     ALLOCATED_ANNOTATION, DECISION_ANNOTATION,
 };
-use vgpu_cluster::requests::{
-    check_grants, parse_pod, GrantError, RequestDefaults, RequestError, ResourceNames,
-};
+use vgpu_cluster::requests::{check_grants, GrantError, RequestError, RequestRules};
 
-/// How this node reads what pods ask for: the extender's resource names
-/// and defaults (the chart gives both the same values).
-#[derive(Clone, Debug, Default)]
-pub struct RequestRules {
-    pub names: ResourceNames,
-    pub defaults: RequestDefaults,
-}
-
-impl RequestRules {
-    /// The rules for a node with `gpus`.
-    pub fn reading<'a>(&'a self, gpus: &'a [InventoryGpu]) -> Reading<'a> {
-        Reading {
-            names: &self.names,
-            defaults: &self.defaults,
-            gpus,
-        }
-    }
-}
-
-/// [`RequestRules`] on a node with its GPUs (memory percentages and whole
-/// GPUs are of what each offers).
+/// How this node reads what pods ask for ([`RequestRules`], the
+/// extender's), with its GPUs (memory percentages and whole GPUs are of
+/// what each offers).
 #[derive(Clone, Copy, Debug)]
 pub struct Reading<'a> {
-    pub names: &'a ResourceNames,
-    pub defaults: &'a RequestDefaults,
+    pub rules: &'a RequestRules,
     pub gpus: &'a [InventoryGpu],
 }
 
@@ -166,7 +145,7 @@ fn read_pending(
             decision.node
         )));
     }
-    let request = parse_pod(pod, reading.names, reading.defaults).map_err(|source| {
+    let request = reading.rules.parse(pod).map_err(|source| {
         ProtocolError::Request {
             pod: name.clone(),
             source,
@@ -339,7 +318,11 @@ mod tests {
     /// defaults on a node of four GPUs does.
     fn pending(node: &str, pods: &[Pod]) -> Result<PendingPod, ProtocolError> {
         let gpus = gpus();
-        pending_pod(node, pods, RequestRules::default().reading(&gpus))
+        let reading = Reading {
+            rules: &RequestRules::default(),
+            gpus: &gpus,
+        };
+        pending_pod(node, pods, reading)
     }
 
     /// A container asking for what [`decision`] grants: `count` vGPUs of

@@ -5,7 +5,8 @@ use crate::api::v1beta1 as api;
 use crate::api::v1beta1::device_plugin_server::DevicePlugin;
 use crate::cluster::{Cluster, ClusterError};
 use crate::devices;
-use crate::protocol::{self, PendingPod, RequestRules};
+use crate::protocol::{self, PendingPod, Reading};
+use vgpu_cluster::requests::RequestRules;
 use futures_util::Stream;
 use k8s_openapi::api::core::v1::Pod;
 use std::pin::Pin;
@@ -81,10 +82,18 @@ impl PluginState {
         })
     }
 
+    /// How pods' requests are read on this node with `gpus`.
+    fn reading<'a>(&'a self, gpus: &'a [InventoryGpu]) -> Reading<'a> {
+        Reading {
+            rules: &self.requests,
+            gpus,
+        }
+    }
+
     async fn pending_pod(&self, since: Instant) -> Result<PendingPod, Status> {
         let pods = self.pods_on_node(since).await?;
         let gpus = self.gpus.borrow().clone();
-        protocol::pending_pod(self.cluster.node(), &pods, self.requests.reading(&gpus))
+        protocol::pending_pod(self.cluster.node(), &pods, self.reading(&gpus))
             .map_err(|e| Status::failed_precondition(with_causes(&e)))
     }
 
@@ -127,7 +136,7 @@ impl PluginState {
             }
             let gpus = self.gpus.borrow().clone();
             let pod =
-                protocol::pending_pod(self.cluster.node(), &pods, self.requests.reading(&gpus))
+                protocol::pending_pod(self.cluster.node(), &pods, self.reading(&gpus))
                     .map_err(|e| Status::failed_precondition(with_causes(&e)))?;
             let containers = protocol::match_requests(&pod, &sizes)
                 .map_err(|e| Status::failed_precondition(with_causes(&e)))?;

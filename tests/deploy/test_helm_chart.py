@@ -227,14 +227,20 @@ def test_kube_scheduler_reaches_the_extender_with_the_same_names_and_port():
     assert f"--config={mount['mountPath']}/config.yaml" in ks["command"]
 
 
-def test_the_device_plugin_reads_requests_with_the_extenders_defaults():
-    """The plugin checks each decision against what its pod asks for, so it
-    must fill in what a pod leaves out exactly as the extender does."""
-    objects = render({"scheduler": {"extender": {"defaultMemoryMiB": 2048, "defaultCores": 25}}})
+def test_the_node_agents_read_requests_as_the_extender_does():
+    """The plugin checks each decision against what its pod asks for, and
+    the monitor restores no more than that, so both must read a pod with
+    the extender's resource names and fill in what it leaves out with the
+    extender's defaults."""
+    objects = render({"resources": {"gpu": "example.com/vgpu", "cores": "example.com/vgpu-cores"},
+                      "scheduler": {"extender": {"defaultMemoryMiB": 2048, "defaultCores": 25}}})
     extender = flags(container(find(objects, "Deployment", "-scheduler"), "extender"))
-    plugin = flags(container(find(objects, "DaemonSet", "-node"), "device-plugin"))
-    for flag, value in (("default-memory-mib", "2048"), ("default-cores", "25")):
-        assert extender[flag] == plugin[flag] == value, flag
+    node = find(objects, "DaemonSet", "-node")
+    for agent in (flags(container(node, "device-plugin")), flags(container(node, "monitor"))):
+        for flag, value in (("default-memory-mib", "2048"), ("default-cores", "25")):
+            assert extender[flag] == agent[flag] == value, flag
+        assert extender["resource-cores"] == agent["resource-cores"] == "example.com/vgpu-cores"
+        assert agent["resource-name"] == extender["resource-gpu"] == "example.com/vgpu"
 
 
 def test_https_extender_with_a_given_certificate():

@@ -11,8 +11,10 @@
 //! only where the pod asks for one, and the requested priority. The check
 //! holds a decision to that, with the same reading of the pod
 //! ([`super::parse_pod`]) and the GPUs as the node publishes them.
+//! [`within_request`] cuts a decision down to the same bounds: what the node
+//! monitor restores, whatever the annotation says.
 
-use super::pod_request::{ContainerRequest, PodRequest};
+use super::pod_request::{ContainerRequest, MemoryRequest, PodRequest};
 use crate::decision::{ContainerDecision, Decision, DeviceGrant, InventoryGpu};
 use thiserror::Error;
 
@@ -206,6 +208,82 @@ fn check_grant(
         }
     }
     Ok(())
+}
+
+/// `decision` cut down to what `request` asks for, by the rules of
+/// [`check_grants`]: only the pod's GPU-using containers, at most the asked
+/// number of distinct GPUs each, at most the asked memory (0 becomes it),
+/// at most the asked share (0 becomes it where a share was asked), a burst
+/// only up to the pod's, and the asked priority. A decision the extender
+/// wrote comes back unchanged. `offered(uuid)` is a GPU's offered memory
+/// where known; without it a percentage or the whole GPU bounds nothing.
+pub fn within_request(
+    decision: &Decision,
+    request: &PodRequest,
+    offered: impl Fn(&str) -> Option<u64>,
+) -> Decision {
+    let containers = decision
+        .containers
+        .iter()
+        .filter_map(|container| {
+            let asked = request
+                .containers
+                .iter()
+                .find(|asked| asked.name == container.name)?;
+            let mut devices: Vec<DeviceGrant> = Vec::new();
+            for grant in &container.devices {
+                if devices.len() == asked.count as usize {
+                    break;
+                }
+                if devices.iter().any(|kept| kept.uuid == grant.uuid) {
+                    continue;
+                }
+                devices.push(grant_within(grant, asked, request, &offered));
+            }
+            Some(ContainerDecision {
+                name: container.name.clone(),
+                init: asked.kind.is_init(),
+                devices,
+                priority: asked.priority,
+            })
+        })
+        .collect();
+    Decision {
+        containers,
+        ..decision.clone()
+    }
+}
+
+fn grant_within(
+    grant: &DeviceGrant,
+    asked: &ContainerRequest,
+    request: &PodRequest,
+    offered: &impl Fn(&str) -> Option<u64>,
+) -> DeviceGrant {
+    let allowed = match asked.memory {
+        MemoryRequest::Bytes(bytes) => Some(bytes),
+        memory => offered(&grant.uuid).map(|total| memory.bytes_on(total)),
+    };
+    let memory_bytes = match allowed {
+        Some(allowed) if grant.memory_bytes == 0 => allowed,
+        Some(allowed) => grant.memory_bytes.min(allowed),
+        None => grant.memory_bytes,
+    };
+    let cores_percent = match asked.cores.min(100) {
+        0 => grant.cores_percent,
+        cap if grant.cores_percent == 0 => cap,
+        cap => grant.cores_percent.min(cap),
+    };
+    let burst_percent = grant
+        .burst_percent
+        .zip(request.burst_percent)
+        .map(|(burst, asked)| burst.min(asked));
+    DeviceGrant {
+        uuid: grant.uuid.clone(),
+        memory_bytes,
+        cores_percent,
+        burst_percent,
+    }
 }
 
 #[cfg(test)]
@@ -475,5 +553,38 @@ mod tests {
         assert_eq!(check_grants(&fits, &request, &gpus()), Ok(()));
         let whole = decision(vec![("main", vec![grant("GPU-a", 16 * GIB, 20)])]);
         assert!(check_grants(&whole, &request, &gpus()).is_err());
+    }
+
+    #[test]
+    fn within_request_leaves_what_the_extender_writes_and_cuts_the_rest() {
+        let (request, decision) = hami();
+        let offered = |_: &str| Some(16 * GIB);
+        assert_eq!(within_request(&decision, &request, offered), decision);
+        let mut forged = decision.clone();
+        forged.containers[0].devices[0] = DeviceGrant {
+            burst_percent: Some(100),
+            ..grant("GPU-a", 0, 100)
+        };
+        forged.containers[0].devices.push(grant("GPU-b", 8 * GIB, 50));
+        forged.containers[0].priority = Some(i32::MIN);
+        let mut stranger = forged.containers[0].clone();
+        stranger.name = "stranger".into();
+        forged.containers.push(stranger);
+        assert_eq!(within_request(&forged, &request, offered), decision);
+        // Less than asked stays.
+        let mut less = decision.clone();
+        less.containers[0].devices[0] = grant("GPU-a", GIB, 10);
+        assert_eq!(within_request(&less, &request, offered), less);
+    }
+
+    #[test]
+    fn within_request_bounds_percentages_only_where_the_gpu_is_known() {
+        let request = request(vec![asked("main", 1, MemoryRequest::Percent(25), 0)]);
+        let forged = decision(vec![("main", vec![grant("GPU-a", 0, 0)])]);
+        let known = within_request(&forged, &request, |_| Some(16 * GIB));
+        assert_eq!(known.containers[0].devices[0].memory_bytes, 4 * GIB);
+        assert_eq!(known.containers[0].devices[0].cores_percent, 0, "no share asked");
+        let unknown = within_request(&forged, &request, |_| None);
+        assert_eq!(unknown.containers[0].devices[0].memory_bytes, 0);
     }
 }

@@ -24,7 +24,24 @@ pub mod pod_request;
 mod tests;
 
 pub use crate::resources::ResourceNames;
-pub use grant_check::{check_grants, GrantError};
+
+use k8s_openapi::api::core::v1::Pod;
+
+/// How a component reads what pods ask for: the extender's resource names
+/// and defaults (the chart gives every component the same values).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct RequestRules {
+    pub names: ResourceNames,
+    pub defaults: RequestDefaults,
+}
+
+impl RequestRules {
+    /// What `pod` asks for, read by these rules.
+    pub fn parse(&self, pod: &Pod) -> Result<PodRequest, RequestError> {
+        parse_pod(pod, &self.names, &self.defaults)
+    }
+}
+pub use grant_check::{check_grants, within_request, GrantError};
 pub use parse::{
     asks_for_vgpu, elastic_count_to_add, elastic_gpu_count, parse_pod, RequestError,
     MAX_GPUS_PER_CONTAINER,

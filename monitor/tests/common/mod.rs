@@ -422,6 +422,7 @@ impl KubeApi {
         node: &str,
         annotations: BTreeMap<String, String>,
     ) -> String {
+        let limits = asking_for_the_decision(&annotations, "main");
         let pod = Pod {
             metadata: ObjectMeta {
                 name: Some(name.into()),
@@ -434,10 +435,7 @@ impl KubeApi {
                     name: "main".into(),
                     image: Some("nvcr.io/nvidia/pytorch:24.08-py3".into()),
                     resources: Some(ResourceRequirements {
-                        limits: Some(BTreeMap::from([(
-                            "nvidia.com/gpu".to_string(),
-                            Quantity("1".into()),
-                        )])),
+                        limits: Some(limits),
                         ..Default::default()
                     }),
                     ..Default::default()
@@ -501,6 +499,34 @@ impl KubeApi {
 /// Whether `path` exists.
 pub fn exists(path: &Path) -> bool {
     std::fs::symlink_metadata(path).is_ok()
+}
+
+/// The limits of a container `container` asking for what the decision in
+/// `annotations` grants it (one vGPU when there is none): the monitor
+/// restores a decision only as far as its pod asks for.
+fn asking_for_the_decision(
+    annotations: &BTreeMap<String, String>,
+    container: &str,
+) -> BTreeMap<String, Quantity> {
+    let mut limits = BTreeMap::from([("nvidia.com/gpu".to_string(), Quantity("1".into()))]);
+    let decided = annotations
+        .get(DECISION_ANNOTATION)
+        .and_then(|text| Decision::parse(text).ok())
+        .and_then(|d| d.containers.into_iter().find(|c| c.name == container));
+    if let Some(decided) = decided {
+        let mut ask = |name: &str, value: String| {
+            limits.insert(name.to_string(), Quantity(value));
+        };
+        ask("nvidia.com/gpu", decided.devices.len().to_string());
+        if let Some(grant) = decided.devices.first() {
+            ask("nvidia.com/gpumem", (grant.memory_bytes >> 20).to_string());
+            ask("nvidia.com/gpucores", grant.cores_percent.to_string());
+        }
+        if let Some(priority) = decided.priority {
+            ask("nvidia.com/priority", priority.to_string());
+        }
+    }
+    limits
 }
 
 /// Pod annotations holding the scheduler's decision for `container` on

@@ -103,6 +103,21 @@ container's or init container's limits or requests.
 object.spec.containers.exists(c, {{ $asks }}) || (has(object.spec.initContainers) && object.spec.initContainers.exists(c, {{ $asks }})){{ if .Values.elasticGPU.crds.enabled }} || (has(object.metadata.annotations) && object.metadata.annotations.exists(k, k.startsWith('egpuc.elasticgpu.io/'))){{ end }} || (has(object.metadata.labels) && object.metadata.labels.exists(k, k.startsWith('sharedgpu/'))){{ with .Values.scheduler.webhook.schedulerAlias }} || (has(object.spec.schedulerName) && object.spec.schedulerName == '{{ . }}'){{ end }}
 {{- end -}}
 
+{{- /* How the node agents read pods' requests, as the extender does: its
+resource names and defaults. The device plugin refuses a decision that
+grants more than its pod asks for; the monitor restores no more than that. */ -}}
+{{- define "vgpu.requestReadingArgs" -}}
+- --resource-name={{ .Values.resources.gpu }}
+- --resource-memory={{ .Values.resources.memory }}
+- --resource-memory-percentage={{ .Values.resources.memoryPercentage }}
+- --resource-cores={{ .Values.resources.cores }}
+- --resource-priority={{ .Values.resources.priority }}
+- --resource-elastic-memory={{ .Values.resources.elasticMemory }}
+- --resource-elastic-cores={{ .Values.resources.elasticCores }}
+- --default-memory-mib={{ .Values.scheduler.extender.defaultMemoryMiB }}
+- --default-cores={{ .Values.scheduler.extender.defaultCores }}
+{{- end -}}
+
 {{- /* The node monitor's container: the same on device-plugin nodes and on
 DRA nodes. */ -}}
 {{- define "vgpu.monitorContainer" -}}
@@ -125,6 +140,7 @@ DRA nodes. */ -}}
     - --swap-limit={{ . }}
     {{- end }}
     - --device-memory-scaling={{ $plugin.deviceMemoryScaling }}
+    {{- include "vgpu.requestReadingArgs" . | nindent 4 }}
     {{- if not $monitor.arbitration }}
     - --no-arbitration
     {{- end }}
