@@ -118,7 +118,10 @@ pub struct PodDirectory {
 impl PodDirectory {
     /// A directory with no API behind it: every lookup falls back.
     pub fn disabled() -> Arc<Self> {
-        Arc::new(Self::with_state(ApiState::Disabled, RequestRules::default()))
+        Arc::new(Self::with_state(
+            ApiState::Disabled,
+            RequestRules::default(),
+        ))
     }
 
     /// A directory a watch task will fill, reading pods' requests by
@@ -442,7 +445,11 @@ mod tests {
         let grants = &found.grants["main"];
         assert_eq!(grants.len(), 1, "one GPU asked for");
         assert_eq!(
-            (grants[0].memory_bytes, grants[0].cores_percent, grants[0].burst_percent),
+            (
+                grants[0].memory_bytes,
+                grants[0].cores_percent,
+                grants[0].burst_percent
+            ),
             (1 << 30, 30, None)
         );
         // A pod asking for a quarter of the GPU's memory: a quarter of what
@@ -463,9 +470,19 @@ mod tests {
             {"uuid":"GPU-1","memoryBytes":0,"coresPercent":0}]}]}"#;
         let containers = vec![asking("main", &[("nvidia.com/gpumem-percentage", "50")])];
         let directory = PodDirectory::new(RequestRules::default());
-        directory.apply(Event::Apply(with_decision(pod("u", "p"), forged, "n", containers)));
-        let memory = |d: &PodDirectory| d.lookup("u").expect("known").grants["main"][0].memory_bytes;
-        assert_eq!(memory(&directory), 0, "unbounded while the GPU is not measured");
+        directory.apply(Event::Apply(with_decision(
+            pod("u", "p"),
+            forged,
+            "n",
+            containers,
+        )));
+        let memory =
+            |d: &PodDirectory| d.lookup("u").expect("known").grants["main"][0].memory_bytes;
+        assert_eq!(
+            memory(&directory),
+            0,
+            "unbounded while the GPU is not measured"
+        );
         directory.set_offered([("GPU-1".to_string(), 8 << 30)]);
         assert_eq!(memory(&directory), 4 << 30);
     }

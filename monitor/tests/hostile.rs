@@ -382,7 +382,10 @@ fn pod_with_decision(uid: &str, container: &str, uuid: &str, cores: u32) -> Pod 
                     limits: Some(BTreeMap::from([
                         ("nvidia.com/gpu".to_string(), Quantity("1".into())),
                         ("nvidia.com/gpumem".to_string(), Quantity("4096".into())),
-                        ("nvidia.com/gpucores".to_string(), Quantity(cores.to_string())),
+                        (
+                            "nvidia.com/gpucores".to_string(),
+                            Quantity(cores.to_string()),
+                        ),
                     ])),
                     ..ResourceRequirements::default()
                 }),

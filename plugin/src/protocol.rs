@@ -145,12 +145,13 @@ fn read_pending(
             decision.node
         )));
     }
-    let request = reading.rules.parse(pod).map_err(|source| {
-        ProtocolError::Request {
+    let request = reading
+        .rules
+        .parse(pod)
+        .map_err(|source| ProtocolError::Request {
             pod: name.clone(),
             source,
-        }
-    })?;
+        })?;
     check_grants(&decision, &request, reading.gpus).map_err(|source| ProtocolError::NotAsked {
         pod: name.clone(),
         source,

@@ -6,7 +6,6 @@ use crate::api::v1beta1::device_plugin_server::DevicePlugin;
 use crate::cluster::{Cluster, ClusterError};
 use crate::devices;
 use crate::protocol::{self, PendingPod, Reading};
-use vgpu_cluster::requests::RequestRules;
 use futures_util::Stream;
 use k8s_openapi::api::core::v1::Pod;
 use std::pin::Pin;
@@ -16,6 +15,7 @@ use tokio::sync::{watch, Mutex};
 use tonic::{Request, Response, Status};
 use vgpu_cluster::decision::InventoryGpu;
 use vgpu_cluster::report::with_causes;
+use vgpu_cluster::requests::RequestRules;
 use vgpu_node_agent::allocation::{self, RegionPlan, Settings, ENV_VISIBLE_DEVICES};
 
 /// How often an `Allocate` re-reads the pod when its record was changed
@@ -135,9 +135,8 @@ impl PluginState {
                 }
             }
             let gpus = self.gpus.borrow().clone();
-            let pod =
-                protocol::pending_pod(self.cluster.node(), &pods, self.reading(&gpus))
-                    .map_err(|e| Status::failed_precondition(with_causes(&e)))?;
+            let pod = protocol::pending_pod(self.cluster.node(), &pods, self.reading(&gpus))
+                .map_err(|e| Status::failed_precondition(with_causes(&e)))?;
             let containers = protocol::match_requests(&pod, &sizes)
                 .map_err(|e| Status::failed_precondition(with_causes(&e)))?;
             let mut plans = Vec::with_capacity(containers.len());

@@ -565,7 +565,9 @@ mod tests {
             burst_percent: Some(100),
             ..grant("GPU-a", 0, 100)
         };
-        forged.containers[0].devices.push(grant("GPU-b", 8 * GIB, 50));
+        forged.containers[0]
+            .devices
+            .push(grant("GPU-b", 8 * GIB, 50));
         forged.containers[0].priority = Some(i32::MIN);
         let mut stranger = forged.containers[0].clone();
         stranger.name = "stranger".into();
@@ -583,7 +585,10 @@ mod tests {
         let forged = decision(vec![("main", vec![grant("GPU-a", 0, 0)])]);
         let known = within_request(&forged, &request, |_| Some(16 * GIB));
         assert_eq!(known.containers[0].devices[0].memory_bytes, 4 * GIB);
-        assert_eq!(known.containers[0].devices[0].cores_percent, 0, "no share asked");
+        assert_eq!(
+            known.containers[0].devices[0].cores_percent, 0,
+            "no share asked"
+        );
         let unknown = within_request(&forged, &request, |_| None);
         assert_eq!(unknown.containers[0].devices[0].memory_bytes, 0);
     }
