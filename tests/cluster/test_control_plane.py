@@ -107,8 +107,15 @@ def test_the_monitor_names_pods_and_records_events_as_the_charts_node_account(cl
         {"name": "main", "init": False, "priority": 1,
          "devices": [{"uuid": "GPU-simulated", "memoryBytes": 2 * GIB, "coresPercent": 30}]}]}
     cluster.kubectl("create", "namespace", "team-d")
+    # No extender runs here to answer the chart's webhook for a vGPU pod.
+    cluster.kubectl("label", "namespace", "team-d", "vgpu.io/webhook=ignore")
     pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "trainer", "namespace": "team-d"},
-           "spec": {"nodeName": "gpu-node-1", "containers": [{"name": "main", "image": "cuda"}]}}
+           "spec": {"nodeName": "gpu-node-1", "containers": [{
+               "name": "main", "image": "cuda",
+               # What the decision grants is what it asks for: the monitor
+               # restores a decision only as far as its pod asks.
+               "resources": {"limits": {"nvidia.com/gpu": "1", "nvidia.com/gpumem": "2048",
+                                        "nvidia.com/gpucores": "30", "nvidia.com/priority": "1"}}}]}}
     cluster.kubectl("create", "-f", "-", input=json.dumps(pod))
     # The decision written as the chart's extender writes it: the chart's
     # admission policy lets no other account (the admin's included).
