@@ -290,7 +290,9 @@ fn grant_within(
 mod tests {
     use super::*;
     use crate::decision::FORMAT_VERSION;
-    use crate::requests::{ContainerKind, MemoryRequest, PodRequest, RequestDefaults, Selectors};
+    use crate::requests::pod_request::{
+        ContainerKind, MemoryRequest, PodRequest, RequestDefaults, Selectors,
+    };
 
     const MIB: u64 = 1 << 20;
     const GIB: u64 = 1 << 30;
@@ -547,8 +549,8 @@ mod tests {
             memory_mib: 2048,
             cores: 20,
         };
-        let request =
-            super::super::parse_pod(&pod, &Default::default(), &defaults).expect("a plain request");
+        let request = super::super::parse::parse_pod(&pod, &Default::default(), &defaults)
+            .expect("a plain request");
         let fits = decision(vec![("main", vec![grant("GPU-a", 2 * GIB, 20)])]);
         assert_eq!(check_grants(&fits, &request, &gpus()), Ok(()));
         let whole = decision(vec![("main", vec![grant("GPU-a", 16 * GIB, 20)])]);
