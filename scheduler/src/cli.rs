@@ -198,8 +198,9 @@ pub struct Cli {
     #[arg(long, default_value_t = 3000, value_name = "MS")]
     pub bind_wait_ms: u64,
 
-    /// How long a decision whose pod is not bound yet (a bind in flight or
-    /// interrupted) keeps its node from taking another vGPU pod.
+    /// How long after its date a decision whose pod is not bound yet (a
+    /// bind in flight or interrupted) holds its GPUs and keeps its node
+    /// from taking another vGPU pod.
     #[arg(long, default_value_t = 30, value_name = "SECONDS")]
     pub unbound_grace_seconds: u64,
 

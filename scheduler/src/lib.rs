@@ -90,8 +90,11 @@ pub async fn start(
     election: Option<leader::LeaderConfig>,
 ) -> Result<Running, StartError> {
     let client = api::make_client(source).await.map_err(StartError::Api)?;
-    let state = Arc::new(SharedState::new());
+    let state = Arc::new(SharedState::with_unbound_grace(config.unbound_grace));
     let mut watches = cache::watch::watch_cluster(&client, &state);
+    watches.push(tokio::spawn(cache::expiry::expire_unbound_decisions(
+        state.clone(),
+    )));
     let mut scheduler = Scheduler::new(config, state, Some(KubeApi::new(client.clone())));
     if let Some(election) = &election {
         let leadership = Arc::new(leader::Leadership::default());

@@ -20,12 +20,14 @@
 //! - [`state`]: the cluster ([`state::ClusterState`]) and its lock.
 //! - [`book`]: how each kind's watch events are taken.
 //! - [`watch`]: the watches that feed the state.
+//! - [`expiry`]: the task that ends unbound decisions' grace.
 //! - [`pods`], [`nodes`], [`gpus`], [`leases`], [`reservations`],
 //!   [`groups`]: what the state records of each.
 //! - [`clock`], [`fast_map`]: the clock and map everything uses.
 
 pub mod book;
 pub mod clock;
+pub mod expiry;
 pub mod fast_map;
 #[cfg(test)]
 pub(crate) mod fixtures;

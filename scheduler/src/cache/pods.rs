@@ -9,6 +9,10 @@ use vgpu_cluster::decision::{
     DECISION_ANNOTATION,
 };
 
+/// How long a decision whose pod is not bound yet holds its node unless
+/// configured otherwise ([`PodRecord::unbound_fresh`]).
+pub const DEFAULT_UNBOUND_GRACE: Duration = Duration::from_secs(30);
+
 /// A pod's `resourceVersion` as a number, when it is one (etcd's are).
 pub(crate) fn version_of(pod: &Pod) -> Option<u64> {
     pod.metadata
@@ -46,6 +50,10 @@ pub struct PodRecord {
     /// Set while the record comes from the extender's own write and the
     /// watch has not shown this version yet.
     pub local_since: Option<Instant>,
+    /// Not bound, and its decision is older than the unbound grace (or
+    /// dated further ahead than any clock of the extender's replicas
+    /// could be): its GPUs are not counted until the pod is bound.
+    pub unbound_expired: bool,
 }
 
 impl PodRecord {
@@ -90,19 +98,46 @@ impl PodRecord {
             contribution,
             claims: claim_keys_held(pod),
             local_since: None,
+            unbound_expired: false,
         }))
     }
 
     /// The node whose GPUs this pod takes, if any: its decision's node,
-    /// unless it is finished or was bound somewhere else.
+    /// unless it is finished, was bound somewhere else, or is not bound
+    /// and its decision has expired ([`PodRecord::unbound_fresh`]).
     pub fn counted_node(&self) -> Option<&str> {
         if self.terminal {
             return None;
         }
         match &self.node_name {
             Some(bound) if *bound != self.decision.node => None,
+            None if self.unbound_expired => None,
             _ => Some(&self.decision.node),
         }
+    }
+
+    /// Whether the decision of a pod that is not bound still holds its
+    /// node at `now_unix_ms`: it was made less than `unbound_grace` ago
+    /// (its bind is in flight; a failed bind is retried with a new
+    /// decision), and it is not dated more than `unbound_grace` ahead. The
+    /// extender dates its decisions by its own clock, so only a decision
+    /// it did not make is dated that far ahead; without that bound, one
+    /// dated years ahead would hold its GPUs and keep its node busy for
+    /// years.
+    pub fn unbound_fresh(&self, now_unix_ms: u64, unbound_grace: Duration) -> bool {
+        let grace = u64::try_from(unbound_grace.as_millis()).unwrap_or(u64::MAX);
+        let decided = self.decision.decided_unix_ms;
+        decided <= now_unix_ms.saturating_add(grace) && now_unix_ms.saturating_sub(decided) < grace
+    }
+
+    /// When the decision of this unbound pod stops holding its node, if it
+    /// holds it now.
+    pub fn unbound_deadline(&self, unbound_grace: Duration) -> Option<u64> {
+        if self.node_name.is_some() || self.terminal || self.unbound_expired {
+            return None;
+        }
+        let grace = u64::try_from(unbound_grace.as_millis()).unwrap_or(u64::MAX);
+        Some(self.decision.decided_unix_ms.saturating_add(grace))
     }
 
     /// Whether the pod is pending on its node: decided, still to be
@@ -116,9 +151,7 @@ impl PodRecord {
         if self.decision.is_complete(&self.allocated) {
             return false;
         }
-        self.node_name.is_some()
-            || now_unix_ms.saturating_sub(self.decision.decided_unix_ms)
-                < unbound_grace.as_millis() as u64
+        self.node_name.is_some() || self.unbound_fresh(now_unix_ms, unbound_grace)
     }
 
     /// Whether it holds its claims: placed, not finished, not going away.

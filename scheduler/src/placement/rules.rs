@@ -9,9 +9,7 @@ use vgpu_cluster::requests::{parse_pod, PodRequest, RequestDefaults, RequestErro
 
 /// Grace beyond a node Lease's duration unless configured otherwise.
 pub const DEFAULT_NODE_LEASE_GRACE: Duration = Duration::from_secs(10);
-/// How long an unbound decision keeps its node busy unless configured
-/// otherwise.
-pub const DEFAULT_UNBOUND_GRACE: Duration = Duration::from_secs(30);
+pub use crate::cache::pods::DEFAULT_UNBOUND_GRACE;
 
 /// The settings placement follows.
 #[derive(Clone, Debug, PartialEq, Eq)]

@@ -18,6 +18,9 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
+use vgpu_cluster::decision::{
+    ContainerDecision, Decision, DeviceGrant, DECISION_ANNOTATION, FORMAT_VERSION,
+};
 use vgpu_scheduler::bounded::{check_shape, POD_SHAPE};
 use vgpu_scheduler::extender::config::Limits;
 use vgpu_scheduler::extender::Config;
@@ -559,6 +562,88 @@ async fn bind_refuses_pods_that_ask_for_no_vgpu() {
 }
 
 /// An extender on a real API server with `limits`, and one node.
+/// Pod `name` created unbound, asking for 1 GiB and 10 %, with a decision
+/// of its creator's making: the whole of GPU 0 of `node`, dated
+/// `decided_unix_ms`.
+async fn forged_unbound(h: &Harness, name: &str, node: &str, decided_unix_ms: u64) {
+    let decision = Decision {
+        version: FORMAT_VERSION,
+        node: node.into(),
+        decided_unix_ms,
+        containers: vec![ContainerDecision {
+            name: "main".into(),
+            init: false,
+            devices: vec![DeviceGrant {
+                uuid: uuid(node, 0),
+                memory_bytes: 24 * GIB,
+                cores_percent: 100,
+                burst_percent: None,
+            }],
+            priority: None,
+        }],
+    };
+    let mut p = pod(name, &[vgpu("main", 1, 1024, 10)], &[]);
+    p["metadata"]["annotations"][DECISION_ANNOTATION] = json!(decision.to_json());
+    h.create_pod(p).await;
+}
+
+/// Where no admission policy stops them (a cluster older than 1.30, or
+/// the chart's `admissionPolicy.enabled=false`), a tenant creates pods
+/// that nobody binds, each with a decision of its own making: before, the
+/// extender counted such a decision for ever, so a handful of pods took
+/// every GPU of the cluster. Now a decision whose pod is not bound holds
+/// its GPUs only for the unbound grace after its date, and one dated
+/// further ahead than that holds nothing at all.
+#[tokio::test]
+async fn decisions_on_pods_nobody_binds_hold_their_gpus_only_for_the_unbound_grace() {
+    let grace = Duration::from_secs(15);
+    let h = Harness::start(Config {
+        unbound_grace: grace,
+        ..test_config()
+    })
+    .await;
+    h.put_node(node("n1", &[gpu("NVIDIA A10", 24)])).await;
+    h.put_node(node("n2", &[gpu("NVIDIA A10", 24)])).await;
+    let created = std::time::Instant::now();
+    let now = vgpu_scheduler::cache::clock::now_unix_ms();
+    forged_unbound(&h, "squat-now", "n1", now).await;
+    let a_year_ms = 365 * 24 * 3600 * 1000;
+    forged_unbound(&h, "squat-ahead", "n2", now + a_year_ms).await;
+    let honest = h
+        .create_pod(pod("honest", &[vgpu("main", 1, 1024, 10)], &[]))
+        .await;
+    let filtered = h.filter(&honest, &["n1", "n2"]).await;
+    assert_eq!(
+        filtered.node_names,
+        Some(vec!["n2".to_string()]),
+        "a decision dated a year ahead holds nothing: {filtered:?}"
+    );
+    // Within the grace, the decision dated now holds GPU 0 of n1 (as
+    // the extender's own decision does while its bind is in flight).
+    if created.elapsed() < grace {
+        assert!(
+            filtered.failed_nodes.contains_key("n1"),
+            "n1 is held within the grace: {filtered:?}"
+        );
+    }
+    // After it, n1 takes the honest pod.
+    let deadline = created + grace + Duration::from_secs(60);
+    loop {
+        let filtered = h.filter(&honest, &["n1"]).await;
+        if filtered.node_names == Some(vec!["n1".to_string()]) {
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "n1 still held a minute past the grace: {filtered:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    assert!(created.elapsed() >= grace, "not before the grace ended");
+    let placed = h.schedule(&honest).await.expect("the honest pod is placed");
+    assert!(["n1", "n2"].contains(&placed.as_str()));
+}
+
 async fn limited(limits: Limits) -> Harness {
     let h = Harness::start(Config {
         limits,

@@ -18,8 +18,10 @@ use crate::cache::groups::GroupBook;
 use crate::cache::leases::{LeaseBook, Liveness};
 use crate::cache::nodes::NodeEntry;
 use crate::cache::pods::PodRecord;
+use crate::cache::pods::DEFAULT_UNBOUND_GRACE;
 use crate::cache::reservations::Reservation;
 use std::borrow::Cow;
+use std::collections::BTreeSet;
 use std::sync::{Arc, RwLock, RwLockReadGuard};
 use std::time::{Duration, Instant};
 
@@ -53,6 +55,16 @@ struct PodRelist {
     seen: FastMap<String, Option<u64>>,
 }
 
+/// How long a decision whose pod is not bound holds its node.
+#[derive(Clone, Copy, Debug)]
+struct UnboundGrace(Duration);
+
+impl Default for UnboundGrace {
+    fn default() -> Self {
+        Self(DEFAULT_UNBOUND_GRACE)
+    }
+}
+
 /// The cluster as the extender sees it.
 #[derive(Debug, Default)]
 pub struct ClusterState {
@@ -78,11 +90,93 @@ pub struct ClusterState {
     groups: GroupBook,
     /// The device plugins' node Leases ([`crate::cache::leases`]).
     leases: LeaseBook,
+    unbound_grace: UnboundGrace,
+    /// When the decisions of pods not bound yet stop holding their nodes,
+    /// earliest first: `(deadline in Unix ms, pod UID)`. An entry whose
+    /// pod has been bound, deleted or decided again since is skipped.
+    unbound_deadlines: BTreeSet<(u64, String)>,
 }
 
 impl ClusterState {
     pub fn new() -> Self {
         Self::default()
+    }
+
+    /// A state in which a decision whose pod is not bound holds its node
+    /// for `unbound_grace` ([`PodRecord::unbound_fresh`]).
+    pub fn with_unbound_grace(unbound_grace: Duration) -> Self {
+        Self {
+            unbound_grace: UnboundGrace(unbound_grace),
+            ..Self::default()
+        }
+    }
+
+    /// When the next decision of a pod not bound yet stops holding its
+    /// node ([`ClusterState::expire_unbound`]), if any holds one.
+    pub fn next_unbound_deadline(&self) -> Option<u64> {
+        self.unbound_deadlines
+            .first()
+            .map(|(deadline, _)| *deadline)
+    }
+
+    /// Stops counting the decisions of pods still not bound whose grace
+    /// has ended by `now_unix_ms`: their GPUs are free for others (a bind
+    /// that failed is retried with a new decision; a decision nobody binds
+    /// was not worth holding). Answers how many stopped.
+    pub fn expire_unbound(&mut self, now_unix_ms: u64) -> usize {
+        let grace = self.unbound_grace.0;
+        let mut expired = 0;
+        while self
+            .next_unbound_deadline()
+            .is_some_and(|deadline| deadline <= now_unix_ms)
+        {
+            let Some((_, uid)) = self.unbound_deadlines.pop_first() else {
+                break;
+            };
+            let Some(record) = self.pods.get_mut(&uid) else {
+                continue;
+            };
+            if record.unbound_deadline(grace).is_none() || record.unbound_fresh(now_unix_ms, grace)
+            {
+                continue;
+            }
+            let old = record.counted_node().map(str::to_string);
+            record.unbound_expired = true;
+            tracing::info!(
+                "pod {}: decided for node {} more than {} s ago and still not bound; its GPUs are no longer counted",
+                record.key(),
+                record.decision.node,
+                grace.as_secs()
+            );
+            self.move_pod(&uid, old, None);
+            expired += 1;
+        }
+        if expired > 0 {
+            self.updates += 1;
+        }
+        expired
+    }
+
+    /// Marks a record about to be taken in whose pod is not bound and
+    /// whose decision no longer holds its node, or queues when it stops.
+    fn age_unbound(&mut self, uid: &str, record: &mut PodRecord, now_unix_ms: u64) {
+        let grace = self.unbound_grace.0;
+        let Some(deadline) = record.unbound_deadline(grace) else {
+            return;
+        };
+        if record.unbound_fresh(now_unix_ms, grace) {
+            self.unbound_deadlines.insert((deadline, uid.to_string()));
+            return;
+        }
+        record.unbound_expired = true;
+        let ahead = record.decision.decided_unix_ms.saturating_sub(now_unix_ms);
+        if ahead > 0 {
+            tracing::warn!(
+                "pod {}: its decision is dated {} s ahead of this extender's clock, which no decision the extender made is; its GPUs are not counted",
+                record.key(),
+                ahead / 1000
+            );
+        }
     }
 
     /// Whether pods, nodes and node Leases have been listed completely
@@ -451,8 +545,14 @@ impl Default for SharedState {
 
 impl SharedState {
     pub fn new() -> Self {
+        Self::with_unbound_grace(DEFAULT_UNBOUND_GRACE)
+    }
+
+    /// A state in which a decision whose pod is not bound holds its node
+    /// for `unbound_grace`.
+    pub fn with_unbound_grace(unbound_grace: Duration) -> Self {
         Self {
-            inner: RwLock::new(ClusterState::new()),
+            inner: RwLock::new(ClusterState::with_unbound_grace(unbound_grace)),
             changes: tokio::sync::watch::Sender::new(0),
         }
     }

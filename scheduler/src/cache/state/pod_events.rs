@@ -2,6 +2,7 @@
 
 use super::{recompute_node, ClusterState, PodRelist, LOCAL_RECORD_TRUST};
 use crate::cache::book::Book;
+use crate::cache::clock::now_unix_ms;
 use crate::cache::nodes::NodeEntry;
 use crate::cache::pods::{not_newer, version_of, PodRecord};
 use k8s_openapi::api::core::v1::Pod;
@@ -40,19 +41,33 @@ impl ClusterState {
     fn relist_pod(&mut self, pod: &Pod) {
         self.saw_pod(pod);
         self.groups.apply(pod);
-        let relist = self.pod_relist.get_or_insert_with(PodRelist::default);
         let uid = match &pod.metadata.uid {
             Some(uid) => uid.clone(),
-            None => return,
-        };
-        relist.seen.insert(uid.clone(), version_of(pod));
-        match PodRecord::from_pod(pod) {
-            Ok(Some(record)) => {
-                relist.records.insert(uid, record);
+            None => {
+                self.pod_relist.get_or_insert_with(PodRelist::default);
+                return;
             }
-            Ok(None) => {}
-            Err(error) => warn_unreadable(pod, &error),
+        };
+        let record = self.record_of(&uid, pod);
+        let relist = self.pod_relist.get_or_insert_with(PodRelist::default);
+        relist.seen.insert(uid.clone(), version_of(pod));
+        if let Some(record) = record {
+            relist.records.insert(uid, record);
         }
+    }
+
+    /// The record of `pod` (UID `uid`), if it has a readable decision,
+    /// aged by the unbound grace.
+    fn record_of(&mut self, uid: &str, pod: &Pod) -> Option<PodRecord> {
+        let mut record = match PodRecord::from_pod(pod) {
+            Ok(record) => record?,
+            Err(error) => {
+                warn_unreadable(pod, &error);
+                return None;
+            }
+        };
+        self.age_unbound(uid, &mut record, now_unix_ms());
+        Some(record)
     }
 
     /// Ends a complete list of pods: the list replaces what was known,
@@ -117,13 +132,7 @@ impl ClusterState {
             }
         }
         self.groups.apply(pod);
-        let record = match PodRecord::from_pod(pod) {
-            Ok(record) => record,
-            Err(error) => {
-                warn_unreadable(pod, &error);
-                None
-            }
-        };
+        let record = self.record_of(&uid, pod);
         let old_node = self
             .pods
             .get(&uid)

@@ -341,3 +341,118 @@ fn init_containers_count_until_the_pod_runs() {
         )]
     );
 }
+
+/// `pod` with its decision dated `decided_unix_ms`.
+fn dated(mut pod: Pod, decided_unix_ms: u64) -> Pod {
+    let annotations = pod.metadata.annotations.as_mut().expect("annotations");
+    let text = annotations
+        .get(vgpu_cluster::decision::DECISION_ANNOTATION)
+        .expect("a decision");
+    let mut decision = Decision::parse(text).expect("a decision");
+    decision.decided_unix_ms = decided_unix_ms;
+    annotations.insert(
+        vgpu_cluster::decision::DECISION_ANNOTATION.to_string(),
+        decision.to_json(),
+    );
+    pod
+}
+
+#[test]
+fn an_unbound_decision_stops_holding_its_node_when_its_grace_ends() {
+    let mut state = synced_state();
+    let now = now_unix_ms();
+    state.apply(dated(decided("a", 5, "n1", "GPU-n1-0", false, false), now));
+    assert_eq!(gpu_usage(&state, 0).memory_bytes, 4 * GIB);
+    assert_eq!(state.pending_on("n1", now, GRACE, "").len(), 1);
+    let deadline = now + GRACE.as_millis() as u64;
+    assert_eq!(state.next_unbound_deadline(), Some(deadline));
+
+    assert_eq!(state.expire_unbound(deadline - 1), 0, "still in its grace");
+    assert_eq!(gpu_usage(&state, 0).memory_bytes, 4 * GIB);
+
+    let updates = state.updates();
+    assert_eq!(state.expire_unbound(deadline), 1);
+    assert_eq!(gpu_usage(&state, 0), Usage::default(), "its GPU is free");
+    assert!(state.pending_on("n1", deadline, GRACE, "").is_empty());
+    assert_eq!(state.counted_node_of("a"), None);
+    assert!(state.updates() > updates, "waiters hear of the change");
+    assert_eq!(state.next_unbound_deadline(), None);
+    assert_eq!(state.expire_unbound(deadline + 1), 0);
+
+    // Bound after all (a bind that took long): counted again.
+    state.mark_bound("a", "n1");
+    assert_eq!(gpu_usage(&state, 0).memory_bytes, 4 * GIB);
+}
+
+#[test]
+fn a_pod_bound_or_decided_again_within_its_grace_is_not_expired() {
+    let mut state = synced_state();
+    let now = now_unix_ms();
+    let grace = GRACE.as_millis() as u64;
+    state.apply(dated(decided("a", 5, "n1", "GPU-n1-0", false, false), now));
+    state.apply(dated(decided("b", 6, "n1", "GPU-n1-1", false, false), now));
+    state.mark_bound("a", "n1");
+    // b is decided again 10 s later (its first bind failed).
+    state.apply(dated(
+        decided("b", 7, "n1", "GPU-n1-1", false, false),
+        now + 10_000,
+    ));
+    assert_eq!(state.expire_unbound(now + grace), 0);
+    assert_eq!(gpu_usage(&state, 0).memory_bytes, 4 * GIB);
+    assert_eq!(gpu_usage(&state, 1).memory_bytes, 4 * GIB);
+    assert_eq!(state.expire_unbound(now + grace + 10_000), 1);
+    assert_eq!(gpu_usage(&state, 0).memory_bytes, 4 * GIB, "a is bound");
+    assert_eq!(gpu_usage(&state, 1), Usage::default());
+}
+
+#[test]
+fn a_decision_dated_ahead_of_the_extenders_clock_holds_nothing_until_bound() {
+    let mut state = synced_state();
+    let now = now_unix_ms();
+    let a_year = 365 * 24 * 3600 * 1000;
+    let forged = dated(
+        decided("f", 5, "n1", "GPU-n1-0", false, false),
+        now + a_year,
+    );
+    state.apply(forged);
+    assert_eq!(gpu_usage(&state, 0), Usage::default());
+    assert!(
+        state.pending_on("n1", now, GRACE, "").is_empty(),
+        "n1 is not kept busy"
+    );
+    assert_eq!(state.next_unbound_deadline(), None);
+    // Within the grace ahead (another replica's clock): held as usual.
+    state.apply(dated(
+        decided("g", 6, "n1", "GPU-n1-1", false, false),
+        now + 5_000,
+    ));
+    assert_eq!(gpu_usage(&state, 1).memory_bytes, 4 * GIB);
+    // Bound, a pod's decision counts whatever its date: the node checks
+    // it against the pod before anything runs.
+    state.apply(dated(
+        decided("f", 7, "n1", "GPU-n1-0", true, false),
+        now + a_year,
+    ));
+    assert_eq!(gpu_usage(&state, 0).memory_bytes, 4 * GIB);
+}
+
+#[test]
+fn a_relisted_unbound_decision_past_its_grace_holds_nothing() {
+    let now = now_unix_ms();
+    let state = listed(
+        vec![node("n1", 2)],
+        vec![
+            dated(
+                decided("old", 5, "n1", "GPU-n1-0", false, false),
+                now - 60_000,
+            ),
+            dated(
+                decided("running", 6, "n1", "GPU-n1-1", true, true),
+                now - 3_600_000,
+            ),
+        ],
+    );
+    assert_eq!(gpu_usage(&state, 0), Usage::default());
+    assert_eq!(gpu_usage(&state, 1).memory_bytes, 4 * GIB);
+    assert_eq!(state.next_unbound_deadline(), None);
+}
