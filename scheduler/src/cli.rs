@@ -45,7 +45,8 @@ use vgpu_cluster::resources::ShareResourceFlags;
 ///
 /// Bind refuses pods that ask for no vGPU resource. Every request is read
 /// within limits: headers and body each within --read-timeout-seconds,
-/// bodies of at most --max-request-bytes (a bind's: 64 KiB), a pod of at
+/// answers read by their clients without a pause of
+/// --write-timeout-seconds, bodies of at most --max-request-bytes (a bind's: 64 KiB), a pod of at
 /// most 10,000 JSON objects and 200,000 values, at most 15,000 nodes a
 /// request, --max-connections per listener (--max-connections-per-client
 /// of them from one address) and --max-watches in all.
@@ -126,6 +127,13 @@ pub struct Cli {
     #[arg(long, default_value_t = 10, value_name = "SECONDS",
           value_parser = clap::value_parser!(u64).range(1..=3600))]
     pub read_timeout_seconds: u64,
+
+    /// How long an answer (a watch's events too) may wait for its client
+    /// to read on: a client that asks and then reads nothing is cut off
+    /// after this long, and its connection closed.
+    #[arg(long, default_value_t = 10, value_name = "SECONDS",
+          value_parser = clap::value_parser!(u64).range(1..=3600))]
+    pub write_timeout_seconds: u64,
 
     /// Connections open at once on each listener; one more is closed as
     /// soon as it is accepted.
@@ -303,6 +311,7 @@ impl Cli {
             max_body_bytes: usize::try_from(self.max_request_bytes).unwrap_or(usize::MAX),
             header_timeout: read_timeout,
             body_timeout: read_timeout,
+            write_timeout: Duration::from_secs(self.write_timeout_seconds),
             max_connections: self.max_connections as usize,
             max_connections_per_client: self.max_connections_per_client.min(self.max_connections)
                 as usize,
@@ -475,6 +484,8 @@ mod tests {
             "134217728",
             "--read-timeout-seconds",
             "3",
+            "--write-timeout-seconds",
+            "4",
             "--max-connections",
             "10",
             "--max-connections-per-client",
@@ -492,6 +503,7 @@ mod tests {
                 max_body_bytes: 128 << 20,
                 header_timeout: Duration::from_secs(3),
                 body_timeout: Duration::from_secs(3),
+                write_timeout: Duration::from_secs(4),
                 max_connections: 10,
                 max_connections_per_client: 10,
                 max_watches: 2,
@@ -505,6 +517,7 @@ mod tests {
         for bad in [
             ["--max-request-bytes", "0"],
             ["--read-timeout-seconds", "0"],
+            ["--write-timeout-seconds", "0"],
             ["--max-connections", "0"],
             ["--max-connections-per-client", "0"],
             ["--max-connection-age-seconds", "0"],

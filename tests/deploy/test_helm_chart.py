@@ -1081,17 +1081,22 @@ def test_the_extender_listens_on_loopback_unless_its_verbs_are_exposed():
 def test_large_extender_limits_render_as_integers_the_extender_parses():
     values = {"scheduler": {"extender": {
         "maxWatches": 65536, "maxConnections": 65536, "maxConnectionsPerClient": 65536,
-        "maxRequestBytes": 1073741824, "readTimeoutSeconds": 3600, "maxConnectionAgeSeconds": 86400}}}
+        "maxRequestBytes": 1073741824, "readTimeoutSeconds": 3600, "writeTimeoutSeconds": 3600,
+        "maxConnectionAgeSeconds": 86400}}}
     extender = container(find(render(values), "Deployment", "-scheduler"), "extender")
     got = flags(extender)
     assert (got["max-watches"], got["max-connections"], got["max-connections-per-client"], got["max-request-bytes"],
-            got["read-timeout-seconds"], got["max-connection-age-seconds"]) == (
-        "65536", "65536", "65536", "1073741824", "3600", "86400")
+            got["read-timeout-seconds"], got["write-timeout-seconds"], got["max-connection-age-seconds"]) == (
+        "65536", "65536", "65536", "1073741824", "3600", "3600", "86400")
     defaults = flags(container(find(render(), "Deployment", "-scheduler"), "extender"))
-    assert (defaults["max-connections-per-client"], defaults["max-connection-age-seconds"]) == ("256", "300")
+    assert (defaults["max-connections-per-client"], defaults["write-timeout-seconds"],
+            defaults["max-connection-age-seconds"]) == ("256", "10", "300")
     with pytest.raises(Exception) as error:
         render({"scheduler": {"extender": {"maxConnectionAgeSeconds": 0}}})
     assert "maxConnectionAgeSeconds" in str(error.value)
+    with pytest.raises(Exception) as error:
+        render({"scheduler": {"extender": {"writeTimeoutSeconds": 0}}})
+    assert "writeTimeoutSeconds" in str(error.value)
     with pytest.raises(Exception) as error:
         render({"scheduler": {"extender": {"maxWatches": 1000000}}})
     assert "maxWatches" in str(error.value)

@@ -60,6 +60,9 @@ pub struct Limits {
     pub header_timeout: Duration,
     /// How long a request's body may take to arrive in full.
     pub body_timeout: Duration,
+    /// How long an answer (a watch's events too) may wait for its client
+    /// to read on: a client that reads nothing for longer is cut off.
+    pub write_timeout: Duration,
     /// Connections open at once on each listener; one more is closed as
     /// soon as it is accepted.
     pub max_connections: usize,
@@ -83,6 +86,7 @@ impl Default for Limits {
             max_body_bytes: DEFAULT_MAX_BODY_BYTES,
             header_timeout: Duration::from_secs(10),
             body_timeout: Duration::from_secs(10),
+            write_timeout: Duration::from_secs(10),
             max_connections: 1024,
             max_connections_per_client: 256,
             max_watches: 64,

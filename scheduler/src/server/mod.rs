@@ -6,12 +6,15 @@
 //! - [`views`]: nvidia-gpu-scheduler's watchable GPU pod and node views.
 //! - [`mod@serve`]: a router served on a listener, with a graceful stop,
 //!   within connection limits.
+//! - [`stall`]: connections whose clients must keep reading what they
+//!   asked for.
 //! - [`tls`]: the certificate and key for HTTPS.
 
 pub mod body;
 pub mod metrics;
 pub mod routes;
 pub mod serve;
+pub mod stall;
 pub mod tls;
 pub mod views;
 

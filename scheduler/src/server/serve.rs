@@ -4,10 +4,13 @@
 //! more is closed as soon as it is accepted, so it learns at once rather
 //! than waiting in the kernel's queue), headers within
 //! `header_timeout` (which also closes idle kept-alive connections), a
-//! read buffer of at most [`MAX_READ_BUFFER`] each, and a life of
-//! `max_connection_age` (then closed once the request in hand is answered).
+//! read buffer of at most [`MAX_READ_BUFFER`] each, answers read by the
+//! client without a pause of `write_timeout` ([`crate::server::stall`]),
+//! and a life of `max_connection_age` (then closed once the request in
+//! hand is answered).
 
 use crate::extender::config::Limits;
+use crate::server::stall::StallLimited;
 use axum::Router;
 use hyper_util::rt::{TokioIo, TokioTimer};
 use hyper_util::service::TowerToHyperService;
@@ -131,6 +134,7 @@ pub async fn serve_with(
                     continue;
                 };
                 let _ = stream.set_nodelay(true);
+                let stream = StallLimited::new(stream, limits.write_timeout);
                 let service = TowerToHyperService::new(router.clone());
                 let acceptor = acceptor.clone();
                 let closing = closing_receiver.clone();

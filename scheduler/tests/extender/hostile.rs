@@ -710,6 +710,61 @@ async fn slow_and_idle_clients_are_cut_off() {
     assert_eq!(status, 200);
 }
 
+/// A client that asks and then reads nothing: before, the answer waited
+/// for it for ever, and the connection kept its place under the limits
+/// (no read timeout applies while nothing more is read; the connection's
+/// age closes it only once the answer in hand is written, which never
+/// happens). Here the one connection allowed is taken that way; a
+/// stalled answer is cut off after `write_timeout` and the listener
+/// answers again.
+#[tokio::test]
+async fn a_client_that_reads_nothing_of_its_answers_is_cut_off() {
+    let h = limited(Limits {
+        write_timeout: Duration::from_secs(1),
+        max_connections: 1,
+        max_connections_per_client: 1,
+        ..Limits::default()
+    })
+    .await;
+    let addr = h.running().local_addr;
+    // Pipelined requests whose answers (a few kB each) fill every buffer
+    // between the two ends many times over (the server's send buffer
+    // grows to 4 MiB here), on a socket that takes 4 KiB.
+    let socket = tokio::net::TcpSocket::new_v4().expect("socket");
+    socket.set_recv_buffer_size(4096).expect("SO_RCVBUF");
+    let stalled = socket.connect(addr).await.expect("connect");
+    let (_unread, mut writer) = stalled.into_split();
+    let asking = tokio::spawn(async move {
+        let requests = b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n".repeat(20_000);
+        // Fails once the server cuts the connection off.
+        let _ = writer.write_all(&requests).await;
+        writer
+    });
+    let started = Instant::now();
+    assert_eq!(
+        request(addr, "GET", "/healthz", b"").await,
+        None,
+        "the one connection allowed is held by the client that reads nothing"
+    );
+    let within = Duration::from_secs(30);
+    loop {
+        if let Some((status, _)) = request(addr, "GET", "/healthz", b"").await {
+            assert_eq!(status, 200);
+            break;
+        }
+        assert!(
+            started.elapsed() < within,
+            "the stalled connection still held its place after {within:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    println!(
+        "the listener answered again {:?} after the stalling client connected",
+        started.elapsed()
+    );
+    drop(asking.await.expect("writer task"));
+}
+
 #[tokio::test]
 async fn a_client_that_keeps_asking_does_not_keep_its_connection() {
     let h = limited(Limits {
