@@ -162,7 +162,10 @@ pub struct Cli {
           value_parser = clap::value_parser!(u64).range(1..=86400))]
     pub max_connection_age_seconds: u64,
 
-    /// PEM certificate (chain) for HTTPS; needs --tls-key. Without both, plain HTTP.
+    /// PEM certificate (chain) for HTTPS; needs --tls-key. Without both,
+    /// plain HTTP. Both files are read again every 30 s: a renewed pair
+    /// (a Secret's volume updated in place) is served from the next
+    /// handshake, without a restart.
     #[arg(long, value_name = "PATH", requires = "tls_key")]
     pub tls_cert: Option<PathBuf>,
 

@@ -4,6 +4,8 @@ use anyhow::Context;
 use clap::Parser;
 use std::net::SocketAddr;
 use vgpu_scheduler::cli::Cli;
+use vgpu_scheduler::server::tls::RELOAD_PERIOD;
+use vgpu_scheduler::server::CertificateFiles;
 use vgpu_scheduler::Surface;
 
 #[tokio::main]
@@ -20,7 +22,14 @@ async fn main() -> anyhow::Result<()> {
     raise_open_files_limit(3 * u64::from(cli.max_connections) + 256);
 
     let tls = match (&cli.tls_cert, &cli.tls_key) {
-        (Some(cert), Some(key)) => Some(vgpu_scheduler::server::tls_config(cert, key)?),
+        (Some(cert), Some(key)) => {
+            let files = CertificateFiles::load(cert, key)?;
+            let config = files.server_config()?;
+            // A renewed certificate (the Secret updated in place) is
+            // served without a restart.
+            tokio::spawn(files.keep_reloading(RELOAD_PERIOD));
+            Some(config)
+        }
         _ => None,
     };
     // With a secure port, the main port is plain HTTP and TLS goes there.

@@ -87,6 +87,51 @@ def test_the_chart_installs_upgrades_and_uninstalls_with_the_real_helm(cluster):
     assert objects(cluster, "vgpu") == []
 
 
+def _openssl(*args: str) -> str:
+    result = subprocess.run(["openssl", *args], capture_output=True, text=True, timeout=30, check=False)
+    assert result.returncode == 0, f"openssl {args}: {result.stderr}"
+    return result.stdout
+
+
+def test_an_upgrade_renews_the_charts_certificate_from_the_same_ca_once_it_is_due(cluster, tmp_path):
+    from datetime import datetime, timezone
+
+    namespace = "vgpu-renew"
+    cluster.helm("install", "renew", str(CHART), "-n", namespace, "--create-namespace")
+    name = next(item["metadata"]["name"] for item in objects(cluster, "renew")
+                if item["kind"] == "Secret" and item["metadata"]["name"].endswith("-scheduler-tls"))
+
+    def secret() -> dict:
+        return json.loads(cluster.kubectl("get", "secret", name, "-n", namespace, "-o", "json").stdout)
+
+    first = secret()
+    # Not due: an upgrade keeps everything (lookup found the Secret).
+    cluster.helm("upgrade", "renew", str(CHART), "-n", namespace)
+    kept = secret()
+    assert kept["data"] == first["data"]
+    assert kept["metadata"]["annotations"] == first["metadata"]["annotations"]
+
+    # Due (as a year later): the renewal date has passed.
+    cluster.kubectl("annotate", "secret", name, "-n", namespace, "--overwrite",
+                    "vgpu.io/renew-after=2026-01-01T00:00:00Z")
+    cluster.helm("upgrade", "renew", str(CHART), "-n", namespace)
+    renewed = secret()
+    assert renewed["data"]["tls.crt"] != first["data"]["tls.crt"], "a new certificate"
+    assert renewed["data"]["tls.key"] != first["data"]["tls.key"]
+    assert renewed["data"]["ca.crt"] == first["data"]["ca.crt"], "from the same CA"
+    assert renewed["data"]["ca.key"] == first["data"]["ca.key"]
+    renew_after = datetime.fromisoformat(renewed["metadata"]["annotations"]["vgpu.io/renew-after"])
+    assert (renew_after - datetime.now(timezone.utc)).days >= 274, renew_after
+    for key in ("ca.crt", "tls.crt"):
+        (tmp_path / key).write_bytes(base64.b64decode(renewed["data"][key]))
+    assert "OK" in _openssl("verify", "-CAfile", str(tmp_path / "ca.crt"), str(tmp_path / "tls.crt"))
+    # The API server's trust is unchanged: no call fails while the
+    # extender moves to the new certificate.
+    webhook = next(item for item in objects(cluster, "renew") if item["kind"] == "MutatingWebhookConfiguration")
+    assert webhook["webhooks"][0]["clientConfig"]["caBundle"] == first["data"]["ca.crt"]
+    cluster.helm("uninstall", "renew", "-n", namespace)
+
+
 def metrics(port: int) -> str:
     try:
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2) as response:

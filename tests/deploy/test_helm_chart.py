@@ -728,6 +728,52 @@ def test_webhook_reaches_the_extender_over_a_certificate_it_trusts(tmp_path):
     assert cert_key == private_key
 
 
+def _days_valid(pem: bytes, tmp_path, name: str) -> float:
+    """Days from now to the end of the certificate in `pem`."""
+    from datetime import datetime, timezone
+
+    path = tmp_path / name
+    path.write_bytes(pem)
+    end = _openssl("x509", "-in", str(path), "-noout", "-enddate").strip().split("=", 1)[1]
+    ends = datetime.strptime(end, "%b %d %H:%M:%S %Y %Z").replace(tzinfo=timezone.utc)
+    return (ends - datetime.now(timezone.utc)).total_seconds() / 86400
+
+
+def test_the_charts_certificate_is_short_lived_and_renewable_from_its_ca(tmp_path):
+    import base64
+    from datetime import datetime, timezone
+
+    objects = render()
+    secret = find(objects, "Secret", "-scheduler-tls")
+    data = {k: base64.b64decode(v) for k, v in secret["data"].items()}
+    assert set(data) == {"ca.crt", "ca.key", "tls.crt", "tls.key"}
+    # A year for the serving certificate, ten for the CA the API server
+    # trusts (caBundle), whose key issues the next serving certificate.
+    assert 364 < _days_valid(data["tls.crt"], tmp_path, "tls.pem") <= 365
+    assert 3649 < _days_valid(data["ca.crt"], tmp_path, "ca.pem") <= 3650
+    (tmp_path / "ca.key").write_bytes(data["ca.key"])
+    assert _openssl("pkey", "-in", str(tmp_path / "ca.key"), "-pubout") == \
+        _openssl("x509", "-in", str(tmp_path / "ca.pem"), "-noout", "-pubkey")
+    renew_after = datetime.fromisoformat(secret["metadata"]["annotations"]["vgpu.io/renew-after"])
+    days_left = (renew_after - datetime.now(timezone.utc)).total_seconds() / 86400
+    assert 274 < days_left <= 275, "renewed by the first upgrade in its last 90 days"
+    # The extender's volume: the certificate and its key, not the CA's key,
+    # as a directory kubelet updates when the Secret changes.
+    deployment = find(objects, "Deployment", "-scheduler")
+    volume = next(v for v in deployment["spec"]["template"]["spec"]["volumes"] if v["name"] == "tls")
+    assert volume["secret"]["items"] == [{"key": "tls.crt", "path": "tls.crt"}, {"key": "tls.key", "path": "tls.key"}]
+    mount = next(m for m in container(deployment, "extender")["volumeMounts"] if m["name"] == "tls")
+    assert "subPath" not in mount
+
+    shorter = render({"scheduler": {"webhook": {"certificate": {"days": 30, "renewBeforeDays": 10}}}})
+    secret = find(shorter, "Secret", "-scheduler-tls")
+    tls = base64.b64decode(secret["data"]["tls.crt"])
+    assert 29 < _days_valid(tls, tmp_path, "short.pem") <= 30
+    with pytest.raises(Exception) as error:
+        render({"scheduler": {"webhook": {"certificate": {"days": 30, "renewBeforeDays": 30}}}})
+    assert "renewBeforeDays (30) must be less than days (30)" in str(error.value)
+
+
 def test_webhook_with_a_given_certificate_needs_its_ca():
     values = {"scheduler": {"extender": {"tls": {"secretName": "mine"}}}}
     with pytest.raises(Exception) as error:

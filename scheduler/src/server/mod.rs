@@ -8,7 +8,8 @@
 //!   within connection limits.
 //! - [`stall`]: connections whose clients must keep reading what they
 //!   asked for.
-//! - [`tls`]: the certificate and key for HTTPS.
+//! - [`tls`]: the certificate and key for HTTPS, read again when they
+//!   change.
 
 pub mod body;
 pub mod metrics;
@@ -20,4 +21,4 @@ pub mod views;
 
 pub use routes::{router, Surface};
 pub use serve::{serve, serve_with};
-pub use tls::{tls_config, ServerError};
+pub use tls::{tls_config, CertificateFiles, ServerError};

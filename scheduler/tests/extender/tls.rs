@@ -7,7 +7,7 @@ use hyper_util::rt::TokioIo;
 use std::sync::Arc;
 use std::time::Duration;
 use vgpu_scheduler::api::ApiSource;
-use vgpu_scheduler::server::{tls_config, ServerError};
+use vgpu_scheduler::server::{tls_config, CertificateFiles, ServerError};
 use vgpu_scheduler::Surface;
 use vgpu_testkit::extender_client::ExtenderClient;
 
@@ -184,4 +184,96 @@ fn bad_certificate_files_are_named() {
     )
     .expect_err("no cert");
     assert!(error.to_string().contains("no PEM certificate"), "{error}");
+}
+
+/// Whether a TLS handshake with `addr` succeeds for a client that trusts
+/// only the CA in fixture `ca`.
+async fn handshake_trusting(addr: std::net::SocketAddr, ca: &str) -> Result<(), String> {
+    use rustls::pki_types::pem::PemObject;
+    let mut roots = rustls::RootCertStore::empty();
+    let pem = std::fs::read(fixture_path(ca)).expect("CA");
+    for cert in rustls::pki_types::CertificateDer::pem_slice_iter(&pem) {
+        roots.add(cert.expect("CA PEM")).expect("CA certificate");
+    }
+    let config = rustls::ClientConfig::builder_with_provider(Arc::new(
+        rustls::crypto::ring::default_provider(),
+    ))
+    .with_safe_default_protocol_versions()
+    .expect("versions")
+    .with_root_certificates(roots)
+    .with_no_client_auth();
+    let connector = tokio_rustls::TlsConnector::from(Arc::new(config));
+    let stream = tokio::net::TcpStream::connect(addr)
+        .await
+        .map_err(|e| e.to_string())?;
+    let name = rustls::pki_types::ServerName::try_from("localhost").expect("name");
+    connector
+        .connect(name, stream)
+        .await
+        .map(drop)
+        .map_err(|e| e.to_string())
+}
+
+/// Replaces `to` with fixture `from` in one step, as a Secret's volume
+/// is updated.
+fn replace_with(to: &std::path::Path, from: &str) {
+    let staged = to.with_extension("new");
+    std::fs::copy(fixture_path(from), &staged).expect("stage");
+    std::fs::rename(&staged, to).expect("replace");
+}
+
+/// The chart's webhook certificate is renewed (by `helm upgrade` or
+/// cert-manager) into the Secret the extender mounts; before, the
+/// extender served the certificate it started with until restarted.
+#[tokio::test]
+async fn a_renewed_certificate_is_served_without_a_restart() {
+    let dir = vgpu_testkit::unique_temp_dir("renewed-certificate");
+    let (cert, key) = (dir.join("tls.crt"), dir.join("tls.key"));
+    std::fs::copy(fixture_path("tls/server.pem"), &cert).expect("cert");
+    std::fs::copy(fixture_path("tls/server.key"), &key).expect("key");
+    let files = CertificateFiles::load(&cert, &key).expect("certificate files");
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("listen");
+    let addr = listener.local_addr().expect("address");
+    let router = axum::Router::new().route("/healthz", axum::routing::get(|| async { "ok" }));
+    let config = files.server_config().expect("TLS config");
+    tokio::spawn(vgpu_scheduler::server::serve(
+        listener,
+        router,
+        Some(config),
+        std::future::pending(),
+    ));
+    handshake_trusting(addr, "tls/ca.pem")
+        .await
+        .expect("the first certificate");
+    assert!(handshake_trusting(addr, "tls/renewed-ca.pem")
+        .await
+        .is_err());
+
+    // Caught half-written: the new certificate beside the old key.
+    replace_with(&cert, "tls/renewed-server.pem");
+    let error = files.reload().expect_err("a certificate without its key");
+    assert!(matches!(error, ServerError::Pair { .. }), "{error}");
+    handshake_trusting(addr, "tls/ca.pem")
+        .await
+        .expect("still the first certificate");
+
+    // Complete: served from the next handshake after the files are read.
+    replace_with(&key, "tls/renewed-server.key");
+    tokio::spawn(files.clone().keep_reloading(Duration::from_millis(100)));
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+    while let Err(error) = handshake_trusting(addr, "tls/renewed-ca.pem").await {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the renewed certificate not served after 20 s: {error}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(
+        handshake_trusting(addr, "tls/ca.pem").await.is_err(),
+        "the first certificate is no longer served"
+    );
+    assert!(!files.reload().expect("read again"), "nothing more changed");
+    let _ = std::fs::remove_dir_all(&dir);
 }

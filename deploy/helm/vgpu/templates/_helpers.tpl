@@ -70,17 +70,41 @@ same CA.
 {{- if and .Values.scheduler.webhook.enabled (not .Values.scheduler.extender.tls.secretName) -}}
 {{- $service := printf "%s-scheduler" (include "vgpu.fullname" .) -}}
 {{- $existing := lookup "v1" "Secret" .Release.Namespace (include "vgpu.extenderTLSSecret" .) -}}
-{{- if and $existing (index ($existing.data | default dict) "ca.crt") -}}
-{{- $_ := set $certs "caBundle" (index $existing.data "ca.crt") -}}
-{{- $_ := set $certs "crt" (index $existing.data "tls.crt") -}}
-{{- $_ := set $certs "key" (index $existing.data "tls.key") -}}
-{{- else -}}
-{{- $ca := genCA (printf "%s-webhook-ca" (include "vgpu.fullname" .)) 3650 -}}
+{{- $existingData := (and $existing $existing.data) | default dict -}}
+{{- $settings := .Values.scheduler.webhook.certificate -}}
+{{- $days := int $settings.days -}}
+{{- $renewBefore := int $settings.renewBeforeDays -}}
+{{- if ge $renewBefore $days -}}
+{{- fail (printf "scheduler.webhook.certificate.renewBeforeDays (%d) must be less than days (%d): every upgrade would issue a new certificate" $renewBefore $days) -}}
+{{- end -}}
 {{- $names := list $service (printf "%s.%s" $service .Release.Namespace) (printf "%s.%s.svc" $service .Release.Namespace) "localhost" -}}
-{{- $cert := genSignedCert $service (list "127.0.0.1") $names 3650 $ca -}}
-{{- $_ := set $certs "caBundle" ($ca.Cert | b64enc) -}}
+{{- /* When the certificate issued now is due for renewal: an upgrade from
+     then on issues the next (RFC 3339, in the Secret's annotation). */ -}}
+{{- $renewAfter := now | dateModify (printf "+%dh" (mul 24 (sub $days $renewBefore))) | date "2006-01-02T15:04:05Z07:00" -}}
+{{- if index $existingData "ca.crt" -}}
+{{- $_ := set $certs "caBundle" (index $existingData "ca.crt") -}}
+{{- $_ := set $certs "caKey" (index $existingData "ca.key" | default "") -}}
+{{- $_ := set $certs "crt" (index $existingData "tls.crt") -}}
+{{- $_ := set $certs "key" (index $existingData "tls.key") -}}
+{{- $previous := index ($existing.metadata.annotations | default dict) "vgpu.io/renew-after" | default "" -}}
+{{- $_ := set $certs "renewAfter" $previous -}}
+{{- /* A Secret of a chart before renewal has no CA key (and a 10-year
+     certificate): kept as it is. */ -}}
+{{- if and $certs.caKey (or (not $previous) (ge (now | unixEpoch | int64) (toDate "2006-01-02T15:04:05Z07:00" $previous | unixEpoch | int64))) -}}
+{{- $ca := buildCustomCert $certs.caBundle $certs.caKey -}}
+{{- $cert := genSignedCert $service (list "127.0.0.1") $names $days $ca -}}
 {{- $_ := set $certs "crt" ($cert.Cert | b64enc) -}}
 {{- $_ := set $certs "key" ($cert.Key | b64enc) -}}
+{{- $_ := set $certs "renewAfter" $renewAfter -}}
+{{- end -}}
+{{- else -}}
+{{- $ca := genCA (printf "%s-webhook-ca" (include "vgpu.fullname" .)) 3650 -}}
+{{- $cert := genSignedCert $service (list "127.0.0.1") $names $days $ca -}}
+{{- $_ := set $certs "caBundle" ($ca.Cert | b64enc) -}}
+{{- $_ := set $certs "caKey" ($ca.Key | b64enc) -}}
+{{- $_ := set $certs "crt" ($cert.Cert | b64enc) -}}
+{{- $_ := set $certs "key" ($cert.Key | b64enc) -}}
+{{- $_ := set $certs "renewAfter" $renewAfter -}}
 {{- end -}}
 {{- $_ := set $certs "chartSecret" true -}}
 {{- end -}}
