@@ -11,17 +11,12 @@ use vgpu_scheduler::server::{tls_config, CertificateFiles, ServerError};
 use vgpu_scheduler::Surface;
 use vgpu_testkit::extender_client::ExtenderClient;
 
-/// One request over HTTPS, trusting only the test CA; returns status and body.
-pub async fn https(
-    addr: std::net::SocketAddr,
-    method: &str,
-    path: &str,
-    body: Vec<u8>,
-) -> (u16, String) {
-    let mut roots = rustls::RootCertStore::empty();
-    let ca = std::fs::read(fixture_path("tls/ca.pem")).expect("CA");
+/// A TLS client that trusts only the CA in fixture `ca`.
+fn connector_trusting(ca: &str) -> tokio_rustls::TlsConnector {
     use rustls::pki_types::pem::PemObject;
-    for cert in rustls::pki_types::CertificateDer::pem_slice_iter(&ca) {
+    let mut roots = rustls::RootCertStore::empty();
+    let pem = std::fs::read(fixture_path(ca)).expect("CA");
+    for cert in rustls::pki_types::CertificateDer::pem_slice_iter(&pem) {
         roots.add(cert.expect("CA PEM")).expect("CA certificate");
     }
     let config = rustls::ClientConfig::builder_with_provider(Arc::new(
@@ -31,7 +26,17 @@ pub async fn https(
     .expect("versions")
     .with_root_certificates(roots)
     .with_no_client_auth();
-    let connector = tokio_rustls::TlsConnector::from(Arc::new(config));
+    tokio_rustls::TlsConnector::from(Arc::new(config))
+}
+
+/// One request over HTTPS, trusting only the test CA; returns status and body.
+pub async fn https(
+    addr: std::net::SocketAddr,
+    method: &str,
+    path: &str,
+    body: Vec<u8>,
+) -> (u16, String) {
+    let connector = connector_trusting("tls/ca.pem");
     let stream = tokio::net::TcpStream::connect(addr).await.expect("connect");
     let name = rustls::pki_types::ServerName::try_from("localhost").expect("name");
     let tls = connector
@@ -189,20 +194,7 @@ fn bad_certificate_files_are_named() {
 /// Whether a TLS handshake with `addr` succeeds for a client that trusts
 /// only the CA in fixture `ca`.
 async fn handshake_trusting(addr: std::net::SocketAddr, ca: &str) -> Result<(), String> {
-    use rustls::pki_types::pem::PemObject;
-    let mut roots = rustls::RootCertStore::empty();
-    let pem = std::fs::read(fixture_path(ca)).expect("CA");
-    for cert in rustls::pki_types::CertificateDer::pem_slice_iter(&pem) {
-        roots.add(cert.expect("CA PEM")).expect("CA certificate");
-    }
-    let config = rustls::ClientConfig::builder_with_provider(Arc::new(
-        rustls::crypto::ring::default_provider(),
-    ))
-    .with_safe_default_protocol_versions()
-    .expect("versions")
-    .with_root_certificates(roots)
-    .with_no_client_auth();
-    let connector = tokio_rustls::TlsConnector::from(Arc::new(config));
+    let connector = connector_trusting(ca);
     let stream = tokio::net::TcpStream::connect(addr)
         .await
         .map_err(|e| e.to_string())?;
