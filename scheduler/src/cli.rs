@@ -162,6 +162,15 @@ pub struct Cli {
           value_parser = clap::value_parser!(u64).range(1..=86400))]
     pub max_connection_age_seconds: u64,
 
+    /// PEM CA certificates whose client certificates may call
+    /// kube-scheduler's verbs, /debug/state and the views on --secure-port
+    /// (which needs them): a kube-scheduler elsewhere configured with such
+    /// a certificate (its extender's tlsConfig certFile and keyFile)
+    /// reaches them over HTTPS, any other client gets 403 (the webhooks
+    /// and probes answer everyone, as without it).
+    #[arg(long, value_name = "PATH", requires = "secure_port")]
+    pub client_ca: Option<PathBuf>,
+
     /// PEM certificate (chain) for HTTPS; needs --tls-key. Without both,
     /// plain HTTP. Both files are read again every 30 s: a renewed pair
     /// (a Secret's volume updated in place) is served from the next

@@ -24,7 +24,10 @@ async fn main() -> anyhow::Result<()> {
     let tls = match (&cli.tls_cert, &cli.tls_key) {
         (Some(cert), Some(key)) => {
             let files = CertificateFiles::load(cert, key)?;
-            let config = files.server_config()?;
+            let config = match &cli.client_ca {
+                Some(client_ca) => files.server_config_verifying_clients(client_ca)?,
+                None => files.server_config()?,
+            };
             // A renewed certificate (the Secret updated in place) is
             // served without a restart.
             tokio::spawn(files.keep_reloading(RELOAD_PERIOD));
@@ -36,6 +39,11 @@ async fn main() -> anyhow::Result<()> {
     let (main_tls, secure) = match cli.secure_port {
         Some(port) => (None, Some((port, tls))),
         None => (tls, None),
+    };
+    let secure_surface = if cli.client_ca.is_some() {
+        Surface::WebhooksAndCertifiedClients
+    } else {
+        Surface::Webhooks
     };
     let listener = listen(cli.address, cli.port).await?;
     let address = listener.local_addr()?;
@@ -56,12 +64,16 @@ async fn main() -> anyhow::Result<()> {
     let mut running =
         vgpu_scheduler::start(config, &cli.api_source(), listener, main_tls, election).await?;
     if let Some((port, tls)) = secure {
-        let address = running.serve_also(
-            listen(cli.secure_address, port).await?,
-            tls,
-            Surface::Webhooks,
-        )?;
-        tracing::info!("vgpu-scheduler listening on https://{address} too (webhooks and probes)");
+        let address =
+            running.serve_also(listen(cli.secure_address, port).await?, tls, secure_surface)?;
+        tracing::info!(
+            "vgpu-scheduler listening on https://{address} too (webhooks and probes{})",
+            if cli.client_ca.is_some() {
+                "; kube-scheduler's verbs for clients certified by --client-ca"
+            } else {
+                ""
+            }
+        );
     }
     if let Some(health) = cli.health_listener() {
         // The port --port got (it may have been 0: any).

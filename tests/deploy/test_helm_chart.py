@@ -150,7 +150,7 @@ def _accepts(binary, arguments):
         {
             "scheduler": {
                 "replicas": 2,
-                "extender": {"tls": {"secretName": "vgpu-tls"}, "nodePolicy": "spread"},
+                "extender": {"tls": {"secretName": "vgpu-tls"}, "nodePolicy": "spread", "clientCA": "Q0E="},
                 "webhook": {"caBundle": "Q0E=", "allowPrivileged": True},
             },
             "node": {
@@ -772,6 +772,27 @@ def test_the_charts_certificate_is_short_lived_and_renewable_from_its_ca(tmp_pat
     with pytest.raises(Exception) as error:
         render({"scheduler": {"webhook": {"certificate": {"days": 30, "renewBeforeDays": 30}}}})
     assert "renewBeforeDays (30) must be less than days (30)" in str(error.value)
+
+
+def test_a_kube_scheduler_elsewhere_reaches_the_verbs_with_a_client_certificate():
+    import base64
+
+    pem = (pathlib.Path(__file__).resolve().parents[2] / "scheduler/tests/fixtures/tls/client-ca.pem").read_text()
+    objects = render({"scheduler": {"extender": {"clientCA": base64.b64encode(pem.encode()).decode()}}})
+    deployment = find(objects, "Deployment", "-scheduler")
+    extender = container(deployment, "extender")
+    f = flags(extender)
+    assert f["address"] == "127.0.0.1", "the plain port stays on loopback"
+    mount = next(m for m in extender["volumeMounts"] if m["name"] == "client-ca")
+    assert f["client-ca"] == f"{mount['mountPath']}/ca.crt"
+    volume = next(v for v in deployment["spec"]["template"]["spec"]["volumes"] if v["name"] == "client-ca")
+    config_map = find(objects, "ConfigMap", "-scheduler-client-ca")
+    assert volume["configMap"]["name"] == config_map["metadata"]["name"]
+    assert config_map["data"]["ca.crt"].strip() == pem.strip()
+    assert "client-ca" not in flags(container(find(render(), "Deployment", "-scheduler"), "extender"))
+    with pytest.raises(Exception) as error:
+        render({"scheduler": {"extender": {"clientCA": "Q0E="}, "webhook": {"enabled": False}}})
+    assert "needs scheduler.webhook.enabled or scheduler.extender.tls.secretName" in str(error.value)
 
 
 def test_webhook_with_a_given_certificate_needs_its_ca():

@@ -12,6 +12,10 @@
 //! - [`Surface::Webhooks`]: what the API server calls
 //!   (`POST /webhook/mutate`, `/convert`) and the probes (`GET /healthz`,
 //!   `/readyz`); the HTTPS port every pod of the cluster can reach.
+//! - [`Surface::WebhooksAndCertifiedClients`]: the same, and for a client
+//!   whose certificate a client CA signed (`--client-ca`), what
+//!   [`Surface::All`] serves besides: a kube-scheduler elsewhere reaches
+//!   the verbs over HTTPS, and nobody else does.
 //! - [`Surface::Health`]: `GET /healthz`, `/readyz`, `/metrics`, for
 //!   kubelet's probes and Prometheus on the pod's own address.
 //!
@@ -29,6 +33,7 @@ use crate::extender::reply::{ErrorBody, Reply};
 use crate::extender::Scheduler;
 use crate::server::body::{read_body, BodyError, Budget, ReadBody};
 use crate::server::metrics::{content_type, ServerMetrics, Verb};
+use crate::server::tls::ClientCertified;
 use crate::server::views::{self, View};
 use axum::body::Body;
 use axum::extract::{Request, State};
@@ -56,6 +61,11 @@ pub enum Surface {
     All,
     /// The webhooks the API server calls, and the probes.
     Webhooks,
+    /// The webhooks and the probes for everyone; kube-scheduler's verbs,
+    /// `/debug/state` and the views for clients that presented a
+    /// certificate a client CA signed ([`ClientCertified`]), `403` for
+    /// others.
+    WebhooksAndCertifiedClients,
     /// The probes and metrics.
     Health,
 }
@@ -128,15 +138,44 @@ pub fn routes(surface: Surface, shared: &Shared) -> Router {
     let router = match surface {
         Surface::Health => health.route("/metrics", get(serve_metrics)),
         Surface::Webhooks => health.merge(webhooks),
+        Surface::WebhooksAndCertifiedClients => health
+            .merge(webhooks)
+            .merge(scheduling().route_layer(axum::middleware::from_fn(require_client_certificate))),
         Surface::All => health
             .merge(webhooks)
             .route("/metrics", get(serve_metrics))
-            .merge(verbs())
-            .route("/debug/state", get(debug_state))
-            .route("/apis/nvidia-gpu-scheduler/v1/gpupods", get(gpu_pods))
-            .route("/apis/nvidia-gpu-scheduler/v1/gpunodes", get(gpu_nodes)),
+            .merge(scheduling()),
     };
     router.with_state(served)
+}
+
+/// What only kube-scheduler calls or should see: its verbs, and what the
+/// extender knows of every vGPU pod.
+fn scheduling() -> Router<Served> {
+    verbs()
+        .route("/debug/state", get(debug_state))
+        .route("/apis/nvidia-gpu-scheduler/v1/gpupods", get(gpu_pods))
+        .route("/apis/nvidia-gpu-scheduler/v1/gpunodes", get(gpu_nodes))
+}
+
+/// Lets a request through only from a connection whose client presented
+/// a certificate a client CA signed.
+async fn require_client_certificate(request: Request, next: axum::middleware::Next) -> Response {
+    let certified = request
+        .extensions()
+        .get::<ClientCertified>()
+        .is_some_and(|certified| certified.0);
+    if certified {
+        return next.run(request).await;
+    }
+    respond(Reply::json(
+        StatusCode::FORBIDDEN.as_u16(),
+        &ErrorBody {
+            error: "this endpoint answers only clients presenting a certificate signed by the \
+                    extender's --client-ca"
+                .to_string(),
+        },
+    ))
 }
 
 /// kube-scheduler's verbs under every URL prefix answered.

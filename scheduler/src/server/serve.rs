@@ -11,6 +11,7 @@
 
 use crate::extender::config::Limits;
 use crate::server::stall::StallLimited;
+use crate::server::tls::ClientCertified;
 use axum::Router;
 use hyper_util::rt::{TokioIo, TokioTimer};
 use hyper_util::service::TowerToHyperService;
@@ -135,17 +136,26 @@ pub async fn serve_with(
                 };
                 let _ = stream.set_nodelay(true);
                 let stream = StallLimited::new(stream, limits.write_timeout);
-                let service = TowerToHyperService::new(router.clone());
+                let router = router.clone();
                 let acceptor = acceptor.clone();
                 let closing = closing_receiver.clone();
                 connections.spawn(async move {
                     // Held until the connection ends.
                     let _slots = (slot, client_slot);
                     match acceptor {
-                        None => serve_connection(stream, service, closing, peer, header_timeout, max_age).await,
+                        None => serve_connection(stream, TowerToHyperService::new(router), closing, peer, header_timeout, max_age).await,
                         Some(acceptor) => {
                             match tokio::time::timeout(header_timeout, acceptor.accept(stream)).await {
-                                Ok(Ok(tls)) => serve_connection(tls, service, closing, peer, header_timeout, max_age).await,
+                                Ok(Ok(tls)) => {
+                                    // Verified, when the configuration asks
+                                    // for client certificates: the handshake
+                                    // fails on one no client CA signed.
+                                    let certified = tls.get_ref().1.peer_certificates().is_some_and(|c| !c.is_empty());
+                                    let service = TowerToHyperService::new(
+                                        router.layer(axum::Extension(ClientCertified(certified))),
+                                    );
+                                    serve_connection(tls, service, closing, peer, header_timeout, max_age).await
+                                }
                                 Ok(Err(error)) => tracing::debug!(error = &error as &dyn std::error::Error, "TLS handshake with {peer} failed"),
                                 Err(_) => tracing::debug!("TLS handshake with {peer} timed out"),
                             }

@@ -10,7 +10,7 @@
 use rustls::crypto::CryptoProvider;
 use rustls::pki_types::pem::PemObject;
 use rustls::pki_types::{CertificateDer, PrivateKeyDer};
-use rustls::server::{ClientHello, ResolvesServerCert};
+use rustls::server::{ClientHello, ResolvesServerCert, WebPkiClientVerifier};
 use rustls::sign::CertifiedKey;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, PoisonError, RwLock};
@@ -46,7 +46,27 @@ pub enum ServerError {
     },
     #[error("TLS configuration")]
     Tls(#[source] rustls::Error),
+    #[error("client CA {path}")]
+    ClientCa {
+        path: PathBuf,
+        #[source]
+        source: rustls::pki_types::pem::Error,
+    },
+    #[error("client CA {path}: no usable CA certificate in the file")]
+    NoClientCa { path: PathBuf },
+    #[error("client CA {path}")]
+    ClientVerifier {
+        path: PathBuf,
+        #[source]
+        source: rustls::server::VerifierBuilderError,
+    },
 }
+
+/// Whether the client of a connection presented a certificate that a
+/// client CA signed ([`CertificateFiles::server_config_verifying_clients`]):
+/// put by the server into each request of a TLS connection.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ClientCertified(pub bool);
 
 /// Loads a PEM certificate chain and private key for HTTPS, served as
 /// they are now (for a certificate that follows its files, see
@@ -110,6 +130,52 @@ impl CertificateFiles {
             .with_safe_default_protocol_versions()
             .map_err(ServerError::Tls)?
             .with_no_client_auth()
+            .with_cert_resolver(self.clone());
+        config.alpn_protocols = vec![b"http/1.1".to_vec()];
+        Ok(Arc::new(config))
+    }
+
+    /// A server configuration as [`CertificateFiles::server_config`]'s
+    /// that also asks each client for a certificate, and accepts one only
+    /// if a CA of `client_ca` (PEM) signed it for client authentication.
+    /// A client may present none (the API server calling the webhooks,
+    /// kubelet's probes): the routes decide what such a client may call
+    /// ([`ClientCertified`]).
+    pub fn server_config_verifying_clients(
+        self: &Arc<Self>,
+        client_ca: &Path,
+    ) -> Result<Arc<rustls::ServerConfig>, ServerError> {
+        let pem = std::fs::read(client_ca).map_err(|source| ServerError::ClientCa {
+            path: client_ca.to_path_buf(),
+            source: rustls::pki_types::pem::Error::Io(source),
+        })?;
+        let mut roots = rustls::RootCertStore::empty();
+        for certificate in CertificateDer::pem_slice_iter(&pem) {
+            let certificate = certificate.map_err(|source| ServerError::ClientCa {
+                path: client_ca.to_path_buf(),
+                source,
+            })?;
+            // One that is not a CA certificate is skipped; none left is
+            // refused below.
+            let _ = roots.add(certificate);
+        }
+        if roots.is_empty() {
+            return Err(ServerError::NoClientCa {
+                path: client_ca.to_path_buf(),
+            });
+        }
+        let verifier =
+            WebPkiClientVerifier::builder_with_provider(Arc::new(roots), self.provider.clone())
+                .allow_unauthenticated()
+                .build()
+                .map_err(|source| ServerError::ClientVerifier {
+                    path: client_ca.to_path_buf(),
+                    source,
+                })?;
+        let mut config = rustls::ServerConfig::builder_with_provider(self.provider.clone())
+            .with_safe_default_protocol_versions()
+            .map_err(ServerError::Tls)?
+            .with_client_cert_verifier(verifier)
             .with_cert_resolver(self.clone());
         config.alpn_protocols = vec![b"http/1.1".to_vec()];
         Ok(Arc::new(config))

@@ -11,22 +11,85 @@ use vgpu_scheduler::server::{tls_config, CertificateFiles, ServerError};
 use vgpu_scheduler::Surface;
 use vgpu_testkit::extender_client::ExtenderClient;
 
-/// A TLS client that trusts only the CA in fixture `ca`.
-fn connector_trusting(ca: &str) -> tokio_rustls::TlsConnector {
+/// A TLS client that trusts only the CA in fixture `ca`, presenting the
+/// certificate and key of fixtures `client`, if given.
+fn connector(ca: &str, client: Option<(&str, &str)>) -> tokio_rustls::TlsConnector {
     use rustls::pki_types::pem::PemObject;
     let mut roots = rustls::RootCertStore::empty();
     let pem = std::fs::read(fixture_path(ca)).expect("CA");
     for cert in rustls::pki_types::CertificateDer::pem_slice_iter(&pem) {
         roots.add(cert.expect("CA PEM")).expect("CA certificate");
     }
-    let config = rustls::ClientConfig::builder_with_provider(Arc::new(
+    let builder = rustls::ClientConfig::builder_with_provider(Arc::new(
         rustls::crypto::ring::default_provider(),
     ))
     .with_safe_default_protocol_versions()
     .expect("versions")
-    .with_root_certificates(roots)
-    .with_no_client_auth();
+    .with_root_certificates(roots);
+    let config = match client {
+        None => builder.with_no_client_auth(),
+        Some((cert, key)) => {
+            let chain = rustls::pki_types::CertificateDer::pem_file_iter(fixture_path(cert))
+                .expect("client certificate")
+                .collect::<Result<Vec<_>, _>>()
+                .expect("client certificate PEM");
+            let key = rustls::pki_types::PrivateKeyDer::from_pem_file(fixture_path(key))
+                .expect("client key");
+            builder
+                .with_client_auth_cert(chain, key)
+                .expect("client certificate and key")
+        }
+    };
     tokio_rustls::TlsConnector::from(Arc::new(config))
+}
+
+/// A TLS client that trusts only the CA in fixture `ca`.
+fn connector_trusting(ca: &str) -> tokio_rustls::TlsConnector {
+    connector(ca, None)
+}
+
+/// One request over HTTPS, trusting only the test CA, as a client with
+/// the certificate and key of fixtures `client` (if given); status and
+/// body, or what failed (a handshake refused).
+pub async fn https_as(
+    addr: std::net::SocketAddr,
+    client: Option<(&str, &str)>,
+    method: &str,
+    path: &str,
+    body: Vec<u8>,
+) -> Result<(u16, String), String> {
+    let connector = connector("tls/ca.pem", client);
+    let stream = tokio::net::TcpStream::connect(addr)
+        .await
+        .map_err(|e| format!("connect: {e}"))?;
+    let name = rustls::pki_types::ServerName::try_from("localhost").expect("name");
+    let tls = connector
+        .connect(name, stream)
+        .await
+        .map_err(|e| format!("TLS handshake: {e}"))?;
+    let (mut sender, connection) = hyper::client::conn::http1::handshake(TokioIo::new(tls))
+        .await
+        .map_err(|e| format!("HTTP over TLS: {e}"))?;
+    tokio::spawn(connection);
+    let request = hyper::Request::builder()
+        .method(method)
+        .uri(path)
+        .header("host", "localhost")
+        .header("content-type", "application/json")
+        .body(Full::new(Bytes::from(body)))
+        .expect("request");
+    let response = sender
+        .send_request(request)
+        .await
+        .map_err(|e| format!("response: {e}"))?;
+    let status = response.status().as_u16();
+    let body = response
+        .into_body()
+        .collect()
+        .await
+        .map_err(|e| format!("body: {e}"))?
+        .to_bytes();
+    Ok((status, String::from_utf8_lossy(&body).into_owned()))
 }
 
 /// One request over HTTPS, trusting only the test CA; returns status and body.
@@ -36,33 +99,9 @@ pub async fn https(
     path: &str,
     body: Vec<u8>,
 ) -> (u16, String) {
-    let connector = connector_trusting("tls/ca.pem");
-    let stream = tokio::net::TcpStream::connect(addr).await.expect("connect");
-    let name = rustls::pki_types::ServerName::try_from("localhost").expect("name");
-    let tls = connector
-        .connect(name, stream)
+    https_as(addr, None, method, path, body)
         .await
-        .expect("TLS handshake");
-    let (mut sender, connection) = hyper::client::conn::http1::handshake(TokioIo::new(tls))
-        .await
-        .expect("HTTP over TLS");
-    tokio::spawn(connection);
-    let request = hyper::Request::builder()
-        .method(method)
-        .uri(path)
-        .header("host", "localhost")
-        .header("content-type", "application/json")
-        .body(Full::new(Bytes::from(body)))
-        .expect("request");
-    let response = sender.send_request(request).await.expect("response");
-    let status = response.status().as_u16();
-    let body = response
-        .into_body()
-        .collect()
-        .await
-        .expect("body")
-        .to_bytes();
-    (status, String::from_utf8_lossy(&body).into_owned())
+        .expect("an answer over HTTPS")
 }
 
 #[tokio::test]
@@ -268,4 +307,111 @@ async fn a_renewed_certificate_is_served_without_a_restart() {
     );
     assert!(!files.reload().expect("read again"), "nothing more changed");
     let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// A kube-scheduler elsewhere (the Elastic GPU and nvidia-gpu-scheduler
+/// stanzas) reaches the verbs on the secure port with a client
+/// certificate; before, it needed them served unauthenticated on the
+/// pod's address (`--address 0.0.0.0`), to every pod of the cluster.
+#[tokio::test]
+async fn the_secure_port_serves_the_verbs_to_certified_clients_only() {
+    let (server, client) = real_api_server().await;
+    let api = Api::new(client);
+    api.put_node(node("gpu-node-1", &[gpu("NVIDIA A10", 24)]))
+        .await;
+    api.put_lease("gpu-node-1", LONG_LEASE_SECONDS).await;
+    let files = CertificateFiles::load(
+        &fixture_path("tls/server.pem"),
+        &fixture_path("tls/server.key"),
+    )
+    .expect("certificate files");
+    let config = files
+        .server_config_verifying_clients(&fixture_path("tls/client-ca.pem"))
+        .expect("TLS config with client CA");
+    let mut running = start_extender(
+        &test_config(),
+        &ApiSource::Kubeconfig(server.kubeconfig().to_path_buf()),
+        None,
+    )
+    .await;
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("listen");
+    let secure = running
+        .serve_also(listener, Some(config), Surface::WebhooksAndCertifiedClients)
+        .expect("secure port");
+    assert!(running.wait_ready(Duration::from_secs(20)).await);
+
+    let certified = Some(("tls/client.pem", "tls/client.key"));
+    let (status, filter) = https_as(
+        secure,
+        certified,
+        "POST",
+        "/scheduler/filter",
+        fixture_bytes("filter_args.json"),
+    )
+    .await
+    .expect("answered");
+    assert_eq!(status, 200, "{filter}");
+    assert!(filter.contains(r#""NodeNames":["gpu-node-1"]"#), "{filter}");
+    let (status, state) = https_as(secure, certified, "GET", "/debug/state", Vec::new())
+        .await
+        .expect("answered");
+    assert_eq!(status, 200, "{state}");
+
+    // Without a certificate: the webhooks and probes, and a refusal in
+    // words for everything else.
+    let (status, review) = https(
+        secure,
+        "POST",
+        "/webhook/mutate",
+        fixture_bytes("admission_review.json"),
+    )
+    .await;
+    assert_eq!(status, 200, "{review}");
+    assert_eq!(
+        https(secure, "GET", "/healthz", Vec::new()).await,
+        (200, "ok".to_string())
+    );
+    for (method, path) in [
+        ("POST", "/filter"),
+        ("POST", "/bind"),
+        ("POST", "/scheduler/bind"),
+        ("POST", "/apis/nvidia-gpu-scheduler/v1/schedule/bind"),
+        ("GET", "/debug/state"),
+        ("GET", "/apis/nvidia-gpu-scheduler/v1/gpupods"),
+    ] {
+        let (status, body) = https(secure, method, path, fixture_bytes("bind_args.json")).await;
+        assert_eq!(status, 403, "{method} {path} without a certificate: {body}");
+        assert!(body.contains("--client-ca"), "{body}");
+    }
+    // A client certificate no client CA signed: no answer at all.
+    let stranger = https_as(
+        secure,
+        Some(("tls/stranger-client.pem", "tls/stranger-client.key")),
+        "POST",
+        "/filter",
+        fixture_bytes("filter_args.json"),
+    )
+    .await;
+    assert!(stranger.is_err(), "{stranger:?}");
+    running.stop();
+}
+
+#[test]
+fn a_client_ca_file_without_a_certificate_is_named() {
+    let files = CertificateFiles::load(
+        &fixture_path("tls/server.pem"),
+        &fixture_path("tls/server.key"),
+    )
+    .expect("certificate files");
+    let error = files
+        .server_config_verifying_clients(&fixture_path("tls/server.key"))
+        .expect_err("a key is no CA");
+    assert!(matches!(error, ServerError::NoClientCa { .. }), "{error}");
+    assert!(error.to_string().contains("server.key"), "{error}");
+    let error = files
+        .server_config_verifying_clients(&fixture_path("tls/missing.pem"))
+        .expect_err("missing");
+    assert!(matches!(error, ServerError::ClientCa { .. }), "{error}");
 }
