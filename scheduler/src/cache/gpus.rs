@@ -52,6 +52,9 @@ pub struct HotGpu {
     pub memory_bytes: u64,
     pub split_count: u32,
     pub healthy: bool,
+    /// Taken out of service by the node's annotation
+    /// ([`crate::vocabulary::cordon`]): no new vGPU goes there.
+    pub cordoned: bool,
     /// Measured, smoothed utilization in percent, when the agent sent it.
     pub utilization_percent: Option<u32>,
     /// The model in lower case, shared between all GPUs of that model, so a
@@ -60,6 +63,13 @@ pub struct HotGpu {
     /// NVLink island and NUMA node, for multi-GPU containers.
     pub nvlink_island: Option<u32>,
     pub numa: Option<u32>,
+}
+
+impl HotGpu {
+    /// Whether it can take new vGPUs at all: healthy and not cordoned.
+    pub fn in_service(&self) -> bool {
+        self.healthy && !self.cordoned
+    }
 }
 
 /// A node's GPUs.
@@ -82,6 +92,7 @@ impl NodeGpus {
                 memory_bytes: g.offered_bytes(),
                 split_count: g.split_count,
                 healthy: g.healthy,
+                cordoned: false,
                 utilization_percent: g.utilization_percent,
                 model: intern(&g.model.to_ascii_lowercase()),
                 nvlink_island: g.nvlink_island,

@@ -159,4 +159,70 @@ mod tests {
             Err(NodeRefusal::NotListed)
         );
     }
+
+    /// `node` with annotation `key: value`.
+    fn node_annotated(
+        mut node: k8s_openapi::api::core::v1::Node,
+        key: &str,
+        value: &str,
+    ) -> k8s_openapi::api::core::v1::Node {
+        node.metadata
+            .annotations
+            .get_or_insert_with(Default::default)
+            .insert(key.into(), value.into());
+        node
+    }
+
+    fn granted_gpu(outcome: Result<OnNode, NodeRefusal>) -> String {
+        match outcome {
+            Ok(OnNode::Decided(decision)) => decision.containers[0].devices[0].uuid.clone(),
+            other => panic!("expected a decision, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn a_cordoned_gpu_takes_no_new_pod_and_keeps_what_runs_on_it() {
+        use crate::cache::book::Book;
+        use crate::vocabulary::cordon::{CORDONED_GPUS_ANNOTATION, HAMI_DEVICE_CORDON_ANNOTATION};
+        // GPU 1 is emptier, so an uncordoned node would get the pod there.
+        let running = decided("r", 5, "n1", "GPU-n1-0", true, true);
+        let mut state = listed(vec![node("n1", 2)], vec![running]);
+        assert_eq!(
+            granted_gpu(place(&state, &asking_vgpus("p", 1, 1024, 10))),
+            "GPU-n1-1"
+        );
+        // HAMi's spelling cordons GPU 1: the pod goes beside the running one.
+        state.apply(node_annotated(
+            node("n1", 2),
+            HAMI_DEVICE_CORDON_ANNOTATION,
+            "GPU-n1-1",
+        ));
+        assert_eq!(
+            granted_gpu(place(&state, &asking_vgpus("p", 1, 1024, 10))),
+            "GPU-n1-0"
+        );
+        // Both cordoned (vgpu's spelling too): refused in words, and the
+        // running pod still counts on its GPU.
+        let both = node_annotated(
+            node_annotated(node("n1", 2), HAMI_DEVICE_CORDON_ANNOTATION, "GPU-n1-1"),
+            CORDONED_GPUS_ANNOTATION,
+            "GPU-n1-0",
+        );
+        state.apply(both);
+        match place(&state, &asking_vgpus("p", 1, 1024, 10)) {
+            Err(NodeRefusal::NoLongerFits { rejection, .. }) => {
+                let reason = rejection.to_string();
+                assert!(reason.contains("GPU-n1-0 is cordoned"), "{reason}");
+                assert!(reason.contains("GPU-n1-1 is cordoned"), "{reason}");
+            }
+            other => panic!("expected a refusal, got {other:?}"),
+        }
+        assert_eq!(state.node("n1").expect("n1").usage[0].memory_bytes, 4 * GIB);
+        // Uncordoned: back in service at once.
+        state.apply(node("n1", 2));
+        assert_eq!(
+            granted_gpu(place(&state, &asking_vgpus("p", 1, 1024, 10))),
+            "GPU-n1-1"
+        );
+    }
 }

@@ -3,5 +3,6 @@
 //! crate but each other.
 
 pub mod claims;
+pub mod cordon;
 pub mod elastic;
 pub mod kubeshare;

@@ -594,3 +594,48 @@ async fn the_gpu_model_annotation_filters_and_scores_by_model() {
         "{result:?}"
     );
 }
+
+/// Per-GPU cordon (issue: HAMi 2.10's `hami.io/device-cordon`): a node
+/// annotation takes single GPUs out of service for new pods, in vgpu's
+/// spelling or HAMi's, while what runs on them keeps running.
+#[tokio::test]
+async fn cordoned_gpus_get_no_new_pods_until_uncordoned() {
+    let h = three_gpu_node(test_config()).await;
+    let gpus = [
+        gpu("NVIDIA A10", 24),
+        gpu("NVIDIA A10", 24),
+        gpu("NVIDIA A10", 24),
+    ];
+    // fewest-tasks (the default) chooses GPU 0 (1 task), then 2 (2), then 1 (3).
+    assert_eq!(gpu_chosen(&h, "before", &[]).await, uuid("n1", 0));
+    let mut cordoned = node("n1", &gpus);
+    cordoned["metadata"]["annotations"]["hami.io/device-cordon"] = json!(uuid("n1", 0));
+    h.put_node(cordoned.clone()).await;
+    assert_eq!(gpu_chosen(&h, "hami", &[]).await, uuid("n1", 2));
+    cordoned["metadata"]["annotations"]["vgpu.io/cordoned-gpus"] = json!(uuid("n1", 2));
+    h.put_node(cordoned.clone()).await;
+    assert_eq!(gpu_chosen(&h, "both", &[]).await, uuid("n1", 1));
+    // Every GPU cordoned: kube-scheduler hears why.
+    cordoned["metadata"]["annotations"]["vgpu.io/cordoned-gpus"] =
+        json!(format!("{}, {}", uuid("n1", 1), uuid("n1", 2)));
+    h.put_node(cordoned).await;
+    let p = h
+        .create_pod(pod("refused", &[vgpu("main", 1, 4096, 10)], &[]))
+        .await;
+    let filtered = h.filter(&p, &["n1"]).await;
+    let reason = filtered
+        .failed_and_unresolvable_nodes
+        .get("n1")
+        .or_else(|| filtered.failed_nodes.get("n1"))
+        .cloned()
+        .unwrap_or_default();
+    for gpu in 0..3 {
+        assert!(
+            reason.contains(&format!("{} is cordoned", uuid("n1", gpu))),
+            "{reason}"
+        );
+    }
+    // Uncordoned: GPU 0 again, its running pod still counted (1 task).
+    h.put_node(node("n1", &gpus)).await;
+    assert_eq!(gpu_chosen(&h, "after", &[]).await, uuid("n1", 0));
+}

@@ -104,6 +104,34 @@ pub async fn https(
         .expect("an answer over HTTPS")
 }
 
+/// An extender on a real API server with one node, serving every route
+/// on its plain port and `surface` over HTTPS with `tls` on a second one:
+/// the server (stopped when dropped), the extender, the second address.
+async fn with_secure_port(
+    tls: Arc<rustls::ServerConfig>,
+    surface: Surface,
+) -> (RealServer, vgpu_scheduler::Running, std::net::SocketAddr) {
+    let (server, client) = real_api_server().await;
+    let api = Api::new(client);
+    api.put_node(node("gpu-node-1", &[gpu("NVIDIA A10", 24)]))
+        .await;
+    api.put_lease("gpu-node-1", LONG_LEASE_SECONDS).await;
+    let mut running = start_extender(
+        &test_config(),
+        &ApiSource::Kubeconfig(server.kubeconfig().to_path_buf()),
+        None,
+    )
+    .await;
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("listen");
+    let secure = running
+        .serve_also(listener, Some(tls), surface)
+        .expect("second port");
+    assert!(running.wait_ready(Duration::from_secs(20)).await);
+    (server, running, secure)
+}
+
 #[tokio::test]
 async fn serves_https_with_the_given_certificate() {
     let (server, client) = real_api_server().await;
@@ -147,29 +175,12 @@ async fn serves_https_with_the_given_certificate() {
 
 #[tokio::test]
 async fn plain_http_for_kube_scheduler_beside_https_for_webhooks() {
-    let (server, client) = real_api_server().await;
-    let api = Api::new(client);
-    api.put_node(node("gpu-node-1", &[gpu("NVIDIA A10", 24)]))
-        .await;
-    api.put_lease("gpu-node-1", LONG_LEASE_SECONDS).await;
     let tls = tls_config(
         &fixture_path("tls/server.pem"),
         &fixture_path("tls/server.key"),
     )
     .expect("TLS config");
-    let mut running = start_extender(
-        &test_config(),
-        &ApiSource::Kubeconfig(server.kubeconfig().to_path_buf()),
-        None,
-    )
-    .await;
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
-        .await
-        .expect("listen");
-    let secure = running
-        .serve_also(listener, Some(tls), Surface::Webhooks)
-        .expect("second port");
-    assert!(running.wait_ready(Duration::from_secs(20)).await);
+    let (_server, running, secure) = with_secure_port(tls, Surface::Webhooks).await;
 
     // The Elastic GPU Scheduler's routes over plain HTTP on the main port.
     let plain = ExtenderClient::new(running.local_addr);
@@ -315,11 +326,6 @@ async fn a_renewed_certificate_is_served_without_a_restart() {
 /// pod's address (`--address 0.0.0.0`), to every pod of the cluster.
 #[tokio::test]
 async fn the_secure_port_serves_the_verbs_to_certified_clients_only() {
-    let (server, client) = real_api_server().await;
-    let api = Api::new(client);
-    api.put_node(node("gpu-node-1", &[gpu("NVIDIA A10", 24)]))
-        .await;
-    api.put_lease("gpu-node-1", LONG_LEASE_SECONDS).await;
     let files = CertificateFiles::load(
         &fixture_path("tls/server.pem"),
         &fixture_path("tls/server.key"),
@@ -328,19 +334,8 @@ async fn the_secure_port_serves_the_verbs_to_certified_clients_only() {
     let config = files
         .server_config_verifying_clients(&fixture_path("tls/client-ca.pem"))
         .expect("TLS config with client CA");
-    let mut running = start_extender(
-        &test_config(),
-        &ApiSource::Kubeconfig(server.kubeconfig().to_path_buf()),
-        None,
-    )
-    .await;
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
-        .await
-        .expect("listen");
-    let secure = running
-        .serve_also(listener, Some(config), Surface::WebhooksAndCertifiedClients)
-        .expect("secure port");
-    assert!(running.wait_ready(Duration::from_secs(20)).await);
+    let (_server, running, secure) =
+        with_secure_port(config, Surface::WebhooksAndCertifiedClients).await;
 
     let certified = Some(("tls/client.pem", "tls/client.key"));
     let (status, filter) = https_as(

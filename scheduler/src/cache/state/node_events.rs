@@ -4,6 +4,7 @@ use super::{recompute_node, ClusterState};
 use crate::cache::book::Book;
 use crate::cache::gpus::NodeGpus;
 use crate::cache::nodes::{Inventory, NodeEntry};
+use crate::vocabulary::cordon::cordoned_gpus;
 use k8s_openapi::api::core::v1::Node;
 use kube::runtime::watcher::Event;
 use std::sync::Arc;
@@ -91,6 +92,13 @@ impl ClusterState {
                     .clone()
             });
             recompute_node(&mut self.nodes, &self.pods, &self.reservations, &name);
+        }
+        if let Some(entry) = self.nodes.get_mut(&name) {
+            let cordoned = cordoned_gpus(node.metadata.annotations.as_ref());
+            let NodeGpus { gpus, hot } = &mut entry.gpus;
+            for (gpu, hot) in gpus.iter().zip(hot.iter_mut()) {
+                hot.cordoned = cordoned.contains(&gpu.uuid.as_str());
+            }
         }
         self.updates += 1;
     }

@@ -1,6 +1,7 @@
 //! Whether one GPU can take one vGPU, and why not in words.
 
 use crate::cache::gpus::{NodeGpus, Usage};
+use crate::vocabulary::cordon::{CORDONED_GPUS_ANNOTATION, HAMI_DEVICE_CORDON_ANNOTATION};
 use std::fmt::Write as _;
 use std::sync::Arc;
 use vgpu_cluster::decision::InventoryGpu;
@@ -43,6 +44,8 @@ impl ModelVerdicts {
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum GpuProblem {
     Unhealthy,
+    /// Taken out of service by the node's annotation.
+    Cordoned,
     TypeNotWanted,
     /// Matches `nouse_types[i]`.
     TypeExcluded(usize),
@@ -80,6 +83,7 @@ impl GpuProblem {
         matches!(
             self,
             Self::Unhealthy
+                | Self::Cordoned
                 | Self::TypeNotWanted
                 | Self::TypeExcluded(_)
                 | Self::NotTheModel
@@ -103,6 +107,9 @@ pub fn check_gpu(
     let gpu = &node.hot[index];
     if !gpu.healthy {
         return Err(GpuProblem::Unhealthy);
+    }
+    if gpu.cordoned {
+        return Err(GpuProblem::Cordoned);
     }
     match model_verdict {
         Ok(()) => {}
@@ -172,6 +179,10 @@ pub fn describe_problem(
     let uuid = &gpu.uuid;
     let _ = match problem {
         GpuProblem::Unhealthy => write!(out, "{uuid} is unhealthy"),
+        GpuProblem::Cordoned => write!(
+            out,
+            "{uuid} is cordoned (node annotation {CORDONED_GPUS_ANNOTATION} or {HAMI_DEVICE_CORDON_ANNOTATION})"
+        ),
         GpuProblem::TypeNotWanted => write!(
             out,
             "{uuid} is a {}, not one of {USE_GPU_TYPE_ANNOTATION} ({})",

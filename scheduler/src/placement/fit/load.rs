@@ -13,14 +13,14 @@ pub(crate) fn expected_percent(gpu: &HotGpu, usage: &Usage) -> u32 {
         .min(100)
 }
 
-/// How busy a node's healthy GPUs are expected to be, 0.0 to 1.0 (see
+/// How busy a node's GPUs in service (healthy, not cordoned) are expected to be, 0.0 to 1.0 (see
 /// `expected_percent`); what the load-aware node policy scores by.
 pub fn measured_load(node: &NodeGpus, usage: &[Usage]) -> f64 {
     let busy: Vec<u32> = node
         .hot
         .iter()
         .zip(usage)
-        .filter(|(gpu, _)| gpu.healthy)
+        .filter(|(gpu, _)| gpu.in_service())
         .map(|(gpu, usage)| expected_percent(gpu, usage))
         .collect();
     if busy.is_empty() {
@@ -30,14 +30,14 @@ pub fn measured_load(node: &NodeGpus, usage: &[Usage]) -> f64 {
 }
 
 /// How full a node is, 0.0 to 1.0: the mean of its memory and compute in
-/// use over its healthy GPUs.
+/// use over its GPUs in service (healthy, not cordoned).
 pub fn node_load(node: &NodeGpus, usage: &[Usage]) -> f64 {
     let mut total_memory = 0f64;
     let mut used_memory = 0f64;
     let mut used_cores = 0u64;
     let mut healthy = 0u64;
     for (gpu, usage) in node.hot.iter().zip(usage) {
-        if gpu.healthy {
+        if gpu.in_service() {
             healthy += 1;
             total_memory += gpu.memory_bytes as f64;
             used_memory += usage.memory_bytes.min(gpu.memory_bytes) as f64;

@@ -105,7 +105,7 @@ fn place_container(
     let mut matching = 0;
     for (i, gpu) in node.hot.iter().enumerate() {
         let verdict = models.get(&gpu.model, &request.selectors);
-        matching += u32::from(gpu.healthy && verdict.is_ok());
+        matching += u32::from(gpu.in_service() && verdict.is_ok());
         if let Ok(need) = check_gpu(node, i, verdict, &usage[i], container, &request.selectors) {
             let (primary, secondary) = preference(policy, gpu, i, &usage[i], request.seed);
             candidates.push((primary, secondary, i, need));
