@@ -104,6 +104,26 @@ pub async fn https(
         .expect("an answer over HTTPS")
 }
 
+/// Some of what only kube-scheduler may call or see: verbs under each
+/// prefix, `/debug/state` and a view.
+const SCHEDULING_ENDPOINTS: [(&str, &str); 6] = [
+    ("POST", "/filter"),
+    ("POST", "/bind"),
+    ("POST", "/scheduler/bind"),
+    ("POST", "/apis/nvidia-gpu-scheduler/v1/schedule/bind"),
+    ("GET", "/debug/state"),
+    ("GET", "/apis/nvidia-gpu-scheduler/v1/gpupods"),
+];
+
+/// The test server's certificate and key.
+fn test_certificate_files() -> Arc<CertificateFiles> {
+    CertificateFiles::load(
+        &fixture_path("tls/server.pem"),
+        &fixture_path("tls/server.key"),
+    )
+    .expect("certificate files")
+}
+
 /// An extender on a real API server with one node, serving every route
 /// on its plain port and `surface` over HTTPS with `tls` on a second one:
 /// the server (stopped when dropped), the extender, the second address.
@@ -206,15 +226,11 @@ async fn plain_http_for_kube_scheduler_beside_https_for_webhooks() {
     // kube-scheduler's verbs nor what the extender knows.
     let (status, health) = https(secure, "GET", "/healthz", Vec::new()).await;
     assert_eq!((status, health.as_str()), (200, "ok"));
-    for (method, path) in [
-        ("POST", "/filter"),
-        ("POST", "/bind"),
-        ("POST", "/scheduler/bind"),
-        ("POST", "/apis/nvidia-gpu-scheduler/v1/schedule/bind"),
-        ("GET", "/debug/state"),
-        ("GET", "/apis/nvidia-gpu-scheduler/v1/gpupods"),
-        ("GET", "/metrics"),
-    ] {
+    for (method, path) in SCHEDULING_ENDPOINTS
+        .iter()
+        .copied()
+        .chain([("GET", "/metrics")])
+    {
         let (status, _) = https(secure, method, path, fixture_bytes("bind_args.json")).await;
         assert_eq!(status, 404, "{method} {path} on the webhook port");
     }
@@ -326,11 +342,7 @@ async fn a_renewed_certificate_is_served_without_a_restart() {
 /// pod's address (`--address 0.0.0.0`), to every pod of the cluster.
 #[tokio::test]
 async fn the_secure_port_serves_the_verbs_to_certified_clients_only() {
-    let files = CertificateFiles::load(
-        &fixture_path("tls/server.pem"),
-        &fixture_path("tls/server.key"),
-    )
-    .expect("certificate files");
+    let files = test_certificate_files();
     let config = files
         .server_config_verifying_clients(&fixture_path("tls/client-ca.pem"))
         .expect("TLS config with client CA");
@@ -368,14 +380,7 @@ async fn the_secure_port_serves_the_verbs_to_certified_clients_only() {
         https(secure, "GET", "/healthz", Vec::new()).await,
         (200, "ok".to_string())
     );
-    for (method, path) in [
-        ("POST", "/filter"),
-        ("POST", "/bind"),
-        ("POST", "/scheduler/bind"),
-        ("POST", "/apis/nvidia-gpu-scheduler/v1/schedule/bind"),
-        ("GET", "/debug/state"),
-        ("GET", "/apis/nvidia-gpu-scheduler/v1/gpupods"),
-    ] {
+    for (method, path) in SCHEDULING_ENDPOINTS {
         let (status, body) = https(secure, method, path, fixture_bytes("bind_args.json")).await;
         assert_eq!(status, 403, "{method} {path} without a certificate: {body}");
         assert!(body.contains("--client-ca"), "{body}");
@@ -395,11 +400,7 @@ async fn the_secure_port_serves_the_verbs_to_certified_clients_only() {
 
 #[test]
 fn a_client_ca_file_without_a_certificate_is_named() {
-    let files = CertificateFiles::load(
-        &fixture_path("tls/server.pem"),
-        &fixture_path("tls/server.key"),
-    )
-    .expect("certificate files");
+    let files = test_certificate_files();
     let error = files
         .server_config_verifying_clients(&fixture_path("tls/server.key"))
         .expect_err("a key is no CA");
