@@ -4,6 +4,7 @@
 //! - [`client`]: how a daemon reaches the API server.
 //! - [`resources`]: the extended resources and pod annotations vgpu reads,
 //!   and Kubernetes quantities.
+//! - [`cordon`]: the node annotation that takes single GPUs out of service.
 //! - [`requests`]: what a pod asks for, read from its spec and
 //!   annotations, and whether a decision stays within it; [`policy`]: the
 //!   placement policies a pod may name.
@@ -18,6 +19,7 @@
 //!   what a GPU offers, and how a grant splits into device memory and swap.
 
 pub mod client;
+pub mod cordon;
 pub mod decision;
 pub mod file_error;
 pub mod node_lease;

@@ -58,6 +58,10 @@ pub struct DriverConfig {
 pub struct Driver {
     config: DriverConfig,
     gpus: RwLock<Vec<InventoryGpu>>,
+    /// UUIDs the node's annotation cordons ([`vgpu_cluster::cordon`]),
+    /// sorted: left out of the slice, still prepared for claims that have
+    /// them.
+    cordoned: RwLock<Vec<String>>,
     checkpoint: Mutex<Checkpoint>,
 }
 
@@ -96,6 +100,7 @@ impl Driver {
         Ok(Self {
             config,
             gpus: RwLock::new(gpus),
+            cordoned: RwLock::new(Vec::new()),
             checkpoint: Mutex::new(checkpoint),
         })
     }
@@ -114,6 +119,30 @@ impl Driver {
             .read()
             .unwrap_or_else(PoisonError::into_inner)
             .clone()
+    }
+
+    /// The GPUs the node's annotation cordons now.
+    pub fn cordoned(&self) -> Vec<String> {
+        self.cordoned
+            .read()
+            .unwrap_or_else(PoisonError::into_inner)
+            .clone()
+    }
+
+    /// Sets the GPUs the node's annotation cordons; whether that changed
+    /// anything.
+    pub fn set_cordoned(&self, mut uuids: Vec<String>) -> bool {
+        uuids.sort();
+        uuids.dedup();
+        let mut cordoned = self
+            .cordoned
+            .write()
+            .unwrap_or_else(PoisonError::into_inner);
+        if *cordoned == uuids {
+            return false;
+        }
+        *cordoned = uuids;
+        true
     }
 
     /// Marks a GPU healthy or not; whether that changed anything.
@@ -484,6 +513,21 @@ mod tests {
             "the allocation gives claim ns/c GPU GPU-0, which is unhealthy"
         );
         assert!(driver.prepared(UID).is_none());
+        let _ = std::fs::remove_dir_all(&base);
+    }
+
+    #[test]
+    fn a_cordoned_gpu_still_serves_the_claims_allocated_on_it() {
+        let base = temp_dir("cordoned");
+        let driver = driver(&base, true);
+        assert!(driver.set_cordoned(vec!["GPU-0".into(), "GPU-0".into()]));
+        assert!(!driver.set_cordoned(vec!["GPU-0".into()]), "no change");
+        assert_eq!(driver.cordoned(), ["GPU-0"]);
+        // A claim kube-scheduler allocated before the cordon (or whose
+        // pod restarts) is prepared as before: only new claims avoid it.
+        driver.prepare(UID, &claim()).expect("prepared");
+        assert!(driver.prepared(UID).is_some());
+        assert!(driver.set_cordoned(Vec::new()));
         let _ = std::fs::remove_dir_all(&base);
     }
 }

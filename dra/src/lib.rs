@@ -40,6 +40,8 @@ pub async fn run(
     shutdown: watch::Receiver<bool>,
 ) -> Result<(), ServiceError> {
     let (changed, changes) = watch::channel(0u64);
+    let changed = Arc::new(changed);
+    let health_changed = Arc::clone(&changed);
     let health_driver = Arc::clone(&driver);
     let stop_health = health::spawn(health_source, move |event| {
         let (uuid, healthy) = match &event {
@@ -53,10 +55,16 @@ pub async fn run(
             }
         };
         if health_driver.set_health(uuid, healthy) {
-            changed.send_modify(|count| *count += 1);
+            health_changed.send_modify(|count| *count += 1);
         }
     })
     .map_err(ServiceError::HealthThread)?;
+    let cordon = tokio::spawn(publish::follow_cordon(
+        client.clone(),
+        Arc::clone(&driver),
+        changed,
+        shutdown.clone(),
+    ));
     let publisher = tokio::spawn(publish::keep_published(
         client.clone(),
         Arc::clone(&driver),
@@ -69,5 +77,6 @@ pub async fn run(
     let served = service::serve(driver, claims, &sockets, shutdown).await;
     stop_health.store(true, std::sync::atomic::Ordering::Relaxed);
     let _ = publisher.await;
+    let _ = cordon.await;
     served
 }

@@ -1,5 +1,6 @@
 //! Keeping the node's ResourceSlice current: written at start, again on
-//! every health change (a new pool generation each time), and every
+//! every health change and every change of the node's cordoned GPUs
+//! ([`follow_cordon`]; a new pool generation each time), and every
 //! resync period (repairs a slice someone deleted). Written with
 //! server-side apply, so the driver owns exactly the fields it sets.
 
@@ -8,10 +9,14 @@ use crate::slice::{resource_slice, slice_name, NodeFacts, NodeOwner};
 use k8s_openapi::api::core::v1::Node;
 use k8s_openapi::api::resource::v1::ResourceSlice;
 use kube::api::{Patch, PatchParams};
+use kube::runtime::watcher;
+use kube::runtime::WatchStreamExt;
 use kube::{Api, Client};
 use std::sync::Arc;
 use std::time::Duration;
 use tokio::sync::watch;
+use tokio_stream::StreamExt;
+use vgpu_cluster::cordon::cordoned_gpus;
 
 /// The field manager of the driver's writes.
 pub const FIELD_MANAGER: &str = "vgpu-dra";
@@ -61,10 +66,12 @@ pub async fn keep_published(
                     .unwrap_or(1),
             };
             let gpus = driver.gpus();
+            let cordoned = driver.cordoned();
             let mut slice = resource_slice(
                 &node,
                 owner_of.as_ref().and_then(Option::as_ref),
                 &gpus,
+                &cordoned,
                 &facts,
                 next,
             );
@@ -84,10 +91,11 @@ pub async fn keep_published(
                     &Patch::Apply(&slice),
                 )
                 .await?;
-            let healthy = slice.spec.devices.as_ref().map_or(0, Vec::len);
+            let offered = slice.spec.devices.as_ref().map_or(0, Vec::len);
             tracing::info!(
-                "published ResourceSlice {name}: {healthy} of {} GPUs, generation {next}",
-                gpus.len()
+                "published ResourceSlice {name}: {offered} of {} GPUs ({} cordoned), generation {next}",
+                gpus.len(),
+                cordoned.len()
             );
             generation = Some(next);
             written = Some(slice);
@@ -108,6 +116,55 @@ pub async fn keep_published(
             _ = shutdown.wait_for(|stop| *stop) => return,
             changed = changes.changed() => if changed.is_err() { return },
             _ = tokio::time::sleep(wait) => {}
+        }
+    }
+}
+
+/// Follows the node's cordon annotation ([`vgpu_cluster::cordon`]) until
+/// `shutdown`: each change updates the driver's cordoned GPUs and ticks
+/// `changed`, so the slice is written again without them (or with them,
+/// once uncordoned). The watch retries with kube-runtime's backoff.
+pub async fn follow_cordon(
+    client: Client,
+    driver: Arc<Driver>,
+    changed: Arc<watch::Sender<u64>>,
+    mut shutdown: watch::Receiver<bool>,
+) {
+    let node = driver.node().to_string();
+    let config = watcher::Config::default().fields(&format!("metadata.name={node}"));
+    let events = watcher::watcher(Api::<Node>::all(client), config).default_backoff();
+    let mut events = std::pin::pin!(events);
+    loop {
+        let event = tokio::select! {
+            _ = shutdown.wait_for(|stop| *stop) => return,
+            event = events.next() => event,
+        };
+        let node_object = match event {
+            None => return,
+            Some(Ok(watcher::Event::Apply(found) | watcher::Event::InitApply(found))) => found,
+            Some(Ok(_)) => continue,
+            Some(Err(error)) => {
+                tracing::warn!(
+                    error = &error as &dyn std::error::Error,
+                    "watching node {node} for cordoned GPUs; retrying"
+                );
+                continue;
+            }
+        };
+        let uuids: Vec<String> = cordoned_gpus(node_object.metadata.annotations.as_ref())
+            .into_iter()
+            .map(str::to_string)
+            .collect();
+        let listed = uuids.join(", ");
+        if driver.set_cordoned(uuids) {
+            if listed.is_empty() {
+                tracing::info!(
+                    "node {node}: no GPU cordoned; every healthy GPU is in the ResourceSlice"
+                );
+            } else {
+                tracing::info!("node {node}: GPUs cordoned ({listed}); they leave the ResourceSlice, claims on them keep running");
+            }
+            changed.send_modify(|count| *count += 1);
         }
     }
 }

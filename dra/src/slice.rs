@@ -12,7 +12,7 @@
 //! kube-scheduler allocates claims against these capacities itself; the
 //! driver turns what each claim consumed into the shim's caps at Prepare
 //! ([`crate::claim`]). An unhealthy GPU is left out of the slice, so no
-//! new claim gets it.
+//! new claim gets it; so is a cordoned one ([`vgpu_cluster::cordon`]).
 
 use k8s_openapi::api::resource::v1::{
     CapacityRequestPolicy, CapacityRequestPolicyRange, Device, DeviceAttribute, DeviceCapacity,
@@ -183,16 +183,20 @@ pub struct NodeOwner {
     pub uid: String,
 }
 
-/// The node's slice: its healthy GPUs, in NVML order, as pool `node` at
+/// The node's slice: its healthy GPUs not in `cordoned`, in NVML order, as pool `node` at
 /// `generation`.
 pub fn resource_slice(
     node: &str,
     owner: Option<&NodeOwner>,
     gpus: &[InventoryGpu],
+    cordoned: &[String],
     facts: &NodeFacts,
     generation: i64,
 ) -> ResourceSlice {
-    let mut healthy: Vec<&InventoryGpu> = gpus.iter().filter(|gpu| gpu.healthy).collect();
+    let mut healthy: Vec<&InventoryGpu> = gpus
+        .iter()
+        .filter(|gpu| gpu.healthy && !cordoned.contains(&gpu.uuid))
+        .collect();
     healthy.sort_by_key(|gpu| gpu.index);
     ResourceSlice {
         metadata: ObjectMeta {
@@ -250,13 +254,22 @@ mod tests {
             driver_version: Some("580.95.05".into()),
             compute_capability: BTreeMap::from([("GPU-0".into(), "9.0".into())]),
         };
-        let slice = resource_slice("node-a", None, &gpus, &facts, 3);
+        let slice = resource_slice("node-a", None, &gpus, &[], &facts, 3);
         assert_eq!(slice.metadata.name.as_deref(), Some("vgpu.io-node-a"));
         assert_eq!(slice.spec.pool.generation, 3);
         assert_eq!(slice.spec.pool.name, "node-a");
         let devices = slice.spec.devices.expect("devices");
         let names: Vec<&str> = devices.iter().map(|d| d.name.as_str()).collect();
         assert_eq!(names, ["gpu-0", "gpu-1"], "the unhealthy GPU is left out");
+        let cordoned = resource_slice("node-a", None, &gpus, &["GPU-0".to_string()], &facts, 4);
+        let names: Vec<String> = cordoned
+            .spec
+            .devices
+            .expect("devices")
+            .into_iter()
+            .map(|d| d.name)
+            .collect();
+        assert_eq!(names, ["gpu-1"], "the cordoned GPU is left out too");
         let first = &devices[0];
         assert_eq!(first.allow_multiple_allocations, Some(true));
         let capacity = first.capacity.as_ref().expect("capacity");

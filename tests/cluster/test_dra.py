@@ -20,6 +20,9 @@ CDI specs, there being no container runtime).
   new claim is prepared by the restarted driver.
 - The README's ResourceClaimTemplates are accepted; "two GPUs of one
   model" gets two different GPUs, capped in one region.
+- A GPU cordoned by the node's annotation (HAMi's `hami.io/device-cordon`)
+  leaves the slice while the claim on it keeps running; a new claim gets
+  the other GPU; uncordoned, it returns.
 - A GPU marked unhealthy (an XID on the simulated GPU) leaves the slice, and
   a claim only it could hold stays Pending.
 """
@@ -308,14 +311,43 @@ def inject_xid(cc: ChartCluster, device: int, xid: int) -> None:
                     str(TARGET / "libsimgpu.so"), str(device), str(xid)], env=env, check=True)
 
 
+def slice_devices(cc: ChartCluster) -> dict[str, str]:
+    """The devices of the driver's ResourceSlice: name -> GPU UUID."""
+    for item in kubectl_json(cc.cluster, "get", "resourceslices")["items"]:
+        if item["spec"]["driver"] == "vgpu.io":
+            return {device["name"]: device["attributes"]["uuid"]["string"]
+                    for device in item["spec"].get("devices") or []}
+    return {}
+
+
+def test_a_cordoned_gpu_leaves_the_slice_while_its_claims_keep_running(dra_cluster):
+    cc = dra_cluster
+    node = cc.nodes[0].name
+    uuids = slice_devices(cc)
+    assert sorted(uuids) == ["gpu-0", "gpu-1"]
+    create(cc, claim("kept", "1Gi", "10"), pod("kept", "kept", [sys.executable, str(FILL), "256"]))
+    taken = allocated(cc, "kept")["device"]
+    running(cc, "kept")
+    other = "gpu-1" if taken == "gpu-0" else "gpu-0"
+    # HAMi's spelling, as its users write it.
+    cc.cluster.kubectl("annotate", "node", node, f"hami.io/device-cordon={uuids[taken]}")
+    wait_for(f"{taken} gone from the slice", lambda: sorted(slice_devices(cc)) == [other], timeout=60,
+             log=cc.logs)
+    create(cc, claim("new", "1Gi", "10"), pod("new", "new", [sys.executable, str(FILL), "256"]))
+    assert allocated(cc, "new")["device"] == other
+    running(cc, "new")
+    kept = kubectl_json(cc.cluster, "get", "pod", "kept", "-n", NAMESPACE)
+    assert kept["status"]["phase"] == "Running", "the claim on the cordoned GPU keeps running"
+    cc.cluster.kubectl("annotate", "node", node, "hami.io/device-cordon-")
+    wait_for("both GPUs back in the slice", lambda: sorted(slice_devices(cc)) == ["gpu-0", "gpu-1"],
+             timeout=60, log=cc.logs)
+
+
 def test_an_unhealthy_gpu_leaves_the_slice(dra_cluster):
     cc = dra_cluster
 
     def devices():
-        for item in kubectl_json(cc.cluster, "get", "resourceslices")["items"]:
-            if item["spec"]["driver"] == "vgpu.io":
-                return sorted(device["name"] for device in item["spec"].get("devices") or [])
-        return []
+        return sorted(slice_devices(cc))
     assert devices() == ["gpu-0", "gpu-1"]
     # Fill GPU 0, so that a further claim could only go to GPU 1.
     create(cc, claim("whole", None, None, device_class="vgpu.io-exclusive"),

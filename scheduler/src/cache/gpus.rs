@@ -53,7 +53,7 @@ pub struct HotGpu {
     pub split_count: u32,
     pub healthy: bool,
     /// Taken out of service by the node's annotation
-    /// ([`crate::vocabulary::cordon`]): no new vGPU goes there.
+    /// ([`vgpu_cluster::cordon`]): no new vGPU goes there.
     pub cordoned: bool,
     /// Measured, smoothed utilization in percent, when the agent sent it.
     pub utilization_percent: Option<u32>,

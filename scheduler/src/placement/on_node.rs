@@ -183,7 +183,7 @@ mod tests {
     #[test]
     fn a_cordoned_gpu_takes_no_new_pod_and_keeps_what_runs_on_it() {
         use crate::cache::book::Book;
-        use crate::vocabulary::cordon::{CORDONED_GPUS_ANNOTATION, HAMI_DEVICE_CORDON_ANNOTATION};
+        use vgpu_cluster::cordon::{CORDONED_GPUS_ANNOTATION, HAMI_DEVICE_CORDON_ANNOTATION};
         // GPU 1 is emptier, so an uncordoned node would get the pod there.
         let running = decided("r", 5, "n1", "GPU-n1-0", true, true);
         let mut state = listed(vec![node("n1", 2)], vec![running]);

@@ -3,6 +3,5 @@
 //! crate but each other.
 
 pub mod claims;
-pub mod cordon;
 pub mod elastic;
 pub mod kubeshare;

@@ -1,9 +1,9 @@
 //! Whether one GPU can take one vGPU, and why not in words.
 
 use crate::cache::gpus::{NodeGpus, Usage};
-use crate::vocabulary::cordon::{CORDONED_GPUS_ANNOTATION, HAMI_DEVICE_CORDON_ANNOTATION};
 use std::fmt::Write as _;
 use std::sync::Arc;
+use vgpu_cluster::cordon::{CORDONED_GPUS_ANNOTATION, HAMI_DEVICE_CORDON_ANNOTATION};
 use vgpu_cluster::decision::InventoryGpu;
 use vgpu_cluster::requests::{ContainerRequest, PodRequest, Selectors, TypeMismatch, UuidMismatch};
 use vgpu_cluster::resources::{

@@ -1,7 +1,7 @@
 //! Whether, and where, a pod's containers fit on one node's GPUs.
 //!
 //! A GPU takes a vGPU when it is healthy, not cordoned
-//! ([`crate::vocabulary::cordon`]), of a wanted model and UUID, has a
+//! ([`vgpu_cluster::cordon`]), of a wanted model and UUID, has a
 //! free slot (fewer containers than its split count), enough free memory and
 //! compute, and exclusivity holds both ways: a container asking for 100 %
 //! compute takes the GPU alone (it must be empty, and nothing joins it

@@ -4,8 +4,9 @@
 //! `kubectl annotate node <node> vgpu.io/cordoned-gpus=GPU-a,GPU-b` (or
 //! `hami.io/device-cordon=...`, as HAMi users write it): the listed GPUs
 //! get no new vGPU, and what already runs on them is left alone. The
-//! extender reads it with each change of the node, so it takes effect at
-//! once and ends when the annotation goes.
+//! extender stops placing on them and the DRA driver takes them out of
+//! its ResourceSlice, each with the node's next watch event, so it takes
+//! effect at once and ends when the annotation goes.
 
 use std::collections::BTreeMap;
 
