@@ -1035,7 +1035,7 @@ def test_dra_nodes_run_the_driver_instead_of_the_device_plugin():
     for group, resource, verb in [("resource.k8s.io", "resourceslices", "create"),
                                   ("resource.k8s.io", "resourceslices", "patch"),
                                   ("resource.k8s.io", "resourceclaims", "get"), ("", "nodes", "get"),
-                                  ("", "pods", "watch"), ("", "events", "create")]:
+                                  ("", "nodes", "watch"), ("", "pods", "watch"), ("", "events", "create")]:
         assert rules_allow(objects, account, group, resource, verb), (resource, verb)
 
     node = find(objects, "DaemonSet", "-node")
