@@ -23,8 +23,23 @@ pub const FIELD_MANAGER: &str = "vgpu-dra";
 /// Longest wait before retrying a failed write.
 const RETRY: Duration = Duration::from_secs(5);
 
-async fn owner(client: &Client, node: &str) -> Result<Option<NodeOwner>, kube::Error> {
+/// The node's Node as its slice's owner; also takes in the GPUs its
+/// annotation cordons, so that a restarted driver's first slice already
+/// leaves them out (before [`follow_cordon`] sees the Node).
+async fn owner(
+    client: &Client,
+    node: &str,
+    driver: &Driver,
+) -> Result<Option<NodeOwner>, kube::Error> {
     let found = Api::<Node>::all(client.clone()).get_opt(node).await?;
+    if let Some(found) = &found {
+        driver.set_cordoned(
+            cordoned_gpus(found.metadata.annotations.as_ref())
+                .into_iter()
+                .map(str::to_string)
+                .collect(),
+        );
+    }
     Ok(found.and_then(|found| {
         found.metadata.uid.map(|uid| NodeOwner {
             name: node.to_string(),
@@ -53,7 +68,7 @@ pub async fn keep_published(
     loop {
         let result: Result<(), kube::Error> = async {
             if owner_of.is_none() {
-                owner_of = Some(owner(&client, &node).await?);
+                owner_of = Some(owner(&client, &node, &driver).await?);
             }
             let next = match generation {
                 Some(generation) => generation,

@@ -167,7 +167,9 @@ pub struct Cli {
     /// (which needs them): a kube-scheduler elsewhere configured with such
     /// a certificate (its extender's tlsConfig certFile and keyFile)
     /// reaches them over HTTPS, any other client gets 403 (the webhooks
-    /// and probes answer everyone, as without it).
+    /// and probes answer everyone, as without it). A client certificate
+    /// none of these CAs signed fails the handshake: not for clusters whose
+    /// API server presents one to webhooks.
     #[arg(long, value_name = "PATH", requires = "secure_port")]
     pub client_ca: Option<PathBuf>,
 
@@ -221,7 +223,8 @@ pub struct Cli {
     /// How long after its date a decision whose pod is not bound yet (a
     /// bind in flight or interrupted) holds its GPUs and keeps its node
     /// from taking another vGPU pod.
-    #[arg(long, default_value_t = 30, value_name = "SECONDS")]
+    #[arg(long, default_value_t = 30, value_name = "SECONDS",
+          value_parser = clap::value_parser!(u64).range(1..=3600))]
     pub unbound_grace_seconds: u64,
 
     /// Seconds beyond its duration that a node's device plugin Lease

@@ -155,9 +155,15 @@ impl CertificateFiles {
                 path: client_ca.to_path_buf(),
                 source,
             })?;
-            // One that is not a CA certificate is skipped; none left is
-            // refused below.
-            let _ = roots.add(certificate);
+            // One that cannot be a trust anchor is skipped, said so; none
+            // left is refused below.
+            if let Err(error) = roots.add(certificate) {
+                tracing::warn!(
+                    error = &error as &dyn std::error::Error,
+                    "client CA {}: a certificate skipped",
+                    client_ca.display()
+                );
+            }
         }
         if roots.is_empty() {
             return Err(ServerError::NoClientCa {

@@ -24,13 +24,15 @@ impl ClusterState {
                 .gpus
                 .iter()
                 .zip(&entry.usage)
-                .map(|(gpu, usage)| GpuState {
+                .zip(&entry.gpus.hot)
+                .map(|((gpu, usage), hot)| GpuState {
                     uuid: gpu.uuid.clone(),
                     model: gpu.model.clone(),
                     memory_bytes: gpu.memory_bytes,
                     offered_memory_bytes: gpu.offered_bytes(),
                     split_count: gpu.split_count,
                     healthy: gpu.healthy,
+                    cordoned: hot.cordoned,
                     usage: *usage,
                 })
                 .collect();
@@ -123,5 +125,7 @@ pub struct GpuState {
     pub offered_memory_bytes: u64,
     pub split_count: u32,
     pub healthy: bool,
+    /// Taken out of service by the node's annotation.
+    pub cordoned: bool,
     pub usage: Usage,
 }

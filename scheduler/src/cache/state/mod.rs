@@ -157,6 +157,14 @@ impl ClusterState {
         expired
     }
 
+    /// Drops the deadline queued for `record` of pod `uid` (a pod deleted
+    /// in its grace), so the queue holds no more than the pods there are.
+    fn forget_unbound_deadline(&mut self, uid: &str, record: &PodRecord) {
+        if let Some(deadline) = record.unbound_deadline(self.unbound_grace.0) {
+            self.unbound_deadlines.remove(&(deadline, uid.to_string()));
+        }
+    }
+
     /// Marks a record about to be taken in whose pod is not bound and
     /// whose decision no longer holds its node, or queues when it stops.
     fn age_unbound(&mut self, uid: &str, record: &mut PodRecord, now_unix_ms: u64) {

@@ -172,6 +172,7 @@ impl ClusterState {
         self.floors
             .insert(uid.clone(), (version_of(pod), Instant::now()));
         if let Some(record) = self.pods.remove(&uid) {
+            self.forget_unbound_deadline(&uid, &record);
             let old_node = record.counted_node().map(str::to_string);
             self.move_pod(&uid, old_node, None);
         }
