@@ -171,7 +171,9 @@ pub fn read(args: &DoctorArgs, findings: &mut Findings) -> NodeView {
         view.gpus.push(report);
     }
     let node = node_name(args.node_name.as_deref());
-    let slice = resource_slice(&node, None, &inventory, &node_facts, 0);
+    // As the driver would publish it with no GPU cordoned (the cordon is
+    // the Node's annotation, which the doctor does not read).
+    let slice = resource_slice(&node, None, &inventory, &[], &node_facts, 0);
     match serde_json::to_value(&slice) {
         Ok(value) => {
             slice_findings(&node, &value, &inventory, findings);
