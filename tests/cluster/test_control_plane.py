@@ -87,6 +87,36 @@ def test_the_chart_installs_upgrades_and_uninstalls_with_the_real_helm(cluster):
     assert objects(cluster, "vgpu") == []
 
 
+def test_a_hami_values_file_installs_unchanged_with_the_real_helm(cluster):
+    """HAMi's values, given as its users keep them: helm installs the chart,
+    the keys with a vgpu meaning in effect, the others named by the NOTES."""
+    namespace = "hami-values"
+    installed = cluster.helm("install", "hami", str(CHART), "-n", namespace, "--create-namespace",
+                             "-f", str(REPO / "tests/deploy/peer-values/hami.yaml"))
+    mapped, _, ignored = installed.stdout.partition("WARNING: these values")
+    assert "devicePlugin.deviceSplitCount -> node.devicePlugin.splitCount: 4" in mapped, installed.stdout
+    assert 'schedulerName -> scheduler.name: "hami-scheduler"' in mapped, installed.stdout
+    for key in ("devicePlugin.deviceCoreScaling", "scheduler.extender.image", "mluResourceName", "devices.amd"):
+        assert f"\n  {key}: " in ignored, installed.stdout
+    installed_objects = objects(cluster, "hami")
+    daemonset = next(item for item in installed_objects if item["kind"] == "DaemonSet")
+    assert daemonset["spec"]["template"]["spec"]["nodeSelector"] == {"gpu-pool": "shared"}
+    plugin = next(c for c in daemonset["spec"]["template"]["spec"]["containers"] if c["name"] == "device-plugin")
+    assert "--split-count=4" in plugin["args"] and "--core-policy=force" in plugin["args"]
+    deployment = next(item for item in installed_objects if item["kind"] == "Deployment")
+    kube_scheduler = next(c for c in deployment["spec"]["template"]["spec"]["containers"]
+                          if c["name"] == "kube-scheduler")
+    assert kube_scheduler["image"] == "mirror.example.com/google_containers/kube-scheduler:v1.32.0"
+    config = next(item for item in installed_objects
+                  if item["kind"] == "ConfigMap" and item["metadata"]["name"] == "hami-vgpu-scheduler")
+    assert "schedulerName: hami-scheduler" in config["data"]["config.yaml"]
+    webhook = next(item for item in installed_objects if item["kind"] == "MutatingWebhookConfiguration")
+    assert {"key": "kubernetes.io/metadata.name", "operator": "NotIn", "values": ["kube-system", "istio-system"]} \
+        in webhook["webhooks"][0]["namespaceSelector"]["matchExpressions"]
+    cluster.helm("uninstall", "hami", "-n", namespace)
+    assert objects(cluster, "hami") == []
+
+
 def _openssl(*args: str) -> str:
     result = subprocess.run(["openssl", *args], capture_output=True, text=True, timeout=30, check=False)
     assert result.returncode == 0, f"openssl {args}: {result.stderr}"

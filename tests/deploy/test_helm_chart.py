@@ -1168,3 +1168,195 @@ def test_large_extender_limits_render_as_integers_the_extender_parses():
     with pytest.raises(Exception) as error:
         render({"scheduler": {"extender": {"maxWatches": 1000000}}})
     assert "maxWatches" in str(error.value)
+
+
+# Values files of the peers' charts -------------------------------------------
+
+PEER_VALUES = ROOT / "tests" / "deploy" / "peer-values"
+PEER_TEMPLATE = CHART / "templates" / "_peer-values.tpl"
+APPLY_PEER_VALUES = '{{- include "vgpu.peerValues.apply" . -}}'
+
+
+def peer_lists():
+    """The mappings and the peer keys that _peer-values.tpl names."""
+    text = PEER_TEMPLATE.read_text()
+
+    def block(name):
+        start = text.index(f'define "{name}" -}}}}\n') + len(f'define "{name}" -}}}}\n')
+        return yaml.safe_load(text[start : text.index("{{- end -}}", start)])
+
+    return block("vgpu.peerValues.mappings"), block("vgpu.peerValues.keys")
+
+
+def notes(values):
+    """NOTES.txt's lists: {"mapped": {from: 'to: value'}, "ignored": {key: value}}."""
+    with helm.Chart.load(str(CHART)) as chart:
+        chart.validate_schema(values)
+        manifests = chart.render(values, name="vgpu", namespace="kube-system")
+    text = next(text for path, text in manifests.items() if path.endswith("NOTES.txt"))
+    lists = {"mapped": {}, "ignored": {}}
+    current = None
+    for line in text.splitlines():
+        if line.startswith("Values of HAMi's"):
+            current = lists["mapped"]
+        elif line.startswith("WARNING: these values"):
+            current = lists["ignored"]
+        elif current is not None and line.startswith("  "):
+            key, _, value = line.strip().partition(" -> " if current is lists["mapped"] else ": ")
+            current[key] = value
+    return lists
+
+
+def peer_file(name):
+    return yaml.safe_load((PEER_VALUES / name).read_text())
+
+
+def test_a_hami_values_file_works_unchanged():
+    values = peer_file("hami.yaml")
+    objects = render(values)
+    node = find(objects, "DaemonSet", "-node")
+    pod = node["spec"]["template"]["spec"]
+    assert pod["nodeSelector"] == {"gpu-pool": "shared"}
+    assert "runtimeClassName" not in pod, "HAMi's empty runtimeClassName: the node's default runtime"
+    assert {"key": "dedicated", "operator": "Equal", "value": "gpu", "effect": "NoSchedule"} in pod["tolerations"]
+    assert pod["imagePullSecrets"] == [{"name": "registry-credentials"}]
+    plugin, monitor = container(node, "device-plugin"), container(node, "monitor")
+    pf = flags(plugin)
+    assert pf["split-count"] == "4" and pf["device-memory-scaling"] == "1.5"
+    assert pf["containers-dir"] == "/opt/vgpu/containers" and pf["library"] == "/opt/vgpu/libvgpu.so"
+    assert plugin["resources"] == {"limits": {"memory": "300Mi"}}
+    assert monitor["resources"] == {"limits": {"memory": "200Mi"}}
+    assert str(monitor["ports"][0]["containerPort"]) == "31993"
+    assert pf["core-policy"] == "force", "devices.nvidia.gpuCorePolicy"
+    host_paths = {v["hostPath"]["path"] for v in pod["volumes"] if "hostPath" in v}
+    assert {"/data/kubelet/device-plugins", "/data/kubelet/pod-resources"} <= host_paths, host_paths
+
+    deployment = find(objects, "Deployment", "-scheduler")
+    assert deployment["spec"]["replicas"] == 2
+    assert deployment["spec"]["template"]["spec"]["nodeSelector"] == {"scheduler-pool": "on"}
+    kube_scheduler = container(deployment, "kube-scheduler")
+    assert kube_scheduler["image"] == "mirror.example.com/google_containers/kube-scheduler:v1.32.0"
+    ef = flags(container(deployment, "extender"))
+    assert (ef["resource-gpu"], ef["resource-memory"], ef["resource-memory-percentage"], ef["resource-cores"],
+            ef["resource-priority"]) == ("nvidia.com/vgpu", "nvidia.com/vgpu-memory",
+                                         "nvidia.com/vgpu-memory-percentage", "nvidia.com/vgpu-cores",
+                                         "nvidia.com/vgpu-priority")
+    assert (ef["gpu-policy"], ef["node-policy"]) == ("binpack", "spread")
+    assert (ef["default-memory-mib"], ef["default-cores"], ef["scheduler-name"]) == ("2048", "10", "hami-scheduler")
+    config = scheduler_config(objects)
+    assert config["profiles"][0]["schedulerName"] == "hami-scheduler"
+    (extender,) = config["extenders"]
+    assert extender["httpTimeout"] == "30s"
+    assert "nvidia.com/vgpu" in {r["name"] for r in extender["managedResources"]}
+    webhook = find(objects, "MutatingWebhookConfiguration", "-webhook")["webhooks"][0]
+    assert webhook["failurePolicy"] == "Fail"
+    assert {"key": "kubernetes.io/metadata.name", "operator": "NotIn", "values": ["kube-system", "istio-system"]} \
+        in webhook["namespaceSelector"]["matchExpressions"]
+    for workload, name, binary in [(node, "device-plugin", "vgpu-device-plugin"), (node, "monitor", "vgpu-monitor"),
+                                   (deployment, "extender", "vgpu-scheduler")]:
+        result = _accepts(binary, container(workload, name)["args"])
+        assert result.returncode == 0, f"{binary}:\n{result.stderr}"
+
+    listed = notes(values)
+    assert listed["mapped"]["devicePlugin.deviceSplitCount"] == "node.devicePlugin.splitCount: 4"
+    assert listed["mapped"]["devicePlugin.pluginPath"] == 'node.kubeletDir: "/data/kubelet"'
+    assert listed["mapped"]["devicePlugin.runtimeClassName"] == 'node.runtimeClassName: ""'
+    assert {"devicePlugin.deviceCoreScaling", "devicePlugin.migStrategy", "devices.amd",
+            "devices.nvidia.libCudaLogLevel", "scheduler.extender.image", "scheduler.leaderElect", "global.imageTag",
+            "mluResourceName", "hcuResourceMem"} <= set(listed["ignored"]), listed["ignored"]
+    # Nothing is both, nothing is lost: every key of the file is vgpu's, mapped or named as ignored.
+    assert not set(listed["mapped"]) & set(listed["ignored"])
+
+
+def test_an_nvidia_gpu_scheduler_values_file_works_unchanged():
+    values = peer_file("nvidia-gpu-scheduler.yaml")
+    objects = render(values)
+    node = find(objects, "DaemonSet", "-node")
+    assert node["spec"]["template"]["spec"]["nodeSelector"] == {"nodeinfo": "gpu"}
+    host_paths = {v["hostPath"]["path"] for v in node["spec"]["template"]["spec"]["volumes"] if "hostPath" in v}
+    assert "/data/kubelet/pod-resources" in host_paths, host_paths
+    deployment = find(objects, "Deployment", "-scheduler")
+    pod = deployment["spec"]["template"]["spec"]
+    assert deployment["spec"]["replicas"] == 2
+    assert pod["nodeSelector"] == {"node-role.kubernetes.io/control-plane": ""}
+    assert pod["tolerations"][0]["key"] == "node-role.kubernetes.io/control-plane"
+    assert container(deployment, "extender")["resources"] == {"limits": {"cpu": "500m", "memory": "256Mi"},
+                                                              "requests": {"cpu": "100m", "memory": "128Mi"}}
+    # Its `resources` holds container resources; vgpu's resource names stay as they were.
+    assert flags(container(deployment, "extender"))["resource-gpu"] == "nvidia.com/gpu"
+    listed = notes(values)
+    assert set(listed["mapped"]) == {"replicaCount", "nodeSelector", "tolerations", "resources.limits",
+                                     "resources.requests", "nodeSelectorDaemonSet", "defaultPodResourcesDir"}
+    assert set(listed["ignored"]) == {"image.gpuserver", "image.gpuserverds", "apigroup", "apiversion",
+                                      "serviceAccount", "service"}
+
+
+def test_every_peer_key_is_accepted_and_either_mapped_or_named_as_ignored():
+    mappings, keys = peer_lists()
+    sources = [m["from"] for m in mappings]
+    # Every mapping is shown working by one of the two files above.
+    shown = set(notes(peer_file("hami.yaml"))["mapped"]) | set(notes(peer_file("nvidia-gpu-scheduler.yaml"))["mapped"])
+    assert shown == set(sources), set(sources) ^ shown
+    # Every other peer key (or an unknown key below one holding mapped keys) is accepted and named.
+    values, expected = {}, set()
+    for key in keys:
+        holds_mapped = any(source.startswith(key + ".") for source in sources)
+        if key in sources:
+            continue
+        path = key.split(".") + (["somethingNew"] if holds_mapped else [])
+        node = values
+        for part in path[:-1]:
+            node = node.setdefault(part, {})
+        node[path[-1]] = "x"
+        expected.add(".".join(path))
+    values["cncfResourceName"] = "example.com/npu"
+    expected.add("cncfResourceName")
+    assert set(notes(values)["ignored"]) == expected
+
+    # The schema declares the same keys, and a mapped key takes its vgpu key's constraints.
+    schema = json.loads((CHART / "values.schema.json").read_text())
+
+    def declared(node, path=()):
+        for name, child in node.get("properties", {}).items():
+            if child.get("description", "").startswith("Peer chart's key") or "$ref" in child:
+                yield ".".join(path + (name,))
+            else:
+                yield from declared(child, path + (name,))
+
+    assert set(declared(schema)) == set(keys)
+    for m in mappings:
+        node = schema
+        for part in m["from"].split("."):
+            node = node["properties"][part]
+        if not m.get("as"):
+            assert node["$ref"] == "#/properties/" + "/properties/".join(m["to"].split(".")), m
+
+
+@pytest.mark.parametrize(
+    "values, words",
+    [
+        ({"devicePlugin": {"deviceSplitCount": 0}}, "deviceSplitCount"),
+        ({"scheduler": {"defaultSchedulerPolicy": {"gpuSchedulerPolicy": "topology-aware"}}}, "gpuSchedulerPolicy"),
+        ({"schedulerName": "HAMi Scheduler"}, "schedulerName"),
+        ({"devicePlugin": {"pluginPath": "/var/lib/kubelet/plugins"}}, "must end in /device-plugins"),
+        ({"defaultPodResourcesDir": "/var/lib/kubelet"}, "must end in /pod-resources"),
+        ({"devicePlugin": {"disablecorelimit": "sometimes"}}, "disablecorelimit"),
+        ({"unknownTopLevelKey": 1}, "unknownTopLevelKey"),
+    ],
+)
+def test_bad_peer_values_are_refused_with_their_name(values, words):
+    with pytest.raises(Exception) as error:
+        render(values)
+    assert words in str(error.value), str(error.value)
+
+
+def test_hamis_core_limit_switch_wins_over_the_policy():
+    values = {"devices": {"nvidia": {"gpuCorePolicy": "force"}}, "devicePlugin": {"disablecorelimit": "true"}}
+    plugin = container(find(render(values), "DaemonSet", "-node"), "device-plugin")
+    assert flags(plugin)["core-policy"] == "disable"
+
+
+def test_every_template_applies_the_peer_values_first():
+    for path in sorted((CHART / "templates").iterdir()):
+        if not path.name.startswith("_"):
+            assert path.read_text().splitlines()[0] == APPLY_PEER_VALUES, path.name
