@@ -39,6 +39,9 @@ import pytest
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(HERE.parent / "common"))
+from shares import UncappedRun, assert_share  # noqa: E402
+
 from chartcluster import (  # noqa: E402
     REPO,
     TARGET,
@@ -169,6 +172,9 @@ def test_claims_share_a_gpu_by_amount_and_are_held_there(dra_cluster):
     create(cc, claim("half", "8Gi", "50"),
            pod("half", "half", ["/bin/sh", "-c", f"{workload} sync k1ms 4; exec sleep 600"]))
     half = allocated(cc, "half")
+    # The same program with no cap, on a simulated GPU of its own, while
+    # half's container starts and runs: what this machine gives it now.
+    uncapped = UncappedRun(workload, ["sync", "k1ms", "4"], cc.nodes[0].simulated_gpu, cc.workdir)
     assert small["device"] == half["device"], (small, half)
     assert small["consumedCapacity"] == {"memory": "4Gi", "cores": "30"}, small
     assert half["consumedCapacity"] == {"memory": "8Gi", "cores": "50"}, half
@@ -220,9 +226,11 @@ def test_claims_share_a_gpu_by_amount_and_are_held_there(dra_cluster):
                    and node.container_log(NAMESPACE, "half", "main"), timeout=60, log=cc.logs)
     launches = int(log.split("launches=")[1].split()[0])
     # 1 ms kernels back to back for 4 s: at a 50 % share about 2000 run.
-    share = launches / 4000
-    print(f"\nclaim half (cores 50): {launches} launches of 1 ms in 4 s = {100 * share:.1f} % of the GPU")
-    assert 0.40 <= share <= 0.58, launches
+    share = 100 * launches / 4000
+    reference = 100 * uncapped.launches() / 4000
+    print(f"\nclaim half (cores 50): {launches} launches of 1 ms in 4 s = {share:.1f} % of the GPU "
+          f"(uncapped beside it: {reference:.1f} %)")
+    assert_share("claim half (cores 50)", share, 50, reference, tolerance=8)
 
     for name in ("small", "half", "big", "toomuch"):
         cc.cluster.kubectl("delete", "pod", name, "-n", NAMESPACE, "--wait=true", "--timeout=60s")
