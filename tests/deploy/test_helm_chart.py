@@ -385,7 +385,7 @@ def test_accounts_can_do_what_their_binaries_need():
     ]:
         assert rules_allow(objects, node_sa, "", resource, verb), (resource, verb)
     assert node["spec"]["template"]["spec"]["hostPID"] is True
-    # Extender: watch pods and nodes, record decisions, bind.
+    # Extender: watch pods, nodes and quotas, record decisions, bind.
     for resource, verb in [
         ("pods", "list"),
         ("pods", "watch"),
@@ -393,6 +393,8 @@ def test_accounts_can_do_what_their_binaries_need():
         ("pods/binding", "create"),
         ("nodes", "list"),
         ("nodes", "watch"),
+        ("resourcequotas", "list"),
+        ("resourcequotas", "watch"),
     ]:
         assert rules_allow(objects, extender_sa, "", resource, verb), (resource, verb)
     # Neither may delete pods or touch secrets.

@@ -8,6 +8,7 @@
 //! - [`look_up`]: the claims a pod names, read from the API.
 //! - [`kubeshare`]: KubeShare's labels turned into vgpu's requests.
 //! - [`seccomp`]: the seccomp profile of containers given vGPUs.
+//! - [`quota`]: a pod its namespace's quota on vGPU resources cannot take.
 //! - [`mutate`]: the answer to one `AdmissionReview`.
 //! - [`conversion`]: the answer to one `ConversionReview`.
 
@@ -17,5 +18,6 @@ pub mod kubeshare;
 pub mod look_up;
 pub mod mutate;
 pub mod patch;
+pub mod quota;
 pub mod review;
 pub mod seccomp;

@@ -27,6 +27,7 @@ use crate::admission::claims::{claim_patch, ClaimPatchError};
 use crate::admission::kubeshare::kubeshare_patch;
 use crate::admission::look_up::{ClaimAnswers, ClaimLookUpError};
 use crate::admission::patch::resource_patch;
+use crate::admission::quota::{quota_refusal, AdmissionQuota};
 use crate::admission::review::{Review, WebhookReply};
 use crate::admission::seccomp::{runtime_default_patch, unconfined_vgpu_container};
 use crate::bounded::read_pod;
@@ -93,11 +94,11 @@ enum Refusal {
     KubeShare(#[from] KubeShareError),
 }
 
-/// The namespace and the Elastic GPU claims a pod being created names in
-/// its `egpuc.elasticgpu.io/<container>` annotations, for the caller to
-/// look up before [`mutate`]; `None` when it names none (or the body is no
-/// pod creation).
-pub fn claims_to_look_up(body: &[u8]) -> Option<(String, Vec<String>)> {
+/// The namespace of a pod being created and the Elastic GPU claims it
+/// names in its `egpuc.elasticgpu.io/<container>` annotations, for the
+/// caller to look up (the claims, the namespace's quota) before
+/// [`mutate`]; `None` when the body is no pod creation.
+pub fn to_look_up(body: &[u8]) -> Option<(String, Vec<String>)> {
     let review: Review<ReviewRequest> = serde_json::from_slice(body).ok()?;
     let request = review.request?;
     if !matches!(request.operation.as_deref(), None | Some("CREATE")) {
@@ -119,19 +120,21 @@ pub fn claims_to_look_up(body: &[u8]) -> Option<(String, Vec<String>)> {
         .namespace
         .or(pod.metadata.namespace)
         .unwrap_or_else(|| "default".into());
-    (!claims.is_empty()).then_some((namespace, claims))
+    Some((namespace, claims))
 }
 
 /// Answers one `AdmissionReview` for pods. `scheduler_name` is the name
 /// vGPU pods are given; `names` are the resources that make a pod a vGPU
 /// pod; `claims` what was learnt of the Elastic GPU claims the pod names
-/// ([`claims_to_look_up`]).
+/// ([`to_look_up`]); `quota` what the pod's namespace holds, when a
+/// quota limits its vGPU resources.
 pub fn mutate(
     body: &[u8],
     scheduler_name: &str,
     names: &ResourceNames,
     policy: &AdmissionPolicy,
     claims: &ClaimAnswers,
+    quota: Option<&AdmissionQuota>,
 ) -> WebhookReply {
     let (api_version, request) = match Review::<ReviewRequest>::read(body, "AdmissionReview") {
         Ok(read) => read,
@@ -166,6 +169,20 @@ pub fn mutate(
         }
         _ => None,
     };
+    let over_quota = match (&pod, quota) {
+        (Ok(Some(pod)), Some(quota)) if creating => quota_refusal(pod, names, quota),
+        _ => None,
+    };
+    if let Some(reason) = over_quota {
+        tracing::info!("admission review {}: refused: {reason}", response.uid);
+        response.allowed = false;
+        response.status = Some(json!({
+            "code": 403,
+            "reason": "Forbidden",
+            "message": format!("exceeded quota: {reason}"),
+        }));
+        return reply(&api_version, &response);
+    }
     if let Some(reason) = refused {
         tracing::info!("admission review {}: refused: {reason}", response.uid);
         response.allowed = false;
@@ -434,6 +451,7 @@ mod tests {
             &ResourceNames::default(),
             &AdmissionPolicy::default(),
             &ClaimAnswers::new(),
+            None,
         );
         assert_eq!(
             reply.status,
@@ -535,6 +553,7 @@ mod tests {
             &ResourceNames::default(),
             &AdmissionPolicy::default(),
             claims,
+            None,
         );
         serde_json::from_slice(&reply.body).expect("json")
     }
@@ -548,7 +567,7 @@ mod tests {
         };
         let body = review(claimed_pod(false));
         assert_eq!(
-            claims_to_look_up(&body),
+            to_look_up(&body),
             Some(("default".to_string(), vec!["gpushare-egpuc-1".to_string()]))
         );
         let ours = ClaimAnswers::from([("gpushare-egpuc-1".to_string(), Ok(Some(share)))]);
@@ -645,6 +664,7 @@ mod tests {
                 &names,
                 &AdmissionPolicy::default(),
                 &ClaimAnswers::new(),
+                None,
             );
             assert_eq!(reply.status, 400);
             let text = String::from_utf8_lossy(&reply.body);
@@ -664,6 +684,7 @@ mod tests {
             &names,
             &AdmissionPolicy::default(),
             &ClaimAnswers::new(),
+            None,
         );
         let value: Value = serde_json::from_slice(&reply.body).expect("json");
         let patch = patch_of(&value["response"]).expect("patched");
@@ -674,6 +695,7 @@ mod tests {
             &names,
             &AdmissionPolicy::default(),
             &ClaimAnswers::new(),
+            None,
         );
         let value: Value = serde_json::from_slice(&reply.body).expect("json");
         assert_eq!(patch_of(&value["response"]), None);
@@ -691,6 +713,7 @@ mod tests {
             &ResourceNames::default(),
             policy,
             &ClaimAnswers::new(),
+            None,
         );
         assert_eq!(reply.status, 200);
         serde_json::from_slice(&reply.body).expect("json")

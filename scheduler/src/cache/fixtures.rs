@@ -4,7 +4,7 @@
 use crate::cache::clock::now_unix_ms;
 use crate::vocabulary::elastic::ElasticGpu;
 use k8s_openapi::api::coordination::v1::Lease;
-use k8s_openapi::api::core::v1::{Node, Pod, PodSpec, PodStatus};
+use k8s_openapi::api::core::v1::{Node, Pod, PodSpec, PodStatus, ResourceQuota};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use std::collections::BTreeMap;
 use vgpu_cluster::decision::{
@@ -203,4 +203,17 @@ pub fn labelled(mut pod: Pod, key: &str, value: &str) -> Pod {
         .get_or_insert_with(BTreeMap::new)
         .insert(key.into(), value.into());
     pod
+}
+
+/// ResourceQuota `name` of `namespace` with `hard` limits.
+pub fn quota(namespace: &str, name: &str, hard: &[(&str, &str)]) -> ResourceQuota {
+    let hard: serde_json::Map<String, serde_json::Value> = hard
+        .iter()
+        .map(|(key, value)| (key.to_string(), serde_json::json!(value)))
+        .collect();
+    serde_json::from_value(serde_json::json!({
+        "metadata": {"namespace": namespace, "name": name},
+        "spec": {"hard": hard},
+    }))
+    .expect("a ResourceQuota")
 }

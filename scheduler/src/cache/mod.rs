@@ -22,7 +22,7 @@
 //! - [`watch`]: the watches that feed the state.
 //! - [`expiry`]: the task that ends unbound decisions' grace.
 //! - [`pods`], [`nodes`], [`gpus`], [`leases`], [`reservations`],
-//!   [`groups`]: what the state records of each.
+//!   [`groups`], [`quotas`]: what the state records of each.
 //! - [`clock`], [`fast_map`]: the clock and map everything uses.
 
 pub mod book;
@@ -36,6 +36,7 @@ pub mod groups;
 pub mod leases;
 pub mod nodes;
 pub mod pods;
+pub mod quotas;
 pub mod reservations;
 pub mod state;
 pub mod watch;

@@ -8,7 +8,7 @@ use crate::cache::book::{Book, WatchRefusal};
 use crate::cache::state::{ClusterState, SharedState};
 use futures_util::StreamExt;
 use k8s_openapi::api::coordination::v1::Lease;
-use k8s_openapi::api::core::v1::{Node, Pod};
+use k8s_openapi::api::core::v1::{Node, Pod, ResourceQuota};
 use kube::runtime::watcher::{self, Event, ListSemantic};
 use kube::runtime::WatchStreamExt;
 use kube::{Api, Client};
@@ -16,11 +16,15 @@ use std::sync::Arc;
 use tokio::task::JoinHandle;
 use vgpu_cluster::node_lease::{lease_selector, NODE_LEASE_NAMESPACE};
 
-/// Starts the watches of pods, nodes, the device plugins' node Leases and
-/// ElasticGPUs. Placements wait for the ElasticGPUs' first list, unless
-/// the API has none for this extender.
+/// Starts the watches of pods, nodes, the device plugins' node Leases,
+/// ElasticGPUs and ResourceQuotas. Placements wait for the ElasticGPUs'
+/// and the quotas' first lists, unless the API refuses them to this
+/// extender.
 pub fn watch_cluster(client: &Client, state: &Arc<SharedState>) -> Vec<JoinHandle<()>> {
-    state.update(|s| s.expect_reservations());
+    state.update(|s| {
+        s.expect_reservations();
+        s.expect_quotas();
+    });
     let leases = Api::<Lease>::namespaced(client.clone(), NODE_LEASE_NAMESPACE);
     vec![
         tokio::spawn(watch(
@@ -40,6 +44,11 @@ pub fn watch_cluster(client: &Client, state: &Arc<SharedState>) -> Vec<JoinHandl
         )),
         tokio::spawn(watch(
             elastic_gpus(client.clone()),
+            watcher::Config::default(),
+            state.clone(),
+        )),
+        tokio::spawn(watch(
+            Api::<ResourceQuota>::all(client.clone()),
             watcher::Config::default(),
             state.clone(),
         )),

@@ -3,7 +3,8 @@
 //! bound; any other is refused before anything is written.
 //!
 //! 1. One in-process lock per node is held across check, record and bind,
-//!    so two binds to one node never interleave.
+//!    so two binds to one node never interleave (and one per namespace
+//!    whose quota limits vGPU resources, taken first).
 //! 2. Under it, the bind waits (up to `--bind-wait-ms`) until the node has
 //!    no *pending* pod (decided, not yet fully allocated by the device
 //!    plugin), then places the pod on the node's GPUs as they are now
@@ -79,6 +80,8 @@ pub enum BindError {
     ClaimsBusy { wait_ms: u128 },
     #[error("node {node} is busy with other binds for more than {wait_ms} ms; kube-scheduler will retry")]
     NodeBusy { node: String, wait_ms: u128 },
+    #[error("other pods of namespace {namespace}, whose quota limits vGPU resources, are being bound for more than {wait_ms} ms; kube-scheduler will retry")]
+    NamespaceBusy { namespace: String, wait_ms: u128 },
     #[error(transparent)]
     Refused(#[from] NodeRefusal),
     #[error(
@@ -207,6 +210,26 @@ impl Scheduler {
                     .await
                     .map_err(|_| BindError::ClaimsBusy { wait_ms })?,
             )
+        };
+        // Binds of a namespace whose quota limits vGPU resources go one at
+        // a time, so two pods on two nodes cannot both take its last room;
+        // taken before the node's lock, always.
+        let quota_lock = self
+            .state
+            .read()
+            .quotas()
+            .limits_namespace(namespace)
+            .then(|| self.namespace_lock(namespace));
+        let _quota_guard = match &quota_lock {
+            Some(lock) => Some(
+                tokio::time::timeout_at(deadline, lock.lock())
+                    .await
+                    .map_err(|_| BindError::NamespaceBusy {
+                        namespace: namespace.clone(),
+                        wait_ms,
+                    })?,
+            ),
+            None => None,
         };
         let lock = self.node_lock(node);
         let _guard = tokio::time::timeout_at(deadline, lock.lock())

@@ -1,6 +1,7 @@
 //! The extender: what its verbs share (configuration, state, API client,
 //! locks, leadership).
 
+use crate::admission::quota::AdmissionQuota;
 use crate::api::KubeApi;
 use crate::cache::clock::now_unix_ms;
 use crate::cache::state::debug::DebugState;
@@ -9,7 +10,9 @@ use crate::extender::config::Config;
 use crate::extender::reply::Reply;
 use crate::extender::score_cache::ScoreCache;
 use crate::leader::Leadership;
+use crate::placement::quota::{namespace_quota_use, quota_use, NamespaceQuotaUse};
 use crate::placement::rules::Rules;
+use crate::placement::snapshot::Snapshot;
 use std::collections::HashMap;
 use std::hash::BuildHasher;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
@@ -35,6 +38,8 @@ pub struct Scheduler {
     pub(super) state: Arc<SharedState>,
     pub(super) api: Option<KubeApi>,
     node_locks: Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
+    /// Held while a pod of a namespace with a vGPU quota is bound.
+    namespace_locks: Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
     /// Seeds the random node policy and keys the score cache.
     pub(super) hasher: foldhash::fast::RandomState,
     pub(super) score_cache: ScoreCache,
@@ -54,6 +59,7 @@ impl Scheduler {
             state,
             api,
             node_locks: Mutex::new(HashMap::new()),
+            namespace_locks: Mutex::new(HashMap::new()),
             hasher: foldhash::fast::RandomState::default(),
             score_cache: ScoreCache::default(),
             binds_in_flight: AtomicUsize::new(0),
@@ -133,6 +139,27 @@ impl Scheduler {
         )
     }
 
+    /// What each namespace with a quota on vGPU resources holds, and may
+    /// hold (for `/metrics`).
+    pub fn quota_use(&self) -> Vec<NamespaceQuotaUse> {
+        let state = self.state.read();
+        quota_use(&Snapshot::new(&state, &self.rules, now_unix_ms()))
+    }
+
+    /// What the webhook checks a pod being created in `namespace` against,
+    /// when a quota limits the namespace's vGPU resources.
+    pub fn admission_quota(&self, namespace: &str) -> Option<AdmissionQuota> {
+        let state = self.state.read();
+        if !state.quotas().limits_namespace(namespace) {
+            return None;
+        }
+        let snapshot = Snapshot::new(&state, &self.rules, now_unix_ms());
+        Some(AdmissionQuota {
+            usage: namespace_quota_use(&snapshot, namespace)?,
+            defaults: self.rules.defaults,
+        })
+    }
+
     /// `GET /debug/state`.
     pub fn debug_state(&self) -> Reply {
         Reply::json(200, &self.snapshot())
@@ -145,6 +172,16 @@ impl Scheduler {
             .lock()
             .unwrap_or_else(|poison| poison.into_inner());
         locks.entry(node.to_string()).or_default().clone()
+    }
+
+    /// The lock a bind of a pod of `namespace` holds while the namespace
+    /// has a quota on vGPU resources.
+    pub(super) fn namespace_lock(&self, namespace: &str) -> Arc<tokio::sync::Mutex<()>> {
+        let mut locks = self
+            .namespace_locks
+            .lock()
+            .unwrap_or_else(|poison| poison.into_inner());
+        locks.entry(namespace.to_string()).or_default().clone()
     }
 
     /// A number that is random across pods and nodes, but the same for one

@@ -81,6 +81,7 @@ fn slice_holder(claim: &str) -> PodToPlace<'static> {
         counted_node: None,
         claims: vec![claim.to_string()],
         evicted: Vec::new(),
+        quota: None,
     }
 }
 

@@ -9,6 +9,7 @@ use crate::cache::pods::sidecar_names;
 use crate::cache::state::{ClusterState, SharedState};
 use crate::placement::fit::packing::Scratch;
 use crate::placement::pod_to_place::PodToPlace;
+use crate::placement::quota::NamespaceHeld;
 use crate::placement::rejection::Rejection;
 use crate::placement::rules::{PodRequestError, Rules};
 use crate::placement::snapshot::Snapshot;
@@ -286,6 +287,7 @@ fn place_member(
         counted_node: state.counted_node_of(uid),
         claims: claim_keys_held(pod),
         evicted: Vec::new(),
+        quota: NamespaceHeld::of(state, pod.metadata.namespace.as_deref().unwrap_or(""), uid),
     };
     let policy = request.gpu_policy.unwrap_or(snapshot.rules.gpu_policy);
     let mut scratch = Scratch::default();

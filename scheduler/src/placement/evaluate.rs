@@ -1,6 +1,6 @@
 //! Whether a pod fits on one node as the snapshot stands: the node known
 //! and its plugin alive, the pod's claims' slices there, room on its GPUs
-//! beside everything placed and held.
+//! beside everything placed and held, its namespace within its quotas.
 
 use crate::cache::leases::Liveness;
 use crate::cache::nodes::Inventory;
@@ -9,6 +9,7 @@ use crate::placement::fit::gpu_check::explain;
 use crate::placement::fit::load::node_load;
 use crate::placement::fit::packing::{place_pod, Scratch};
 use crate::placement::pod_to_place::PodToPlace;
+use crate::placement::quota::taken;
 use crate::placement::rejection::Rejection;
 use crate::placement::snapshot::Snapshot;
 use std::borrow::Cow;
@@ -84,7 +85,12 @@ impl Snapshot<'_> {
             Cow::Borrowed(&node.usage[..])
         };
         match place_pod(&node.gpus, &base, request, policy, scratch) {
-            Ok(()) => Ok(node_load(&node.gpus, &scratch.after)),
+            Ok(()) => {
+                if let Some(held) = &pod.quota {
+                    self.within_quota(held, &pod.evicted, &taken(&base, &scratch.after))?;
+                }
+                Ok(node_load(&node.gpus, &scratch.after))
+            }
             Err(miss) => Err(Rejection::NoRoom {
                 explanation: explain(&node.gpus, request, &miss),
                 permanent: miss.permanent,

@@ -7,6 +7,8 @@
 //! - [`fit`]: a pod's containers on one node's GPUs.
 //! - [`pod_to_place`], [`rejection`], [`evaluate`]: one pod on one node.
 //! - [`claims`]: Elastic GPU claims in the way or pinning the pod.
+//! - [`quota`]: the pod's namespace within its quotas of GPU memory and
+//!   cores.
 //! - [`decision`]: a placement written down.
 //! - [`filter`], [`scores`], [`preemption`], [`on_node`]: what the
 //!   extender's verbs ask.
@@ -24,6 +26,7 @@ pub mod fit;
 pub mod on_node;
 pub mod pod_to_place;
 pub mod preemption;
+pub mod quota;
 pub mod rejection;
 pub mod rules;
 pub mod scores;

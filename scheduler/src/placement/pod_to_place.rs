@@ -1,6 +1,7 @@
 //! The pod being placed, as the state knows it.
 
 use crate::cache::state::ClusterState;
+use crate::placement::quota::NamespaceHeld;
 use crate::vocabulary::claims::claim_keys_held;
 use k8s_openapi::api::core::v1::Pod;
 
@@ -16,16 +17,21 @@ pub struct PodToPlace<'a> {
     pub claims: Vec<String>,
     /// Pods taken as gone (the victims of a preemption being weighed).
     pub evicted: Vec<String>,
+    /// What its namespace holds, when a quota limits the namespace's vGPU
+    /// resources ([`crate::placement::quota`]).
+    pub quota: Option<NamespaceHeld>,
 }
 
 impl<'a> PodToPlace<'a> {
     pub fn of(state: &'a ClusterState, pod: &'a Pod) -> Self {
         let uid = pod.metadata.uid.as_deref().unwrap_or("");
+        let namespace = pod.metadata.namespace.as_deref().unwrap_or("");
         Self {
             uid,
             counted_node: state.counted_node_of(uid),
             claims: claim_keys_held(pod),
             evicted: Vec::new(),
+            quota: NamespaceHeld::of(state, namespace, uid),
         }
     }
 }

@@ -54,6 +54,29 @@ pub enum Rejection {
         /// Evicting pods would not help.
         permanent: bool,
     },
+    /// The pod's namespace would pass a quota ([`QuotaExceeded`]).
+    #[error(transparent)]
+    NamespaceQuota(Box<QuotaExceeded>),
+}
+
+/// A namespace that a pod would take past a quota's limit on a vGPU
+/// resource ([`crate::placement::quota`]).
+#[derive(Clone, Debug, Error, PartialEq, Eq)]
+#[error(
+    "namespace {namespace}'s ResourceQuota {quota} allows requests.{resource} {limit} ({unit}): \
+     its vGPU pods hold {held} and this pod would take {taken} {at}"
+)]
+pub struct QuotaExceeded {
+    pub namespace: String,
+    /// Where the pod's amount was counted.
+    pub at: &'static str,
+    /// The ResourceQuota's name.
+    pub quota: String,
+    pub resource: String,
+    pub unit: &'static str,
+    pub limit: u64,
+    pub held: u64,
+    pub taken: u64,
 }
 
 impl Rejection {
@@ -61,6 +84,8 @@ impl Rejection {
     pub fn is_permanent(&self) -> bool {
         match self {
             Self::NoRoom { permanent, .. } => *permanent,
+            // Ending (or preempting) a pod of the namespace makes room.
+            Self::NamespaceQuota(_) => false,
             _ => true,
         }
     }

@@ -3,8 +3,12 @@
 //! kube-scheduler has no per-extender latency metric of its own (its
 //! `framework_extension_point_duration_seconds` covers its plugins only), so
 //! this is where an operator sees what the extender adds to each pod.
+//! Beside them, what each namespace with a quota on vGPU resources holds
+//! and may hold ([`crate::placement::quota`]).
 
+use crate::placement::quota::NamespaceQuotaUse;
 use prometheus::{Encoder, Histogram, HistogramOpts, HistogramVec, Registry, TextEncoder};
+use std::fmt::Write as _;
 use std::time::Duration;
 use thiserror::Error;
 
@@ -107,14 +111,67 @@ impl ServerMetrics {
         histogram.observe(elapsed.as_secs_f64());
     }
 
-    /// The text exposition.
-    pub fn render(&self) -> Result<Vec<u8>, MetricsError> {
+    /// The text exposition, with the namespaces' `quotas`.
+    pub fn render(&self, quotas: &[NamespaceQuotaUse]) -> Result<Vec<u8>, MetricsError> {
         let mut buffer = Vec::with_capacity(4096);
         TextEncoder::new()
             .encode(&self.registry.gather(), &mut buffer)
             .map_err(MetricsError)?;
+        buffer.extend_from_slice(render_quotas(quotas).as_bytes());
         Ok(buffer)
     }
+}
+
+/// The quota gauges' names.
+pub const NAMESPACE_MEMORY: &str = "vgpu_namespace_gpu_memory_bytes";
+pub const NAMESPACE_MEMORY_QUOTA: &str = "vgpu_namespace_gpu_memory_quota_bytes";
+pub const NAMESPACE_CORES: &str = "vgpu_namespace_gpu_cores";
+pub const NAMESPACE_CORES_QUOTA: &str = "vgpu_namespace_gpu_cores_quota";
+
+/// The gauges of what quota'd namespaces hold and may hold (one series
+/// per namespace, only for namespaces with such a quota).
+fn render_quotas(quotas: &[NamespaceQuotaUse]) -> String {
+    let mut text = String::new();
+    if quotas.is_empty() {
+        return text;
+    }
+    type Value = fn(&NamespaceQuotaUse) -> Option<u64>;
+    let gauges: [(&str, &str, Value); 4] = [
+        (
+            NAMESPACE_MEMORY,
+            "GPU memory the namespace's vGPU pods hold (what their decisions grant), bytes, for namespaces whose ResourceQuota limits the vGPU memory resource or cores.",
+            |q| Some(q.held.memory_bytes),
+        ),
+        (
+            NAMESPACE_MEMORY_QUOTA,
+            "The smallest limit the namespace's ResourceQuotas set on the vGPU memory resource, bytes.",
+            |q| q.memory.as_ref().map(|limit| limit.value.saturating_mul(1 << 20)),
+        ),
+        (
+            NAMESPACE_CORES,
+            "GPU compute the namespace's vGPU pods hold, in hundredths of a GPU.",
+            |q| Some(u64::from(q.held.cores)),
+        ),
+        (
+            NAMESPACE_CORES_QUOTA,
+            "The smallest limit the namespace's ResourceQuotas set on the vGPU cores resource, hundredths of a GPU.",
+            |q| q.cores.as_ref().map(|limit| limit.value),
+        ),
+    ];
+    for (name, help, value) in gauges {
+        let _ = writeln!(text, "# HELP {name} {help}\n# TYPE {name} gauge");
+        for quota in quotas {
+            if let Some(value) = value(quota) {
+                let namespace = quota
+                    .namespace
+                    .replace('\\', "\\\\")
+                    .replace('"', "\\\"")
+                    .replace('\n', "\\n");
+                let _ = writeln!(text, "{name}{{namespace=\"{namespace}\"}} {value}");
+            }
+        }
+    }
+    text
 }
 
 /// The `Content-Type` of [`ServerMetrics::render`]'s output.
@@ -138,7 +195,7 @@ mod tests {
         metrics.observe(Verb::Filter, Duration::from_micros(300));
         metrics.observe(Verb::Filter, Duration::from_millis(3));
         metrics.observe(Verb::Bind, Duration::from_millis(20));
-        let text = String::from_utf8(metrics.render().expect("render")).expect("utf-8");
+        let text = String::from_utf8(metrics.render(&[]).expect("render")).expect("utf-8");
         let count = |verb: &str| {
             sample(
                 &text,
@@ -162,5 +219,64 @@ mod tests {
         let sum = sample(&text, &format!("{REQUEST_DURATION}_sum{{verb=\"filter\"}}"));
         assert!((sum - 0.0033).abs() < 1e-9, "sum {sum}");
         assert!(text.contains(&format!("# TYPE {REQUEST_DURATION} histogram")));
+        assert!(!text.contains(NAMESPACE_MEMORY), "no quota, no gauge");
+    }
+
+    #[test]
+    fn each_quotad_namespace_has_its_gauges() {
+        use crate::cache::quotas::Limit;
+        let metrics = ServerMetrics::new().expect("metrics");
+        let quotas = [
+            NamespaceQuotaUse {
+                namespace: "team-a".into(),
+                held: crate::cache::gpus::Usage {
+                    memory_bytes: 3 << 30,
+                    cores: 60,
+                    ..Default::default()
+                },
+                memory: Some(Limit {
+                    value: 4096,
+                    quota: "q".into(),
+                }),
+                cores: None,
+            },
+            NamespaceQuotaUse {
+                namespace: "team-b".into(),
+                held: Default::default(),
+                memory: None,
+                cores: Some(Limit {
+                    value: 200,
+                    quota: "q".into(),
+                }),
+            },
+        ];
+        let text = String::from_utf8(metrics.render(&quotas).expect("render")).expect("utf-8");
+        assert_eq!(
+            sample(
+                &text,
+                &format!("{NAMESPACE_MEMORY}{{namespace=\"team-a\"}}")
+            ),
+            3221225472.0
+        );
+        assert_eq!(
+            sample(
+                &text,
+                &format!("{NAMESPACE_MEMORY_QUOTA}{{namespace=\"team-a\"}}")
+            ),
+            4294967296.0
+        );
+        assert_eq!(
+            sample(&text, &format!("{NAMESPACE_CORES}{{namespace=\"team-a\"}}")),
+            60.0
+        );
+        assert_eq!(
+            sample(
+                &text,
+                &format!("{NAMESPACE_CORES_QUOTA}{{namespace=\"team-b\"}}")
+            ),
+            200.0
+        );
+        assert!(!text.contains(&format!("{NAMESPACE_MEMORY_QUOTA}{{namespace=\"team-b\"}}")));
+        assert!(!text.contains(&format!("{NAMESPACE_CORES_QUOTA}{{namespace=\"team-a\"}}")));
     }
 }

@@ -27,7 +27,7 @@
 
 use crate::admission::conversion::convert;
 use crate::admission::look_up::{look_up, ClaimAnswers, ClaimLookUpError};
-use crate::admission::mutate::{claims_to_look_up, mutate};
+use crate::admission::mutate::{mutate, to_look_up};
 use crate::extender::config::Limits;
 use crate::extender::reply::{ErrorBody, Reply};
 use crate::extender::Scheduler;
@@ -364,10 +364,14 @@ async fn mutate_pod(State(served): State<Served>, request: Request) -> Response 
     let config = scheduler.config();
     // Parsed in two turns, the claims looked up between them.
     let wanted = match served.parse_turn(deadline).await {
-        Ok(_turn) => claims_to_look_up(&body.bytes),
+        Ok(_turn) => to_look_up(&body.bytes),
         Err(response) => return response,
     };
+    let quota = wanted
+        .as_ref()
+        .and_then(|(namespace, _)| scheduler.admission_quota(namespace));
     let claims = match (wanted, scheduler.api()) {
+        (Some((_, names)), _) if names.is_empty() => ClaimAnswers::new(),
         (Some((namespace, names)), Some(api)) => look_up(api, &namespace, &names).await,
         (Some((_, names)), None) => names
             .into_iter()
@@ -382,6 +386,7 @@ async fn mutate_pod(State(served): State<Served>, request: Request) -> Response 
             &config.resources,
             &config.admission,
             &claims,
+            quota.as_ref(),
         ),
         Err(response) => return response,
     };
@@ -408,7 +413,8 @@ async fn readyz(State(served): State<Served>) -> Response {
 }
 
 async fn serve_metrics(State(served): State<Served>) -> Response {
-    match served.shared.metrics.render() {
+    let quotas = served.shared.scheduler.quota_use();
+    match served.shared.metrics.render(&quotas) {
         Ok(text) => (
             StatusCode::OK,
             [(header::CONTENT_TYPE, content_type())],

@@ -11,6 +11,7 @@ mod harness;
 mod hostile;
 mod policies;
 mod preempt;
+mod quotas;
 mod rejections;
 mod restart;
 mod tls;

@@ -1,7 +1,7 @@
 //! The cluster as the extender sees it ([`ClusterState`]), and the lock it
 //! is shared under ([`SharedState`]). Each kind the watches bring applies
 //! its own events, in a file of its own (`pod_events`, `node_events`,
-//! `lease_events`, `elastic_gpu_events`); [`debug`] renders the state for
+//! `lease_events`, `elastic_gpu_events`, `quota_events`); [`debug`] renders the state for
 //! `GET /debug/state`.
 
 pub mod debug;
@@ -9,6 +9,7 @@ mod elastic_gpu_events;
 mod lease_events;
 mod node_events;
 mod pod_events;
+mod quota_events;
 #[cfg(test)]
 mod tests;
 
@@ -19,6 +20,7 @@ use crate::cache::leases::{LeaseBook, Liveness};
 use crate::cache::nodes::NodeEntry;
 use crate::cache::pods::PodRecord;
 use crate::cache::pods::DEFAULT_UNBOUND_GRACE;
+use crate::cache::quotas::QuotaBook;
 use crate::cache::reservations::Reservation;
 use std::borrow::Cow;
 use std::collections::BTreeSet;
@@ -90,6 +92,8 @@ pub struct ClusterState {
     groups: GroupBook,
     /// The device plugins' node Leases ([`crate::cache::leases`]).
     leases: LeaseBook,
+    /// The namespaces' quotas on vGPU resources ([`crate::cache::quotas`]).
+    quotas: QuotaBook,
     unbound_grace: UnboundGrace,
     /// When the decisions of pods not bound yet stop holding their nodes,
     /// earliest first: `(deadline in Unix ms, pod UID)`. An entry whose
@@ -193,6 +197,7 @@ impl ClusterState {
         self.pods_synced
             && self.nodes_synced
             && self.leases.synced()
+            && self.quotas.ready()
             && self.elastic != ElasticSync::Waiting
     }
 
@@ -270,6 +275,35 @@ impl ClusterState {
             &mut unlisted,
         );
         Cow::Owned(usage)
+    }
+
+    /// The namespaces' quotas on vGPU resources.
+    pub fn quotas(&self) -> &QuotaBook {
+        &self.quotas
+    }
+
+    /// ResourceQuotas are watched: placements wait until they are listed.
+    pub fn expect_quotas(&mut self) {
+        self.quotas.expect();
+    }
+
+    /// What the pods of `namespace` whose decisions count hold, in all,
+    /// leaving out the pods `except` (the pod being placed, the victims of
+    /// a preemption being weighed).
+    pub fn held_in_namespace(&self, namespace: &str, except: &[&str]) -> Usage {
+        let mut held = Usage::default();
+        for record in self.pods.values() {
+            if record.namespace != namespace
+                || record.counted_node().is_none()
+                || except.contains(&record.uid.as_str())
+            {
+                continue;
+            }
+            for (_, taken) in &record.contribution {
+                held.add(taken);
+            }
+        }
+        held
     }
 
     /// Coscheduling groups' pods and held room.
