@@ -1,7 +1,7 @@
 //! The pod being placed, as the state knows it.
 
+use crate::cache::gpus::Usage;
 use crate::cache::state::ClusterState;
-use crate::placement::quota::NamespaceHeld;
 use crate::vocabulary::claims::claim_keys_held;
 use k8s_openapi::api::core::v1::Pod;
 
@@ -33,5 +33,29 @@ impl<'a> PodToPlace<'a> {
             evicted: Vec::new(),
             quota: NamespaceHeld::of(state, namespace, uid),
         }
+    }
+}
+
+/// What a pod's namespace holds, for a namespace with a quota on an
+/// extended resource (computed once per pod, not per node; checked by
+/// [`crate::placement::quota`]).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct NamespaceHeld {
+    pub namespace: String,
+    /// Held by the namespace's pods whose decisions count, this pod's own
+    /// earlier decision left out.
+    pub held: Usage,
+}
+
+impl NamespaceHeld {
+    /// `None` when `namespace` has no quota on an extended resource.
+    pub fn of(state: &ClusterState, namespace: &str, uid: &str) -> Option<Self> {
+        if !state.quotas().limits_namespace(namespace) {
+            return None;
+        }
+        Some(Self {
+            namespace: namespace.to_string(),
+            held: state.held_in_namespace(namespace, &[uid]),
+        })
     }
 }

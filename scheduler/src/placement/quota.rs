@@ -6,32 +6,9 @@
 
 use crate::cache::gpus::Usage;
 use crate::cache::quotas::Limit;
-use crate::cache::state::ClusterState;
+use crate::placement::pod_to_place::NamespaceHeld;
 use crate::placement::rejection::{QuotaExceeded, Rejection};
 use crate::placement::snapshot::Snapshot;
-
-/// What a pod's namespace holds, for a namespace with a quota on an
-/// extended resource (computed once per pod, not per node).
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
-pub struct NamespaceHeld {
-    pub namespace: String,
-    /// Held by the namespace's pods whose decisions count, this pod's own
-    /// earlier decision left out.
-    pub held: Usage,
-}
-
-impl NamespaceHeld {
-    /// `None` when `namespace` has no quota on an extended resource.
-    pub fn of(state: &ClusterState, namespace: &str, uid: &str) -> Option<Self> {
-        if !state.quotas().limits_namespace(namespace) {
-            return None;
-        }
-        Some(Self {
-            namespace: namespace.to_string(),
-            held: state.held_in_namespace(namespace, &[uid]),
-        })
-    }
-}
 
 /// What a namespace with a quota on vGPU resources holds, and its limits
 /// (what `/metrics` shows of quotas).
@@ -180,7 +157,7 @@ mod tests {
     use crate::cache::book::Book;
     use crate::cache::clock::now_unix_ms;
     use crate::cache::fixtures::{asking, asking_vgpus, decided, node, quota};
-    use crate::cache::state::listed;
+    use crate::cache::state::{listed, ClusterState};
     use crate::placement::fit::packing::Scratch;
     use crate::placement::pod_to_place::PodToPlace;
     use crate::placement::rules::Rules;
