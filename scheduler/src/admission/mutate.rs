@@ -173,25 +173,20 @@ pub fn mutate(
         (Ok(Some(pod)), Some(quota)) if creating => quota_refusal(pod, names, quota),
         _ => None,
     };
-    if let Some(reason) = over_quota {
-        tracing::info!("admission review {}: refused: {reason}", response.uid);
+    let forbidden = over_quota
+        .map(|reason| format!("exceeded quota: {reason}"))
+        .or_else(|| {
+            refused.map(|reason| {
+                format!("{reason} (or install vgpu with scheduler.webhook.allowPrivileged=true to accept this)")
+            })
+        });
+    if let Some(message) = forbidden {
+        tracing::info!("admission review {}: refused: {message}", response.uid);
         response.allowed = false;
         response.status = Some(json!({
             "code": 403,
             "reason": "Forbidden",
-            "message": format!("exceeded quota: {reason}"),
-        }));
-        return reply(&api_version, &response);
-    }
-    if let Some(reason) = refused {
-        tracing::info!("admission review {}: refused: {reason}", response.uid);
-        response.allowed = false;
-        response.status = Some(json!({
-            "code": 403,
-            "reason": "Forbidden",
-            "message": format!(
-                "{reason} (or install vgpu with scheduler.webhook.allowPrivileged=true to accept this)"
-            ),
+            "message": message,
         }));
         return reply(&api_version, &response);
     }

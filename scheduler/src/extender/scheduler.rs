@@ -30,6 +30,9 @@ pub enum NotServing {
     StandingBy(String),
 }
 
+/// Async locks by name, made on first use.
+type Locks = Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>;
+
 /// The extender.
 pub struct Scheduler {
     pub(super) config: Config,
@@ -37,9 +40,9 @@ pub struct Scheduler {
     pub(super) rules: Rules,
     pub(super) state: Arc<SharedState>,
     pub(super) api: Option<KubeApi>,
-    node_locks: Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
+    node_locks: Locks,
     /// Held while a pod of a namespace with a vGPU quota is bound.
-    namespace_locks: Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
+    namespace_locks: Locks,
     /// Seeds the random node policy and keys the score cache.
     pub(super) hasher: foldhash::fast::RandomState,
     pub(super) score_cache: ScoreCache,
@@ -167,21 +170,13 @@ impl Scheduler {
 
     /// The lock a bind (or a slice's placement) holds on `node`.
     pub(super) fn node_lock(&self, node: &str) -> Arc<tokio::sync::Mutex<()>> {
-        let mut locks = self
-            .node_locks
-            .lock()
-            .unwrap_or_else(|poison| poison.into_inner());
-        locks.entry(node.to_string()).or_default().clone()
+        lock_of(&self.node_locks, node)
     }
 
     /// The lock a bind of a pod of `namespace` holds while the namespace
     /// has a quota on vGPU resources.
     pub(super) fn namespace_lock(&self, namespace: &str) -> Arc<tokio::sync::Mutex<()>> {
-        let mut locks = self
-            .namespace_locks
-            .lock()
-            .unwrap_or_else(|poison| poison.into_inner());
-        locks.entry(namespace.to_string()).or_default().clone()
+        lock_of(&self.namespace_locks, namespace)
     }
 
     /// A number that is random across pods and nodes, but the same for one
@@ -189,4 +184,10 @@ impl Scheduler {
     pub(super) fn random(&self, uid: &str, node: &str) -> u64 {
         self.hasher.hash_one((uid, node))
     }
+}
+
+/// The lock of `key` in `locks`, made on first use.
+fn lock_of(locks: &Locks, key: &str) -> Arc<tokio::sync::Mutex<()>> {
+    let mut locks = locks.lock().unwrap_or_else(|poison| poison.into_inner());
+    locks.entry(key.to_string()).or_default().clone()
 }

@@ -3,9 +3,7 @@
 //! a pass; the memory it took above the granted cap meanwhile is reported
 //! (restoring the cap frees nothing), with an Event on its pod.
 
-mod common;
-
-use common::*;
+use crate::common::*;
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 use vgpu_node_contract::region::{MemoryKind, RegionLimits, SHARE_UNLIMITED};

@@ -2,9 +2,7 @@
 //! a real process under the shim, one through the region API) and the
 //! simulated driver's own NVML figures.
 
-mod common;
-
-use common::*;
+use crate::common::*;
 use std::io::Write;
 use std::sync::atomic::Ordering;
 use std::time::Duration;

@@ -3,10 +3,8 @@
 //! series; `promtool check metrics` accepts the exposition. Both binaries
 //! are required: `scripts/test` installs them.
 
-mod common;
-
-use common::prometheus_server::{promtool_check, require, PrometheusServer};
-use common::*;
+use crate::common::prometheus_server::{promtool_check, require, PrometheusServer};
+use crate::common::*;
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 use vgpu_node_contract::region::RegionLimits;

@@ -4,9 +4,7 @@
 //! loop, or another container's figures. (Debug builds check arithmetic
 //! overflow, so these also prove the reader saturates.)
 
-mod common;
-
-use common::*;
+use crate::common::*;
 use k8s_openapi::api::core::v1::{Container, Pod, PodSpec, ResourceRequirements};
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;

@@ -10,15 +10,13 @@
 //! on a fixed GPU list against a fake kubelet (real gRPC over unix
 //! sockets).
 
-mod support;
-
+use crate::support::kubelet::{self, gpus, FakeKubelet, PluginConn};
+use crate::support::{ControlPlane, GIB, NAMESPACE, RESOURCE};
 use k8s_openapi::api::core::v1::Pod;
 use serde_json::json;
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
-use support::kubelet::{self, gpus, FakeKubelet, PluginConn};
-use support::{ControlPlane, GIB, NAMESPACE, RESOURCE};
 use tokio::sync::watch;
 use vgpu_cluster::decision::{
     ContainerDecision, Decision, DeviceGrant, DECISION_ANNOTATION, FORMAT_VERSION,

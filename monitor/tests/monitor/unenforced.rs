@@ -3,9 +3,7 @@
 //! an Event on its pod. Both processes run in a PID namespace of their own,
 //! as in a pod, on the simulated GPU (which, like NVML, lists host PIDs).
 
-mod common;
-
-use common::*;
+use crate::common::*;
 use std::process::Child;
 use std::sync::atomic::Ordering;
 use std::time::Duration;

@@ -21,10 +21,8 @@
 //! pass selects the trainer and its GPU and checks that every panel shows
 //! only them. The variables' own queries give the label values expected.
 
-mod common;
-
-use common::prometheus_server::{require, PrometheusServer, Series, SCRAPE_INTERVAL};
-use common::*;
+use crate::common::prometheus_server::{require, PrometheusServer, Series, SCRAPE_INTERVAL};
+use crate::common::*;
 use std::collections::{BTreeMap, BTreeSet};
 use std::process::Child;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};

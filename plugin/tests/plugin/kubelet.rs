@@ -7,12 +7,10 @@
 //! which a real server cannot be made to produce on cue, are in
 //! `conflicts.rs`.
 
-mod support;
-
+use crate::support::kubelet::{gpus, FakeKubelet, PluginConn};
+use crate::support::*;
 use std::path::PathBuf;
 use std::time::Duration;
-use support::kubelet::{gpus, FakeKubelet, PluginConn};
-use support::*;
 use tokio::sync::watch;
 use vgpu_cluster::decision::DeviceGrant;
 use vgpu_device_plugin::cluster::make_client;

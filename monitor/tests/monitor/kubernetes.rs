@@ -3,9 +3,7 @@
 //! kube client (list, then watch, the pods bound to its node); the test
 //! creates, binds and deletes the pods.
 
-mod common;
-
-use common::*;
+use crate::common::*;
 use std::time::Duration;
 use vgpu_node_contract::region::RegionLimits;
 

@@ -9,15 +9,13 @@
 //!
 //! Needs the workspace built first (`cargo build --workspace`).
 
-mod support;
-
+use crate::support::kubelet::{gpu_containers, FakeKubelet, PluginConn};
+use crate::support::node::PluginNode;
+use crate::support::*;
 use k8s_openapi::api::core::v1::Pod;
 use std::collections::{BTreeMap, HashSet};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
-use support::kubelet::{gpu_containers, FakeKubelet, PluginConn};
-use support::node::PluginNode;
-use support::*;
 use vgpu_cluster::decision::{ContainerDecision, Decision, DeviceGrant, InventoryGpu};
 use vgpu_device_plugin::api::v1beta1 as api;
 use vgpu_device_plugin::devices::parse_device_id;
