@@ -39,7 +39,7 @@ async fn start_plugin(api: &ControlPlane, node: &str, tag: &str) -> Harness {
     let _ = std::fs::remove_dir_all(&dir);
     let plugin_dir = dir.join("device-plugins");
     std::fs::create_dir_all(&plugin_dir).expect("dirs");
-    let config = support::kubelet::in_process_config(node, &dir, RESOURCE);
+    let config = crate::support::kubelet::in_process_config(node, &dir, RESOURCE);
     let (source, health) = ManualHealth::new(HealthTracker::new([13], Some(Duration::ZERO)));
     let client = make_client(&api.source()).await.expect("client");
     let (stop, shutdown) = watch::channel(false);
