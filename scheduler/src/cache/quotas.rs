@@ -126,12 +126,15 @@ impl QuotaBook {
         if !self.limits_namespace(namespace) {
             return None;
         }
-        let key = format!("{QUOTA_REQUESTS_PREFIX}{resource}");
+        // Placement asks once or twice per node: no key is built for it.
         self.quotas
             .iter()
             .filter(|(_, limits)| limits.namespace == namespace)
             .filter_map(|(name, limits)| {
-                let value = *limits.hard.get(&key)?;
+                let (_, &value) = limits
+                    .hard
+                    .iter()
+                    .find(|(key, _)| key.strip_prefix(QUOTA_REQUESTS_PREFIX) == Some(resource))?;
                 let quota = name.rsplit('/').next().unwrap_or(name).to_string();
                 Some(Limit { value, quota })
             })
