@@ -40,6 +40,7 @@ pub async fn run(
     shutdown: watch::Receiver<bool>,
 ) -> Result<(), ServiceError> {
     let (changed, changes) = watch::channel(0u64);
+    let (prepared_count, prepared) = watch::channel(0u64);
     let changed = Arc::new(changed);
     let health_changed = Arc::clone(&changed);
     let health_driver = Arc::clone(&driver);
@@ -70,11 +71,12 @@ pub async fn run(
         Arc::clone(&driver),
         facts,
         changes,
+        prepared,
         resync,
         shutdown.clone(),
     ));
     let claims: Arc<dyn Claims> = Arc::new(client);
-    let served = service::serve(driver, claims, &sockets, shutdown).await;
+    let served = service::serve(driver, claims, prepared_count, &sockets, shutdown).await;
     stop_health.store(true, std::sync::atomic::Ordering::Relaxed);
     let _ = publisher.await;
     let _ = cordon.await;

@@ -1,8 +1,9 @@
 //! Keeping the node's ResourceSlice current: written at start, again on
 //! every health change and every change of the node's cordoned GPUs
-//! ([`follow_cordon`]; a new pool generation each time), and every
-//! resync period (repairs a slice someone deleted). Written with
-//! server-side apply, so the driver owns exactly the fields it sets.
+//! ([`follow_cordon`]; a new pool generation each time), after claims are
+//! prepared ([`PREPARED_ANNOTATION`]), and every resync period (repairs a
+//! slice someone deleted). Written with server-side apply, so the driver
+//! owns exactly the fields it sets.
 
 use crate::driver::Driver;
 use crate::slice::{resource_slice, slice_name, NodeFacts, NodeOwner};
@@ -12,6 +13,7 @@ use kube::api::{Patch, PatchParams};
 use kube::runtime::watcher;
 use kube::runtime::WatchStreamExt;
 use kube::{Api, Client};
+use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Duration;
 use tokio::sync::watch;
@@ -22,6 +24,21 @@ use vgpu_cluster::cordon::cordoned_gpus;
 pub const FIELD_MANAGER: &str = "vgpu-dra";
 /// Longest wait before retrying a failed write.
 const RETRY: Duration = Duration::from_secs(5);
+
+/// The slice's count of claims the driver has prepared since it started.
+/// kube-scheduler sets a pod aside when its claims did not fit and retries
+/// it on events that may have made room; in Kubernetes 1.36 some of the
+/// moments that make room raise none (a claim's capacity is counted twice
+/// while its allocation is both recorded and still in flight, and leaving
+/// that state is silent), and such a pod waited for the scheduler's
+/// five-minute flush with the capacity idle. Any change to a ResourceSlice
+/// retries every pod set aside for DRA, so the driver changes this count
+/// after claims are prepared: by then the allocations that were in flight
+/// are recorded.
+pub const PREPARED_ANNOTATION: &str = "vgpu.io/claims-prepared";
+/// How long the count waits after a claim is prepared, so that the claims
+/// of a burst cost one write.
+const PREPARED_SETTLE: Duration = Duration::from_millis(200);
 
 /// The node's Node as its slice's owner; also takes in the GPUs its
 /// annotation cordons, so that a restarted driver's first slice already
@@ -49,13 +66,15 @@ async fn owner(
 }
 
 /// Writes the slice until `shutdown`; `changes` ticks on every health
-/// change. The slice stays when the driver stops (a restarted driver
-/// carries on with it; kubelet removes a deregistered driver's slices).
+/// change, `prepared` counts the claims prepared. The slice stays when the
+/// driver stops (a restarted driver carries on with it; kubelet removes a
+/// deregistered driver's slices).
 pub async fn keep_published(
     client: Client,
     driver: Arc<Driver>,
     facts: NodeFacts,
     mut changes: watch::Receiver<u64>,
+    mut prepared: watch::Receiver<u64>,
     resync: Duration,
     mut shutdown: watch::Receiver<bool>,
 ) {
@@ -65,6 +84,7 @@ pub async fn keep_published(
     let mut generation: Option<i64> = None;
     let mut owner_of: Option<Option<NodeOwner>> = None;
     let mut written: Option<ResourceSlice> = None;
+    let mut counting = true;
     loop {
         let result: Result<(), kube::Error> = async {
             if owner_of.is_none() {
@@ -99,6 +119,11 @@ pub async fn keep_published(
                 next + 1
             };
             slice.spec.pool.generation = next;
+            let prepared_count = *prepared.borrow_and_update();
+            slice.metadata.annotations = Some(BTreeMap::from([(
+                PREPARED_ANNOTATION.to_string(),
+                prepared_count.to_string(),
+            )]));
             slices
                 .patch(
                     &name,
@@ -107,11 +132,17 @@ pub async fn keep_published(
                 )
                 .await?;
             let offered = slice.spec.devices.as_ref().map_or(0, Vec::len);
-            tracing::info!(
-                "published ResourceSlice {name}: {offered} of {} GPUs ({} cordoned), generation {next}",
-                gpus.len(),
-                cordoned.len()
-            );
+            if same_devices {
+                tracing::debug!(
+                    "ResourceSlice {name} rewritten: {prepared_count} claims prepared"
+                );
+            } else {
+                tracing::info!(
+                    "published ResourceSlice {name}: {offered} of {} GPUs ({} cordoned), generation {next}",
+                    gpus.len(),
+                    cordoned.len()
+                );
+            }
             generation = Some(next);
             written = Some(slice);
             Ok(())
@@ -130,6 +161,15 @@ pub async fn keep_published(
         tokio::select! {
             _ = shutdown.wait_for(|stop| *stop) => return,
             changed = changes.changed() => if changed.is_err() { return },
+            counted = prepared.changed(), if counting => match counted {
+                // The service is gone (the driver is stopping): the
+                // slice is still kept until `shutdown`.
+                Err(_) => counting = false,
+                Ok(()) => tokio::select! {
+                    _ = shutdown.wait_for(|stop| *stop) => return,
+                    _ = tokio::time::sleep(PREPARED_SETTLE) => {}
+                },
+            },
             _ = tokio::time::sleep(wait) => {}
         }
     }

@@ -90,11 +90,17 @@ fn response(prepared: &PreparedClaim) -> dra::NodePrepareResourceResponse {
 pub struct DraService {
     driver: Arc<Driver>,
     claims: Arc<dyn Claims>,
+    /// Counts the claims prepared ([`crate::publish::PREPARED_ANNOTATION`]).
+    prepared: watch::Sender<u64>,
 }
 
 impl DraService {
-    pub fn new(driver: Arc<Driver>, claims: Arc<dyn Claims>) -> Self {
-        Self { driver, claims }
+    pub fn new(driver: Arc<Driver>, claims: Arc<dyn Claims>, prepared: watch::Sender<u64>) -> Self {
+        Self {
+            driver,
+            claims,
+            prepared,
+        }
     }
 
     async fn prepare_one(&self, claim: &dra::Claim) -> dra::NodePrepareResourceResponse {
@@ -121,7 +127,10 @@ impl DraService {
         let uid = claim.uid.clone();
         // Files and a region: off the async workers.
         match tokio::task::spawn_blocking(move || driver.prepare(&uid, &object)).await {
-            Ok(Ok(prepared)) => response(&prepared),
+            Ok(Ok(prepared)) => {
+                self.prepared.send_modify(|count| *count += 1);
+                response(&prepared)
+            }
             Ok(Err(error)) => failed(with_causes(&error)),
             Err(error) => failed(format!("preparing stopped: {error}")),
         }
@@ -231,12 +240,14 @@ pub struct Sockets {
     pub registration: PathBuf,
 }
 
-/// Serves both services until `shutdown` turns true. The DRA service
+/// Serves both services until `shutdown` turns true; `prepared` counts the
+/// claims prepared. The DRA service
 /// listens before the registration socket appears, so kubelet never finds
 /// a driver it cannot call.
 pub async fn serve(
     driver: Arc<Driver>,
     claims: Arc<dyn Claims>,
+    prepared: watch::Sender<u64>,
     sockets: &Sockets,
     shutdown: watch::Receiver<bool>,
 ) -> Result<(), ServiceError> {
@@ -246,7 +257,7 @@ pub async fn serve(
     };
     let dra_server = Server::builder()
         .add_service(dra::dra_plugin_server::DraPluginServer::new(
-            DraService::new(driver, claims),
+            DraService::new(driver, claims, prepared),
         ))
         .serve_with_incoming_shutdown(dra_incoming, stopped(shutdown.clone()));
     // Kubelet's registration client sends the socket's path as the HTTP/2

@@ -25,6 +25,12 @@ CDI specs, there being no container runtime).
   the other GPU; uncordoned, it returns.
 - A GPU marked unhealthy (an XID on the simulated GPU) leaves the slice, and
   a claim only it could hold stays Pending.
+- Each claim prepared changes the slice (its `vgpu.io/claims-prepared`
+  count; devices and generation unchanged), which makes kube-scheduler
+  retry the pods it set aside for want of room; a burst of 40 pods whose
+  claims (from a template) exactly fill both GPUs all run, none waiting for
+  the scheduler's five-minute flush, no GPU granted more than it has, and
+  a 41st pod waits.
 """
 
 from __future__ import annotations
@@ -371,3 +377,70 @@ def test_an_unhealthy_gpu_leaves_the_slice(dra_cluster):
     for name in ("whole", "stranded"):
         cc.cluster.kubectl("delete", "pod", name, "-n", NAMESPACE, "--wait=true", "--timeout=60s")
         cc.cluster.kubectl("delete", "resourceclaim", name, "-n", NAMESPACE, "--wait=true", "--timeout=60s")
+
+
+PREPARED_ANNOTATION = "vgpu.io/claims-prepared"
+
+
+def driver_slice(cc: ChartCluster) -> dict:
+    return next(item for item in kubectl_json(cc.cluster, "get", "resourceslices")["items"]
+                if item["spec"]["driver"] == "vgpu.io")
+
+
+def prepared_count(cc: ChartCluster) -> int:
+    return int(driver_slice(cc)["metadata"].get("annotations", {}).get(PREPARED_ANNOTATION, "0"))
+
+
+def test_a_prepared_claim_changes_the_slice_and_nothing_else(dra_cluster):
+    cc = dra_cluster
+    before = driver_slice(cc)
+    counted = prepared_count(cc)
+    create(cc, claim("nudge", "1Gi", "10"), pod("nudge", "nudge", [sys.executable, str(FILL), "256"]))
+    running(cc, "nudge")
+    wait_for("the slice's prepared count raised", lambda: prepared_count(cc) > counted, timeout=30, log=cc.logs)
+    after = driver_slice(cc)
+    assert after["metadata"]["resourceVersion"] != before["metadata"]["resourceVersion"]
+    assert after["spec"] == before["spec"], "devices and pool generation stay as they were"
+
+
+def test_a_burst_that_exactly_fills_both_gpus_all_runs(dra_cluster):
+    cc = dra_cluster
+    template = {"apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaimTemplate",
+                "metadata": {"name": "twentieth", "namespace": NAMESPACE},
+                "spec": {"spec": {"devices": {"requests": [{"name": "gpu", "exactly": {
+                    "deviceClassName": "vgpu.io",
+                    "capacity": {"requests": {"memory": "1Gi", "cores": "5"}}}}]}}}}
+
+    def burst_pod(name: str) -> dict:
+        return {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name, "namespace": NAMESPACE},
+                "spec": {"restartPolicy": "Never", "terminationGracePeriodSeconds": 1,
+                         "resourceClaims": [{"name": "gpu", "resourceClaimTemplateName": "twentieth"}],
+                         "containers": [{"name": "main", "image": "cuda:test", "command": ["sleep", "600"],
+                                         "resources": {"claims": [{"name": "gpu"}]}}]}}
+    create(cc, template)
+    try:
+        names = [f"burst-{index}" for index in range(40)]
+        # All at once, as one list: 20 claims of 5 % on each GPU.
+        cc.cluster.kubectl("create", "-f", "-", input=json.dumps(
+            {"apiVersion": "v1", "kind": "List", "items": [burst_pod(name) for name in names]}))
+
+        def phases() -> dict[str, str]:
+            found = kubectl_json(cc.cluster, "get", "pods", "-n", NAMESPACE)["items"]
+            return {item["metadata"]["name"]: item["status"].get("phase", "") for item in found}
+
+        # kube-scheduler retries a pod it set aside for no event only after
+        # five minutes: a pod that waited for that fails here.
+        wait_for("all 40 pods of the burst running",
+                 lambda: all(phases().get(name) == "Running" for name in names), timeout=150, log=cc.logs)
+        consumed: dict[str, int] = {}
+        for item in kubectl_json(cc.cluster, "get", "resourceclaims", "-n", NAMESPACE)["items"]:
+            for result in item["status"]["allocation"]["devices"]["results"]:
+                consumed[result["device"]] = consumed.get(result["device"], 0) + int(
+                    result["consumedCapacity"]["cores"])
+        assert consumed == {"gpu-0": 100, "gpu-1": 100}, consumed
+        create(cc, burst_pod("one-more"))
+        reason = pending_reason(cc, "one-more")
+        assert "cannot allocate all claims" in reason, reason
+    finally:
+        cc.cluster.kubectl("delete", "pods", "--all", "-n", NAMESPACE, "--wait=true", "--timeout=120s")
+        cc.cluster.kubectl("delete", "resourceclaimtemplate", "twentieth", "-n", NAMESPACE)
