@@ -158,19 +158,22 @@ pub async fn keep_published(
                 RETRY
             }
         };
-        tokio::select! {
+        let settle = tokio::select! {
             _ = shutdown.wait_for(|stop| *stop) => return,
-            changed = changes.changed() => if changed.is_err() { return },
-            counted = prepared.changed(), if counting => match counted {
-                // The service is gone (the driver is stopping): the
-                // slice is still kept until `shutdown`.
-                Err(_) => counting = false,
-                Ok(()) => tokio::select! {
-                    _ = shutdown.wait_for(|stop| *stop) => return,
-                    _ = tokio::time::sleep(PREPARED_SETTLE) => {}
-                },
-            },
-            _ = tokio::time::sleep(wait) => {}
+            changed = changes.changed() => if changed.is_err() { return } else { false },
+            counted = prepared.changed(), if counting => {
+                // An error: the service is gone (the driver is stopping);
+                // the slice is still kept until `shutdown`.
+                counting = counted.is_ok();
+                counting
+            }
+            _ = tokio::time::sleep(wait) => false,
+        };
+        if settle {
+            tokio::select! {
+                _ = shutdown.wait_for(|stop| *stop) => return,
+                _ = tokio::time::sleep(PREPARED_SETTLE) => {}
+            }
         }
     }
 }

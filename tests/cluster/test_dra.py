@@ -27,10 +27,10 @@ CDI specs, there being no container runtime).
   a claim only it could hold stays Pending.
 - Each claim prepared changes the slice (its `vgpu.io/claims-prepared`
   count; devices and generation unchanged), which makes kube-scheduler
-  retry the pods it set aside for want of room; a burst of 40 pods whose
-  claims (from a template) exactly fill both GPUs all run, none waiting for
-  the scheduler's five-minute flush, no GPU granted more than it has, and
-  a 41st pod waits.
+  retry the pods it set aside for want of room; a burst of 20 pods a GPU
+  whose claims (from a template) exactly fill the GPUs all run, none
+  waiting for the scheduler's five-minute flush, no GPU granted more than
+  it has, and one more pod waits.
 """
 
 from __future__ import annotations
@@ -403,8 +403,11 @@ def test_a_prepared_claim_changes_the_slice_and_nothing_else(dra_cluster):
     assert after["spec"] == before["spec"], "devices and pool generation stay as they were"
 
 
-def test_a_burst_that_exactly_fills_both_gpus_all_runs(dra_cluster):
+def test_a_burst_that_exactly_fills_the_gpus_all_runs(dra_cluster):
     cc = dra_cluster
+    # The GPUs in the slice (an earlier test may have left one unhealthy).
+    devices = sorted(slice_devices(cc))
+    assert devices, "no GPU in the slice"
     template = {"apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaimTemplate",
                 "metadata": {"name": "twentieth", "namespace": NAMESPACE},
                 "spec": {"spec": {"devices": {"requests": [{"name": "gpu", "exactly": {
@@ -419,8 +422,8 @@ def test_a_burst_that_exactly_fills_both_gpus_all_runs(dra_cluster):
                                          "resources": {"claims": [{"name": "gpu"}]}}]}}
     create(cc, template)
     try:
-        names = [f"burst-{index}" for index in range(40)]
-        # All at once, as one list: 20 claims of 5 % on each GPU.
+        names = [f"burst-{index}" for index in range(20 * len(devices))]
+        # All at once, as one list: 20 claims of 5 % for each GPU.
         cc.cluster.kubectl("create", "-f", "-", input=json.dumps(
             {"apiVersion": "v1", "kind": "List", "items": [burst_pod(name) for name in names]}))
 
@@ -430,14 +433,14 @@ def test_a_burst_that_exactly_fills_both_gpus_all_runs(dra_cluster):
 
         # kube-scheduler retries a pod it set aside for no event only after
         # five minutes: a pod that waited for that fails here.
-        wait_for("all 40 pods of the burst running",
+        wait_for(f"all {len(names)} pods of the burst running",
                  lambda: all(phases().get(name) == "Running" for name in names), timeout=150, log=cc.logs)
         consumed: dict[str, int] = {}
         for item in kubectl_json(cc.cluster, "get", "resourceclaims", "-n", NAMESPACE)["items"]:
             for result in item["status"]["allocation"]["devices"]["results"]:
                 consumed[result["device"]] = consumed.get(result["device"], 0) + int(
                     result["consumedCapacity"]["cores"])
-        assert consumed == {"gpu-0": 100, "gpu-1": 100}, consumed
+        assert consumed == {device: 100 for device in devices}, consumed
         create(cc, burst_pod("one-more"))
         reason = pending_reason(cc, "one-more")
         assert "cannot allocate all claims" in reason, reason
