@@ -309,6 +309,13 @@ class Child:
         self.process.stdin.write("go\n")
         self.process.stdin.flush()
 
+    def ask(self, command: str, timeout: float = 120) -> dict:
+        """One command line to a program that answers each with a JSON line
+        (programs/resize.py)."""
+        self.process.stdin.write(command + "\n")
+        self.process.stdin.flush()
+        return self.result(timeout)
+
     def result(self, timeout: float = 120) -> dict:
         line = self._line(timeout)
         try:
@@ -800,6 +807,85 @@ def check_compute(suite: Suite) -> None:
                       small.results[0]["rate"], capped.utilization, known_limit=True)
 
 
+def check_resize(suite: Suite) -> None:
+    """Limits changed while a program runs (`vgpu set` on a `vgpu run`
+    region): the share 50 -> 20 -> 70 % measured as the device's time, the
+    cap 8 -> 4 GiB seen at once by the program and enforced on its next
+    allocation, and a cap below what it holds refused with nothing freed."""
+    checks = [("a running loop's share, live: started at 50 %", 50),
+              ("a running loop's share, live: `vgpu set --cores 20`", 20),
+              ("a running loop's share, live: `vgpu set --cores 70`", 70)]
+    cap_check = "the cap lowered 8 -> 4 GiB while running: what the program sees"
+    refused_check = "after the cap is lowered: an allocation past it is refused, one within it succeeds"
+    below_check = "a cap below what the program holds: `vgpu set` refuses it, nothing is freed"
+    for library in suite.libraries[1:]:
+        for check, share in checks:
+            suite.not_supported(check, f"{share} ± {SHARE_BAND:g} %", library, "no live change of limits")
+        for check in (cap_check, refused_check, below_check):
+            suite.not_supported(check, "as vgpu's", library, "no live change of limits")
+    if suite.tools.vgpu is None:
+        suite.add(checks[0][0], "runs", suite.ours.label, "no vgpu binary: name it with --vgpu", "error")
+        return
+    root = suite.workdir / "local"
+    vgpu = [str(suite.tools.vgpu)]
+    where = ["--root", str(root)]
+    env = suite.plain_env()
+    argv = [*vgpu, "run", *where, "--name", "resize", "--library", str(suite.ours.path), "--memory", "8g",
+            "--cores", "50", "--", suite.python, str(PROGRAMS / "resize.py")]
+
+    def vgpu_set(*options: str) -> subprocess.CompletedProcess:
+        return subprocess.run([*vgpu, "set", *where, "resize", *options], env=env, capture_output=True, text=True,
+                              timeout=30, check=False)
+
+    with suite.sampler() as sampler:
+        child = suite.start(argv, env)
+        try:
+            child.wait_ready()
+            for check, share in checks:
+                if share != 50:
+                    changed = vgpu_set("--cores", str(share))
+                    if changed.returncode != 0:
+                        suite.add(check, f"{share} ± {SHARE_BAND:g} %", suite.ours.label,
+                                  f"vgpu set exited with {changed.returncode}: {changed.stderr.strip()}", "fail")
+                        continue
+                loop = child.ask(f"loop {WINDOW_SECONDS}")
+                # The first half second is the change taking effect (the shim
+                # reads the share at its next throttling period): judged is
+                # the rest of the window.
+                part = sampler.utilization(loop["start"] + 0.5, loop["end"])
+                if part is None:
+                    suite.add(check, f"{share} ± {SHARE_BAND:g} %", suite.ours.label, "no NVML reading", "error")
+                    continue
+                suite.add(check, f"{share} ± {SHARE_BAND:g} %", suite.ours.label,
+                          f"{part:.1f} % of the device's time ({loop['rate']:.1f} products/s)",
+                          verdict(within(part, share, SHARE_BAND)))
+
+            first = child.ask("alloc 2048")
+            lowered = vgpu_set("--memory", "4g")
+            seen = child.ask("info")
+            suite.add(cap_check, "vgpu set succeeds; the program's total reads 4096 MiB", suite.ours.label,
+                      f"vgpu set exited with {lowered.returncode} {lowered.stderr.strip()[:120]}; "
+                      f"total {seen['total_mib']} MiB, free {seen['free_mib']} MiB, holding {seen['held_mib']} MiB",
+                      verdict(first["ok"] and lowered.returncode == 0 and seen["total_mib"] == 4096))
+            past = child.ask("alloc 2048")
+            within_cap = child.ask("alloc 512")
+            suite.add(refused_check, "2048 MiB more refused, then 512 MiB granted", suite.ours.label,
+                      f"2048 MiB: {'granted' if past['ok'] else 'refused (' + past['error'][:80] + ')'}; "
+                      f"512 MiB: {'granted' if within_cap['ok'] else 'refused (' + within_cap['error'][:80] + ')'}",
+                      verdict(not past["ok"] and within_cap["ok"]))
+            below = vgpu_set("--memory", "2g")
+            after = child.ask("info")
+            suite.add(below_check, "vgpu set exits 1; the cap stays 4096 MiB; every tensor still held",
+                      suite.ours.label,
+                      f"vgpu set exited with {below.returncode}: {below.stderr.strip()[:160]}; total "
+                      f"{after['total_mib']} MiB, holding {after['held_mib']} MiB",
+                      verdict(below.returncode == 1 and after["total_mib"] == 4096
+                              and after["held_mib"] == within_cap["held_mib"]))
+            child.finish()
+        finally:
+            child.kill()
+
+
 def check_oversubscribe(suite: Suite) -> None:
     cap = suite.cap_mib
     total = cap * 3 // 2
@@ -1266,6 +1352,7 @@ CHECKS = {
     "processes": (check_processes, f"{RACERS} processes of one container allocate at once under its cap"),
     "killed": (check_killed, "a process killed holding memory gives the cap back"),
     "compute": (check_compute, "compute shares: matmul 25/50/75, 30/70, four at 25, graph, 20 and 5 us kernels"),
+    "resize": (check_resize, "limits changed while running: share 50/20/70 %, cap 8 -> 4 GiB, a cap below use"),
     "oversubscribe": (check_oversubscribe, "1.5x the cap through host memory, bandwidth"),
     "overhead": (check_overhead, "launch rate; training, cuBLAS-bound and launch-bound steps; start-up"),
 }
