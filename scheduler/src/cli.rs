@@ -120,13 +120,22 @@ pub struct Cli {
           value_parser = clap::value_parser!(u64).range(1024..=1 << 30))]
     pub max_request_bytes: u64,
 
-    /// How long a request's headers may take to arrive (counted from the
-    /// connection's start or its previous request, so also how long an
-    /// idle connection stays open), and then how long its body may take.
-    /// A slower client's connection is closed (its body answered 408).
+    /// How long a new connection may send nothing, how long a request's
+    /// headers may take from their first byte, and then how long its body
+    /// may take. A slower client's connection is closed (its body answered
+    /// 408).
     #[arg(long, default_value_t = 10, value_name = "SECONDS",
           value_parser = clap::value_parser!(u64).range(1..=3600))]
     pub read_timeout_seconds: u64,
+
+    /// How long a kept-alive connection may stay idle between requests
+    /// before it is closed. Keep it above how long the clients keep an idle
+    /// connection (90 s for the API server and kube-scheduler), so that
+    /// they close it first: a request sent on a connection the extender is
+    /// closing fails, and neither retries a webhook or extender call.
+    #[arg(long, default_value_t = 120, value_name = "SECONDS",
+          value_parser = clap::value_parser!(u64).range(1..=86400))]
+    pub idle_timeout_seconds: u64,
 
     /// How long an answer (a watch's events too) may wait for its client
     /// to read on: a client that asks and then reads nothing is cut off
@@ -155,9 +164,10 @@ pub struct Cli {
     #[arg(long, default_value_t = 64, value_name = "N")]
     pub max_watches: u32,
 
-    /// How long a connection is kept: then it is closed once the request in
-    /// hand is answered (the client connects again), so a client that
-    /// keeps sending requests cannot hold its connection for ever.
+    /// How long a connection is kept: then its next answer says
+    /// `connection: close` (the client connects again; an idle one is
+    /// closed after --idle-timeout-seconds), so a client that keeps sending
+    /// requests cannot hold its connection for ever.
     #[arg(long, default_value_t = 300, value_name = "SECONDS",
           value_parser = clap::value_parser!(u64).range(1..=86400))]
     pub max_connection_age_seconds: u64,
@@ -325,6 +335,7 @@ impl Cli {
         Limits {
             max_body_bytes: usize::try_from(self.max_request_bytes).unwrap_or(usize::MAX),
             header_timeout: read_timeout,
+            idle_timeout: Duration::from_secs(self.idle_timeout_seconds),
             body_timeout: read_timeout,
             write_timeout: Duration::from_secs(self.write_timeout_seconds),
             max_connections: self.max_connections as usize,
@@ -499,6 +510,8 @@ mod tests {
             "134217728",
             "--read-timeout-seconds",
             "3",
+            "--idle-timeout-seconds",
+            "100",
             "--write-timeout-seconds",
             "4",
             "--max-connections",
@@ -517,6 +530,7 @@ mod tests {
             Limits {
                 max_body_bytes: 128 << 20,
                 header_timeout: Duration::from_secs(3),
+                idle_timeout: Duration::from_secs(100),
                 body_timeout: Duration::from_secs(3),
                 write_timeout: Duration::from_secs(4),
                 max_connections: 10,
@@ -532,6 +546,7 @@ mod tests {
         for bad in [
             ["--max-request-bytes", "0"],
             ["--read-timeout-seconds", "0"],
+            ["--idle-timeout-seconds", "0"],
             ["--write-timeout-seconds", "0"],
             ["--max-connections", "0"],
             ["--max-connections-per-client", "0"],

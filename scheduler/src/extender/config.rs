@@ -54,10 +54,14 @@ pub struct Limits {
     /// The largest request body of filter, prioritize, preempt and the
     /// webhooks (a bind's is a few hundred bytes: at most 64 KiB).
     pub max_body_bytes: usize,
-    /// How long a request's headers may take to arrive, counted from the
-    /// connection's start or the end of its previous request (so it is
-    /// also how long an idle kept-alive connection stays open).
+    /// How long a new connection may send nothing, and how long a
+    /// request's headers may take from their first byte.
     pub header_timeout: Duration,
+    /// How long a kept-alive connection may stay idle between requests:
+    /// longer than its clients keep an idle one (Go's 90 s), so that the
+    /// client, not the server, closes it and no request meets a connection
+    /// closing under it.
+    pub idle_timeout: Duration,
     /// How long a request's body may take to arrive in full.
     pub body_timeout: Duration,
     /// How long an answer (a watch's events too) may wait for its client
@@ -73,10 +77,10 @@ pub struct Limits {
     /// Watches of nvidia-gpu-scheduler's views open at once; one more is
     /// answered 429.
     pub max_watches: usize,
-    /// How long a connection is kept: then it is closed once the request
-    /// in hand (if any) is answered, so a client that keeps sending
-    /// requests does not hold its connection (and its place under
-    /// `max_connections_per_client`) for ever.
+    /// How long a connection is kept: then its next answer tells the
+    /// client to close it (an idle one is left to its idle allowance), so
+    /// a client that keeps sending requests does not hold its connection
+    /// (and its place under `max_connections_per_client`) for ever.
     pub max_connection_age: Duration,
 }
 
@@ -85,6 +89,7 @@ impl Default for Limits {
         Self {
             max_body_bytes: DEFAULT_MAX_BODY_BYTES,
             header_timeout: Duration::from_secs(10),
+            idle_timeout: Duration::from_secs(120),
             body_timeout: Duration::from_secs(10),
             write_timeout: Duration::from_secs(10),
             max_connections: 1024,

@@ -3,6 +3,8 @@
 //! - [`routes`]: every endpoint, timed by [`metrics`], and which listener
 //!   serves which.
 //! - [`mod@body`]: request bodies read within a size, a time and a budget.
+//! - [`clock`]: what a connection is doing (silent, sending headers, idle,
+//!   being answered) and how long it may go on doing it.
 //! - [`views`]: nvidia-gpu-scheduler's watchable GPU pod and node views.
 //! - [`mod@serve`]: a router served on a listener, with a graceful stop,
 //!   within connection limits.
@@ -12,6 +14,7 @@
 //!   change.
 
 pub mod body;
+pub mod clock;
 pub mod metrics;
 pub mod routes;
 pub mod serve;

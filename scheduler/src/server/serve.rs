@@ -2,14 +2,15 @@
 //! within the connection limits of [`Limits`]: at most `max_connections`
 //! at once, and `max_connections_per_client` of them from one address (one
 //! more is closed as soon as it is accepted, so it learns at once rather
-//! than waiting in the kernel's queue), headers within
-//! `header_timeout` (which also closes idle kept-alive connections), a
-//! read buffer of at most [`MAX_READ_BUFFER`] each, answers read by the
-//! client without a pause of `write_timeout` ([`crate::server::stall`]),
-//! and a life of `max_connection_age` (then closed once the request in
-//! hand is answered).
+//! than waiting in the kernel's queue), a first byte and then headers
+//! within `header_timeout`, idle kept-alive connections closed after
+//! `idle_timeout` ([`crate::server::clock`]), a read buffer of at most
+//! [`MAX_READ_BUFFER`] each, answers read by the client without a pause of
+//! `write_timeout` ([`crate::server::stall`]), and a life of
+//! `max_connection_age` (then the next answer says `connection: close`).
 
 use crate::extender::config::Limits;
+use crate::server::clock::{Clocked, ConnectionClock, Expiry, Watched};
 use crate::server::stall::StallLimited;
 use crate::server::tls::ClientCertified;
 use axum::Router;
@@ -99,8 +100,11 @@ pub async fn serve_with(
     let (closing, closing_receiver) = tokio::sync::watch::channel(false);
     let slots = Arc::new(Semaphore::new(limits.max_connections));
     let clients = Arc::new(PerClient::default());
-    let header_timeout = limits.header_timeout;
-    let max_age = limits.max_connection_age;
+    let allowances = Allowances {
+        header: limits.header_timeout,
+        idle: limits.idle_timeout,
+        max_age: limits.max_connection_age,
+    };
     let mut connections = JoinSet::new();
     tokio::pin!(shutdown);
     loop {
@@ -135,7 +139,8 @@ pub async fn serve_with(
                     continue;
                 };
                 let _ = stream.set_nodelay(true);
-                let stream = StallLimited::new(stream, limits.write_timeout);
+                let clock = ConnectionClock::new();
+                let stream = StallLimited::new(Watched::new(stream, Arc::clone(&clock)), limits.write_timeout);
                 let router = router.clone();
                 let acceptor = acceptor.clone();
                 let closing = closing_receiver.clone();
@@ -143,9 +148,9 @@ pub async fn serve_with(
                     // Held until the connection ends.
                     let _slots = (slot, client_slot);
                     match acceptor {
-                        None => serve_connection(stream, TowerToHyperService::new(router), closing, peer, header_timeout, max_age).await,
+                        None => serve_connection(stream, TowerToHyperService::new(router), closing, peer, clock, allowances).await,
                         Some(acceptor) => {
-                            match tokio::time::timeout(header_timeout, acceptor.accept(stream)).await {
+                            match tokio::time::timeout(allowances.header, acceptor.accept(stream)).await {
                                 Ok(Ok(tls)) => {
                                     // Verified, when the configuration asks
                                     // for client certificates: the handshake
@@ -154,7 +159,9 @@ pub async fn serve_with(
                                     let service = TowerToHyperService::new(
                                         router.layer(axum::Extension(ClientCertified(certified))),
                                     );
-                                    serve_connection(tls, service, closing, peer, header_timeout, max_age).await
+                                    // The handshake had its own allowance.
+                                    clock.reopened();
+                                    serve_connection(tls, service, closing, peer, clock, allowances).await
                                 }
                                 Ok(Err(error)) => tracing::debug!(error = &error as &dyn std::error::Error, "TLS handshake with {peer} failed"),
                                 Err(_) => tracing::debug!("TLS handshake with {peer} timed out"),
@@ -169,33 +176,64 @@ pub async fn serve_with(
     while connections.join_next().await.is_some() {}
 }
 
+/// How long a connection may take over each thing ([`Limits`]).
+#[derive(Clone, Copy)]
+struct Allowances {
+    header: Duration,
+    idle: Duration,
+    max_age: Duration,
+}
+
 async fn serve_connection<I>(
     io: I,
     service: TowerToHyperService<Router>,
     mut closing: tokio::sync::watch::Receiver<bool>,
     peer: std::net::SocketAddr,
-    header_timeout: Duration,
-    max_age: Duration,
+    clock: Arc<ConnectionClock>,
+    allowances: Allowances,
 ) where
     I: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
 {
     let mut builder = hyper::server::conn::http1::Builder::new();
     builder
         .timer(TokioTimer::new())
-        .header_read_timeout(header_timeout)
+        // The connection's clock times headers and idleness apart: hyper's
+        // own timeout would close an idle connection as a slow request.
+        .header_read_timeout(None)
         .max_buf_size(MAX_READ_BUFFER);
-    let connection = builder.serve_connection(TokioIo::new(io), service);
+    let connection =
+        builder.serve_connection(TokioIo::new(io), Clocked::new(service, Arc::clone(&clock)));
     tokio::pin!(connection);
-    let result = tokio::select! {
-        result = connection.as_mut() => result,
-        _ = async { closing.wait_for(|closing| *closing).await.is_ok() } => {
-            connection.as_mut().graceful_shutdown();
-            connection.await
-        }
-        () = tokio::time::sleep(max_age) => {
-            tracing::debug!("connection from {peer}: {max_age:?} old, closed after its request in hand");
-            connection.as_mut().graceful_shutdown();
-            connection.await
+    let aged = tokio::time::sleep(allowances.max_age);
+    tokio::pin!(aged);
+    let mut old = false;
+    let result = loop {
+        tokio::select! {
+            result = connection.as_mut() => break result,
+            _ = async { closing.wait_for(|closing| *closing).await.is_ok() } => {
+                connection.as_mut().graceful_shutdown();
+                break connection.await;
+            }
+            () = &mut aged, if !old => {
+                // Never closed here, even when idle: a client reusing it at
+                // this moment would see its request fail. Its next answer
+                // says to close it, or its idle allowance runs out.
+                tracing::debug!("connection from {peer}: {:?} old, closed after its next answer", allowances.max_age);
+                clock.close_after_answer();
+                old = true;
+            }
+            expiry = clock.expired(allowances.header, allowances.idle) => match expiry {
+                Expiry::Idle | Expiry::Silent => {
+                    tracing::debug!("connection from {peer}: {expiry:?}, closed");
+                    // Idle: hyper closes it at once.
+                    connection.as_mut().graceful_shutdown();
+                    break connection.await;
+                }
+                Expiry::SlowHead => {
+                    tracing::debug!("connection from {peer}: headers not in within {:?}, closed", allowances.header);
+                    return;
+                }
+            },
         }
     };
     if let Err(error) = result {

@@ -712,6 +712,75 @@ async fn slow_and_idle_clients_are_cut_off() {
     assert_eq!(status, 200);
 }
 
+/// An idle kept-alive connection outlives the header allowance (before, a
+/// connection idle for it was closed: the API server's webhook call sent
+/// on one just then failed with "broken pipe"), and its own idle
+/// allowance closes it; the age limit never closes an idle connection, it
+/// has its next answer close it.
+#[tokio::test]
+async fn an_idle_connection_is_kept_its_idle_allowance_and_closed_after_an_answer_when_old() {
+    let h = limited(Limits {
+        header_timeout: Duration::from_secs(1),
+        idle_timeout: Duration::from_secs(3),
+        max_connection_age: Duration::from_secs(2),
+        ..Limits::default()
+    })
+    .await;
+    let addr = h.running().local_addr;
+
+    async fn ask(stream: &mut TcpStream) -> String {
+        stream
+            .write_all(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
+            .await
+            .expect("the connection takes a request");
+        let mut buffer = [0u8; 4096];
+        let read = tokio::time::timeout(Duration::from_secs(5), stream.read(&mut buffer))
+            .await
+            .expect("answered within 5 s")
+            .expect("read");
+        String::from_utf8_lossy(&buffer[..read]).to_ascii_lowercase()
+    }
+
+    let mut reused = TcpStream::connect(addr).await.expect("connect");
+    let first = ask(&mut reused).await;
+    assert!(first.starts_with("http/1.1 200"), "{first:?}");
+    assert!(!first.contains("connection: close"), "{first:?}");
+    // Idle past the header allowance and past the connection's age: the
+    // subject of the test, so a real wait.
+    tokio::time::sleep(Duration::from_millis(2500)).await;
+    let second = ask(&mut reused).await;
+    assert!(
+        second.starts_with("http/1.1 200"),
+        "the same connection answers after 2.5 s idle: {second:?}"
+    );
+    assert!(
+        second.contains("connection: close"),
+        "an old connection's next answer closes it: {second:?}"
+    );
+    assert_eq!(
+        read_until_closed(&mut reused, Duration::from_secs(5)).await,
+        Some(Vec::new()),
+        "closed after that answer"
+    );
+
+    let mut idle = TcpStream::connect(addr).await.expect("connect");
+    let answer = ask(&mut idle).await;
+    assert!(answer.starts_with("http/1.1 200"), "{answer:?}");
+    let idle_since = Instant::now();
+    let rest = read_until_closed(&mut idle, Duration::from_secs(10)).await;
+    let idled = idle_since.elapsed();
+    assert_eq!(
+        rest,
+        Some(Vec::new()),
+        "closed within 10 s, saying nothing more"
+    );
+    eprintln!("an idle connection was closed after {idled:?}");
+    assert!(
+        idled >= Duration::from_millis(2900) && idled < Duration::from_secs(5),
+        "closed after its idle allowance of 3 s: {idled:?}"
+    );
+}
+
 /// A client that asks and then reads nothing: before, the answer waited
 /// for it for ever, and the connection kept its place under the limits
 /// (no read timeout applies while nothing more is read; the connection's
