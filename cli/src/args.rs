@@ -18,6 +18,7 @@ Examples:
   vgpu top --once --sort util   # one plain table, for scripts
   vgpu demo                     # a cap and a share holding, on this machine's GPU or a simulated one
   vgpu doctor                   # what vgpu sees here: driver, GPUs, DRA slice, shim, monitor (--json)
+  vgpu cordon gpu-node-1 0      # on Kubernetes: GPU 0 of a node gets no new vGPU (uncordon: back)
 
 Regions live in --root: /usr/local/vgpu/containers for root (the directory
 the node monitor watches), else $XDG_RUNTIME_DIR/vgpu, else /tmp/vgpu-<uid>.";
@@ -57,9 +58,75 @@ pub enum Command {
     Demo(DemoArgs),
     /// Check what vgpu sees here: driver, GPUs, the DRA slice, the shim, the monitor
     Doctor(DoctorArgs),
+    /// Take GPUs of a Kubernetes node out of service for new vGPUs (running pods stay)
+    Cordon(CordonArgs),
+    /// Put cordoned GPUs of a Kubernetes node back in service
+    Uncordon(UncordonArgs),
     /// `vgpu doctor`'s CUDA program, run under the shim (not for users)
     #[command(name = "doctor-probe", hide = true)]
     DoctorProbe,
+}
+
+const CORDON_EXAMPLES: &str = "\
+Examples:
+  vgpu cordon gpu-node-1 0                 # GPU 0 (nvidia-smi's index) gets no new vGPU
+  vgpu cordon gpu-node-1 GPU-5f1c...       # by UUID
+  vgpu cordon gpu-node-1                   # show the node's GPUs and which are cordoned
+  vgpu uncordon gpu-node-1 0
+  vgpu uncordon gpu-node-1 --all
+
+The node's annotation vgpu.io/cordoned-gpus lists the cordoned GPUs' UUIDs
+(HAMi's hami.io/device-cordon is read too, and uncordon clears a GPU from
+both). The scheduler extender places no new vGPU on them and the DRA driver
+takes them out of its ResourceSlice; pods already on them keep running.
+GPUs are named by index or UUID as the node's device plugin (its
+vgpu.io/node-gpus annotation) or DRA driver (its ResourceSlice) lists them.
+
+The API server: --kubeconfig, else $KUBECONFIG or ~/.kube/config, else the
+pod's service account. Needs get and patch on nodes (and list on
+resourceslices for DRA nodes).
+
+Exit status: 0 done (or nothing to change), 1 refused or failed (one line on
+stderr), 2 for an invalid command line.";
+
+/// Single GPUs of a Kubernetes node out of service.
+#[derive(Debug, Args)]
+#[command(after_help = CORDON_EXAMPLES)]
+pub struct CordonArgs {
+    /// The node's name
+    pub node: String,
+
+    /// GPUs to cordon, by index or UUID; none: show the node's GPUs
+    #[arg(value_name = "GPU")]
+    pub gpus: Vec<String>,
+
+    /// kubeconfig file [default: $KUBECONFIG, ~/.kube/config, or in-cluster]
+    #[arg(long, value_name = "PATH")]
+    pub kubeconfig: Option<PathBuf>,
+}
+
+/// Cordoned GPUs of a Kubernetes node back in service.
+#[derive(Debug, Args)]
+#[command(after_help = CORDON_EXAMPLES)]
+pub struct UncordonArgs {
+    /// The node's name
+    pub node: String,
+
+    /// GPUs to put back, by index or UUID
+    #[arg(
+        value_name = "GPU",
+        required_unless_present = "all",
+        conflicts_with = "all"
+    )]
+    pub gpus: Vec<String>,
+
+    /// Every cordoned GPU of the node
+    #[arg(long)]
+    pub all: bool,
+
+    /// kubeconfig file [default: $KUBECONFIG, ~/.kube/config, or in-cluster]
+    #[arg(long, value_name = "PATH")]
+    pub kubeconfig: Option<PathBuf>,
 }
 
 const RUN_EXAMPLES: &str = "\

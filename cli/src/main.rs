@@ -1,8 +1,10 @@
 //! `vgpu`: runs programs under the shim with a memory cap and a compute
 //! share on a machine without Kubernetes, and lists, inspects and changes
-//! regions (see `vgpu --help`).
+//! regions; on Kubernetes, cordons single GPUs of a node (see `vgpu
+//! --help`).
 
 mod args;
+mod cordon;
 mod demo;
 mod doctor;
 mod live;
@@ -83,6 +85,14 @@ fn main() -> ExitCode {
                 1,
                 Some(anyhow::Error::new(error).context("writing the report")),
             ),
+        },
+        Command::Cordon(args) => match cordon::cordon(&args, &mut std::io::stdout().lock()) {
+            Ok(()) => (0, None),
+            Err(error) => (1, Some(error.into())),
+        },
+        Command::Uncordon(args) => match cordon::uncordon(&args, &mut std::io::stdout().lock()) {
+            Ok(()) => (0, None),
+            Err(error) => (1, Some(error.into())),
         },
         Command::DoctorProbe => match doctor::probe::child(&mut std::io::stdout().lock()) {
             Ok(()) => (0, None),

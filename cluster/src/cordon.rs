@@ -29,9 +29,41 @@ pub fn cordoned_gpus(annotations: Option<&BTreeMap<String, String>>) -> Vec<&str
         .collect()
 }
 
+/// A cordon list after cordoning `add` and uncordoning `remove`, in the
+/// annotation's form: UUIDs joined by commas, each once, in the order first
+/// cordoned; `None` when nothing stays cordoned (the annotation goes).
+pub fn edited_list(current: Option<&str>, add: &[&str], remove: &[&str]) -> Option<String> {
+    let mut kept: Vec<&str> = Vec::new();
+    let listed = current
+        .into_iter()
+        .flat_map(|list| list.split(','))
+        .map(str::trim);
+    for uuid in listed.chain(add.iter().copied()) {
+        if !uuid.is_empty() && !kept.contains(&uuid) && !remove.contains(&uuid) {
+            kept.push(uuid);
+        }
+    }
+    (!kept.is_empty()).then(|| kept.join(","))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_list_is_edited_keeping_its_order_each_uuid_once() {
+        assert_eq!(edited_list(None, &["GPU-a"], &[]).as_deref(), Some("GPU-a"));
+        assert_eq!(
+            edited_list(Some("GPU-a, GPU-b,,"), &["GPU-c", "GPU-a"], &[]).as_deref(),
+            Some("GPU-a,GPU-b,GPU-c")
+        );
+        assert_eq!(
+            edited_list(Some("GPU-a,GPU-b"), &[], &["GPU-a"]).as_deref(),
+            Some("GPU-b")
+        );
+        assert_eq!(edited_list(Some("GPU-a"), &[], &["GPU-a"]), None);
+        assert_eq!(edited_list(Some(" , "), &[], &[]), None);
+    }
 
     #[test]
     fn both_spellings_are_read_as_trimmed_comma_lists() {

@@ -22,7 +22,9 @@ CDI specs, there being no container runtime).
   model" gets two different GPUs, capped in one region.
 - A GPU cordoned by the node's annotation (HAMi's `hami.io/device-cordon`)
   leaves the slice while the claim on it keeps running; a new claim gets
-  the other GPU; uncordoned, it returns.
+  the other GPU; uncordoned, it returns. `vgpu cordon` and `vgpu uncordon`
+  do the same by index, refuse unknown GPUs and nodes, and clear HAMi's
+  spelling too.
 - A GPU marked unhealthy (an XID on the simulated GPU) leaves the slice, and
   a claim only it could hold stays Pending.
 - Each claim prepared changes the slice (its `vgpu.io/claims-prepared`
@@ -355,6 +357,64 @@ def test_a_cordoned_gpu_leaves_the_slice_while_its_claims_keep_running(dra_clust
     cc.cluster.kubectl("annotate", "node", node, "hami.io/device-cordon-")
     wait_for("both GPUs back in the slice", lambda: sorted(slice_devices(cc)) == ["gpu-0", "gpu-1"],
              timeout=60, log=cc.logs)
+
+
+def vgpu_verb(cc: ChartCluster, *args: str) -> subprocess.CompletedProcess:
+    """`vgpu` run against the test cluster as its administrator."""
+    return subprocess.run(cc.cluster.command([str(TARGET / "vgpu"), *args, "--kubeconfig",
+                                              str(cc.cluster.admin_kubeconfig)]),
+                          capture_output=True, text=True, timeout=60, check=False)
+
+
+@pytest.fixture
+def uncordoned(dra_cluster):
+    """The node's cordon annotations gone after the test, passed or failed."""
+    yield
+    dra_cluster.cluster.kubectl("annotate", "node", dra_cluster.nodes[0].name, "vgpu.io/cordoned-gpus-",
+                                "hami.io/device-cordon-", check=False)
+
+
+def test_vgpu_cordon_and_uncordon_take_a_gpu_out_and_back(dra_cluster, uncordoned):
+    cc = dra_cluster
+    node = cc.nodes[0].name
+    uuids = slice_devices(cc)
+    assert sorted(uuids) == ["gpu-0", "gpu-1"]
+    shown = vgpu_verb(cc, "cordon", node)
+    assert shown.returncode == 0, shown.stderr
+    assert shown.stdout.splitlines() == [f"node {node}: GPU {i} ({uuids[f'gpu-{i}']}): in service" for i in (0, 1)]
+
+    done = vgpu_verb(cc, "cordon", node, "0")
+    assert done.returncode == 0, done.stderr
+    assert f"node {node}: 0 ({uuids['gpu-0']}) cordoned" in done.stdout, done.stdout
+    annotations = kubectl_json(cc.cluster, "get", "node", node)["metadata"]["annotations"]
+    assert annotations["vgpu.io/cordoned-gpus"] == uuids["gpu-0"]
+    wait_for("gpu-0 gone from the slice", lambda: sorted(slice_devices(cc)) == ["gpu-1"], timeout=60, log=cc.logs)
+    create(cc, claim("elsewhere", "1Gi", "10"), pod("elsewhere", "elsewhere", [sys.executable, str(FILL), "256"]))
+    assert allocated(cc, "elsewhere")["device"] == "gpu-1"
+    running(cc, "elsewhere")
+
+    # Bad names are refused with what there is, and change nothing.
+    unknown = vgpu_verb(cc, "cordon", node, "7")
+    assert unknown.returncode == 1, unknown
+    assert f"node {node} has no GPU 7: its GPUs are 1 ({uuids['gpu-1']})" in unknown.stderr, unknown.stderr
+    missing = vgpu_verb(cc, "cordon", "no-such-node", "0")
+    assert missing.returncode == 1 and "node no-such-node not found" in missing.stderr, missing
+    usage = vgpu_verb(cc, "uncordon", node)
+    assert usage.returncode == 2, usage
+    assert kubectl_json(cc.cluster, "get", "node", node)["metadata"]["annotations"]["vgpu.io/cordoned-gpus"] == \
+        uuids["gpu-0"]
+
+    # HAMi's spelling beside it: uncordon --all clears both.
+    cc.cluster.kubectl("annotate", "node", node, f"hami.io/device-cordon={uuids['gpu-1']}")
+    wait_for("no GPU left in the slice", lambda: slice_devices(cc) == {}, timeout=60, log=cc.logs)
+    back = vgpu_verb(cc, "uncordon", node, "--all")
+    assert back.returncode == 0, back.stderr
+    annotations = kubectl_json(cc.cluster, "get", "node", node)["metadata"].get("annotations", {})
+    assert "vgpu.io/cordoned-gpus" not in annotations and "hami.io/device-cordon" not in annotations, annotations
+    wait_for("both GPUs back in the slice", lambda: sorted(slice_devices(cc)) == ["gpu-0", "gpu-1"],
+             timeout=60, log=cc.logs)
+    kept = kubectl_json(cc.cluster, "get", "pod", "elsewhere", "-n", NAMESPACE)
+    assert kept["status"]["phase"] == "Running", "the pod on the GPU cordoned later kept running"
 
 
 def test_an_unhealthy_gpu_leaves_the_slice(dra_cluster):
