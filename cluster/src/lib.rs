@@ -10,7 +10,8 @@
 //!   placement policies a pod may name.
 //! - [`decision`]: the node inventory and per-pod decisions the extender and
 //!   the device plugin exchange through annotations, and the protocol that
-//!   matches kubelet's `Allocate` calls to pods.
+//!   matches kubelet's `Allocate` calls to pods; [`resize`]: a running
+//!   pod's request for a new share or cap, and the extender's answer.
 //! - [`node_lease`]: the Lease per node by which the device plugin shows
 //!   it is alive.
 //! - [`report`]: errors written as one message for Kubernetes components.
@@ -26,5 +27,6 @@ pub mod node_lease;
 pub mod policy;
 pub mod report;
 pub mod requests;
+pub mod resize;
 pub mod resources;
 pub mod scaling;

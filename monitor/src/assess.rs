@@ -287,7 +287,8 @@ pub fn assess_region(
     }
 }
 
-/// A Warning Event on the pod of `region`, when the API names it.
+/// An Event on the pod of `region`, when the API names it: a Warning,
+/// or with `normal` a Normal one.
 pub fn record_event(
     events: Option<&EventRecorder>,
     pod: &Option<PodRecord>,
@@ -295,16 +296,39 @@ pub fn record_event(
     reason: &str,
     message: String,
 ) {
+    record(events, pod, region, reason, message, false);
+}
+
+/// A Normal Event on the pod of `region`, when the API names it.
+pub fn record_normal_event(
+    events: Option<&EventRecorder>,
+    pod: &Option<PodRecord>,
+    region: &ContainerRegion,
+    reason: &str,
+    message: String,
+) {
+    record(events, pod, region, reason, message, true);
+}
+
+fn record(
+    events: Option<&EventRecorder>,
+    pod: &Option<PodRecord>,
+    region: &ContainerRegion,
+    reason: &str,
+    message: String,
+    normal: bool,
+) {
     let (Some(events), Some(pod), Some(uid)) = (events, pod, region.pod_uid.as_deref()) else {
         return;
     };
-    events.warn(
-        &PodRef {
-            namespace: &pod.namespace,
-            name: &pod.name,
-            uid,
-        },
-        reason,
-        message,
-    );
+    let pod = PodRef {
+        namespace: &pod.namespace,
+        name: &pod.name,
+        uid,
+    };
+    if normal {
+        events.normal(&pod, reason, message);
+    } else {
+        events.warn(&pod, reason, message);
+    }
 }

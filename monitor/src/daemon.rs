@@ -6,7 +6,8 @@
 
 use crate::arbitration::{arbitrate, Contender};
 use crate::assess::{
-    assess_region, process_util_by_uuid, record_event, Assessment, PassContext, Seen, Tracks,
+    assess_region, process_util_by_uuid, record_event, record_normal_event, Assessment,
+    PassContext, Seen, Tracks,
 };
 use crate::cleanup::{self, Janitor, Reaper, Verdict};
 use crate::discovery::Discovery;
@@ -255,10 +256,28 @@ impl Monitor {
     /// first time logged and recorded as an Event, then counted).
     fn restore_limits(&mut self, assessment: &mut Assessment) {
         for restore in &assessment.restores {
+            let resized = self.reported.granted_changed(&restore.key, &restore.limits);
             let Some(region) = self.discovery.get(&restore.key) else {
                 continue;
             };
             if !region.region().restore_limits(&restore.limits) {
+                continue;
+            }
+            if resized {
+                // The decision changed (a resize the extender applied), not
+                // the region: its new limits are the container's now.
+                let message = format!(
+                    "container {}: its decision was resized; the new limits are in its region",
+                    restore.key
+                );
+                tracing::info!("{message}");
+                record_normal_event(
+                    self.events.as_ref(),
+                    &restore.pod,
+                    region,
+                    "Resized",
+                    message,
+                );
                 continue;
             }
             let restored = self.reported.limits_restored(&restore.key);

@@ -34,6 +34,15 @@ impl EventRecorder {
 
     /// A Warning Event on `pod`.
     pub fn warn(&self, pod: &PodRef, reason: &str, message: String) {
+        self.record(pod, "Warning", reason, message);
+    }
+
+    /// A Normal Event on `pod`: something it asked for was done.
+    pub fn normal(&self, pod: &PodRef, reason: &str, message: String) {
+        self.record(pod, "Normal", reason, message);
+    }
+
+    fn record(&self, pod: &PodRef, type_: &str, reason: &str, message: String) {
         let now = Time(k8s_openapi::jiff::Timestamp::now());
         let event = Event {
             metadata: ObjectMeta {
@@ -51,7 +60,7 @@ impl EventRecorder {
             },
             reason: Some(reason.to_string()),
             message: Some(message),
-            type_: Some("Warning".into()),
+            type_: Some(type_.into()),
             count: Some(1),
             first_timestamp: Some(now.clone()),
             last_timestamp: Some(now),

@@ -3,6 +3,7 @@
 //! its pod) when it is first found, and found anew only once it is gone.
 
 use std::collections::{HashMap, HashSet};
+use vgpu_node_contract::region::RegionLimits;
 
 /// A GPU process, by the GPU's UUID and its host PID.
 pub type ProcessId = (String, u32);
@@ -17,6 +18,8 @@ pub struct Reported {
     over_cap: HashSet<(String, usize)>,
     /// Times each container's region limits were restored.
     restored: HashMap<String, u64>,
+    /// The limits each container's decision granted at the last pass.
+    granted: HashMap<String, RegionLimits>,
     /// Processes using a GPU without the shim, logged.
     unenforced: HashSet<ProcessId>,
     /// Those of them recorded as an Event on their pod.
@@ -48,6 +51,15 @@ impl Reported {
         let count = self.restored.entry(container.to_string()).or_insert(0);
         *count += 1;
         *count
+    }
+
+    /// Notes what `container`'s decision grants now; true when it granted
+    /// something else at the last pass (the decision was resized).
+    pub fn granted_changed(&mut self, container: &str, limits: &RegionLimits) -> bool {
+        match self.granted.insert(container.to_string(), *limits) {
+            Some(before) => before != *limits,
+            None => false,
+        }
     }
 
     /// How many times `container`'s limits were restored.
@@ -85,6 +97,7 @@ impl Reported {
     /// Forgets the caps and restorations of containers no longer there.
     pub fn keep_live(&mut self, live: &HashSet<&str>) {
         self.restored.retain(|key, _| live.contains(key.as_str()));
+        self.granted.retain(|key, _| live.contains(key.as_str()));
         self.over_cap.retain(|(key, _)| live.contains(key.as_str()));
     }
 }

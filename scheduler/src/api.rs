@@ -9,6 +9,7 @@ use kube::{Api, Client};
 use serde_json::json;
 use thiserror::Error;
 use vgpu_cluster::decision::{ALLOCATED_ANNOTATION, DECISION_ANNOTATION};
+use vgpu_cluster::resize::RESIZE_STATUS_ANNOTATION;
 
 pub use vgpu_cluster::client::{ApiSource, ClientError};
 
@@ -213,6 +214,35 @@ impl KubeApi {
                     DECISION_ANNOTATION: decision,
                     ALLOCATED_ANNOTATION: null,
                 }
+            }
+        });
+        Ok(self
+            .pods(namespace)
+            .patch(name, &PatchParams::default(), &Patch::Merge(&patch))
+            .await?)
+    }
+
+    /// Answers a pod's resize request: its status, and the new decision
+    /// when one was made (the device plugin's record of what it
+    /// allocated is kept: the containers run), if the pod is still at
+    /// `resource_version`.
+    pub async fn write_resize(
+        &self,
+        namespace: &str,
+        name: &str,
+        resource_version: &str,
+        decision: Option<&str>,
+        status: &str,
+    ) -> Result<Pod, ApiError> {
+        let mut annotations = serde_json::Map::new();
+        annotations.insert(RESIZE_STATUS_ANNOTATION.into(), status.into());
+        if let Some(decision) = decision {
+            annotations.insert(DECISION_ANNOTATION.into(), decision.into());
+        }
+        let patch = json!({
+            "metadata": {
+                "resourceVersion": resource_version,
+                "annotations": annotations,
             }
         });
         Ok(self

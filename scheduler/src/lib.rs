@@ -110,6 +110,9 @@ pub async fn start(
         KubeApi::new(client.clone()),
         scheduler.clone(),
     )));
+    watches.push(tokio::spawn(extender::resize::answer_resizes(
+        scheduler.clone(),
+    )));
     let local_addr = listener.local_addr().map_err(StartError::Listener)?;
     let (shutdown, _) = tokio::sync::watch::channel(false);
     let shared = server::routes::Shared::new(

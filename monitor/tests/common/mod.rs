@@ -461,6 +461,25 @@ impl KubeApi {
             .expect("the server gives every pod a UID")
     }
 
+    /// Sets `annotations` on pod `namespace/name` (others are kept), as
+    /// the extender writes a new decision.
+    pub fn set_annotations(
+        &self,
+        namespace: &str,
+        name: &str,
+        annotations: BTreeMap<String, String>,
+    ) {
+        let pods: Api<Pod> = Api::namespaced(self.client.clone(), namespace);
+        let patch = serde_json::json!({ "metadata": { "annotations": annotations } });
+        self.runtime
+            .block_on(pods.patch(
+                name,
+                &kube::api::PatchParams::default(),
+                &kube::api::Patch::Merge(&patch),
+            ))
+            .unwrap_or_else(|error| panic!("annotate pod {namespace}/{name}: {error}"));
+    }
+
     /// Deletes a bound pod as it happens in a cluster: the user's delete
     /// only marks it (a bound pod waits for its kubelet), and the kubelet,
     /// once the containers have stopped, deletes it for good (grace 0).

@@ -249,3 +249,105 @@ fn on_a_scaled_node_the_cap_restored_is_the_grants_device_part() {
     );
     assert_eq!(device.swap_limit.load(Ordering::Relaxed), 3 * GIB);
 }
+
+/// The extender resized the pod (a new decision, `vgpu.io/resize`): its
+/// limits go into the region as the container's own, with a Normal Event,
+/// and are not counted as a restoration. A cap lowered below what the
+/// container holds frees nothing: the excess is reported, and the next
+/// allocation refused.
+#[test]
+fn a_resized_decision_becomes_the_regions_limits_and_frees_nothing() {
+    let host = HostDir::new("resized");
+    let api = KubeApi::start();
+    let mut granted = RegionLimits::default();
+    granted.memory_limit[0] = 4 * GIB;
+    granted.sm_limit[0] = 30;
+    granted.priority = 2;
+    let (_uid, region) = granted_region(&host, &api, "team-r", "server-0", &granted);
+    let slot = charge(&region, 0, 0, 0, 3 * GIB);
+    let root = host.root.to_str().expect("utf8");
+    let monitor = MonitorProcess::start(
+        MonitorProcess::command(),
+        &[
+            "--containers-dir",
+            root,
+            "--no-nvml",
+            "--kubeconfig",
+            api.kubeconfig(),
+            "--node-name",
+            NODE,
+            "--no-arbitration",
+        ],
+    );
+    let labels = [
+        ("namespace", "team-r"),
+        ("pod", "server-0"),
+        ("container", "main"),
+    ];
+    monitor.wait_for_metrics(Duration::from_secs(10), |samples| {
+        (value(samples, "vgpu_container_limits_restored_total", &labels) == Some(0.0)).then_some(())
+    });
+
+    // The extender's new decision: 2 GiB (below the 3 GiB held) at 10 %.
+    let mut resized = decision_annotations(NODE, "main", 2);
+    let text = resized
+        .get(vgpu_cluster::decision::DECISION_ANNOTATION)
+        .expect("decision")
+        .replace(
+            &format!("\"memoryBytes\":{}", 4 * GIB),
+            &format!("\"memoryBytes\":{}", 2 * GIB),
+        )
+        .replace("\"coresPercent\":30", "\"coresPercent\":10");
+    resized.insert(
+        vgpu_cluster::decision::DECISION_ANNOTATION.to_string(),
+        text,
+    );
+    api.set_annotations("team-r", "server-0", resized);
+
+    let device = &region.layout().devices[0];
+    wait_for(Duration::from_secs(10), || {
+        (device.memory_limit.load(Ordering::Relaxed) == 2 * GIB
+            && device.sm_limit.load(Ordering::Relaxed) == 10)
+            .then_some(())
+    })
+    .unwrap_or_else(|| panic!("the region kept {:?}\n{}", region.limits(), monitor.log()));
+    let samples = monitor.wait_for_metrics(Duration::from_secs(10), |samples| {
+        let device_labels = [
+            ("namespace", "team-r"),
+            ("pod", "server-0"),
+            ("container", "main"),
+            ("device_index", "0"),
+        ];
+        (value(
+            samples,
+            "vgpu_container_memory_over_cap_bytes",
+            &device_labels,
+        ) == Some(GIB as f64))
+        .then(|| samples.to_vec())
+    });
+    assert_eq!(
+        value(&samples, "vgpu_container_limits_restored_total", &labels),
+        Some(0.0),
+        "a resize is not a restoration"
+    );
+    assert_eq!(region.device_used(0), 3 * GIB, "nothing freed");
+    assert!(region
+        .reserve(slot, 0, MemoryKind::Data, MIB)
+        .expect("io")
+        .is_err());
+    let resized_event = wait_for(Duration::from_secs(10), || {
+        api.events("team-r")
+            .into_iter()
+            .find(|e| e.reason.as_deref() == Some("Resized"))
+    })
+    .unwrap_or_else(|| {
+        panic!(
+            "no Resized Event: {:?}\n{}",
+            api.events("team-r"),
+            monitor.log()
+        )
+    });
+    assert_eq!(resized_event.type_.as_deref(), Some("Normal"));
+    let log = monitor.log();
+    assert!(!log.contains("changed the limits in its region"), "{log}");
+}

@@ -8,6 +8,7 @@ use vgpu_cluster::decision::{
     kubelet_has_admitted, parse_allocated, Decision, FormatError, ALLOCATED_ANNOTATION,
     DECISION_ANNOTATION,
 };
+use vgpu_cluster::resize::unanswered;
 
 /// How long a decision whose pod is not bound yet holds its node unless
 /// configured otherwise ([`PodRecord::unbound_fresh`]).
@@ -54,6 +55,8 @@ pub struct PodRecord {
     /// dated further ahead than any clock of the extender's replicas
     /// could be): its GPUs are not counted until the pod is bound.
     pub unbound_expired: bool,
+    /// A resize request no status answers yet (`vgpu.io/resize`).
+    pub resize_request: Option<String>,
 }
 
 impl PodRecord {
@@ -99,6 +102,7 @@ impl PodRecord {
             claims: claim_keys_held(pod),
             local_since: None,
             unbound_expired: false,
+            resize_request: unanswered(Some(annotations)).map(str::to_string),
         }))
     }
 

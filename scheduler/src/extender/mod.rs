@@ -8,6 +8,8 @@
 //! - [`scheduler`]: what the verbs share ([`Scheduler`]).
 //! - [`filter`], [`prioritize`], [`preempt`], [`bind`]: the verbs.
 //! - [`claim_slice`]: a claim's slice placed for the claim controller.
+//! - [`resize`]: running pods' resize requests answered with new
+//!   decisions.
 //! - [`reply`], [`score_cache`]: their answers, and the loads filter keeps
 //!   for prioritize.
 
@@ -18,6 +20,7 @@ pub mod filter;
 pub mod preempt;
 pub mod prioritize;
 pub mod reply;
+pub mod resize;
 pub mod scheduler;
 pub mod score_cache;
 pub mod wire;

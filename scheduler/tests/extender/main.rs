@@ -13,6 +13,7 @@ mod policies;
 mod preempt;
 mod quotas;
 mod rejections;
+mod resize;
 mod restart;
 mod tls;
 mod views;
