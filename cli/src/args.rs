@@ -19,6 +19,7 @@ Examples:
   vgpu demo                     # a cap and a share holding, on this machine's GPU or a simulated one
   vgpu doctor                   # what vgpu sees here: driver, GPUs, DRA slice, shim, monitor (--json)
   vgpu cordon gpu-node-1 0      # on Kubernetes: GPU 0 of a node gets no new vGPU (uncordon: back)
+  vgpu resize my-pod --cores 20 # on Kubernetes: a running pod's share, within its request
 
 Regions live in --root: /usr/local/vgpu/containers for root (the directory
 the node monitor watches), else $XDG_RUNTIME_DIR/vgpu, else /tmp/vgpu-<uid>.";
@@ -62,6 +63,8 @@ pub enum Command {
     Cordon(CordonArgs),
     /// Put cordoned GPUs of a Kubernetes node back in service
     Uncordon(UncordonArgs),
+    /// Change a running Kubernetes pod's compute share or memory cap, within its request
+    Resize(ResizeArgs),
     /// `vgpu doctor`'s CUDA program, run under the shim (not for users)
     #[command(name = "doctor-probe", hide = true)]
     DoctorProbe,
@@ -123,6 +126,56 @@ pub struct UncordonArgs {
     /// Every cordoned GPU of the node
     #[arg(long)]
     pub all: bool,
+
+    /// kubeconfig file [default: $KUBECONFIG, ~/.kube/config, or in-cluster]
+    #[arg(long, value_name = "PATH")]
+    pub kubeconfig: Option<PathBuf>,
+}
+
+const RESIZE_EXAMPLES: &str = "\
+Examples:
+  vgpu resize inference-0 --cores 20                 # each of its vGPUs down to 20 %
+  vgpu resize inference-0 -n serving --memory 4g --cores 50
+  vgpu resize inference-0 --cores 70                 # back up, if its GPU has the room
+
+The request goes on the pod (annotation vgpu.io/resize: cores=20,memory=4096Mi)
+and vgpu-scheduler alone answers it, in vgpu.io/resize-status: applied when
+the pod's resources ask for at least as much and its GPUs have the room,
+else refused with the reason. The node monitor then writes the new limits
+into the containers' regions and the shim applies them at once: a lower
+share within a throttling period, a lower cap refuses new allocations and
+frees nothing the container holds. Every vGPU container of the pod and each
+of its GPUs get the same new figures.
+
+The API server: --kubeconfig, else $KUBECONFIG or ~/.kube/config, else the
+pod's service account; needs get and patch on pods.
+
+Exit status: 0 applied, 1 refused or no answer (one line on stderr), 2 for
+an invalid command line.";
+
+/// A running pod's share or cap changed.
+#[derive(Debug, Args)]
+#[command(after_help = RESIZE_EXAMPLES)]
+pub struct ResizeArgs {
+    /// The pod's name
+    pub pod: String,
+
+    /// The pod's namespace [default: the kubeconfig's]
+    #[arg(short, long, value_name = "NAMESPACE")]
+    pub namespace: Option<String>,
+
+    /// New compute share per vGPU in percent, 1-100
+    #[arg(long, value_parser = cores, value_name = "PERCENT")]
+    pub cores: Option<u32>,
+
+    /// New memory cap per vGPU: a size with a unit (4g, 4096Mi), whole MiB
+    #[arg(long, value_parser = memory_cap, value_name = "SIZE")]
+    pub memory: Option<u64>,
+
+    /// How long to wait for vgpu-scheduler's answer
+    #[arg(long = "timeout", default_value_t = 30, value_name = "SECONDS",
+          value_parser = clap::value_parser!(u64).range(1..=3600))]
+    pub timeout_seconds: u64,
 
     /// kubeconfig file [default: $KUBECONFIG, ~/.kube/config, or in-cluster]
     #[arg(long, value_name = "PATH")]

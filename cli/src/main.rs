@@ -9,6 +9,7 @@ mod demo;
 mod doctor;
 mod live;
 mod places;
+mod resize;
 mod run;
 mod set;
 mod show;
@@ -93,6 +94,10 @@ fn main() -> ExitCode {
         Command::Uncordon(args) => match cordon::uncordon(&args, &mut std::io::stdout().lock()) {
             Ok(()) => (0, None),
             Err(error) => (1, Some(error.into())),
+        },
+        Command::Resize(args) => match resize::resize(&args, &mut std::io::stdout().lock()) {
+            Ok(()) => (0, None),
+            Err(error) => (error.exit_code(), Some(error.into())),
         },
         Command::DoctorProbe => match doctor::probe::child(&mut std::io::stdout().lock()) {
             Ok(()) => (0, None),

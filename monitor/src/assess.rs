@@ -43,6 +43,8 @@ pub struct Seen {
 pub struct Restore {
     pub key: String,
     pub limits: RegionLimits,
+    /// When the decision granting them was made (none for a DRA claim's).
+    pub decided_unix_ms: Option<u64>,
     /// The pod the API named, for an Event.
     pub pod: Option<PodRecord>,
 }
@@ -282,6 +284,7 @@ pub fn assess_region(
         out.restores.push(Restore {
             key: region.key.clone(),
             limits: region_limits(&ordered, priority, &config.node),
+            decided_unix_ms: pod.as_ref().and_then(|p| p.decided_unix_ms),
             pod,
         });
     }

@@ -256,7 +256,9 @@ impl Monitor {
     /// first time logged and recorded as an Event, then counted).
     fn restore_limits(&mut self, assessment: &mut Assessment) {
         for restore in &assessment.restores {
-            let resized = self.reported.granted_changed(&restore.key, &restore.limits);
+            let resized = self
+                .reported
+                .decision_remade(&restore.key, restore.decided_unix_ms);
             let Some(region) = self.discovery.get(&restore.key) else {
                 continue;
             };

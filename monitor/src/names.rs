@@ -41,6 +41,9 @@ pub struct PodRecord {
     pub priorities: HashMap<String, i32>,
     /// Container name → the GPUs the scheduler's decision gave it.
     pub grants: HashMap<String, Vec<DeviceGrant>>,
+    /// When the extender made the decision: a later time on the same pod
+    /// is a resize.
+    pub decided_unix_ms: Option<u64>,
 }
 
 /// Whether the API can currently vouch for the pod list.
@@ -94,6 +97,7 @@ impl Known {
             name: self.name.clone(),
             priorities,
             grants,
+            decided_unix_ms: self.decided.as_ref().map(|(d, _)| d.decided_unix_ms),
         }
     }
 }

@@ -3,7 +3,6 @@
 //! its pod) when it is first found, and found anew only once it is gone.
 
 use std::collections::{HashMap, HashSet};
-use vgpu_node_contract::region::RegionLimits;
 
 /// A GPU process, by the GPU's UUID and its host PID.
 pub type ProcessId = (String, u32);
@@ -18,8 +17,8 @@ pub struct Reported {
     over_cap: HashSet<(String, usize)>,
     /// Times each container's region limits were restored.
     restored: HashMap<String, u64>,
-    /// The limits each container's decision granted at the last pass.
-    granted: HashMap<String, RegionLimits>,
+    /// When each container's decision was made, as of the last pass.
+    decided: HashMap<String, u64>,
     /// Processes using a GPU without the shim, logged.
     unenforced: HashSet<ProcessId>,
     /// Those of them recorded as an Event on their pod.
@@ -53,11 +52,14 @@ impl Reported {
         *count
     }
 
-    /// Notes what `container`'s decision grants now; true when it granted
-    /// something else at the last pass (the decision was resized).
-    pub fn granted_changed(&mut self, container: &str, limits: &RegionLimits) -> bool {
-        match self.granted.insert(container.to_string(), *limits) {
-            Some(before) => before != *limits,
+    /// Notes when `container`'s decision was made; true when an earlier
+    /// pass saw an older one (the extender resized the pod).
+    pub fn decision_remade(&mut self, container: &str, decided_unix_ms: Option<u64>) -> bool {
+        let Some(now) = decided_unix_ms else {
+            return false;
+        };
+        match self.decided.insert(container.to_string(), now) {
+            Some(before) => before != now,
             None => false,
         }
     }
@@ -97,7 +99,7 @@ impl Reported {
     /// Forgets the caps and restorations of containers no longer there.
     pub fn keep_live(&mut self, live: &HashSet<&str>) {
         self.restored.retain(|key, _| live.contains(key.as_str()));
-        self.granted.retain(|key, _| live.contains(key.as_str()));
+        self.decided.retain(|key, _| live.contains(key.as_str()));
         self.over_cap.retain(|(key, _)| live.contains(key.as_str()));
     }
 }
@@ -105,6 +107,20 @@ impl Reported {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_decision_is_remade_only_when_a_later_pass_sees_another_time() {
+        let mut reported = Reported::default();
+        assert!(!reported.decision_remade("c", Some(1)), "first seen");
+        assert!(!reported.decision_remade("c", Some(1)));
+        assert!(reported.decision_remade("c", Some(2)), "resized");
+        assert!(!reported.decision_remade("c", None), "a claim's grant");
+        reported.keep_live(&HashSet::new());
+        assert!(
+            !reported.decision_remade("c", Some(3)),
+            "forgotten with the region"
+        );
+    }
 
     #[test]
     fn each_anomaly_is_reported_once_while_it_lasts() {

@@ -13,8 +13,10 @@
  *            each (default 1)
  * On a real GPU the kernels are PTX that spin on the GPU's clock for as long.
  * Prints "ready" once every device has its context and module, then runs
- * for SECONDS and prints launches=N. The driver is reached through dlsym so
- * the shim, when preloaded, sees every call. */
+ * for SECONDS and prints launches=N. With WORKLOAD_EVERY_SECOND set, the
+ * first device's thread also prints "second=K kernels=N" after each whole
+ * second (K from 1), for shares that change while it runs. The driver is
+ * reached through dlsym so the shim, when preloaded, sees every call. */
 #define _GNU_SOURCE
 #include <dlfcn.h>
 #include <pthread.h>
@@ -116,9 +118,19 @@ static void *run(void *argument) {
         CHECK(GraphInstantiate(&exec, graph, 0));
     }
     pthread_barrier_wait(&ready_barrier);
-    double deadline = now_s() + seconds;
+    double started = now_s();
+    double deadline = started + seconds;
     long launches = 0;
+    int every_second = ordinal == 0 && getenv("WORKLOAD_EVERY_SECOND") != NULL;
+    int second = 1;
+    long counted = 0;
     while (now_s() < deadline) {
+        if (every_second && now_s() >= started + second) {
+            printf("second=%d kernels=%ld\n", second, launches - counted);
+            fflush(stdout);
+            counted = launches;
+            second++;
+        }
         if (strcmp(pattern, "burst") == 0) {
             for (int i = 0; i < 32; i++, launches++)
                 CHECK(LaunchKernel(function, 1, 1, 1, 128, 1, 1, 0, streams[0], NULL, NULL));

@@ -539,8 +539,10 @@ def test_admission_policies_keep_vgpus_records_to_vgpus_accounts():
 # The vgpu.io/ annotation constants of the code that names them
 # (cluster/src, scheduler/src/vocabulary), by what they are: set by users
 # on their pods, vgpu's own record on a pod, or on something not a pod.
-USER_INPUT_ANNOTATIONS = {"GPU_POLICY_ANNOTATION", "NODE_POLICY_ANNOTATION", "GPU_CORES_BURST_ANNOTATION"}
-RECORD_ANNOTATIONS = {"DECISION_ANNOTATION", "ALLOCATED_ANNOTATION", "USES_CLAIMS_ANNOTATION"}
+USER_INPUT_ANNOTATIONS = {"GPU_POLICY_ANNOTATION", "NODE_POLICY_ANNOTATION", "GPU_CORES_BURST_ANNOTATION",
+                          "RESIZE_ANNOTATION"}
+RECORD_ANNOTATIONS = {"DECISION_ANNOTATION", "ALLOCATED_ANNOTATION", "USES_CLAIMS_ANNOTATION",
+                      "RESIZE_STATUS_ANNOTATION"}
 NOT_ON_PODS = {"NODE_INVENTORY_ANNOTATION", "RECLAIM_POLICY_ANNOTATION", "BINDING_MODE_ANNOTATION",
                "CORDONED_GPUS_ANNOTATION"}
 
@@ -558,7 +560,7 @@ def test_the_policy_knows_every_vgpu_pod_annotation_the_code_names():
                 constants[name] = value
     unsorted = set(constants) - USER_INPUT_ANNOTATIONS - RECORD_ANNOTATIONS - NOT_ON_PODS
     assert not unsorted, f"sort into a user's input or vgpu's record (templates/admission-policy.yaml): {unsorted}"
-    assert {"vgpu.io/decision", "vgpu.io/allocated", "vgpu.io/elasticgpu-claims"} == {
+    assert {"vgpu.io/decision", "vgpu.io/allocated", "vgpu.io/elasticgpu-claims", "vgpu.io/resize-status"} == {
         constants[name] for name in RECORD_ANNOTATIONS
     }
     pod_records = policies(render())["vgpu-pod-records"]

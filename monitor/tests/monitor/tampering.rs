@@ -288,7 +288,8 @@ fn a_resized_decision_becomes_the_regions_limits_and_frees_nothing() {
         (value(samples, "vgpu_container_limits_restored_total", &labels) == Some(0.0)).then_some(())
     });
 
-    // The extender's new decision: 2 GiB (below the 3 GiB held) at 10 %.
+    // The extender's new decision, made later: 2 GiB (below the 3 GiB
+    // held) at 10 %.
     let mut resized = decision_annotations(NODE, "main", 2);
     let text = resized
         .get(vgpu_cluster::decision::DECISION_ANNOTATION)
@@ -297,7 +298,8 @@ fn a_resized_decision_becomes_the_regions_limits_and_frees_nothing() {
             &format!("\"memoryBytes\":{}", 4 * GIB),
             &format!("\"memoryBytes\":{}", 2 * GIB),
         )
-        .replace("\"coresPercent\":30", "\"coresPercent\":10");
+        .replace("\"coresPercent\":30", "\"coresPercent\":10")
+        .replace("\"decidedUnixMs\":1,", "\"decidedUnixMs\":2,");
     resized.insert(
         vgpu_cluster::decision::DECISION_ANNOTATION.to_string(),
         text,
