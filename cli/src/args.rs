@@ -138,7 +138,8 @@ Examples:
   vgpu resize inference-0 -n serving --memory 4g --cores 50
   vgpu resize inference-0 --cores 70                 # back up, if its GPU has the room
 
-The request goes on the pod (annotation vgpu.io/resize: cores=20,memory=4096Mi)
+The request goes on the pod (annotation vgpu.io/resize:
+cores=20,memory=4096Mi,asked=<unix ms>, the time making each request new)
 and vgpu-scheduler alone answers it, in vgpu.io/resize-status: applied when
 the pod's resources ask for at least as much and its GPUs have the room,
 else refused with the reason. The node monitor then writes the new limits

@@ -59,8 +59,10 @@ impl ResizeError {
     }
 }
 
-/// The annotation's text for what the command line asks.
-pub fn request_text(args: &ResizeArgs) -> Result<String, ResizeError> {
+/// The annotation's text for what the command line asks, asked at
+/// `asked_unix_ms` (so the same figures asked again, after a refusal, are
+/// a new request).
+pub fn request_text(args: &ResizeArgs, asked_unix_ms: u128) -> Result<String, ResizeError> {
     let mut parts = Vec::new();
     if let Some(cores) = args.cores {
         parts.push(format!("cores={cores}"));
@@ -74,11 +76,15 @@ pub fn request_text(args: &ResizeArgs) -> Result<String, ResizeError> {
     if parts.is_empty() {
         return Err(ResizeError::Nothing);
     }
+    parts.push(format!("asked={asked_unix_ms}"));
     Ok(parts.join(","))
 }
 
 pub fn resize(args: &ResizeArgs, out: &mut impl Write) -> Result<(), ResizeError> {
-    let text = request_text(args)?;
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |since| since.as_millis());
+    let text = request_text(args, now)?;
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
@@ -182,8 +188,8 @@ mod tests {
 
     #[test]
     fn the_request_is_written_as_the_extender_reads_it() {
-        let text = request_text(&args(Some(20), Some(4 << 30))).expect("valid");
-        assert_eq!(text, "cores=20,memory=4096Mi");
+        let text = request_text(&args(Some(20), Some(4 << 30)), 7).expect("valid");
+        assert_eq!(text, "cores=20,memory=4096Mi,asked=7");
         assert_eq!(
             ResizeRequest::parse(&text),
             Ok(ResizeRequest {
@@ -192,11 +198,11 @@ mod tests {
             })
         );
         assert!(matches!(
-            request_text(&args(None, None)),
+            request_text(&args(None, None), 7),
             Err(ResizeError::Nothing)
         ));
         assert!(matches!(
-            request_text(&args(None, Some(1000))),
+            request_text(&args(None, Some(1000)), 7),
             Err(ResizeError::NotWholeMib)
         ));
     }

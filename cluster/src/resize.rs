@@ -2,7 +2,9 @@
 //! extender's answer, and the decision they lead to.
 //!
 //! The user annotates the pod `vgpu.io/resize: cores=20,memory=4Gi` (either
-//! or both; per vGPU, for each of the pod's vGPU containers). The request is
+//! or both; per vGPU, for each of the pod's vGPU containers; an optional
+//! `asked=<unix ms>` changes nothing but makes a request asked again, after
+//! a refusal, a new one). The request is
 //! only a request: the extender alone writes the new decision (the
 //! admission policy keeps `vgpu.io/decision` its own), after checking the
 //! room on the pod's GPUs and that the pod asked for at least as much (a
@@ -41,6 +43,8 @@ pub enum ResizeError {
     Memory(String),
     #[error("{RESIZE_ANNOTATION}: names neither cores nor memory (cores=20,memory=4Gi)")]
     Empty,
+    #[error("{RESIZE_ANNOTATION}: asked {0:?} is not a time in milliseconds")]
+    Asked(String),
 }
 
 /// What the user asks each vGPU of the pod to become.
@@ -84,6 +88,12 @@ impl ResizeRequest {
                         .filter(|&bytes| has_unit && bytes >= 1 << 20)
                         .ok_or_else(|| ResizeError::Memory(value.to_string()))?;
                     request.memory_bytes = Some(bytes);
+                }
+                // When it was asked: only makes the text new.
+                "asked" => {
+                    if value.is_empty() || !value.bytes().all(|b| b.is_ascii_digit()) {
+                        return Err(ResizeError::Asked(value.to_string()));
+                    }
                 }
                 other => return Err(ResizeError::UnknownKey(other.to_string())),
             }
@@ -188,6 +198,10 @@ mod tests {
             ResizeRequest::parse("memory=512Mi").map(|r| r.memory_bytes),
             Ok(Some(512 << 20))
         );
+        assert_eq!(
+            ResizeRequest::parse("cores=20,asked=1764201600000"),
+            ResizeRequest::parse("cores=20")
+        );
         for (text, error) in [
             ("", ResizeError::Empty),
             ("cores", ResizeError::NotKeyValue("cores".into())),
@@ -199,6 +213,7 @@ mod tests {
             ("memory=1k", ResizeError::Memory("1k".into())),
             ("memory=lots", ResizeError::Memory("lots".into())),
             ("cores=20,cores=30", ResizeError::Twice("cores")),
+            ("cores=20,asked=soon", ResizeError::Asked("soon".into())),
         ] {
             assert_eq!(ResizeRequest::parse(text), Err(error), "{text:?}");
         }

@@ -83,6 +83,11 @@ impl Scheduler {
         let Some(api) = self.api.as_ref() else {
             return;
         };
+        // Until the first complete lists are in (a restart), a node's GPUs
+        // and their other pods may be missing: no answer is given on them.
+        if !self.state.read().synced() {
+            return;
+        }
         let pending: Vec<Pending> = self
             .state
             .read()
