@@ -171,6 +171,33 @@ def test_a_tenant_cannot_rewrite_the_decision_of_its_running_pod(hostile):
     assert (after[DECISION], after[ALLOCATED]) == (before[DECISION], before[ALLOCATED])
 
 
+def test_a_tenant_resizing_its_pod_gets_no_more_than_it_asked_for(hostile):
+    """The resize request is the tenant's to write; the answer and the
+    decision are not: a request past the pod's own (1 GiB, 10 %) is
+    refused by the extender, and a status written by the tenant is refused
+    by the API server."""
+    before = hostile.annotations("own-1")
+    request = "cores=100,memory=80Gi,asked=1"
+    asked = hostile.kubectl(hostile.tenant, "annotate", "--overwrite", "pod", "own-1", "-n", TENANT,
+                            f"vgpu.io/resize={request}")
+    assert asked.returncode == 0, asked.stderr
+
+    def answered():
+        text = hostile.annotations("own-1").get("vgpu.io/resize-status")
+        status = json.loads(text) if text else None
+        return status if status and status["request"] == request else None
+    status = wait_for("the extender's answer", answered, timeout=60, log=hostile.cc.logs)
+    assert status["outcome"] == "refused", status
+    assert "more than the pod asks for" in status["message"], status
+    assert hostile.annotations("own-1")[DECISION] == before[DECISION]
+
+    forged = json.dumps({**status, "outcome": "applied", "message": "resized to 100 % compute"})
+    written = hostile.kubectl(hostile.tenant, "annotate", "--overwrite", "pod", "own-1", "-n", TENANT,
+                              f"vgpu.io/resize-status={forged}")
+    refused_by_policy(written, "vgpu.io/resize-status")
+    assert hostile.annotations("own-1")[DECISION] == before[DECISION]
+
+
 def test_a_tenant_cannot_create_a_pod_with_a_decision(hostile):
     forged = uncapped(hostile.annotations("own-1")[DECISION])
     created = hostile.kubectl(hostile.tenant, "create", "-f", "-", input=json.dumps(
