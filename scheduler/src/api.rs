@@ -3,7 +3,8 @@
 //! extender's state; the watches that feed it are [`crate::cache::watch`].
 
 use crate::vocabulary::elastic::{ElasticGpu, ElasticGpuClaim, ElasticGpuClass};
-use k8s_openapi::api::core::v1::Pod;
+use k8s_openapi::api::core::v1::{Event, EventSource, ObjectReference, Pod};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, Time};
 use kube::api::{ListParams, Patch, PatchParams, PostParams};
 use kube::{Api, Client};
 use serde_json::json;
@@ -249,6 +250,52 @@ impl KubeApi {
             .pods(namespace)
             .patch(name, &PatchParams::default(), &Patch::Merge(&patch))
             .await?)
+    }
+
+    /// Records an Event on `pod` (`kubectl describe pod` shows it), of
+    /// type `Normal` or `Warning`.
+    pub async fn record_event(
+        &self,
+        pod: &Pod,
+        type_: &str,
+        reason: &str,
+        message: &str,
+    ) -> Result<(), ApiError> {
+        let namespace = pod.metadata.namespace.clone().unwrap_or_default();
+        let name = pod.metadata.name.clone().unwrap_or_default();
+        let now = Time(k8s_openapi::jiff::Timestamp::now());
+        let event = Event {
+            metadata: ObjectMeta {
+                generate_name: Some(format!("{name}.")),
+                namespace: Some(namespace.clone()),
+                ..ObjectMeta::default()
+            },
+            involved_object: ObjectReference {
+                api_version: Some("v1".into()),
+                kind: Some("Pod".into()),
+                name: Some(name),
+                namespace: Some(namespace.clone()),
+                uid: pod.metadata.uid.clone(),
+                ..ObjectReference::default()
+            },
+            reason: Some(reason.into()),
+            message: Some(message.into()),
+            type_: Some(type_.into()),
+            count: Some(1),
+            first_timestamp: Some(now.clone()),
+            last_timestamp: Some(now),
+            source: Some(EventSource {
+                component: Some("vgpu-scheduler".into()),
+                host: None,
+            }),
+            reporting_component: Some("vgpu-scheduler".into()),
+            reporting_instance: Some("vgpu-scheduler".into()),
+            ..Event::default()
+        };
+        Api::<Event>::namespaced(self.client.clone(), &namespace)
+            .create(&PostParams::default(), &event)
+            .await?;
+        Ok(())
     }
 
     /// Removes the decision annotation, if the pod is still at

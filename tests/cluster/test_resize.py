@@ -140,6 +140,13 @@ def test_a_running_pod_is_resized_measured_refused_and_kept_across_a_restart(clu
     assert refused.returncode == 1, refused
     assert "has 40 % of its compute free for this pod, 70 % asked" in refused.stderr, refused.stderr
     assert region_limits(cc, uid)["cores"] == 20
+
+    def refusal_event():
+        events = kubectl_json(cc.cluster, "get", "events", "-n", NAMESPACE,
+                              "--field-selector", "involvedObject.name=server")["items"]
+        return [e for e in events if e["reason"] == "ResizeRefused" and "70 % asked" in e["message"]]
+    (event,) = wait_for("the refusal as an Event on the pod", refusal_event, timeout=30, log=cc.logs)
+    assert event["type"] == "Warning", event
     cc.cluster.kubectl("delete", "pod", "other", "-n", NAMESPACE, "--wait=true", "--timeout=60s")
 
     # The extender killed and restarted by kubelet: the decision is the

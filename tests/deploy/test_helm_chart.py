@@ -395,6 +395,7 @@ def test_accounts_can_do_what_their_binaries_need():
         ("nodes", "watch"),
         ("resourcequotas", "list"),
         ("resourcequotas", "watch"),
+        ("events", "create"),
     ]:
         assert rules_allow(objects, extender_sa, "", resource, verb), (resource, verb)
     # Neither may delete pods or touch secrets.

@@ -9,7 +9,8 @@
 //! grants plus the new one within what each GPU offers, compute within
 //! 100 %, and a whole GPU (100 %) only where no other container is. Else
 //! it is refused in words. Either way the answer goes in
-//! `vgpu.io/resize-status`, written with the pod's `resourceVersion`; the
+//! `vgpu.io/resize-status`, written with the pod's `resourceVersion`, and in
+//! an Event on the pod (`ResizeApplied`, or a Warning `ResizeRefused`); the
 //! node monitor carries an applied one into the containers' regions.
 
 use crate::api::{ApiError, KubeApi};
@@ -160,11 +161,23 @@ impl Scheduler {
             {
                 Ok(written) => {
                     self.state.update(|s| s.apply_written_pod(&written));
-                    match outcome {
-                        Outcome::Applied => tracing::info!("pod {key}: {message}"),
-                        Outcome::Refused => {
-                            tracing::info!("pod {key}: resize refused: {message}")
+                    let (type_, reason) = match outcome {
+                        Outcome::Applied => {
+                            tracing::info!("pod {key}: {message}");
+                            ("Normal", "ResizeApplied")
                         }
+                        Outcome::Refused => {
+                            tracing::info!("pod {key}: resize refused: {message}");
+                            ("Warning", "ResizeRefused")
+                        }
+                    };
+                    // The answer is in the status already: an Event that
+                    // cannot be written is only logged.
+                    if let Err(error) = api.record_event(&written, type_, reason, &message).await {
+                        tracing::warn!(
+                            error = &error as &dyn std::error::Error,
+                            "pod {key}: the resize answer's Event was not recorded"
+                        );
                     }
                     return Ok(());
                 }

@@ -119,6 +119,37 @@ async fn a_running_pod_is_resized_within_its_request_and_its_gpus_room() {
         (4 * GIB, 70)
     );
 
+    // Each answer is an Event on the pod too (written just after the
+    // status: waited for).
+    let events: kube::Api<k8s_openapi::api::core::v1::Event> =
+        kube::Api::namespaced(h.api.client().clone(), NAMESPACE);
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        let listed = events.list(&Default::default()).await.expect("events");
+        let count = |type_: &str, reason: &str| {
+            listed
+                .items
+                .iter()
+                .filter(|e| e.involved_object.name.as_deref() == Some("a"))
+                .filter(|e| {
+                    e.type_.as_deref() == Some(type_) && e.reason.as_deref() == Some(reason)
+                })
+                .count()
+        };
+        let counts = (
+            count("Normal", "ResizeApplied"),
+            count("Warning", "ResizeRefused"),
+        );
+        if counts == (2, 3) {
+            break;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "Events (applied, refused): {counts:?}, expected (2, 3)"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+
     // A restart answers nothing again and counts the new grant.
     h.restart().await;
     let (status, body) = h.client.get("/debug/state").await.expect("debug state");
