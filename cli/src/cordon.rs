@@ -8,6 +8,7 @@
 //! retried on the node as the earlier left it).
 
 use crate::args::{CordonArgs, UncordonArgs};
+use crate::cluster_api::{with_client, ConnectError};
 use k8s_openapi::api::core::v1::Node;
 use k8s_openapi::api::resource::v1::ResourceSlice;
 use kube::api::{ListParams, Patch, PatchParams};
@@ -16,7 +17,6 @@ use std::collections::BTreeMap;
 use std::io::Write;
 use std::path::PathBuf;
 use thiserror::Error;
-use vgpu_cluster::client::{make_client, ApiSource, ClientError};
 use vgpu_cluster::cordon::{
     cordoned_gpus, edited_list, CORDONED_GPUS_ANNOTATION, HAMI_DEVICE_CORDON_ANNOTATION,
 };
@@ -29,7 +29,7 @@ const ATTEMPTS: usize = 5;
 #[derive(Debug, Error)]
 pub enum CordonError {
     #[error(transparent)]
-    Client(#[from] ClientError),
+    Connect(#[from] ConnectError),
     #[error("node {0} not found")]
     NoNode(String),
     #[error("reading node {node}")]
@@ -62,8 +62,6 @@ pub enum CordonError {
     NoGpus { node: String },
     #[error("writing the answer")]
     Output(#[from] std::io::Error),
-    #[error("starting the async runtime")]
-    Runtime(#[source] std::io::Error),
 }
 
 /// One GPU of the node, as its plugin's inventory or its DRA slice lists it.
@@ -106,14 +104,7 @@ fn run(
     change: Change<'_>,
     out: &mut impl Write,
 ) -> Result<(), CordonError> {
-    let runtime = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .map_err(CordonError::Runtime)?;
-    runtime.block_on(async {
-        let source =
-            kubeconfig.map_or(ApiSource::Infer, |path| ApiSource::Kubeconfig(path.clone()));
-        let client = make_client(&source).await?;
+    with_client(kubeconfig.map(PathBuf::as_path), |client| async move {
         edit(&client, node, &change, out).await
     })
 }

@@ -4,6 +4,7 @@
 //! --help`).
 
 mod args;
+mod cluster_api;
 mod cordon;
 mod demo;
 mod doctor;

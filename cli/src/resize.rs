@@ -3,13 +3,13 @@
 //! for the scheduler extender's answer.
 
 use crate::args::ResizeArgs;
+use crate::cluster_api::{with_client, ConnectError};
 use k8s_openapi::api::core::v1::Pod;
 use kube::api::{Patch, PatchParams};
 use kube::Api;
 use std::io::Write;
 use std::time::{Duration, Instant};
 use thiserror::Error;
-use vgpu_cluster::client::{make_client, ApiSource, ClientError};
 use vgpu_cluster::resize::{
     Outcome, ResizeRequest, ResizeStatus, RESIZE_ANNOTATION, RESIZE_STATUS_ANNOTATION,
 };
@@ -24,7 +24,7 @@ pub enum ResizeError {
     #[error("--memory must be a whole number of MiB")]
     NotWholeMib,
     #[error(transparent)]
-    Client(#[from] ClientError),
+    Connect(#[from] ConnectError),
     #[error("pod {0} not found")]
     NoPod(String),
     #[error("asking pod {pod} for the resize")]
@@ -45,8 +45,6 @@ pub enum ResizeError {
     NoAnswer(u64),
     #[error("writing the answer")]
     Output(#[from] std::io::Error),
-    #[error("starting the async runtime")]
-    Runtime(#[source] std::io::Error),
 }
 
 impl ResizeError {
@@ -85,16 +83,7 @@ pub fn resize(args: &ResizeArgs, out: &mut impl Write) -> Result<(), ResizeError
         .duration_since(std::time::UNIX_EPOCH)
         .map_or(0, |since| since.as_millis());
     let text = request_text(args, now)?;
-    let runtime = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .map_err(ResizeError::Runtime)?;
-    runtime.block_on(async {
-        let source = args
-            .kubeconfig
-            .clone()
-            .map_or(ApiSource::Infer, ApiSource::Kubeconfig);
-        let client = make_client(&source).await?;
+    with_client(args.kubeconfig.as_deref(), |client| async move {
         let namespace = args
             .namespace
             .clone()

@@ -31,6 +31,24 @@ fn granted_region(
     (uid, region)
 }
 
+/// The monitor over `host`'s containers as NODE's, naming pods through `api`.
+fn monitor_on(host: &HostDir, api: &KubeApi) -> MonitorProcess {
+    let root = host.root.to_str().expect("utf8");
+    MonitorProcess::start(
+        MonitorProcess::command(),
+        &[
+            "--containers-dir",
+            root,
+            "--no-nvml",
+            "--kubeconfig",
+            api.kubeconfig(),
+            "--node-name",
+            NODE,
+            "--no-arbitration",
+        ],
+    )
+}
+
 #[test]
 fn limits_changed_from_inside_are_restored_and_the_memory_over_the_cap_reported() {
     let host = HostDir::new("tampering");
@@ -57,20 +75,7 @@ fn limits_changed_from_inside_are_restored_and_the_memory_over_the_cap_reported(
         .store(UtilizationPolicy::Disable as u32, Ordering::Relaxed);
     let slot = charge(&region, 0, 0, 0, 6 * GIB);
 
-    let root = host.root.to_str().expect("utf8");
-    let monitor = MonitorProcess::start(
-        MonitorProcess::command(),
-        &[
-            "--containers-dir",
-            root,
-            "--no-nvml",
-            "--kubeconfig",
-            api.kubeconfig(),
-            "--node-name",
-            NODE,
-            "--no-arbitration",
-        ],
-    );
+    let monitor = monitor_on(&host, &api);
     let labels = [
         ("namespace", "team-c"),
         ("pod", "tuner-0"),
@@ -265,20 +270,7 @@ fn a_resized_decision_becomes_the_regions_limits_and_frees_nothing() {
     granted.priority = 2;
     let (_uid, region) = granted_region(&host, &api, "team-r", "server-0", &granted);
     let slot = charge(&region, 0, 0, 0, 3 * GIB);
-    let root = host.root.to_str().expect("utf8");
-    let monitor = MonitorProcess::start(
-        MonitorProcess::command(),
-        &[
-            "--containers-dir",
-            root,
-            "--no-nvml",
-            "--kubeconfig",
-            api.kubeconfig(),
-            "--node-name",
-            NODE,
-            "--no-arbitration",
-        ],
-    );
+    let monitor = monitor_on(&host, &api);
     let labels = [
         ("namespace", "team-r"),
         ("pod", "server-0"),
