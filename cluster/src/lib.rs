@@ -14,7 +14,8 @@
 //!   pod's request for a new share or cap, and the extender's answer.
 //! - [`node_lease`]: the Lease per node by which the device plugin shows
 //!   it is alive.
-//! - [`report`]: errors written as one message for Kubernetes components.
+//! - [`report`]: errors written as one message for Kubernetes components;
+//!   [`events`]: the Event they record on a pod.
 //! - [`file_error`]: an I/O failure told by its file and operation.
 //! - [`scaling`]: device memory scaling (HAMi's `deviceMemoryScaling`):
 //!   what a GPU offers, and how a grant splits into device memory and swap.
@@ -22,6 +23,7 @@
 pub mod client;
 pub mod cordon;
 pub mod decision;
+pub mod events;
 pub mod file_error;
 pub mod node_lease;
 pub mod policy;

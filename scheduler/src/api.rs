@@ -3,13 +3,13 @@
 //! extender's state; the watches that feed it are [`crate::cache::watch`].
 
 use crate::vocabulary::elastic::{ElasticGpu, ElasticGpuClaim, ElasticGpuClass};
-use k8s_openapi::api::core::v1::{Event, EventSource, ObjectReference, Pod};
-use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, Time};
+use k8s_openapi::api::core::v1::{Event, Pod};
 use kube::api::{ListParams, Patch, PatchParams, PostParams};
 use kube::{Api, Client};
 use serde_json::json;
 use thiserror::Error;
 use vgpu_cluster::decision::{ALLOCATED_ANNOTATION, DECISION_ANNOTATION};
+use vgpu_cluster::events::{pod_event, PodRef, Reporter};
 use vgpu_cluster::resize::RESIZE_STATUS_ANNOTATION;
 
 pub use vgpu_cluster::client::{ApiSource, ClientError};
@@ -261,38 +261,22 @@ impl KubeApi {
         reason: &str,
         message: &str,
     ) -> Result<(), ApiError> {
-        let namespace = pod.metadata.namespace.clone().unwrap_or_default();
-        let name = pod.metadata.name.clone().unwrap_or_default();
-        let now = Time(k8s_openapi::jiff::Timestamp::now());
-        let event = Event {
-            metadata: ObjectMeta {
-                generate_name: Some(format!("{name}.")),
-                namespace: Some(namespace.clone()),
-                ..ObjectMeta::default()
+        let namespace = pod.metadata.namespace.as_deref().unwrap_or_default();
+        let event = pod_event(
+            &PodRef {
+                namespace,
+                name: pod.metadata.name.as_deref().unwrap_or_default(),
+                uid: pod.metadata.uid.as_deref().unwrap_or_default(),
             },
-            involved_object: ObjectReference {
-                api_version: Some("v1".into()),
-                kind: Some("Pod".into()),
-                name: Some(name),
-                namespace: Some(namespace.clone()),
-                uid: pod.metadata.uid.clone(),
-                ..ObjectReference::default()
-            },
-            reason: Some(reason.into()),
-            message: Some(message.into()),
-            type_: Some(type_.into()),
-            count: Some(1),
-            first_timestamp: Some(now.clone()),
-            last_timestamp: Some(now),
-            source: Some(EventSource {
-                component: Some("vgpu-scheduler".into()),
+            &Reporter {
+                component: "vgpu-scheduler",
                 host: None,
-            }),
-            reporting_component: Some("vgpu-scheduler".into()),
-            reporting_instance: Some("vgpu-scheduler".into()),
-            ..Event::default()
-        };
-        Api::<Event>::namespaced(self.client.clone(), &namespace)
+            },
+            type_,
+            reason,
+            message.to_string(),
+        );
+        Api::<Event>::namespaced(self.client.clone(), namespace)
             .create(&PostParams::default(), &event)
             .await?;
         Ok(())
