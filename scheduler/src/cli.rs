@@ -194,6 +194,14 @@ pub struct Cli {
     #[arg(long, value_name = "PATH", requires = "tls_cert")]
     pub tls_key: Option<PathBuf>,
 
+    /// Warn in the log this many days before the served certificate
+    /// expires (and every day after, until a renewed one is served); its
+    /// end is on /metrics too, as
+    /// vgpu_extender_certificate_expiry_timestamp_seconds.
+    #[arg(long, default_value_t = 30, value_name = "DAYS",
+          value_parser = clap::value_parser!(u32).range(1..=3650))]
+    pub tls_expiry_warning_days: u32,
+
     /// Kubeconfig file to reach the API server. Default: the pod's service
     /// account, else $KUBECONFIG or ~/.kube/config.
     #[arg(long, value_name = "PATH", conflicts_with = "api_server")]

@@ -180,6 +180,11 @@ impl Running {
         Ok(address)
     }
 
+    /// Shows on `/metrics` when the certificate in `files` ends.
+    pub fn report_certificate(&self, files: Arc<server::CertificateFiles>) {
+        self.shared.metrics().report_certificate(files);
+    }
+
     /// Waits until the state is synced, up to `timeout`.
     pub async fn wait_ready(&self, timeout: Duration) -> bool {
         let deadline = tokio::time::Instant::now() + timeout;

@@ -3,6 +3,7 @@
 use anyhow::Context;
 use clap::Parser;
 use std::net::SocketAddr;
+use std::time::Duration;
 use vgpu_scheduler::cli::Cli;
 use vgpu_scheduler::server::tls::RELOAD_PERIOD;
 use vgpu_scheduler::server::CertificateFiles;
@@ -24,17 +25,21 @@ async fn main() -> anyhow::Result<()> {
     let tls = match (&cli.tls_cert, &cli.tls_key) {
         (Some(cert), Some(key)) => {
             let files = CertificateFiles::load(cert, key)?;
+            files.log_validity();
             let config = match &cli.client_ca {
                 Some(client_ca) => files.server_config_verifying_clients(client_ca)?,
                 None => files.server_config()?,
             };
             // A renewed certificate (the Secret updated in place) is
             // served without a restart.
-            tokio::spawn(files.keep_reloading(RELOAD_PERIOD));
-            Some(config)
+            let warn_before = Duration::from_secs(u64::from(cli.tls_expiry_warning_days) * 86_400);
+            tokio::spawn(files.clone().keep_reloading(RELOAD_PERIOD, warn_before));
+            Some((config, files))
         }
         _ => None,
     };
+    let certificate = tls.as_ref().map(|(_, files)| files.clone());
+    let tls = tls.map(|(config, _)| config);
     // With a secure port, the main port is plain HTTP and TLS goes there.
     let (main_tls, secure) = match cli.secure_port {
         Some(port) => (None, Some((port, tls))),
@@ -63,6 +68,9 @@ async fn main() -> anyhow::Result<()> {
     }
     let mut running =
         vgpu_scheduler::start(config, &cli.api_source(), listener, main_tls, election).await?;
+    if let Some(files) = certificate {
+        running.report_certificate(files);
+    }
     if let Some((port, tls)) = secure {
         let address =
             running.serve_also(listen(cli.secure_address, port).await?, tls, secure_surface)?;

@@ -162,6 +162,75 @@ def test_an_upgrade_renews_the_charts_certificate_from_the_same_ca_once_it_is_du
     cluster.helm("uninstall", "renew", "-n", namespace)
 
 
+# cert-manager's published CRDs ship in its Go module (deploy/crds).
+CERT_MANAGER_MODULE = "github.com/cert-manager/cert-manager@v1.21.2"
+
+
+def cert_manager_crds() -> list[Path]:
+    """cert-manager's own CRDs, from its Go module at the version pinned
+    here (downloaded once into Go's module cache)."""
+    done = subprocess.run(["go", "mod", "download", "-json", CERT_MANAGER_MODULE], capture_output=True, text=True,
+                          timeout=600, check=False, cwd=HERE)
+    assert done.returncode == 0, f"go mod download {CERT_MANAGER_MODULE}: {done.stderr}{done.stdout}"
+    crds = sorted((Path(json.loads(done.stdout)["Dir"]) / "deploy/crds").glob("cert-manager.io_*.yaml"))
+    assert {crd.name for crd in crds} >= {"cert-manager.io_certificates.yaml", "cert-manager.io_issuers.yaml"}, crds
+    return crds
+
+
+def test_the_chart_asks_cert_manager_for_the_certificate_when_an_issuer_is_named(cluster, tmp_path):
+    """With `certManager.issuer` the chart installs a Certificate that
+    cert-manager's published schema accepts field for field, and leaves the
+    webhook's CA to cert-manager's injector. cert-manager's controller is
+    not run here: its binaries are Go modules of their own
+    (cmd/controller, cmd/cainjector) that this machine's module proxy does
+    not serve, so issuing and injecting are not exercised; the extender
+    serving a Secret renewed in place is (tls.rs)."""
+    for crd in cert_manager_crds():
+        cluster.kubectl("apply", "--server-side", "-f", str(crd))
+    cluster.kubectl("wait", "--for=condition=Established", "--timeout=60s",
+                    "crd/certificates.cert-manager.io", "crd/issuers.cert-manager.io")
+    namespace = "vgpu-cert-manager"
+    cluster.kubectl("create", "namespace", namespace)
+    issuer = {"apiVersion": "cert-manager.io/v1", "kind": "Issuer",
+              "metadata": {"name": "vgpu-ca", "namespace": namespace}, "spec": {"selfSigned": {}}}
+    cluster.kubectl("apply", "--validate=strict", "-f", "-", input=json.dumps(issuer))
+    cluster.helm("install", "cm", str(CHART), "-n", namespace,
+                 "--set", "scheduler.webhook.certificate.certManager.issuer=vgpu-ca")
+    try:
+        listed = cluster.kubectl("get", "certificates", "-n", namespace, "-o", "json").stdout
+        (certificate,) = json.loads(listed)["items"]
+        spec = certificate["spec"]
+        assert spec["issuerRef"] == {"name": "vgpu-ca", "kind": "Issuer", "group": "cert-manager.io"}
+        assert (spec["duration"], spec["renewBefore"]) == ("8760h", "2160h"), "a year, renewed 90 days before"
+        installed = objects(cluster, "cm")
+        deployment = next(o for o in installed if o["kind"] == "Deployment")
+        volume = next(v for v in deployment["spec"]["template"]["spec"]["volumes"] if v["name"] == "tls")
+        assert volume["secret"]["secretName"] == spec["secretName"]
+        service = next(o for o in installed if o["kind"] == "Service" and o["metadata"]["name"].endswith("-scheduler"))
+        assert f"{service['metadata']['name']}.{namespace}.svc" in spec["dnsNames"]
+        assert not [o for o in installed if o["kind"] == "Secret" and o["metadata"]["name"] == spec["secretName"]], \
+            "cert-manager writes the Secret, not the chart"
+        webhook = next(o for o in installed if o["kind"] == "MutatingWebhookConfiguration")
+        assert webhook["metadata"]["annotations"]["cert-manager.io/inject-ca-from"] == \
+            f"{namespace}/{certificate['metadata']['name']}"
+        assert "caBundle" not in webhook["webhooks"][0]["clientConfig"]
+        # Every field the chart wrote is one the schema knows (strict
+        # validation refuses an unknown one, as the misspelled one shows).
+        path = tmp_path / "certificate.json"
+        path.write_text(json.dumps({"apiVersion": certificate["apiVersion"], "kind": "Certificate",
+                                    "metadata": {"name": certificate["metadata"]["name"], "namespace": namespace},
+                                    "spec": spec}))
+        cluster.kubectl("apply", "--server-side", "--dry-run=server", "--validate=strict", "--force-conflicts",
+                        "-f", str(path))
+        misspelled = dict(spec, renewBfore="720h")
+        path.write_text(json.dumps({"apiVersion": certificate["apiVersion"], "kind": "Certificate",
+                                    "metadata": {"name": "misspelled", "namespace": namespace}, "spec": misspelled}))
+        refused = cluster.kubectl("create", "--dry-run=server", "--validate=strict", "-f", str(path), check=False)
+        assert refused.returncode != 0 and "renewBfore" in refused.stderr, refused
+    finally:
+        cluster.helm("uninstall", "cm", "-n", namespace)
+
+
 def metrics(port: int) -> str:
     try:
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2) as response:
@@ -319,6 +388,15 @@ def test_the_extender_runs_as_the_chart_runs_it(cluster, tmp_path):
         wait_for("the extender synced pods and nodes as its ServiceAccount", lambda: get("/readyz") == 200,
                  log=extender.log)
         assert get_plain("/readyz") == 200
+        # The chart's certificate (a year) is on /metrics, as the extender
+        # read it.
+        with urllib.request.urlopen(f"http://127.0.0.1:{plain}/metrics", timeout=2) as response:
+            text = response.read().decode()
+        expiry = re.search(r"^vgpu_extender_certificate_expiry_timestamp_seconds (\d+)$", text, re.MULTILINE)
+        assert expiry, text
+        days_left = (int(expiry.group(1)) - time.time()) / 86400
+        assert 364 < days_left <= 365, days_left
+        assert "valid until" in extender.log(), extender.log()
         review = {"apiVersion": "admission.k8s.io/v1", "kind": "AdmissionReview", "request": {
             "uid": "1", "operation": "CREATE", "object": {
                 "apiVersion": "v1", "kind": "Pod", "metadata": {"name": "hami-style"},

@@ -780,6 +780,54 @@ def test_the_charts_certificate_is_short_lived_and_renewable_from_its_ca(tmp_pat
     assert "renewBeforeDays (30) must be less than days (30)" in str(error.value)
 
 
+def test_cert_manager_issues_the_extenders_certificate_when_an_issuer_is_named():
+    values = {"scheduler": {"webhook": {"certificate": {
+        "days": 90, "renewBeforeDays": 30, "certManager": {"issuer": "cluster-ca", "issuerKind": "ClusterIssuer"}}}}}
+    objects = render(values, namespace="gpu-system")
+    assert not [o for o in objects if o["kind"] == "Secret" and o["metadata"]["name"].endswith("-scheduler-tls")], \
+        "no chart CA nor certificate: cert-manager writes the Secret"
+    certificate = find(objects, "Certificate", "-scheduler-tls")
+    assert certificate["apiVersion"] == "cert-manager.io/v1"
+    spec = certificate["spec"]
+    deployment = find(objects, "Deployment", "-scheduler")
+    volume = next(v for v in deployment["spec"]["template"]["spec"]["volumes"] if v["name"] == "tls")
+    assert volume["secret"]["secretName"] == spec["secretName"], "the extender serves what cert-manager writes"
+    service = find(objects, "Service", "-scheduler")["metadata"]["name"]
+    assert f"{service}.gpu-system.svc" in spec["dnsNames"], "the name the API server calls"
+    assert spec["ipAddresses"] == ["127.0.0.1"], "kube-scheduler reaches it on loopback"
+    assert (spec["duration"], spec["renewBefore"]) == ("2160h", "720h")
+    assert spec["issuerRef"] == {"name": "cluster-ca", "kind": "ClusterIssuer", "group": "cert-manager.io"}
+    injected = f"gpu-system/{certificate['metadata']['name']}"
+    webhook_config = find(objects, "MutatingWebhookConfiguration", "-webhook")
+    assert webhook_config["metadata"]["annotations"]["cert-manager.io/inject-ca-from"] == injected
+    (webhook,) = webhook_config["webhooks"]
+    assert "caBundle" not in webhook["clientConfig"], "set by cert-manager's CA injector, not the chart"
+    claims = next(o for o in objects if o["kind"] == "CustomResourceDefinition"
+                  and o["metadata"]["name"] == "elasticgpuclaims.elasticgpu.io")
+    assert claims["metadata"]["annotations"]["cert-manager.io/inject-ca-from"] == injected
+    conversion = claims["spec"]["conversion"]["webhook"]["clientConfig"]
+    assert "caBundle" not in conversion and conversion["service"]["name"] == service
+    assert flags(container(deployment, "extender"))["tls-expiry-warning-days"] == "30"
+
+    # Without it: the chart's own CA, no Certificate, no injection.
+    default = render(namespace="gpu-system")
+    assert not [o for o in default if o["kind"] == "Certificate"]
+    assert "annotations" not in find(default, "MutatingWebhookConfiguration", "-webhook")["metadata"]
+    for wrong, message in [
+        ({"extender": {"tls": {"secretName": "mine"}}}, "give one"),
+        ({"webhook": {"caBundle": "Q0E="}}, "leave caBundle empty"),
+    ]:
+        both = copy.deepcopy(values)
+        for key, value in wrong.items():
+            both["scheduler"].setdefault(key, {}).update(value)
+        with pytest.raises(Exception) as error:
+            render(both)
+        assert message in str(error.value), error.value
+    with pytest.raises(Exception) as error:
+        render({"scheduler": {"webhook": {"certificate": {"certManager": {"issuerKind": "Secret"}}}}})
+    assert "issuerKind" in str(error.value), error.value
+
+
 def test_a_kube_scheduler_elsewhere_reaches_the_verbs_with_a_client_certificate():
     import base64
 

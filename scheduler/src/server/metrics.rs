@@ -4,16 +4,22 @@
 //! `framework_extension_point_duration_seconds` covers its plugins only), so
 //! this is where an operator sees what the extender adds to each pod.
 //! Beside them, what each namespace with a quota on vGPU resources holds
-//! and may hold ([`crate::placement::quota`]).
+//! and may hold ([`crate::placement::quota`]), and when the certificate
+//! served over HTTPS ends.
 
 use crate::placement::quota::NamespaceQuotaUse;
+use crate::server::tls::CertificateFiles;
 use prometheus::{Encoder, Histogram, HistogramOpts, HistogramVec, Registry, TextEncoder};
 use std::fmt::Write as _;
+use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 use thiserror::Error;
 
 /// The histogram's name.
 pub const REQUEST_DURATION: &str = "vgpu_extender_request_duration_seconds";
+
+/// The gauge of when the served certificate ends.
+pub const CERTIFICATE_EXPIRY: &str = "vgpu_extender_certificate_expiry_timestamp_seconds";
 
 /// Upper bounds of the buckets, in seconds: fine below a millisecond, where
 /// filter and prioritize answer, and up to kube-scheduler's default extender
@@ -63,6 +69,8 @@ pub struct ServerMetrics {
     preempt: Histogram,
     mutate: Histogram,
     convert: Histogram,
+    /// The certificate served over HTTPS, once there is one.
+    certificate: OnceLock<Arc<CertificateFiles>>,
 }
 
 impl ServerMetrics {
@@ -95,7 +103,14 @@ impl ServerMetrics {
             mutate: handle(Verb::Mutate)?,
             convert: handle(Verb::Convert)?,
             registry,
+            certificate: OnceLock::new(),
         })
+    }
+
+    /// Shows when the certificate in `files` ends (the one served at the
+    /// time of each scrape). The first one given stays.
+    pub fn report_certificate(&self, files: Arc<CertificateFiles>) {
+        let _ = self.certificate.set(files);
     }
 
     /// Records one answered request.
@@ -118,6 +133,20 @@ impl ServerMetrics {
             .encode(&self.registry.gather(), &mut buffer)
             .map_err(MetricsError)?;
         buffer.extend_from_slice(render_quotas(quotas).as_bytes());
+        if let Some(not_after) = self
+            .certificate
+            .get()
+            .and_then(|files| files.not_after_unix())
+        {
+            buffer.extend_from_slice(
+                format!(
+                    "# HELP {CERTIFICATE_EXPIRY} When the certificate the extender serves over HTTPS (--tls-cert, \
+                     as last read) expires, in seconds since the Unix epoch.\n\
+                     # TYPE {CERTIFICATE_EXPIRY} gauge\n{CERTIFICATE_EXPIRY} {not_after}\n"
+                )
+                .as_bytes(),
+            );
+        }
         Ok(buffer)
     }
 }

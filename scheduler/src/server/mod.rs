@@ -11,7 +11,8 @@
 //! - [`stall`]: connections whose clients must keep reading what they
 //!   asked for.
 //! - [`tls`]: the certificate and key for HTTPS, read again when they
-//!   change.
+//!   change, and warned about before they end.
+//! - [`validity`]: when an X.509 certificate ends.
 
 pub mod body;
 pub mod clock;
@@ -20,6 +21,7 @@ pub mod routes;
 pub mod serve;
 pub mod stall;
 pub mod tls;
+pub mod validity;
 pub mod views;
 
 pub use routes::{router, Surface};

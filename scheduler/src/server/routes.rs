@@ -96,6 +96,11 @@ impl Shared {
         }
     }
 
+    /// The extender's own figures.
+    pub fn metrics(&self) -> &ServerMetrics {
+        &self.metrics
+    }
+
     /// The limits the extender was configured with.
     pub fn limits(&self) -> &Limits {
         &self.scheduler.config().limits

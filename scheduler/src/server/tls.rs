@@ -5,7 +5,9 @@
 //! place (all files at once) when the Secret changes: a certificate
 //! renewed by `helm upgrade` or by cert-manager is served from the next
 //! handshake after [`CertificateFiles::keep_reloading`] sees it, with no
-//! restart and no connection dropped.
+//! restart and no connection dropped. The served certificate's end is
+//! watched too: the log warns before it comes ([`expiry_standing`]) and
+//! `/metrics` shows it.
 
 use rustls::crypto::CryptoProvider;
 use rustls::pki_types::pem::PemObject;
@@ -14,11 +16,20 @@ use rustls::server::{ClientHello, ResolvesServerCert, WebPkiClientVerifier};
 use rustls::sign::CertifiedKey;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, PoisonError, RwLock};
-use std::time::Duration;
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 use thiserror::Error;
+
+use crate::server::validity::{not_after_unix, ValidityError};
 
 /// How often the files are compared with what is served, unless told.
 pub const RELOAD_PERIOD: Duration = Duration::from_secs(30);
+
+/// How long before its end a served certificate is warned about, unless
+/// told.
+pub const EXPIRY_WARNING: Duration = Duration::from_secs(30 * 86_400);
+
+/// How often a warning about the same certificate's end is repeated.
+const EXPIRY_REMINDER: Duration = Duration::from_secs(86_400);
 
 /// Why the TLS configuration cannot be loaded.
 #[derive(Debug, Error)]
@@ -80,6 +91,39 @@ struct Loaded {
     cert_pem: Vec<u8>,
     key_pem: Vec<u8>,
     certified: Arc<CertifiedKey>,
+    /// The end of the first certificate of the chain (the one served).
+    not_after: Result<i64, ValidityError>,
+}
+
+/// How near its end the served certificate is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub enum ExpiryStanding {
+    /// More than the warning's allowance left.
+    Valid,
+    /// Ends within the allowance: clients will refuse it then.
+    EndingSoon,
+    /// Its end has passed: clients that check it refuse it now.
+    Ended,
+}
+
+/// Where a certificate ending at `not_after` (Unix seconds) stands at
+/// `now`, warned about `warn_before` its end.
+pub fn expiry_standing(not_after: i64, now: i64, warn_before: Duration) -> ExpiryStanding {
+    let allowance = i64::try_from(warn_before.as_secs()).unwrap_or(i64::MAX);
+    if now >= not_after {
+        ExpiryStanding::Ended
+    } else if not_after.saturating_sub(now) <= allowance {
+        ExpiryStanding::EndingSoon
+    } else {
+        ExpiryStanding::Valid
+    }
+}
+
+/// What the log last said about the served certificate's end.
+struct ExpiryReported {
+    cert_pem: Vec<u8>,
+    standing: ExpiryStanding,
+    at: Instant,
 }
 
 /// A certificate chain and key read from two PEM files, presented to every
@@ -110,6 +154,7 @@ impl CertificateFiles {
         let provider = Arc::new(rustls::crypto::ring::default_provider());
         let (cert_pem, key_pem) = read_pair(cert, key)?;
         let certified = certify(cert, key, &cert_pem, &key_pem, &provider)?;
+        let not_after = served_not_after(&certified);
         Ok(Arc::new(Self {
             cert: cert.to_path_buf(),
             key: key.to_path_buf(),
@@ -118,6 +163,7 @@ impl CertificateFiles {
                 cert_pem,
                 key_pem,
                 certified,
+                not_after,
             }),
             refused: Mutex::new(None),
         }))
@@ -200,20 +246,91 @@ impl CertificateFiles {
             }
         }
         let certified = certify(&self.cert, &self.key, &cert_pem, &key_pem, &self.provider)?;
+        let not_after = served_not_after(&certified);
         *self.current.write().unwrap_or_else(PoisonError::into_inner) = Loaded {
             cert_pem,
             key_pem,
             certified,
+            not_after,
         };
         Ok(true)
     }
 
+    /// When the certificate served now ends, in Unix seconds; `None` when
+    /// its validity could not be read.
+    pub fn not_after_unix(&self) -> Option<i64> {
+        let current = self.current.read().unwrap_or_else(PoisonError::into_inner);
+        current.not_after.as_ref().ok().copied()
+    }
+
+    /// Says in the log when the certificate served now ends, or why that
+    /// cannot be read.
+    pub fn log_validity(&self) {
+        let current = self.current.read().unwrap_or_else(PoisonError::into_inner);
+        match &current.not_after {
+            Ok(not_after) => tracing::info!(
+                "TLS certificate {} valid until {} ({} days from now)",
+                self.cert.display(),
+                timestamp(*not_after),
+                not_after.saturating_sub(unix_now()) / 86_400
+            ),
+            Err(error) => tracing::warn!(
+                error = error as &dyn std::error::Error,
+                "TLS certificate {}: its end date cannot be read, so no warning will come before it expires",
+                self.cert.display()
+            ),
+        }
+    }
+
+    /// Warns when the served certificate ends within `warn_before` or has
+    /// ended: when it first does, and again every day while it is served.
+    fn report_expiry(&self, warn_before: Duration, last: &mut Option<ExpiryReported>) {
+        let current = self.current.read().unwrap_or_else(PoisonError::into_inner);
+        let Ok(not_after) = current.not_after else {
+            return;
+        };
+        let standing = expiry_standing(not_after, unix_now(), warn_before);
+        if !warn_now(last.as_ref(), &current.cert_pem, standing) {
+            if last
+                .as_ref()
+                .is_none_or(|last| last.cert_pem != current.cert_pem)
+            {
+                *last = Some(ExpiryReported {
+                    cert_pem: current.cert_pem.clone(),
+                    standing,
+                    at: Instant::now(),
+                });
+            }
+            return;
+        }
+        let when = timestamp(not_after);
+        match standing {
+            ExpiryStanding::Ended => tracing::error!(
+                "TLS certificate {} expired at {when}: clients that check it (the API server calling the webhooks) refuse it; renew it (the chart's: helm upgrade)",
+                self.cert.display()
+            ),
+            _ => tracing::warn!(
+                "TLS certificate {} expires at {when}, in {} days: renew it before then (the chart's: helm upgrade)",
+                self.cert.display(),
+                not_after.saturating_sub(unix_now()) / 86_400
+            ),
+        }
+        *last = Some(ExpiryReported {
+            cert_pem: current.cert_pem.clone(),
+            standing,
+            at: Instant::now(),
+        });
+    }
+
     /// Runs until the runtime stops: [`CertificateFiles::reload`] every
     /// `period`, saying in the log what changed, and naming a pair it
-    /// cannot use once (it keeps serving the one before).
-    pub async fn keep_reloading(self: Arc<Self>, period: Duration) {
+    /// cannot use once (it keeps serving the one before); warns when the
+    /// served certificate ends within `warn_before`.
+    pub async fn keep_reloading(self: Arc<Self>, period: Duration, warn_before: Duration) {
         let mut ticks = tokio::time::interval(period);
         ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        let mut expiry_reported = None;
+        self.report_expiry(warn_before, &mut expiry_reported);
         ticks.tick().await;
         loop {
             ticks.tick().await;
@@ -224,6 +341,7 @@ impl CertificateFiles {
                         "TLS certificate {} changed: serving the new one from the next handshake",
                         self.cert.display()
                     );
+                    self.log_validity();
                 }
                 Ok(false) => self.forget_refused(),
                 Err(error) => {
@@ -235,6 +353,7 @@ impl CertificateFiles {
                     }
                 }
             }
+            self.report_expiry(warn_before, &mut expiry_reported);
         }
     }
 
@@ -263,6 +382,39 @@ impl ResolvesServerCert for CertificateFiles {
         let current = self.current.read().unwrap_or_else(PoisonError::into_inner);
         Some(current.certified.clone())
     }
+}
+
+/// Whether a certificate (`cert_pem`) standing so is to be warned about
+/// now, the log having said `last` before: when it first ends soon or
+/// ends, and again each [`EXPIRY_REMINDER`] after.
+fn warn_now(last: Option<&ExpiryReported>, cert_pem: &[u8], standing: ExpiryStanding) -> bool {
+    match last {
+        Some(last) if last.cert_pem == cert_pem => {
+            standing > last.standing
+                || (standing > ExpiryStanding::Valid && last.at.elapsed() >= EXPIRY_REMINDER)
+        }
+        _ => standing > ExpiryStanding::Valid,
+    }
+}
+
+/// The end of the certificate `certified` presents (the chain's first).
+fn served_not_after(certified: &CertifiedKey) -> Result<i64, ValidityError> {
+    let served = certified.cert.first().ok_or(ValidityError::Truncated)?;
+    not_after_unix(served.as_ref())
+}
+
+fn unix_now() -> i64 {
+    let since = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .unwrap_or_default();
+    i64::try_from(since.as_secs()).unwrap_or(i64::MAX)
+}
+
+/// Unix seconds as an RFC 3339 time (UTC), or the number when out of range.
+fn timestamp(unix: i64) -> String {
+    k8s_openapi::jiff::Timestamp::from_second(unix)
+        .map(|at| at.to_string())
+        .unwrap_or_else(|_| format!("Unix time {unix}"))
 }
 
 /// The two files' contents.
@@ -310,4 +462,75 @@ fn certify(
             key: key.to_path_buf(),
             source,
         })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn reported(cert_pem: &[u8], standing: ExpiryStanding, ago: Duration) -> ExpiryReported {
+        ExpiryReported {
+            cert_pem: cert_pem.to_vec(),
+            standing,
+            at: Instant::now()
+                .checked_sub(ago)
+                .expect("an instant that long ago"),
+        }
+    }
+
+    #[test]
+    fn an_ending_certificate_is_warned_about_once_a_day_and_when_it_ends() {
+        use ExpiryStanding::*;
+        let hour = Duration::from_secs(3_600);
+        // Nothing said yet, or another certificate before.
+        assert!(!warn_now(None, b"a", Valid));
+        assert!(warn_now(None, b"a", EndingSoon));
+        assert!(warn_now(
+            Some(&reported(b"old", Valid, hour)),
+            b"a",
+            EndingSoon
+        ));
+        // The same certificate: not again within a day, unless it ended.
+        let warned = reported(b"a", EndingSoon, hour);
+        assert!(!warn_now(Some(&warned), b"a", EndingSoon));
+        assert!(warn_now(Some(&warned), b"a", Ended));
+        assert!(warn_now(
+            Some(&reported(b"a", EndingSoon, 25 * hour)),
+            b"a",
+            EndingSoon
+        ));
+        assert!(!warn_now(Some(&reported(b"a", Ended, hour)), b"a", Ended));
+        // A renewed certificate far from its end: nothing to say.
+        assert!(!warn_now(
+            Some(&reported(b"a", Ended, 25 * hour)),
+            b"b",
+            Valid
+        ));
+    }
+
+    #[test]
+    fn standing_is_judged_against_the_allowance() {
+        let day = 86_400;
+        let allowance = Duration::from_secs(30 * 86_400);
+        assert_eq!(
+            expiry_standing(100 * day, 69 * day, allowance),
+            ExpiryStanding::Valid
+        );
+        assert_eq!(
+            expiry_standing(100 * day, 70 * day, allowance),
+            ExpiryStanding::EndingSoon
+        );
+        assert_eq!(
+            expiry_standing(100 * day, 100 * day, allowance),
+            ExpiryStanding::Ended
+        );
+        assert_eq!(
+            expiry_standing(100 * day, 101 * day, allowance),
+            ExpiryStanding::Ended
+        );
+        assert_eq!(
+            expiry_standing(i64::MAX, 0, Duration::MAX),
+            ExpiryStanding::EndingSoon
+        );
+    }
 }

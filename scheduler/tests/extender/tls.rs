@@ -7,6 +7,8 @@ use hyper_util::rt::TokioIo;
 use std::sync::Arc;
 use std::time::Duration;
 use vgpu_scheduler::api::ApiSource;
+use vgpu_scheduler::server::metrics::CERTIFICATE_EXPIRY;
+use vgpu_scheduler::server::tls::{expiry_standing, ExpiryStanding, EXPIRY_WARNING};
 use vgpu_scheduler::server::{tls_config, CertificateFiles, ServerError};
 use vgpu_scheduler::Surface;
 use vgpu_testkit::extender_client::ExtenderClient;
@@ -319,7 +321,12 @@ async fn a_renewed_certificate_is_served_without_a_restart() {
 
     // Complete: served from the next handshake after the files are read.
     replace_with(&key, "tls/renewed-server.key");
-    tokio::spawn(files.clone().keep_reloading(Duration::from_millis(100)));
+    let first_end = files.not_after_unix().expect("the first certificate's end");
+    tokio::spawn(
+        files
+            .clone()
+            .keep_reloading(Duration::from_millis(100), EXPIRY_WARNING),
+    );
     let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
     while let Err(error) = handshake_trusting(addr, "tls/renewed-ca.pem").await {
         assert!(
@@ -333,6 +340,119 @@ async fn a_renewed_certificate_is_served_without_a_restart() {
         "the first certificate is no longer served"
     );
     assert!(!files.reload().expect("read again"), "nothing more changed");
+    // What /metrics shows follows: `openssl x509 -enddate` of the renewed
+    // fixture says Nov 3 06:08:44 2126 GMT.
+    assert_ne!(files.not_after_unix(), Some(first_end));
+    assert_eq!(files.not_after_unix(), Some(4_949_359_724));
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// A certificate made now by `openssl`, valid for `days`: its files.
+fn certificate_valid_for(
+    days: u32,
+    dir: &std::path::Path,
+) -> (std::path::PathBuf, std::path::PathBuf) {
+    let (cert, key) = (dir.join("tls.crt"), dir.join("tls.key"));
+    let made = std::process::Command::new("openssl")
+        .args([
+            "req",
+            "-x509",
+            "-newkey",
+            "ec",
+            "-pkeyopt",
+            "ec_paramgen_curve:P-256",
+            "-nodes",
+        ])
+        .args([
+            "-subj",
+            "/CN=localhost",
+            "-addext",
+            "subjectAltName=DNS:localhost",
+        ])
+        .arg("-days")
+        .arg(days.to_string())
+        .arg("-keyout")
+        .arg(&key)
+        .arg("-out")
+        .arg(&cert)
+        .output()
+        .expect("openssl");
+    assert!(
+        made.status.success(),
+        "openssl: {}",
+        String::from_utf8_lossy(&made.stderr)
+    );
+    (cert, key)
+}
+
+fn unix_now() -> i64 {
+    let since = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .expect("clock");
+    i64::try_from(since.as_secs()).expect("seconds")
+}
+
+/// The served certificate's end is on the extender's `/metrics` and
+/// judged against the warning's allowance; before, nothing told an
+/// operator that the chart's certificate (renewed only by `helm upgrade`)
+/// was about to be refused by the API server, which then fails every
+/// vGPU pod's admission.
+#[tokio::test]
+async fn the_served_certificates_end_is_on_metrics_and_warned_about() {
+    let dir = vgpu_testkit::unique_temp_dir("short-certificate");
+    let (cert, key) = certificate_valid_for(3, &dir);
+    let files = CertificateFiles::load(&cert, &key).expect("certificate files");
+    let not_after = files.not_after_unix().expect("its end");
+    let now = unix_now();
+    let expected = now + 3 * 86_400;
+    assert!(
+        (not_after - expected).abs() <= 120,
+        "ends at {not_after}, expected about {expected}"
+    );
+    assert_eq!(
+        expiry_standing(not_after, now, EXPIRY_WARNING),
+        ExpiryStanding::EndingSoon
+    );
+    assert_eq!(
+        expiry_standing(not_after, now, Duration::from_secs(2 * 86_400)),
+        ExpiryStanding::Valid
+    );
+    assert_eq!(
+        expiry_standing(not_after, not_after, EXPIRY_WARNING),
+        ExpiryStanding::Ended
+    );
+
+    let (server, client) = real_api_server().await;
+    Api::new(client)
+        .put_node(node("gpu-node-1", &[gpu("NVIDIA A10", 24)]))
+        .await;
+    let running = start_extender(
+        &test_config(),
+        &ApiSource::Kubeconfig(server.kubeconfig().to_path_buf()),
+        None,
+    )
+    .await;
+    let plain = ExtenderClient::new(running.local_addr);
+    let (_, before) = plain.get("/metrics").await.expect("metrics");
+    assert!(
+        !String::from_utf8_lossy(&before).contains(CERTIFICATE_EXPIRY),
+        "no certificate, no gauge"
+    );
+    running.report_certificate(files.clone());
+    let (status, metrics) = plain.get("/metrics").await.expect("metrics");
+    let metrics = String::from_utf8_lossy(&metrics);
+    assert_eq!(status, 200);
+    let shown: i64 = metrics
+        .lines()
+        .find_map(|line| {
+            line.strip_prefix(&format!("{CERTIFICATE_EXPIRY} "))?
+                .parse()
+                .ok()
+        })
+        .unwrap_or_else(|| panic!("no {CERTIFICATE_EXPIRY} in\n{metrics}"));
+    assert_eq!(shown, not_after);
+    assert!(metrics.contains(&format!("# TYPE {CERTIFICATE_EXPIRY} gauge")));
+    running.stop();
     let _ = std::fs::remove_dir_all(&dir);
 }
 

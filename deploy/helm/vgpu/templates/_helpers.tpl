@@ -47,7 +47,8 @@ certificate, or the webhook's. */}}
 {{- .Values.scheduler.extender.securePort -}}
 {{- end -}}
 
-{{/* The secret holding the extender's certificate. */}}
+{{/* The secret holding the extender's certificate (also the name of the
+cert-manager Certificate that fills it, when cert-manager issues it). */}}
 {{- define "vgpu.extenderTLSSecret" -}}
 {{- .Values.scheduler.extender.tls.secretName | default (printf "%s-scheduler-tls" (include "vgpu.fullname" .)) -}}
 {{- end -}}
@@ -57,7 +58,8 @@ The extender's certificate material, as JSON: caBundle (base64 PEM of the CA
 that API servers trust when calling the extender: the admission webhook and
 the Elastic GPU conversion webhook), and, where the chart makes the secret
 itself (webhook on, no scheduler.extender.tls.secretName), crt and key with
-chartSecret true. The chart's own CA is reused from an earlier install's
+chartSecret true; with certManager true (scheduler.webhook.certificate.certManager.issuer)
+cert-manager issues it and its CA injector sets the caBundle. The chart's own CA is reused from an earlier install's
 secret, so an upgrade does not leave running extenders with a certificate the
 API server no longer trusts; otherwise a new one is made. genCA gives a new
 CA on every call, so the first result is kept in a private key of .Values
@@ -66,17 +68,27 @@ same CA.
 */}}
 {{- define "vgpu.extenderCerts" -}}
 {{- if not (hasKey .Values "__vgpuExtenderCerts") -}}
-{{- $certs := dict "caBundle" (.Values.scheduler.webhook.caBundle | default "") "crt" "" "key" "" "chartSecret" false -}}
-{{- if and .Values.scheduler.webhook.enabled (not .Values.scheduler.extender.tls.secretName) -}}
+{{- $certs := dict "caBundle" (.Values.scheduler.webhook.caBundle | default "") "crt" "" "key" "" "chartSecret" false "certManager" false -}}
+{{- $certManager := .Values.scheduler.webhook.certificate.certManager.issuer -}}
+{{- if and $certManager .Values.scheduler.extender.tls.secretName -}}
+{{- fail "scheduler.webhook.certificate.certManager.issuer and scheduler.extender.tls.secretName: give one (cert-manager writes the chart's Secret; secretName names a Secret you keep)" -}}
+{{- end -}}
+{{- if and $certManager .Values.scheduler.webhook.caBundle -}}
+{{- fail "scheduler.webhook.caBundle with scheduler.webhook.certificate.certManager.issuer: cert-manager's CA injector sets the webhooks' CA; leave caBundle empty" -}}
+{{- end -}}
+{{- $settings := .Values.scheduler.webhook.certificate -}}
+{{- if and .Values.scheduler.webhook.enabled (not .Values.scheduler.extender.tls.secretName) (ge (int $settings.renewBeforeDays) (int $settings.days)) -}}
+{{- fail (printf "scheduler.webhook.certificate.renewBeforeDays (%d) must be less than days (%d): every upgrade would issue a new certificate" (int $settings.renewBeforeDays) (int $settings.days)) -}}
+{{- end -}}
+{{- if and $certManager .Values.scheduler.webhook.enabled -}}
+{{- $_ := set $certs "certManager" true -}}
+{{- else if and .Values.scheduler.webhook.enabled (not .Values.scheduler.extender.tls.secretName) -}}
 {{- $service := printf "%s-scheduler" (include "vgpu.fullname" .) -}}
 {{- $existing := lookup "v1" "Secret" .Release.Namespace (include "vgpu.extenderTLSSecret" .) -}}
 {{- $existingData := (and $existing $existing.data) | default dict -}}
 {{- $settings := .Values.scheduler.webhook.certificate -}}
 {{- $days := int $settings.days -}}
 {{- $renewBefore := int $settings.renewBeforeDays -}}
-{{- if ge $renewBefore $days -}}
-{{- fail (printf "scheduler.webhook.certificate.renewBeforeDays (%d) must be less than days (%d): every upgrade would issue a new certificate" $renewBefore $days) -}}
-{{- end -}}
 {{- $names := list $service (printf "%s.%s" $service .Release.Namespace) (printf "%s.%s.svc" $service .Release.Namespace) "localhost" -}}
 {{- /* When the certificate issued now is due for renewal: an upgrade from
      then on issues the next (RFC 3339, in the Secret's annotation). */ -}}
