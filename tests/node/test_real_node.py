@@ -84,7 +84,11 @@ def build_images(folder: Path, kube_scheduler: Path, kube_version: str) -> list[
     buildah.assemble(PAUSE_IMAGE, "scratch", {"/pause": pause}, entrypoint=["/pause"])
     probe = compile_program("probe", REPO / "testkit/programs/probe.c", programs, "-ldl")
     workload = compile_program("workload", REPO / "testkit/programs/workload.c", programs, "-ldl", "-lpthread")
-    buildah.assemble(WORKLOADS_IMAGE, base, {"/usr/local/bin/probe": probe, "/usr/local/bin/workload": workload})
+    # What root in a container can write into its own region (a test tool
+    # of ours, built with the release binaries).
+    forge = TARGET / "vgpu-region-forge"
+    buildah.assemble(WORKLOADS_IMAGE, base, {"/usr/local/bin/probe": probe, "/usr/local/bin/workload": workload,
+                                             "/usr/local/bin/vgpu-region-forge": forge})
     names = [chart_image(), f"registry.k8s.io/kube-scheduler:{kube_version}", PAUSE_IMAGE, WORKLOADS_IMAGE]
     archives = [buildah.export(name, folder / f"image-{index}.tar") for index, name in enumerate(names)]
     # buildah's vfs storage keeps a whole copy of every layer (2.6 GB):
@@ -530,6 +534,67 @@ def test_root_in_a_container_cannot_take_the_shim_away(real_cluster):
     refused = cluster.kubectl("create", "-f", "-", input=json.dumps(unconfined), check=False)
     assert refused.returncode != 0, refused.stdout
     assert "Unconfined" in refused.stderr and "container main" in refused.stderr, refused.stderr
+
+
+def container_figure(text: str, name: str, namespace: str, pod: str) -> float | None:
+    """A container's series `name` in the monitor's exposition `text`."""
+    for line in text.splitlines():
+        if line.startswith(name + "{") and f'namespace="{namespace}"' in line and f'pod="{pod}"' in line:
+            return float(line.rsplit(" ", 1)[1])
+    return None
+
+
+def test_root_in_a_container_forging_its_region_takes_no_share_and_gets_its_limits_back(real_cluster):
+    """Root in a real container writes into the region that limits it (the
+    shim needs it writable, so it is): for 40 s, ten times a second, the
+    most important priority, the force policy and launches, beside a
+    neighbour with the same 50 % of the same GPU; then its own limits
+    lifted. The chart's monitor, in its own container, takes priority from
+    the decision (the neighbour keeps its share), puts the decision's
+    limits back and says so in a Warning Event."""
+    cluster, node = real_cluster.cluster, real_cluster.node
+    namespace = "tenant-forge"
+    cluster.kubectl("create", "namespace", namespace)
+    inventory = json.loads(kubectl_json(cluster, "get", "node", node.name)["metadata"]["annotations"]
+                           ["vgpu.io/node-gpus"])
+    uuid = inventory["gpus"][0]["uuid"]
+    limits = {"nvidia.com/gpu": "1", "nvidia.com/gpumem": "1024", "nvidia.com/gpucores": "50"}
+    forger = workload_pod("forger", namespace, ["/bin/sh", "-c",
+                                                "workload sync k1ms 3600 & "
+                                                "vgpu-region-forge --arbitration-for-s 40 --every-ms 100 --lift; "
+                                                "wait"], limits)
+    neighbour = workload_pod("neighbour", namespace, ["workload", "sync", "k1ms", "3600"], limits)
+    for pod in (forger, neighbour):
+        pod["metadata"]["annotations"] = {"nvidia.com/use-gpuuuid": uuid}
+    for pod in (neighbour, forger):
+        found = real_cluster.run_pod(pod)
+        assert found["status"]["phase"] == "Running", json.dumps(found["status"], indent=1)
+
+    def log() -> str:
+        return node.container_log(namespace, "forger", "main")
+    wait_for("the forger writing its region", lambda: "forged=" in log(), timeout=60, log=real_cluster.logs)
+    achieved, uncapped = measured_share(real_cluster, node, namespace, "neighbour", 0.50)
+    text = real_cluster.metrics(node)
+    priority = container_figure(text, "vgpu_container_priority", namespace, "forger")
+    print(f"\na region forged from a real container: the neighbour got {achieved:.3f} of the device at 50 % "
+          f"(uncapped beside it: {uncapped:.3f}); the forger's priority in force {priority}")
+    assert "lifted=1" not in log(), "the forgery went on over the whole measurement"
+    assert priority == 1, "the decision's priority (the default), not the region's"
+    assert_share("the neighbour of a region forger at 50 %", 100 * achieved, 50, 100 * uncapped, tolerance=8)
+
+    wait_for("the forger lifting its limits", lambda: "lifted=1" in log(), timeout=60, log=real_cluster.logs)
+    uid = kubectl_json(cluster, "get", "pod", "forger", "-n", namespace)["metadata"]["uid"]
+
+    def restored():
+        found = regions(node).get(f"{uid}_main")
+        return found if found and found[0]["memory"] == 1024 * MIB and found[0]["cores"] == 50 else None
+    wait_for("the forger's limits put back", restored, timeout=30, log=real_cluster.logs)
+    assert container_figure(real_cluster.metrics(node), "vgpu_container_limits_restored_total",
+                            namespace, "forger") >= 1
+    events = kubectl_json(cluster, "get", "events", "-n", namespace,
+                          "--field-selector", "involvedObject.name=forger")["items"]
+    assert any(e["type"] == "Warning" and e["reason"] == "RegionLimitsChanged" for e in events), events
+    cluster.kubectl("delete", "namespace", namespace, "--wait=true", "--timeout=120s")
 
 
 def test_a_decision_granting_more_than_the_pod_asks_for_is_refused_by_the_node(real_cluster):

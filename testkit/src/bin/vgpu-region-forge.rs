@@ -1,0 +1,133 @@
+//! `vgpu-region-forge`: what root in a container can write into the region
+//! that limits it, for the hostile-tenant tests on a real node (the
+//! workloads image carries it; nothing of the product ships it).
+//!
+//! ```text
+//! vgpu-region-forge [--region PATH] [--arbitration-for-s S] [--every-ms MS] [--lift]
+//! ```
+//!
+//! The region is the one the shim uses (`CUDA_DEVICE_MEMORY_SHARED_CACHE`
+//! unless `--region`), waited for until a program of the container has made
+//! it. For `--arbitration-for-s` seconds, every `--every-ms`, it writes the
+//! most important priority and the `force` policy into the header and
+//! counts launches on every device (the inputs of the node monitor's
+//! arbitration), printing `forged=<times>` as it goes. Then, with `--lift`,
+//! it lifts its own limits once (every device uncapped in memory, 100 % of
+//! the compute, the effective share whole) and prints `lifted=1`.
+
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+use std::sync::atomic::Ordering;
+use std::time::{Duration, Instant};
+use vgpu_node_contract::region::{Region, SHARE_FULL, UNCAPPED};
+use vgpu_node_contract::shim_env::{UtilizationPolicy, ENV_REGION_PATH};
+
+struct Options {
+    region: Option<PathBuf>,
+    arbitration_for: Duration,
+    every: Duration,
+    lift: bool,
+}
+
+fn parse(mut args: impl Iterator<Item = String>) -> Result<Options, String> {
+    let mut options = Options {
+        region: None,
+        arbitration_for: Duration::ZERO,
+        every: Duration::from_millis(100),
+        lift: false,
+    };
+    let number = |flag: &str, value: Option<String>| -> Result<u64, String> {
+        let value = value.ok_or_else(|| format!("{flag} needs a value"))?;
+        value
+            .parse()
+            .map_err(|_| format!("{flag}: {value:?} is not a whole number"))
+    };
+    while let Some(arg) = args.next() {
+        match arg.as_str() {
+            "--region" => {
+                options.region = Some(args.next().ok_or("--region needs a path")?.into());
+            }
+            "--arbitration-for-s" => {
+                options.arbitration_for = Duration::from_secs(number(&arg, args.next())?);
+            }
+            "--every-ms" => {
+                options.every = Duration::from_millis(number(&arg, args.next())?.max(1))
+            }
+            "--lift" => options.lift = true,
+            "--help" | "-h" => {
+                return Err(
+                    "vgpu-region-forge [--region PATH] [--arbitration-for-s S] [--every-ms MS] [--lift]\n\
+                     Writes into a vgpu region what root in its container can: the most important priority,\n\
+                     the force policy and launches for S seconds, then (--lift) its limits lifted once.\n\
+                     For the hostile-tenant tests."
+                        .into(),
+                );
+            }
+            other => return Err(format!("unknown argument {other:?} (see --help)")),
+        }
+    }
+    Ok(options)
+}
+
+/// The region at `path`, once a program of the container has made it.
+fn wait_for_region(path: &Path) -> Result<Region, String> {
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        match Region::open_existing(path) {
+            Ok(region) => return Ok(region),
+            Err(error) if Instant::now() >= deadline => {
+                return Err(format!("region {}: {error}", path.display()))
+            }
+            // Polled: nothing announces that another process made a file.
+            Err(_) => std::thread::sleep(Duration::from_millis(100)),
+        }
+    }
+}
+
+fn run(options: Options) -> Result<(), String> {
+    let path = match options.region {
+        Some(path) => path,
+        None => std::env::var_os(ENV_REGION_PATH)
+            .map(PathBuf::from)
+            .ok_or_else(|| format!("no --region and no {ENV_REGION_PATH} in the environment"))?,
+    };
+    let region = wait_for_region(&path)?;
+    let layout = region.layout();
+    let started = Instant::now();
+    let mut times = 0u64;
+    while started.elapsed() < options.arbitration_for {
+        layout.header.priority.store(i32::MIN, Ordering::Relaxed);
+        layout
+            .header
+            .policy
+            .store(UtilizationPolicy::Force as u32, Ordering::Relaxed);
+        for device in &layout.devices {
+            device.compute.launches.fetch_add(1_000, Ordering::Relaxed);
+        }
+        times += 1;
+        if times % 10 == 1 {
+            println!("forged={times}");
+        }
+        // Paced: the attack is to be in the region at every monitor pass.
+        std::thread::sleep(options.every);
+    }
+    if options.lift {
+        for device in &layout.devices {
+            device.memory_limit.store(UNCAPPED, Ordering::Relaxed);
+            device.sm_limit.store(100, Ordering::Relaxed);
+            device.sm_effective.store(SHARE_FULL, Ordering::Relaxed);
+        }
+        println!("lifted=1");
+    }
+    Ok(())
+}
+
+fn main() -> ExitCode {
+    match parse(std::env::args().skip(1)).and_then(run) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(message) => {
+            eprintln!("vgpu-region-forge: {message}");
+            ExitCode::FAILURE
+        }
+    }
+}
