@@ -6,12 +6,15 @@ calling our plugin), pods that claim a share of a GPU through DRA (a
 ResourceClaimTemplate of the vgpu.io DeviceClass: claims made by
 kube-controller-manager, allocated by the default kube-scheduler against
 our drivers' ResourceSlices, prepared by kubelet's DRA code calling our
-driver), against pods that ask for neither, placed by the chart's
+driver), the same claims from a DRA driver that prepares nothing
+(tests/cluster/nulldra: what DRA costs the control plane and kubelet
+alone), against pods that ask for neither, placed by the chart's
 kube-scheduler (by `schedulerName`; it calls no extender for them), in
 rotating rounds of one run. Half the nodes offer their GPUs through DRA,
-half through the device plugin. Also the extender's own time per verb from
+half through the device plugin (the null driver runs there too). Also the extender's own time per verb from
 its `/metrics`, over the vGPU rounds (kube-scheduler has no per-extender
-latency figure).
+latency figure), and where each kind of pod spends its time, step by step
+(podtrace: the API server's audit log).
 
 Prints a Markdown table of medians over the rounds. Needs root (network
 namespaces) and the control-plane binaries (tests/cluster/build)."""
@@ -19,6 +22,7 @@ namespaces) and the control-plane binaries (tests/cluster/build)."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import subprocess
@@ -30,31 +34,73 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from chartcluster import EXTENDER_PORT, ChartCluster, extender_address  # noqa: E402
+from controlplane import wait_for  # noqa: E402
 from placement import GPU_MIB  # noqa: E402
+from podtrace import AUDIT_POLICY, missing, read_steps, table  # noqa: E402
 
 SCHEDULER_NAME = "vgpu-scheduler"
 HISTOGRAM = "vgpu_extender_request_duration_seconds"
 VERBS = ("filter", "prioritize", "bind", "mutate")
 
 
-KINDS = ("plain", "vgpu", "dra")
+KINDS = ("plain", "vgpu", "dra", "null")
 # What a DRA pod's claim asks for: what a vGPU pod asks for.
 CLAIM_TEMPLATE = "share"
+# The DRA driver that prepares nothing (tests/cluster/nulldra): what DRA
+# costs the control plane and kubelet alone. It runs beside the device
+# plugin on the plugin nodes, publishing the same GPUs the same way.
+NULL_DRIVER = "null.vgpu.test"
+CLASSES = {"dra": "vgpu.io", "null": NULL_DRIVER}
 
 
-def claim_template(namespace: str) -> dict:
+def claim_template(namespace: str, device_class: str) -> dict:
     return {"apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaimTemplate",
             "metadata": {"name": CLAIM_TEMPLATE, "namespace": namespace},
             "spec": {"spec": {"devices": {"requests": [{"name": "gpu", "exactly": {
-                "deviceClassName": "vgpu.io", "capacity": {"requests": {"memory": "256Mi", "cores": "5"}}}}]}}}}
+                "deviceClassName": device_class, "capacity": {"requests": {"memory": "256Mi", "cores": "5"}}}}]}}}}
+
+
+def null_driver() -> Path:
+    """The null DRA driver's binary (tests/cluster/nulldra/build)."""
+    done = subprocess.run([str(HERE / "nulldra/build"), "--print-dir"], capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        raise SystemExit(f"tests/cluster/nulldra/build failed: {done.stderr[-2000:]}")
+    return Path(done.stdout.strip().splitlines()[-1]) / "nulldra"
+
+
+def start_null_drivers(cc: ChartCluster, nodes: list, stack: contextlib.ExitStack) -> None:
+    """The null driver on each of `nodes`, registered with its kubelet,
+    with its DeviceClass; returns once every node's slice is published."""
+    binary = null_driver()
+    cc.cluster.kubectl("apply", "-f", "-", input=json.dumps({
+        "apiVersion": "resource.k8s.io/v1", "kind": "DeviceClass", "metadata": {"name": NULL_DRIVER},
+        "spec": {"selectors": [{"cel": {"expression": f"device.driver == '{NULL_DRIVER}'"}}]}}))
+    for node in nodes:
+        kubelet = node.host_root / "var/lib/kubelet"
+        log = open(node.workdir / "nulldra.log", "w")  # noqa: SIM115 -- open while the process runs
+        process = subprocess.Popen(cc.cluster.command([
+            str(binary), f"--node-name={node.name}", f"--kubeconfig={cc.cluster.admin_kubeconfig}",
+            f"--registry-dir={kubelet / 'plugins_registry'}", f"--plugin-dir=/var/lib/kubelet/plugins/{NULL_DRIVER}",
+            f"--host-root={node.host_root}",
+            "--gpus=2", f"--memory-bytes={GPU_MIB << 20}"]), stdout=log, stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL)
+        log.close()
+        stack.callback(process.wait, 30)
+        stack.callback(process.terminate)
+
+    def published() -> bool:
+        slices = json.loads(cc.cluster.kubectl("get", "resourceslices", "-o", "json").stdout)["items"]
+        served = {item["spec"].get("nodeName") for item in slices if item["spec"].get("driver") == NULL_DRIVER}
+        return served >= {node.name for node in nodes}
+    wait_for("the null DRA driver's slices", published, timeout=120, log=cc.logs)
 
 
 def pods(kind: str, namespace: str, count: int) -> list[dict]:
     """`count` pods sleeping in their container; `vgpu` ones ask for one vGPU
     the way a HAMi user writes it (no schedulerName: the webhook sets it),
     `dra` ones the same share through a claim from the template (default
-    scheduler), `plain` ones name the chart's scheduler and ask for no
-    GPU."""
+    scheduler; `null` the same from the null driver), `plain` ones name the
+    chart's scheduler and ask for no GPU."""
     out = []
     for number in range(count):
         container: dict = {"name": "main", "image": "busybox", "command": ["sleep", "3600"]}
@@ -62,7 +108,7 @@ def pods(kind: str, namespace: str, count: int) -> list[dict]:
         if kind == "vgpu":
             container["resources"] = {"limits": {"nvidia.com/gpu": "1", "nvidia.com/gpumem": "256",
                                                  "nvidia.com/gpucores": "5"}}
-        elif kind == "dra":
+        elif kind in CLASSES:
             spec["resourceClaims"] = [{"name": "gpu", "resourceClaimTemplateName": CLAIM_TEMPLATE}]
             container["resources"] = {"claims": [{"name": "gpu"}]}
         else:
@@ -127,8 +173,8 @@ def extender_metrics_url(cc: ChartCluster) -> str:
 
 def run_round(cc: ChartCluster, kind: str, namespace: str, count: int, parallel: int, metrics: str | None) -> dict:
     cc.cluster.kubectl("create", "namespace", namespace)
-    if kind == "dra":
-        cc.cluster.kubectl("create", "-f", "-", input=json.dumps(claim_template(namespace)))
+    if kind in CLASSES:
+        cc.cluster.kubectl("create", "-f", "-", input=json.dumps(claim_template(namespace, CLASSES[kind])))
     command = cc.cluster.command([sys.executable, str(HERE / "podrate.py"), "--server", cc.cluster.server,
                                   "--pki", str(cc.cluster.pki), "--namespace", namespace,
                                   "--parallel", str(parallel)] + (["--metrics", metrics] if metrics else []))
@@ -144,7 +190,9 @@ def run_round(cc: ChartCluster, kind: str, namespace: str, count: int, parallel:
     elapsed = max(running.values()) - min(sent.values())
     # Nothing from this round may hold capacity in the next.
     cc.cluster.kubectl("delete", "namespace", namespace, "--wait=true", "--timeout=300s")
-    return {"rate": count / elapsed, "latencies": latencies,
+    steps = read_steps(cc.cluster.audit_log, namespace,
+                       {name: at + result["clock"] for name, at in running.items()})
+    return {"rate": count / elapsed, "latencies": latencies, "steps": steps,
             "metrics": (histogram(result["metrics"]["after"]), histogram(result["metrics"]["before"]))
             if metrics else None}
 
@@ -179,6 +227,8 @@ def main(argv: list[str]) -> int:
     workdir = options.workdir or Path(tempfile.mkdtemp(prefix="vgpu-bench-pods-"))
     started = time.monotonic()
     rates: dict[str, list[float]] = {kind: [] for kind in KINDS}
+    # Per kind, each pod's steps (pod names made unique by round).
+    traces: dict[str, dict[str, dict[str, float]]] = {kind: {} for kind in KINDS}
     latencies: dict[str, list[float]] = {kind: [] for kind in KINDS}
     verbs = {verb: {"buckets": {}, "sum": 0.0, "count": 0.0} for verb in VERBS}
     # The monitors sample once a second: the nodes' agents share this
@@ -186,16 +236,21 @@ def main(argv: list[str]) -> int:
     helm_args = ["--set", "node.monitor.intervalMs=1000"]
     if options.node_policy:
         helm_args += ["--set", f"scheduler.extender.nodePolicy={options.node_policy}"]
-    with ChartCluster(workdir, nodes=options.nodes, gpus=2, memory=f"{GPU_MIB}Mi", helm_args=tuple(helm_args),
-                      dra_nodes=dra_nodes) as cc:
+    with contextlib.ExitStack() as stack:
+        cc = stack.enter_context(ChartCluster(workdir, nodes=options.nodes, gpus=2, memory=f"{GPU_MIB}Mi",
+                                              helm_args=tuple(helm_args), dra_nodes=dra_nodes,
+                                              audit_policy=AUDIT_POLICY))
+        start_null_drivers(cc, cc.nodes[dra_nodes:], stack)
         metrics = extender_metrics_url(cc)
         for round_ in range(options.repeats):
-            # Each kind goes first, second and third in turn.
-            order = KINDS[round_ % 3:] + KINDS[:round_ % 3]
+            # Each kind goes first, second, ... in turn.
+            shift = round_ % len(KINDS)
+            order = KINDS[shift:] + KINDS[:shift]
             for kind in order:
                 result = run_round(cc, kind, f"rate-{kind}-{round_}", options.pods, options.parallel,
                                    metrics if kind == "vgpu" else None)
                 rates[kind].append(result["rate"])
+                traces[kind].update({f"{round_}/{name}": pod for name, pod in result["steps"].items()})
                 latencies[kind].extend(result["latencies"])
                 if result["metrics"]:
                     delta = difference(*result["metrics"])
@@ -210,14 +265,15 @@ def main(argv: list[str]) -> int:
     print(f"\n{options.pods} pods per round, {options.repeats} round(s) of each kind, {options.nodes} nodes x 2 "
           f"simulated GPUs ({dra_nodes} through DRA), {options.parallel} creators, node policy "
           f"{options.node_policy or 'binpack'}; medians over rounds ({time.monotonic() - started:.0f} s)\n")
-    print("| figure | no GPU | one vGPU each (extender) | one claim each (DRA) | vGPU / no GPU | DRA / vGPU |")
-    print("|---|---:|---:|---:|---:|---:|")
+    print("| figure | no GPU | one vGPU each (extender) | one claim each (vgpu's DRA driver) | "
+          "one claim each (null DRA driver) | vGPU / no GPU | vgpu's DRA / null DRA |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
     print(f"| pods/s, first create to last Running | {rate['plain']:.1f} | {rate['vgpu']:.1f} | {rate['dra']:.1f} | "
-          f"{rate['vgpu'] / rate['plain']:.2f} | {rate['dra'] / rate['vgpu']:.2f} |")
+          f"{rate['null']:.1f} | {rate['vgpu'] / rate['plain']:.2f} | {rate['dra'] / rate['null']:.2f} |")
     for label, q in (("p50", 0.5), ("p99", 0.99)):
-        plain, vgpu, dra = (percentile(latencies[kind], q) for kind in KINDS)
+        plain, vgpu, dra, null = (percentile(latencies[kind], q) for kind in KINDS)
         print(f"| one pod, create to Running, {label} | {plain * 1000:.0f} ms | {vgpu * 1000:.0f} ms | "
-              f"{dra * 1000:.0f} ms | {vgpu / plain:.2f} | {dra / vgpu:.2f} |")
+              f"{dra * 1000:.0f} ms | {null * 1000:.0f} ms | {vgpu / plain:.2f} | {dra / null:.2f} |")
     print("\n| extender verb (its own time, from its /metrics) | calls | mean | p50 | p99 |")
     print("|---|---:|---:|---:|---:|")
     for verb in VERBS:
@@ -227,11 +283,25 @@ def main(argv: list[str]) -> int:
             continue
         print(f"| {verb} | {series['count']:.0f} | {series['sum'] / series['count'] * 1000:.2f} ms | "
               f"{quantile(series, 0.5) * 1000:.2f} ms | {quantile(series, 0.99) * 1000:.2f} ms |")
-    missing = [verb for verb in ("filter", "bind", "mutate") if verbs[verb]["count"] < options.pods * options.repeats]
-    if missing:
-        print(f"bench_pods: the extender counted fewer {', '.join(missing)} calls than vGPU pods", file=sys.stderr)
-        return 1
-    return 0
+    titles = {"plain": "no GPU", "vgpu": "one vGPU (extender)", "dra": "one claim (vgpu's DRA driver)",
+              "null": "one claim (null DRA driver)"}
+    print("\nWhere the time goes, per pod: each step's time from the one before, from the API server's audit log "
+          "(the write that marks the step, completed) and the bench's watch (Running)")
+    for kind in KINDS:
+        print()
+        print("\n".join(table(kind, titles[kind], traces[kind])))
+    status = 0
+    untraced = {kind: missing(kind, traces[kind]) for kind in KINDS}
+    for kind, gaps in untraced.items():
+        if gaps:
+            print(f"bench_pods: {len(gaps)} step(s) of {kind} pods not in the audit log, e.g. {gaps[:3]}",
+                  file=sys.stderr)
+            status = 1
+    missed = [verb for verb in ("filter", "bind", "mutate") if verbs[verb]["count"] < options.pods * options.repeats]
+    if missed:
+        print(f"bench_pods: the extender counted fewer {', '.join(missed)} calls than vGPU pods", file=sys.stderr)
+        status = 1
+    return status
 
 
 if __name__ == "__main__":

@@ -165,12 +165,14 @@ class ControlPlane(Started):
     child processes of this one."""
 
     def __init__(self, workdir: Path | None = None, network=None, controllers: str | None = None,
-                 api_only: bool = False):
+                 api_only: bool = False, audit_policy: dict | None = None):
         """`network`: a nodenet.TestNetwork to run everything in (the API
         server then listens on its address, which can also be a Service
         endpoint); default: loopback of this namespace. `controllers`:
         kube-controller-manager's `--controllers` (default: all).
-        `api_only`: no kube-controller-manager nor kube-scheduler."""
+        `api_only`: no kube-controller-manager nor kube-scheduler.
+        `audit_policy`: the API server logs what it names (an audit
+        Policy) to `audit_log`, as JSON lines."""
         self.workdir = Path(workdir or tempfile.mkdtemp(prefix="vgpu-controlplane-")).resolve()
         self.bin = binaries()
         self.pki = self.workdir / "pki"
@@ -186,6 +188,17 @@ class ControlPlane(Started):
         self.server = ""
         self.etcd_url = ""
         self.admin_kubeconfig = self.workdir / "admin.kubeconfig"
+        self.audit_policy = audit_policy
+        self.audit_log = self.workdir / "audit.log"
+
+    def _audit_arguments(self) -> list[str]:
+        if self.audit_policy is None:
+            return []
+        policy = self.workdir / "audit-policy.json"
+        policy.write_text(json.dumps(self.audit_policy))
+        # The default (blocking) mode: each event is written in its
+        # request's path, none waits in a buffer.
+        return [f"--audit-policy-file={policy}", f"--audit-log-path={self.audit_log}", "--audit-log-format=json"]
 
     # Life cycle ----------------------------------------------------------
 
@@ -250,6 +263,7 @@ class ControlPlane(Started):
                 # `default` ServiceAccount, which this admission plugin requires
                 # of every pod.
                 *(["--disable-admission-plugins=ServiceAccount"] if self.api_only else []),
+                *self._audit_arguments(),
             ]
 
         self._start_listening("kube-apiserver", 1, api_server)
