@@ -33,9 +33,9 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from chartcluster import EXTENDER_PORT, ChartCluster, extender_address  # noqa: E402
+from chartcluster import EXTENDER_PORT, TARGET, ChartCluster, extender_address  # noqa: E402
 from controlplane import wait_for  # noqa: E402
-from placement import GPU_MIB  # noqa: E402
+from placement import GPU_MIB, count  # noqa: E402
 from podtrace import AUDIT_POLICY, missing, read_steps, table  # noqa: E402
 
 SCHEDULER_NAME = "vgpu-scheduler"
@@ -171,6 +171,60 @@ def extender_metrics_url(cc: ChartCluster) -> str:
     return f"http://{extender_address(cc)}:{EXTENDER_PORT}/metrics"
 
 
+def region_limits(cc: ChartCluster, folder: str) -> dict | None:
+    """The limits in the region `folder` (`<pod UID>_<container>` or
+    `claim-<UID>`) on whichever node has it, as `vgpu inspect` reads them."""
+    for node in cc.nodes:
+        path = node.host_root / "usr/local/vgpu/containers" / folder / "region.cache"
+        if path.is_file():
+            shown = subprocess.run([str(TARGET / "vgpu"), "inspect", str(path), "--json"], capture_output=True,
+                                   text=True, check=True)
+            return json.loads(shown.stdout)["devices"][0]["limits"]
+    return None
+
+
+def double_bookings(cc: ChartCluster, kind: str, namespace: str) -> tuple[list[str], str]:
+    """What this round's pods were granted beyond a GPU's memory or
+    compute, per GPU, summed from what each pod holds: a vGPU pod's
+    decision (checked by the device plugin at Allocate) or a claim's
+    allocation; and every grant our nodes made that differs from what its
+    region holds (the null driver keeps nothing on the node); and the
+    fullest GPU."""
+    if kind == "plain":
+        return [], "no GPU"
+    held: dict[tuple[str, str], list[int]] = {}
+    wrong = []
+    if kind == "vgpu":
+        listed = json.loads(cc.cluster.kubectl("get", "pods", "-n", namespace, "-o", "json").stdout)["items"]
+        for pod in listed:
+            decision = json.loads(pod["metadata"]["annotations"]["vgpu.io/decision"])
+            for container in decision["containers"]:
+                for device in container["devices"]:
+                    key = (decision["node"], device["uuid"])
+                    memory, cores = device["memoryBytes"], device["coresPercent"]
+                    entry = held.setdefault(key, [0, 0])
+                    entry[0], entry[1] = entry[0] + memory, entry[1] + cores
+                    limits = region_limits(cc, f"{pod['metadata']['uid']}_{container['name']}")
+                    if limits is None or (limits["memory"], limits["cores"]) != (memory, cores):
+                        wrong.append(f"{pod['metadata']['name']}: region {limits}, granted {memory} B {cores} %")
+    else:
+        listed = json.loads(cc.cluster.kubectl("get", "resourceclaims", "-n", namespace, "-o", "json").stdout)["items"]
+        for claim in listed:
+            for result in claim["status"]["allocation"]["devices"]["results"]:
+                memory = count(result["consumedCapacity"]["memory"])
+                cores = count(result["consumedCapacity"]["cores"])
+                entry = held.setdefault((result["pool"], result["device"]), [0, 0])
+                entry[0], entry[1] = entry[0] + memory, entry[1] + cores
+                if kind == "dra":
+                    limits = region_limits(cc, f"claim-{claim['metadata']['uid']}")
+                    if limits is None or (limits["memory"], limits["cores"]) != (memory, cores):
+                        wrong.append(f"{claim['metadata']['name']}: region {limits}, allocated {memory} B {cores} %")
+    over = [f"{node} {gpu}: {memory} B, {cores} %" for (node, gpu), (memory, cores) in sorted(held.items())
+            if memory > GPU_MIB << 20 or cores > 100]
+    fullest = max(held.values(), default=[0, 0])
+    return over + wrong, f"{len(held)} GPUs used, the fullest {fullest[0] >> 20} MiB, {fullest[1]} %"
+
+
 def run_round(cc: ChartCluster, kind: str, namespace: str, count: int, parallel: int, metrics: str | None) -> dict:
     cc.cluster.kubectl("create", "namespace", namespace)
     if kind in CLASSES:
@@ -188,6 +242,12 @@ def run_round(cc: ChartCluster, kind: str, namespace: str, count: int, parallel:
     sent, running = result["sent"], result["running"]
     latencies = [running[name] - sent[name] for name in sent]
     elapsed = max(running.values()) - min(sent.values())
+    overbooked, fullest = double_bookings(cc, kind, namespace)
+    if not overbooked:
+        print(f"{kind} in {namespace}: no GPU granted more than it has ({fullest})", file=sys.stderr)
+    else:
+        raise SystemExit(f"{kind} round in {namespace}: GPUs granted more than they have, or regions unlike "
+                         f"their grants: {overbooked[:5]}")
     # Nothing from this round may hold capacity in the next.
     cc.cluster.kubectl("delete", "namespace", namespace, "--wait=true", "--timeout=300s")
     steps = read_steps(cc.cluster.audit_log, namespace,
