@@ -1413,3 +1413,18 @@ def test_every_template_applies_the_peer_values_first():
     for path in sorted((CHART / "templates").iterdir()):
         if not path.name.startswith("_"):
             assert path.read_text().splitlines()[0] == APPLY_PEER_VALUES, path.name
+
+
+def test_dra_whole_gpus_are_offered_by_an_extended_resource_name():
+    def exclusive(values):
+        return next(o for o in render(values) if o["kind"] == "DeviceClass"
+                    and o["metadata"]["name"] == "vgpu.io-exclusive")
+    assert exclusive({"dra": {"enabled": True}})["spec"]["extendedResourceName"] == "vgpu.io/gpu"
+    assert "extendedResourceName" not in exclusive({"dra": {"enabled": True, "extendedResourceName": ""}})["spec"]
+    # The device plugin's resource name would be claimed twice.
+    with pytest.raises(Exception) as error:
+        render({"dra": {"enabled": True, "extendedResourceName": "nvidia.com/gpu"}})
+    assert "give DRA's whole GPUs another name" in str(error.value), error.value
+    with pytest.raises(Exception) as error:
+        render({"dra": {"enabled": True, "extendedResourceName": "not a name"}})
+    assert "extendedResourceName" in str(error.value), error.value

@@ -482,6 +482,43 @@ def test_a_dra_pod_from_the_readme_template_runs_at_its_cap_and_share(real_clust
     cluster.kubectl("delete", "pod", "claimed", "-n", "team-e", "--wait=true", "--timeout=60s")
 
 
+def test_a_whole_gpu_by_extended_resource_with_no_claim_of_the_pods_own(real_cluster):
+    """`limits: {vgpu.io/gpu: 1}` on the DRA node (the chart's
+    dra.extendedResourceName on the vgpu.io-exclusive class, Kubernetes
+    1.36's DRAExtendedResource): kube-scheduler makes the claim, the real
+    kubelet has our driver prepare it, and the container gets one whole GPU
+    (all the memory the slice offers, the whole compute) in the claim's
+    region."""
+    cluster, node = real_cluster.cluster, real_cluster.nodes[1]
+    exclusive = kubectl_json(cluster, "get", "deviceclass", "vgpu.io-exclusive")
+    assert exclusive["spec"].get("extendedResourceName") == "vgpu.io/gpu", exclusive["spec"]
+    cluster.kubectl("create", "namespace", "team-x")
+    pod = workload_pod("whole", "team-x", ["/bin/sh", "-c", "probe dlsym fill 268435456; echo done=1; "
+                                           "sleep infinity"], {"vgpu.io/gpu": "1"})
+    found = real_cluster.run_pod(pod)
+    assert found["status"]["phase"] == "Running", json.dumps(found["status"], indent=1)
+    assert found["spec"]["nodeName"] == node.name
+    claim_name = (found["status"].get("extendedResourceClaimStatus") or {}).get("resourceClaimName")
+    assert claim_name, found["status"]
+    claim = kubectl_json(cluster, "get", "resourceclaim", claim_name, "-n", "team-x")
+    (result,) = claim["status"]["allocation"]["devices"]["results"]
+    assert result["driver"] == "vgpu.io", result
+    # The whole GPU: all the memory its slice offers, the whole compute.
+    offered = next(device["capacity"]["memory"]["value"]
+                   for item in kubectl_json(cluster, "get", "resourceslices")["items"]
+                   if item["spec"]["driver"] == "vgpu.io" and item["spec"].get("nodeName") == node.name
+                   for device in item["spec"]["devices"] if device["name"] == result["device"])
+    limits = regions(node).get(f"claim-{claim['metadata']['uid']}")
+    assert limits == [{"memory": count(offered), "cores": None, "burst": None, "swap": None}], limits
+    text = wait_for("the pod's report", lambda: "done=1" in node.container_log("team-x", "whole", "main")
+                    and node.container_log("team-x", "whole", "main"), timeout=60, log=real_cluster.logs)
+    seen = report(text)
+    print(f"\na whole GPU by extended resource on a real node: claim {claim_name} on {result['device']}, "
+          f"region {limits[0]}, the program saw {int(seen['mem_total']) // MIB} MiB")
+    assert int(seen["mem_total"]) > 1024 * MIB, seen
+    cluster.kubectl("delete", "namespace", "team-x", "--wait=true", "--timeout=120s")
+
+
 # Root in its container, with the rights a container gets by default (no
 # CAP_SYS_ADMIN), tries to take the shim away: the read-only mounts the
 # plugin gives, and a user namespace in which to mount over the preload
