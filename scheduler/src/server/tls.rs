@@ -512,22 +512,18 @@ mod tests {
     fn standing_is_judged_against_the_allowance() {
         let day = 86_400;
         let allowance = Duration::from_secs(30 * 86_400);
-        assert_eq!(
-            expiry_standing(100 * day, 69 * day, allowance),
-            ExpiryStanding::Valid
-        );
-        assert_eq!(
-            expiry_standing(100 * day, 70 * day, allowance),
-            ExpiryStanding::EndingSoon
-        );
-        assert_eq!(
-            expiry_standing(100 * day, 100 * day, allowance),
-            ExpiryStanding::Ended
-        );
-        assert_eq!(
-            expiry_standing(100 * day, 101 * day, allowance),
-            ExpiryStanding::Ended
-        );
+        for (now, expected) in [
+            (69, ExpiryStanding::Valid),
+            (70, ExpiryStanding::EndingSoon),
+            (100, ExpiryStanding::Ended),
+            (101, ExpiryStanding::Ended),
+        ] {
+            assert_eq!(
+                expiry_standing(100 * day, now * day, allowance),
+                expected,
+                "day {now}"
+            );
+        }
         assert_eq!(
             expiry_standing(i64::MAX, 0, Duration::MAX),
             ExpiryStanding::EndingSoon
