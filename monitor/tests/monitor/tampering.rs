@@ -33,20 +33,24 @@ fn granted_region(
 
 /// The monitor over `host`'s containers as NODE's, naming pods through `api`.
 fn monitor_on(host: &HostDir, api: &KubeApi) -> MonitorProcess {
+    monitor_with(host, api, &[])
+}
+
+/// The monitor on `host`'s regions with the API, and `more` flags.
+fn monitor_with(host: &HostDir, api: &KubeApi, more: &[&str]) -> MonitorProcess {
     let root = host.root.to_str().expect("utf8");
-    MonitorProcess::start(
-        MonitorProcess::command(),
-        &[
-            "--containers-dir",
-            root,
-            "--no-nvml",
-            "--kubeconfig",
-            api.kubeconfig(),
-            "--node-name",
-            NODE,
-            "--no-arbitration",
-        ],
-    )
+    let mut args = vec![
+        "--containers-dir",
+        root,
+        "--no-nvml",
+        "--kubeconfig",
+        api.kubeconfig(),
+        "--node-name",
+        NODE,
+        "--no-arbitration",
+    ];
+    args.extend_from_slice(more);
+    MonitorProcess::start(MonitorProcess::command(), &args)
 }
 
 #[test]
@@ -214,22 +218,10 @@ fn on_a_scaled_node_the_cap_restored_is_the_grants_device_part() {
     device.swap_limit.store(0, Ordering::Relaxed);
     charge(&region, 0, 0, 0, 3 * GIB);
 
-    let monitor = MonitorProcess::start(
-        MonitorProcess::command(),
-        &[
-            "--containers-dir",
-            host.root.to_str().expect("utf8"),
-            "--no-nvml",
-            "--kubeconfig",
-            api.kubeconfig(),
-            "--node-name",
-            NODE,
-            "--no-arbitration",
-            "--swap-limit",
-            "1g",
-            "--device-memory-scaling",
-            "2",
-        ],
+    let monitor = monitor_with(
+        &host,
+        &api,
+        &["--swap-limit", "1g", "--device-memory-scaling", "2"],
     );
     let device_labels = [
         ("namespace", "team-s"),
