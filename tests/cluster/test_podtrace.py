@@ -81,4 +81,4 @@ def test_a_dra_pods_claim_is_found_by_its_owner(tmp_path):
     d = steps["d"]
     assert round(d["claim"] - d["created"], 3) == 0.2
     assert round(d["claim allocated"] - d["created"], 3) == 0.5
-    assert missing("dra", steps) == ["d: kubelet", "d: running"]
+    assert missing("dra", steps) == ["d: running"], "kubelet's step is found by order alone and may be absent"
