@@ -225,14 +225,15 @@ def double_bookings(cc: ChartCluster, kind: str, namespace: str) -> tuple[list[s
     return over + wrong, f"{len(held)} GPUs used, the fullest {fullest[0] >> 20} MiB, {fullest[1]} %"
 
 
-def run_round(cc: ChartCluster, kind: str, namespace: str, count: int, parallel: int, metrics: str | None) -> dict:
+def run_round(cc: ChartCluster, kind: str, namespace: str, pod_count: int, parallel: int,
+              metrics: str | None) -> dict:
     cc.cluster.kubectl("create", "namespace", namespace)
     if kind in CLASSES:
         cc.cluster.kubectl("create", "-f", "-", input=json.dumps(claim_template(namespace, CLASSES[kind])))
     command = cc.cluster.command([sys.executable, str(HERE / "podrate.py"), "--server", cc.cluster.server,
                                   "--pki", str(cc.cluster.pki), "--namespace", namespace,
                                   "--parallel", str(parallel)] + (["--metrics", metrics] if metrics else []))
-    done = subprocess.run(command, input=json.dumps(pods(kind, namespace, count)), capture_output=True,
+    done = subprocess.run(command, input=json.dumps(pods(kind, namespace, pod_count)), capture_output=True,
                           text=True, check=False)
     if done.returncode != 0:
         raise SystemExit(f"podrate failed: {done.stderr[-2000:]}")
@@ -252,7 +253,7 @@ def run_round(cc: ChartCluster, kind: str, namespace: str, count: int, parallel:
     cc.cluster.kubectl("delete", "namespace", namespace, "--wait=true", "--timeout=300s")
     steps = read_steps(cc.cluster.audit_log, namespace,
                        {name: at + result["clock"] for name, at in running.items()})
-    return {"rate": count / elapsed, "latencies": latencies, "steps": steps,
+    return {"rate": pod_count / elapsed, "latencies": latencies, "steps": steps,
             "metrics": (histogram(result["metrics"]["after"]), histogram(result["metrics"]["before"]))
             if metrics else None}
 

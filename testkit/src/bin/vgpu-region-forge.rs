@@ -29,7 +29,14 @@ struct Options {
     lift: bool,
 }
 
-fn parse(mut args: impl Iterator<Item = String>) -> Result<Options, String> {
+const USAGE: &str =
+    "vgpu-region-forge [--region PATH] [--arbitration-for-s S] [--every-ms MS] [--lift]\n\
+     Writes into a vgpu region what root in its container can: the most important priority,\n\
+     the force policy and launches for S seconds, then (--lift) its limits lifted once.\n\
+     For the hostile-tenant tests.";
+
+/// The options, or `None` when asked for help.
+fn parse(mut args: impl Iterator<Item = String>) -> Result<Option<Options>, String> {
     let mut options = Options {
         region: None,
         arbitration_for: Duration::ZERO,
@@ -54,19 +61,11 @@ fn parse(mut args: impl Iterator<Item = String>) -> Result<Options, String> {
                 options.every = Duration::from_millis(number(&arg, args.next())?.max(1))
             }
             "--lift" => options.lift = true,
-            "--help" | "-h" => {
-                return Err(
-                    "vgpu-region-forge [--region PATH] [--arbitration-for-s S] [--every-ms MS] [--lift]\n\
-                     Writes into a vgpu region what root in its container can: the most important priority,\n\
-                     the force policy and launches for S seconds, then (--lift) its limits lifted once.\n\
-                     For the hostile-tenant tests."
-                        .into(),
-                );
-            }
+            "--help" | "-h" => return Ok(None),
             other => return Err(format!("unknown argument {other:?} (see --help)")),
         }
     }
-    Ok(options)
+    Ok(Some(options))
 }
 
 /// The region at `path`, once a program of the container has made it.
@@ -123,7 +122,15 @@ fn run(options: Options) -> Result<(), String> {
 }
 
 fn main() -> ExitCode {
-    match parse(std::env::args().skip(1)).and_then(run) {
+    let outcome = match parse(std::env::args().skip(1)) {
+        Ok(None) => {
+            println!("{USAGE}");
+            return ExitCode::SUCCESS;
+        }
+        Ok(Some(options)) => run(options),
+        Err(message) => Err(message),
+    };
+    match outcome {
         Ok(()) => ExitCode::SUCCESS,
         Err(message) => {
             eprintln!("vgpu-region-forge: {message}");
