@@ -204,6 +204,24 @@ class RealNode(Started):
         return "".join(line.split(" ", 3)[3] if line.count(" ") >= 3 else line
                        for line in found[-1].read_text(errors="replace").splitlines(keepends=True))
 
+    def pids_named(self, name: str) -> list[int]:
+        """Host PIDs of the node's processes (its daemons and containers)
+        whose command name (`/proc/PID/comm`) is `name`."""
+        found = set()
+        for folder in self._cgroup_dirs():
+            for procs in folder.rglob("cgroup.procs"):
+                try:
+                    pids = procs.read_text().split()
+                except OSError:
+                    continue  # a cgroup removed while read
+                for pid in pids:
+                    try:
+                        if Path(f"/proc/{pid}/comm").read_text().strip() == name:
+                            found.add(int(pid))
+                    except OSError:
+                        continue  # a process gone while read
+        return sorted(found)
+
     def get(self, url: str, timeout: float = 5) -> str:
         """GET `url` from inside the node's network."""
         code = ("import sys, urllib.request; "

@@ -15,6 +15,7 @@ import contextlib
 import json
 import os
 import re
+import signal
 import statistics
 import subprocess
 import sys
@@ -631,6 +632,221 @@ def test_root_in_a_container_forging_its_region_takes_no_share_and_gets_its_limi
     events = kubectl_json(cluster, "get", "events", "-n", namespace,
                           "--field-selector", "involvedObject.name=forger")["items"]
     assert any(e["type"] == "Warning" and e["reason"] == "RegionLimitsChanged" for e in events), events
+    cluster.kubectl("delete", "namespace", namespace, "--wait=true", "--timeout=120s")
+
+
+def monitor_figure(text: str, name: str) -> float | None:
+    """The monitor's own series `name` (no labels) in `text`."""
+    for line in text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.rsplit(" ", 1)[1])
+    return None
+
+
+def the_monitor(node: RealNode) -> int:
+    """The host PID of the node's one monitor process."""
+    pids = wait_for(f"the monitor's process on {node.name}", lambda: node.pids_named("vgpu-monitor"), timeout=60)
+    assert len(pids) == 1, f"monitor processes on {node.name}: {pids}"
+    return pids[0]
+
+
+def janitor_threads(pid: int) -> int:
+    """Threads of process `pid` named as the monitor names its janitor."""
+    count = 0
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        with contextlib.suppress(OSError):  # a thread gone while read
+            count += (task / "comm").read_text().strip() == "vgpu-janitor"
+    return count
+
+
+def test_root_in_a_container_holding_its_region_mutex_and_replacing_the_file_costs_the_monitor_no_thread(
+        real_cluster):
+    """Root in a real container leaves a dead process's memory in its region
+    (the monitor's janitor returns such memory under the region's mutex),
+    marks the mutex held for ever and replaces the region file 100 times,
+    each a fresh file with the mutex still held. The chart's monitor, in its
+    own container on the host's PID namespace, waits once, leaves the region
+    alone, and keeps one janitor thread; no pass stalls."""
+    cluster, node = real_cluster.cluster, real_cluster.node
+    namespace = "tenant-mutex"
+    cluster.kubectl("create", "namespace", namespace)
+    monitor = the_monitor(node)
+    assert janitor_threads(monitor) == 1
+    held_before = monitor_figure(real_cluster.metrics(node), "vgpu_monitor_reclaims_held_total")
+    assert held_before is not None
+    pod = workload_pod("holder", namespace, ["/bin/sh", "-c",
+                                             "probe dlsym fill 268435456 > /dev/null; "
+                                             "vgpu-region-forge --hold-mutex --replace 100 --every-ms 100; "
+                                             "sleep infinity"],
+                       {"nvidia.com/gpu": "1", "nvidia.com/gpumem": "1024"})
+    found = real_cluster.run_pod(pod)
+    assert found["status"]["phase"] == "Running", json.dumps(found["status"], indent=1)
+
+    def log() -> str:
+        return node.container_log(namespace, "holder", "main")
+    wait_for("the mutex held", lambda: "held=1" in log(), timeout=60, log=real_cluster.logs)
+    slowest, passes = 0.0, 0
+    deadline = time.monotonic() + 90
+    while "replaced=100" not in log():
+        assert "vgpu-region-forge:" not in log() and time.monotonic() < deadline, log()
+        text = real_cluster.metrics(node)
+        duration = monitor_figure(text, "vgpu_monitor_loop_duration_seconds")
+        if duration is not None:
+            slowest, passes = max(slowest, duration), passes + 1
+        time.sleep(0.2)  # a sampling interval, not a wait for anything
+    text = real_cluster.metrics(node)
+    held = monitor_figure(text, "vgpu_monitor_reclaims_held_total") - held_before
+    threads = janitor_threads(monitor)
+    used = container_figure(text, "vgpu_container_memory_used_bytes", namespace, "holder")
+    print(f"\na region replaced 100 times under a held mutex from a real container: {int(held)} wait(s) on it, "
+          f"{threads} janitor thread(s), the slowest of {passes} passes sampled {1000 * slowest:.1f} ms, "
+          f"{used and int(used) // MIB} MiB left charged")
+    assert the_monitor(node) == monitor, "the monitor was not restarted"
+    assert threads == 1, "no janitor thread added (or left blocked)"
+    assert held == 1, "replacing the file bought no further wait on its mutex"
+    assert passes >= 10 and slowest < 1, (passes, slowest)
+    assert used is not None and used >= 7 * MIB, "the dead process's memory is left alone, still counted"
+    cluster.kubectl("delete", "namespace", namespace, "--wait=true", "--timeout=120s")
+
+
+def effective_cores(node: RealNode, uid: str) -> int | None:
+    """The compute share granted now in the region of pod `uid`'s container
+    `main`, in percent."""
+    path = node.host / f"usr/local/vgpu/containers/{uid}_main/region.cache"
+    shown = subprocess.run([str(TARGET / "vgpu"), "inspect", str(path), "--json"],
+                           capture_output=True, text=True, check=True)
+    return json.loads(shown.stdout)["devices"][0]["effective_cores"]
+
+
+def test_a_monitor_killed_while_it_paused_a_container_gives_its_share_back(real_cluster):
+    """A container at 30 % is paused by the monitor while a more important
+    one (`nvidia.com/priority: 0`) on its GPU is busy. The monitor is
+    SIGKILLed, and the important pod deleted while no monitor runs: the
+    paused container stays paused (nobody else undoes it) until kubelet
+    restarts the monitor, whose first passes give it its 30 % back."""
+    cluster, node = real_cluster.cluster, real_cluster.node
+    namespace = "tenant-priority"
+    cluster.kubectl("create", "namespace", namespace)
+    inventory = json.loads(kubectl_json(cluster, "get", "node", node.name)["metadata"]["annotations"]
+                           ["vgpu.io/node-gpus"])
+    uuid = inventory["gpus"][0]["uuid"]
+    limits = {"nvidia.com/gpu": "1", "nvidia.com/gpumem": "1024", "nvidia.com/gpucores": "30"}
+    background = workload_pod("background", namespace, ["workload", "sync", "k1ms", "3600"], limits)
+    important = workload_pod("important", namespace, ["workload", "sync", "k1ms", "3600"],
+                             dict(limits, **{"nvidia.com/priority": "0"}))
+    for pod in (background, important):
+        pod["metadata"]["annotations"] = {"nvidia.com/use-gpuuuid": uuid}
+        found = real_cluster.run_pod(pod)
+        assert found["status"]["phase"] == "Running", json.dumps(found["status"], indent=1)
+    uid = kubectl_json(cluster, "get", "pod", "background", "-n", namespace)["metadata"]["uid"]
+
+    def paused():
+        text = real_cluster.metrics(node)
+        return container_figure(text, "vgpu_container_compute_effective_ratio", namespace, "background") == 0
+    wait_for("the background container paused", paused, timeout=60, log=real_cluster.logs)
+    monitor = the_monitor(node)
+    os.kill(monitor, signal.SIGKILL)
+    killed = time.monotonic()
+    assert effective_cores(node, uid) == 0, "paused when the monitor died"
+    cluster.kubectl("delete", "pod", "important", "-n", namespace, "--wait=true", "--timeout=60s")
+    # No monitor, or one that has not yet passed: still paused.
+    still = effective_cores(node, uid)
+
+    def restarted():
+        pids = node.pids_named("vgpu-monitor")
+        return pids if pids and monitor not in pids else None
+    wait_for("kubelet restarting the monitor", restarted, timeout=120, log=real_cluster.logs)
+
+    def given_back():
+        return effective_cores(node, uid) == 30
+    wait_for("the background container's 30 % back", given_back, timeout=30, log=real_cluster.logs)
+    back = time.monotonic() - killed
+    restarts = kubectl_json(cluster, "get", "pods", "-n", RELEASE_NAMESPACE, "-l", "vgpu.io/monitor=true",
+                            "--field-selector", f"spec.nodeName={node.name}")["items"][0]["status"]
+    monitor_restarts = next(status["restartCount"] for status in restarts["containerStatuses"]
+                            if status["name"] == "monitor")
+    print(f"\na monitor SIGKILLed while it paused a container: the share was {still} % right after the important "
+          f"pod went, back to 30 % {back:.1f} s after the kill (the monitor restarted {monitor_restarts} time(s))")
+    assert monitor_restarts >= 1
+    achieved, uncapped = measured_share(real_cluster, node, namespace, "background", 0.30)
+    assert_share("the formerly paused container at 30 %", 100 * achieved, 30, 100 * uncapped, tolerance=8)
+    cluster.kubectl("delete", "namespace", namespace, "--wait=true", "--timeout=120s")
+
+
+# Root in a DRA claim's container plants, where older drivers kept the
+# claim's owner record (its own claim directory), a FIFO, a link to
+# /dev/zero and a link to the service-account token the monitor's own
+# container has at that path; and looks for the driver's records.
+CLAIM_OWNER_SCRIPT = """
+probe dlsym fill 268435456 > /dev/null
+dir=$(dirname "$CUDA_DEVICE_MEMORY_SHARED_CACHE")
+if ls "$dir/../.claims" > /dev/null 2>&1; then echo records=reachable; else echo records=unreachable; fi
+rm -f "$dir/claim.owner"; mkfifo "$dir/claim.owner" && echo fifo=1
+sleep 2; rm -f "$dir/claim.owner"; ln -s /dev/zero "$dir/claim.owner" && echo zero=1
+sleep 2; rm -f "$dir/claim.owner"
+ln -s /var/run/secrets/kubernetes.io/serviceaccount/token "$dir/claim.owner" && echo token=1
+echo planted=1
+exec workload sync k1ms 3600
+"""
+
+
+def test_root_in_a_claims_container_planting_its_owner_file_neither_hangs_nor_leaks_the_monitor(real_cluster):
+    """The DRA node's monitor names a claim's region by the driver's record,
+    kept where the claim's containers cannot reach; a FIFO, a link to
+    /dev/zero and a link to the monitor's own token planted in the claim's
+    directory neither stall its passes nor reach its log, and the claim is
+    still named by its record and restored from it."""
+    cluster, node = real_cluster.cluster, real_cluster.nodes[1]
+    namespace = "tenant-claim"
+    cluster.kubectl("create", "namespace", namespace)
+    cluster.kubectl("apply", "-n", namespace, "-f", str(REPO / "deploy/examples/dra/gpu-4gib-30pct.yaml"))
+    monitor = the_monitor(node)
+    pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "planter", "namespace": namespace},
+           "spec": {"terminationGracePeriodSeconds": 1,
+                    "resourceClaims": [{"name": "gpu", "resourceClaimTemplateName": "gpu-4gib-30pct"}],
+                    "containers": [{
+                        "name": "main", "image": WORKLOADS_IMAGE, "imagePullPolicy": "Never",
+                        "command": ["/bin/sh", "-c", CLAIM_OWNER_SCRIPT],
+                        "resources": {"claims": [{"name": "gpu"}]}}]}}
+    found = real_cluster.run_pod(pod)
+    assert found["status"]["phase"] == "Running", json.dumps(found["status"], indent=1)
+
+    def log() -> str:
+        return node.container_log(namespace, "planter", "main")
+    slowest, passes = 0.0, 0
+    deadline = time.monotonic() + 90
+    while "planted=1" not in log():
+        assert time.monotonic() < deadline, log()
+        duration = monitor_figure(real_cluster.metrics(node), "vgpu_monitor_loop_duration_seconds")
+        if duration is not None:
+            slowest, passes = max(slowest, duration), passes + 1
+        time.sleep(0.2)  # a sampling interval, not a wait for anything
+    seen = report(log())
+    assert seen.get("records") == "unreachable" and seen.get("fifo") == seen.get("zero") == seen.get("token") == "1", \
+        log()
+
+    def named():
+        text = real_cluster.metrics(node)
+        return container_figure(text, "vgpu_container_compute_share_ratio", namespace, "planter")
+    assert wait_for("the claim named by its record", named, timeout=30, log=real_cluster.logs) == pytest.approx(0.30)
+    assert the_monitor(node) == monitor, "the monitor was not restarted"
+    monitor_pod = kubectl_json(cluster, "get", "pods", "-n", RELEASE_NAMESPACE, "-l", "vgpu.io/monitor=true",
+                               "--field-selector", f"spec.nodeName={node.name}")["items"][0]["metadata"]
+    # The token's volume is a tmpfs kubelet mounted in the node's mount
+    # namespace: read it there.
+    shown = subprocess.run(node.command(["sh", "-c", f"cat /var/lib/kubelet/pods/{monitor_pod['uid']}/volumes/"
+                                         "kubernetes.io~projected/*/token"]),
+                           capture_output=True, text=True, check=False)
+    secret = shown.stdout.strip()
+    assert len(secret) > 100, f"the monitor's token on the node: {shown.stderr}"
+    logs = "".join(path.read_text(errors="replace") for path in
+                   (node.host / "var/log/pods").glob(f"{RELEASE_NAMESPACE}_{monitor_pod['name']}_*/monitor/*.log"))
+    assert logs, "the monitor's log"
+    print(f"\na claim's owner file planted as FIFO, /dev/zero and the monitor's token from a real container: the "
+          f"driver's records unreachable from it, the slowest of {passes} passes sampled {1000 * slowest:.1f} ms, "
+          f"the claim named by its record, the token not in the monitor's log")
+    assert secret not in logs and secret[-40:] not in logs
+    assert passes >= 5 and slowest < 1, (passes, slowest)
     cluster.kubectl("delete", "namespace", namespace, "--wait=true", "--timeout=120s")
 
 
