@@ -268,6 +268,9 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--parallel", type=int, default=4, help="concurrent creators (default 4)")
     parser.add_argument("--node-policy", choices=("binpack", "spread", "random"),
                         help="the extender's node policy (default: the chart's, binpack)")
+    parser.add_argument("--controller-manager-qps", type=float, metavar="QPS",
+                        help="kube-controller-manager's --kube-api-qps, its --kube-api-burst twice that (default: "
+                             "its own, 20 and 30): the rate at which it makes DRA pods' claims")
     parser.add_argument("--quick", action="store_true", help="4 nodes, 20 pods, 1 round: proves the bench runs")
     parser.add_argument("--workdir", type=Path, help="keep the cluster's files here (default: a temporary folder)")
     options = parser.parse_args(argv)
@@ -276,6 +279,8 @@ def main(argv: list[str]) -> int:
     for name in ("nodes", "pods", "repeats", "parallel"):
         if getattr(options, name) < 1:
             parser.error(f"--{name} must be at least 1")
+    if options.controller_manager_qps is not None and options.controller_manager_qps <= 0:
+        parser.error("--controller-manager-qps must be above 0")
     if options.nodes < 2:
         parser.error("--nodes must be at least 2: half offer their GPUs through DRA, half through the device plugin")
     dra_nodes = options.nodes // 2
@@ -297,10 +302,13 @@ def main(argv: list[str]) -> int:
     helm_args = ["--set", "node.monitor.intervalMs=1000"]
     if options.node_policy:
         helm_args += ["--set", f"scheduler.extender.nodePolicy={options.node_policy}"]
+    qps = options.controller_manager_qps
+    controller_manager = (f"--kube-api-qps={qps:g}", f"--kube-api-burst={2 * qps:g}") if qps else ()
     with contextlib.ExitStack() as stack:
         cc = stack.enter_context(ChartCluster(workdir, nodes=options.nodes, gpus=2, memory=f"{GPU_MIB}Mi",
                                               helm_args=tuple(helm_args), dra_nodes=dra_nodes,
-                                              audit_policy=AUDIT_POLICY))
+                                              audit_policy=AUDIT_POLICY,
+                                              controller_manager_args=controller_manager))
         start_null_drivers(cc, cc.nodes[dra_nodes:], stack)
         metrics = extender_metrics_url(cc)
         for round_ in range(options.repeats):
@@ -325,7 +333,9 @@ def main(argv: list[str]) -> int:
     rate = {kind: statistics.median(rates[kind]) for kind in KINDS}
     print(f"\n{options.pods} pods per round, {options.repeats} round(s) of each kind, {options.nodes} nodes x 2 "
           f"simulated GPUs ({dra_nodes} through DRA), {options.parallel} creators, node policy "
-          f"{options.node_policy or 'binpack'}; medians over rounds ({time.monotonic() - started:.0f} s)\n")
+          f"{options.node_policy or 'binpack'}, kube-controller-manager's client "
+          f"{f'{qps:g} requests/s' if qps else 'at its default rate'}; medians over rounds "
+          f"({time.monotonic() - started:.0f} s)\n")
     print("| figure | no GPU | one vGPU each (extender) | one claim each (vgpu's DRA driver) | "
           "one claim each (null DRA driver) | vGPU / no GPU | vgpu's DRA / null DRA |")
     print("|---|---:|---:|---:|---:|---:|---:|")

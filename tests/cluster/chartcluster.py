@@ -140,13 +140,15 @@ class ChartCluster:
 
     def __init__(self, workdir: Path, nodes: int, gpus: int = 2, memory: str = "16Gi", helm_args: tuple = (),
                  gpu_names: tuple = (), gpu_env: dict[str, str] | None = None, dra_nodes: int = 0,
-                 audit_policy: dict | None = None):
+                 audit_policy: dict | None = None, controller_manager_args: tuple[str, ...] = ()):
         """`gpu_names[i]`, where given, names node i+1's GPUs; `gpu_env`
         sets up every node's simulated GPUs further. The first `dra_nodes`
         nodes are labelled to offer their GPUs through the DRA driver (the
         chart is then installed with it); the others run the device plugin.
-        `audit_policy`: what the API server logs (ControlPlane)."""
+        `audit_policy`: what the API server logs, `controller_manager_args`:
+        kube-controller-manager's extra flags (ControlPlane)."""
         self.audit_policy = audit_policy
+        self.controller_manager_args = controller_manager_args
         self.dra_nodes = dra_nodes
         self.gpu_env = gpu_env or {}
         self.workdir = workdir
@@ -161,7 +163,8 @@ class ChartCluster:
         self.network = TestNetwork().__enter__()
         try:
             self.cluster = ControlPlane(self.workdir / "control-plane", network=self.network,
-                                        audit_policy=self.audit_policy).__enter__()
+                                        audit_policy=self.audit_policy,
+                                        controller_manager_args=self.controller_manager_args).__enter__()
             enable_forwarding(self.network)
             shared = [self.workdir, self.nodes_dir]
             self.image = image(self.cluster, self.workdir / "image", shared)

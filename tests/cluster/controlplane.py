@@ -165,14 +165,17 @@ class ControlPlane(Started):
     child processes of this one."""
 
     def __init__(self, workdir: Path | None = None, network=None, controllers: str | None = None,
-                 api_only: bool = False, audit_policy: dict | None = None):
+                 api_only: bool = False, audit_policy: dict | None = None,
+                 controller_manager_args: tuple[str, ...] = ()):
         """`network`: a nodenet.TestNetwork to run everything in (the API
         server then listens on its address, which can also be a Service
         endpoint); default: loopback of this namespace. `controllers`:
         kube-controller-manager's `--controllers` (default: all).
         `api_only`: no kube-controller-manager nor kube-scheduler.
         `audit_policy`: the API server logs what it names (an audit
-        Policy) to `audit_log`, as JSON lines."""
+        Policy) to `audit_log`, as JSON lines. `controller_manager_args`:
+        added to kube-controller-manager's (its client's `--kube-api-qps`,
+        say)."""
         self.workdir = Path(workdir or tempfile.mkdtemp(prefix="vgpu-controlplane-")).resolve()
         self.bin = binaries()
         self.pki = self.workdir / "pki"
@@ -190,6 +193,7 @@ class ControlPlane(Started):
         self.admin_kubeconfig = self.workdir / "admin.kubeconfig"
         self.audit_policy = audit_policy
         self.audit_log = self.workdir / "audit.log"
+        self.controller_manager_args = tuple(controller_manager_args)
 
     def _audit_arguments(self) -> list[str]:
         if self.audit_policy is None:
@@ -279,6 +283,7 @@ class ControlPlane(Started):
                 "--use-service-account-credentials=true",
                 f"--service-cluster-ip-range={SERVICE_RANGE}",
                 *([f"--controllers={self.controllers}"] if self.controllers else []),
+                *self.controller_manager_args,
             ]),
             ("kube-scheduler", []),
         ):
