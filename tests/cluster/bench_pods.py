@@ -44,20 +44,32 @@ VERBS = ("filter", "prioritize", "bind", "mutate")
 
 
 KINDS = ("plain", "vgpu", "dra", "null")
+# Whole GPUs through vgpu's DRA driver (`--whole-gpus`), each round one pod
+# for every GPU of the DRA nodes: a claim from a template of the
+# vgpu.io-exclusive class, or the class's extended resource with no claim
+# of the pod's own (kube-scheduler makes it; Kubernetes 1.36).
+WHOLE_KINDS = ("whole", "ext")
+EXTENDED_RESOURCE = "vgpu.io/gpu"
 # What a DRA pod's claim asks for: what a vGPU pod asks for.
 CLAIM_TEMPLATE = "share"
 # The DRA driver that prepares nothing (tests/cluster/nulldra): what DRA
 # costs the control plane and kubelet alone. It runs beside the device
 # plugin on the plugin nodes, publishing the same GPUs the same way.
 NULL_DRIVER = "null.vgpu.test"
-CLASSES = {"dra": "vgpu.io", "null": NULL_DRIVER}
+CLASSES = {"dra": "vgpu.io", "null": NULL_DRIVER, "whole": "vgpu.io-exclusive"}
+# The kinds whose claims vgpu's driver prepares (a region per claim).
+OUR_DRIVER = ("dra", "whole", "ext")
 
 
-def claim_template(namespace: str, device_class: str) -> dict:
+def claim_template(namespace: str, device_class: str, share: bool = True) -> dict:
+    """The template of a claim of `device_class`: 256 MiB and 5 % of a GPU,
+    or (not `share`) a whole one."""
+    exactly: dict = {"deviceClassName": device_class}
+    if share:
+        exactly["capacity"] = {"requests": {"memory": "256Mi", "cores": "5"}}
     return {"apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaimTemplate",
             "metadata": {"name": CLAIM_TEMPLATE, "namespace": namespace},
-            "spec": {"spec": {"devices": {"requests": [{"name": "gpu", "exactly": {
-                "deviceClassName": device_class, "capacity": {"requests": {"memory": "256Mi", "cores": "5"}}}}]}}}}
+            "spec": {"spec": {"devices": {"requests": [{"name": "gpu", "exactly": exactly}]}}}}
 
 
 def null_driver() -> Path:
@@ -99,8 +111,9 @@ def pods(kind: str, namespace: str, count: int) -> list[dict]:
     """`count` pods sleeping in their container; `vgpu` ones ask for one vGPU
     the way a HAMi user writes it (no schedulerName: the webhook sets it),
     `dra` ones the same share through a claim from the template (default
-    scheduler; `null` the same from the null driver), `plain` ones name the
-    chart's scheduler and ask for no GPU."""
+    scheduler; `null` the same from the null driver; `whole` a whole GPU
+    through a claim from the template, `ext` through the extended resource),
+    `plain` ones name the chart's scheduler and ask for no GPU."""
     out = []
     for number in range(count):
         container: dict = {"name": "main", "image": "busybox", "command": ["sleep", "3600"]}
@@ -108,6 +121,8 @@ def pods(kind: str, namespace: str, count: int) -> list[dict]:
         if kind == "vgpu":
             container["resources"] = {"limits": {"nvidia.com/gpu": "1", "nvidia.com/gpumem": "256",
                                                  "nvidia.com/gpucores": "5"}}
+        elif kind == "ext":
+            container["resources"] = {"limits": {EXTENDED_RESOURCE: "1"}}
         elif kind in CLASSES:
             spec["resourceClaims"] = [{"name": "gpu", "resourceClaimTemplateName": CLAIM_TEMPLATE}]
             container["resources"] = {"claims": [{"name": "gpu"}]}
@@ -211,13 +226,15 @@ def double_bookings(cc: ChartCluster, kind: str, namespace: str) -> tuple[list[s
         listed = json.loads(cc.cluster.kubectl("get", "resourceclaims", "-n", namespace, "-o", "json").stdout)["items"]
         for claim in listed:
             for result in claim["status"]["allocation"]["devices"]["results"]:
-                memory = count(result["consumedCapacity"]["memory"])
-                cores = count(result["consumedCapacity"]["cores"])
+                consumed = result["consumedCapacity"]
+                memory, cores = count(consumed["memory"]), count(consumed.get("cores", "0"))
                 entry = held.setdefault((result["pool"], result["device"]), [0, 0])
                 entry[0], entry[1] = entry[0] + memory, entry[1] + cores
-                if kind == "dra":
+                if kind in OUR_DRIVER:
                     limits = region_limits(cc, f"claim-{claim['metadata']['uid']}")
-                    if limits is None or (limits["memory"], limits["cores"]) != (memory, cores):
+                    # A whole GPU's compute is no cap (none in the region).
+                    share = None if cores in (0, 100) and kind != "dra" else cores
+                    if limits is None or (limits["memory"], limits["cores"]) != (memory, share):
                         wrong.append(f"{claim['metadata']['name']}: region {limits}, allocated {memory} B {cores} %")
     over = [f"{node} {gpu}: {memory} B, {cores} %" for (node, gpu), (memory, cores) in sorted(held.items())
             if memory > GPU_MIB << 20 or cores > 100]
@@ -229,7 +246,8 @@ def run_round(cc: ChartCluster, kind: str, namespace: str, pod_count: int, paral
               metrics: str | None) -> dict:
     cc.cluster.kubectl("create", "namespace", namespace)
     if kind in CLASSES:
-        cc.cluster.kubectl("create", "-f", "-", input=json.dumps(claim_template(namespace, CLASSES[kind])))
+        template = claim_template(namespace, CLASSES[kind], share=kind not in WHOLE_KINDS)
+        cc.cluster.kubectl("create", "-f", "-", input=json.dumps(template))
     command = cc.cluster.command([sys.executable, str(HERE / "podrate.py"), "--server", cc.cluster.server,
                                   "--pki", str(cc.cluster.pki), "--namespace", namespace,
                                   "--parallel", str(parallel)] + (["--metrics", metrics] if metrics else []))
@@ -271,6 +289,9 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--controller-manager-qps", type=float, metavar="QPS",
                         help="kube-controller-manager's --kube-api-qps, its --kube-api-burst twice that (default: "
                              "its own, 20 and 30): the rate at which it makes DRA pods' claims")
+    parser.add_argument("--whole-gpus", action="store_true",
+                        help="also rounds of whole GPUs through vgpu's DRA driver, one pod for every GPU of the DRA "
+                             "nodes: a claim from a template against the class's extended resource (vgpu.io/gpu)")
     parser.add_argument("--quick", action="store_true", help="4 nodes, 20 pods, 1 round: proves the bench runs")
     parser.add_argument("--workdir", type=Path, help="keep the cluster's files here (default: a temporary folder)")
     options = parser.parse_args(argv)
@@ -292,10 +313,13 @@ def main(argv: list[str]) -> int:
                      f"kind hold ({min(plugin_nodes, dra_nodes) * 20})")
     workdir = options.workdir or Path(tempfile.mkdtemp(prefix="vgpu-bench-pods-"))
     started = time.monotonic()
-    rates: dict[str, list[float]] = {kind: [] for kind in KINDS}
+    kinds = KINDS + (WHOLE_KINDS if options.whole_gpus else ())
+    # Whole GPUs: every GPU of the DRA nodes once per round.
+    round_size = {kind: dra_nodes * 2 if kind in WHOLE_KINDS else options.pods for kind in kinds}
+    rates: dict[str, list[float]] = {kind: [] for kind in kinds}
     # Per kind, each pod's steps (pod names made unique by round).
-    traces: dict[str, dict[str, dict[str, float]]] = {kind: {} for kind in KINDS}
-    latencies: dict[str, list[float]] = {kind: [] for kind in KINDS}
+    traces: dict[str, dict[str, dict[str, float]]] = {kind: {} for kind in kinds}
+    latencies: dict[str, list[float]] = {kind: [] for kind in kinds}
     verbs = {verb: {"buckets": {}, "sum": 0.0, "count": 0.0} for verb in VERBS}
     # The monitors sample once a second: the nodes' agents share this
     # machine's cores with the control plane.
@@ -313,10 +337,10 @@ def main(argv: list[str]) -> int:
         metrics = extender_metrics_url(cc)
         for round_ in range(options.repeats):
             # Each kind goes first, second, ... in turn.
-            shift = round_ % len(KINDS)
-            order = KINDS[shift:] + KINDS[:shift]
+            shift = round_ % len(kinds)
+            order = kinds[shift:] + kinds[:shift]
             for kind in order:
-                result = run_round(cc, kind, f"rate-{kind}-{round_}", options.pods, options.parallel,
+                result = run_round(cc, kind, f"rate-{kind}-{round_}", round_size[kind], options.parallel,
                                    metrics if kind == "vgpu" else None)
                 rates[kind].append(result["rate"])
                 traces[kind].update({f"{round_}/{name}": pod for name, pod in result["steps"].items()})
@@ -330,7 +354,7 @@ def main(argv: list[str]) -> int:
                         verbs[verb]["count"] += delta[verb]["count"]
                 print(f"round {round_ + 1} {kind}: {result['rate']:.1f} pods/s", file=sys.stderr)
 
-    rate = {kind: statistics.median(rates[kind]) for kind in KINDS}
+    rate = {kind: statistics.median(rates[kind]) for kind in kinds}
     print(f"\n{options.pods} pods per round, {options.repeats} round(s) of each kind, {options.nodes} nodes x 2 "
           f"simulated GPUs ({dra_nodes} through DRA), {options.parallel} creators, node policy "
           f"{options.node_policy or 'binpack'}, kube-controller-manager's client "
@@ -354,15 +378,28 @@ def main(argv: list[str]) -> int:
             continue
         print(f"| {verb} | {series['count']:.0f} | {series['sum'] / series['count'] * 1000:.2f} ms | "
               f"{quantile(series, 0.5) * 1000:.2f} ms | {quantile(series, 0.99) * 1000:.2f} ms |")
+    if options.whole_gpus:
+        whole, ext = rate["whole"], rate["ext"]
+        print(f"\nWhole GPUs through vgpu's DRA driver, {round_size['whole']} pods a round (every GPU of the DRA "
+              "nodes)\n")
+        print("| figure | a claim from a template (vgpu.io-exclusive) | the extended resource (vgpu.io/gpu) | "
+              "extended / template |")
+        print("|---|---:|---:|---:|")
+        print(f"| pods/s, first create to last Running | {whole:.1f} | {ext:.1f} | {ext / whole:.2f} |")
+        for label, q in (("p50", 0.5), ("p99", 0.99)):
+            by_template, by_resource = (percentile(latencies[kind], q) for kind in WHOLE_KINDS)
+            print(f"| one pod, create to Running, {label} | {by_template * 1000:.0f} ms | "
+                  f"{by_resource * 1000:.0f} ms | {by_resource / by_template:.2f} |")
     titles = {"plain": "no GPU", "vgpu": "one vGPU (extender)", "dra": "one claim (vgpu's DRA driver)",
-              "null": "one claim (null DRA driver)"}
+              "null": "one claim (null DRA driver)", "whole": "a whole GPU, claim from a template",
+              "ext": "a whole GPU, extended resource"}
     print("\nWhere the time goes, per pod: each step's time from the one before, from the API server's audit log "
           "(the write that marks the step, completed) and the bench's watch (Running)")
-    for kind in KINDS:
+    for kind in kinds:
         print()
         print("\n".join(table(kind, titles[kind], traces[kind])))
     status = 0
-    untraced = {kind: missing(kind, traces[kind]) for kind in KINDS}
+    untraced = {kind: missing(kind, traces[kind]) for kind in kinds}
     for kind, gaps in untraced.items():
         if gaps:
             print(f"bench_pods: {len(gaps)} step(s) of {kind} pods not in the audit log, e.g. {gaps[:3]}",

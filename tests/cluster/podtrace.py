@@ -38,13 +38,15 @@ STEPS = {
     "vgpu": ("created", "admitted", "decided", "bound", "allocated", "kubelet", "running"),
     "dra": ("created", "admitted", "claim", "claim allocated", "bound", "kubelet", "running"),
     "null": ("created", "admitted", "claim", "claim allocated", "bound", "kubelet", "running"),
+    "whole": ("created", "admitted", "claim", "claim allocated", "bound", "kubelet", "running"),
+    "ext": ("created", "admitted", "claim", "claim allocated", "bound", "kubelet", "running"),
 }
 MEANING = {
     "admitted": "create answered (admission, webhooks included)",
     "decided": "the extender's decision written on the pod",
     "bound": "binding created",
     "allocated": "the device plugin's Allocate recorded on the pod",
-    "claim": "its ResourceClaim made from the template",
+    "claim": "its ResourceClaim made (from the template; by kube-scheduler for an extended resource)",
     "claim allocated": "the claim's allocation written by kube-scheduler",
     "kubelet": "kubelet's first status write (it took the pod)",
     "running": "seen Running by the bench's watch",

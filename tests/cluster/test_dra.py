@@ -20,6 +20,10 @@ CDI specs, there being no container runtime).
   new claim is prepared by the restarted driver.
 - The README's ResourceClaimTemplates are accepted; "two GPUs of one
   model" gets two different GPUs, capped in one region.
+- A whole GPU by the vgpu.io-exclusive class's extended resource
+  (`limits: {vgpu.io/gpu: 1}`, no claim of the pod's own): kube-scheduler
+  makes the claim, kubelet's code has the driver prepare it, the region is
+  the whole GPU.
 - A GPU cordoned by the node's annotation (HAMi's `hami.io/device-cordon`)
   leaves the slice while the claim on it keeps running; a new claim gets
   the other GPU; uncordoned, it returns. `vgpu cordon` and `vgpu uncordon`
@@ -312,6 +316,37 @@ def test_the_readme_templates_are_accepted_and_two_gpus_are_two(dra_cluster):
     assert limits == [{"memory": 8 * GIB, "cores": 50, "burst": None, "swap": None}] * 2, limits
     cc.cluster.kubectl("delete", "pod", "paired", "-n", NAMESPACE, "--wait=true", "--timeout=60s")
     wait_for("the template's claim deleted with its pod", lambda: claim_name not in cc.cluster.kubectl(
+        "get", "resourceclaims", "-n", NAMESPACE, "-o", "name").stdout, timeout=60, log=cc.logs)
+
+
+def test_a_whole_gpu_by_extended_resource_is_prepared_by_the_nodes_kubelet_code(dra_cluster):
+    """`limits: {vgpu.io/gpu: 1}` and no claim of the pod's own (the chart's
+    `dra.extendedResourceName` on the vgpu.io-exclusive class): kube-scheduler
+    makes the claim, kubelet's device manager leaves the resource to DRA and
+    its DRA manager has our driver prepare the claim; the container's
+    region is the whole GPU, and its program is held there."""
+    cc = dra_cluster
+    whole = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "whole", "namespace": NAMESPACE},
+             "spec": {"restartPolicy": "Never", "terminationGracePeriodSeconds": 1,
+                      "containers": [{"name": "main", "image": "cuda:test",
+                                      "command": ["/bin/sh", "-c", f"{sys.executable} {FILL} 4096; exec sleep 600"],
+                                      "resources": {"limits": {"vgpu.io/gpu": "1"}}}]}}
+    create(cc, whole)
+    found = running(cc, "whole")
+    claim_name = (found["status"].get("extendedResourceClaimStatus") or {}).get("resourceClaimName")
+    assert claim_name, found["status"]
+    (result,) = allocation(cc, claim_name)["devices"]["results"]
+    assert result["driver"] == "vgpu.io", result
+    limits = region_limits(cc, uid_of(cc, claim_name))
+    assert limits == [{"memory": 24 * GIB, "cores": None, "burst": None, "swap": None}], limits
+    node = cc.nodes[0]
+    line = wait_for("the whole GPU's workload report", lambda: node.container_log(NAMESPACE, "whole", "main").strip(),
+                    timeout=30, log=cc.logs)
+    report = json.loads(line.splitlines()[-1])
+    assert report["total_mib"] == 24 * 1024 and report["error"] == 2, report
+    assert report["allocated_mib"] >= 16 * 1024, report
+    cc.cluster.kubectl("delete", "pod", "whole", "-n", NAMESPACE, "--wait=true", "--timeout=60s")
+    wait_for("kube-scheduler's claim deleted with its pod", lambda: claim_name not in cc.cluster.kubectl(
         "get", "resourceclaims", "-n", NAMESPACE, "-o", "name").stdout, timeout=60, log=cc.logs)
 
 

@@ -104,7 +104,13 @@ func (d *draNode) activePods() []*v1.Pod {
 	return pods
 }
 
-func hasClaims(pod *v1.Pod) bool { return len(pod.Spec.ResourceClaims) > 0 }
+// hasClaims: the pod names claims of its own, or kube-scheduler made one
+// for its DRA-backed extended resources (kubelet's DRA manager prepares
+// both while the DRAExtendedResource gate is on, as it is by default in
+// 1.36).
+func hasClaims(pod *v1.Pod) bool {
+	return len(pod.Spec.ResourceClaims) > 0 || pod.Status.ExtendedResourceClaimStatus != nil
+}
 
 // prepare prepares the pod's claims (kubelet does so before any of the
 // pod's containers start, and again, idempotently, on every sync).
