@@ -574,6 +574,11 @@ def test_root_in_a_container_cannot_take_the_shim_away(real_cluster):
     assert "Unconfined" in refused.stderr and "container main" in refused.stderr, refused.stderr
 
 
+def node_inventory(cluster: ControlPlane, node: RealNode) -> dict:
+    """The GPU inventory the device plugin published on `node`."""
+    return json.loads(kubectl_json(cluster, "get", "node", node.name)["metadata"]["annotations"]["vgpu.io/node-gpus"])
+
+
 def container_figure(text: str, name: str, namespace: str, pod: str) -> float | None:
     """A container's series `name` in the monitor's exposition `text`."""
     for line in text.splitlines():
@@ -593,9 +598,7 @@ def test_root_in_a_container_forging_its_region_takes_no_share_and_gets_its_limi
     cluster, node = real_cluster.cluster, real_cluster.node
     namespace = "tenant-forge"
     cluster.kubectl("create", "namespace", namespace)
-    inventory = json.loads(kubectl_json(cluster, "get", "node", node.name)["metadata"]["annotations"]
-                           ["vgpu.io/node-gpus"])
-    uuid = inventory["gpus"][0]["uuid"]
+    uuid = node_inventory(cluster, node)["gpus"][0]["uuid"]
     limits = {"nvidia.com/gpu": "1", "nvidia.com/gpumem": "1024", "nvidia.com/gpucores": "50"}
     forger = workload_pod("forger", namespace, ["/bin/sh", "-c",
                                                 "workload sync k1ms 3600 & "
@@ -727,9 +730,7 @@ def test_a_monitor_killed_while_it_paused_a_container_gives_its_share_back(real_
     cluster, node = real_cluster.cluster, real_cluster.node
     namespace = "tenant-priority"
     cluster.kubectl("create", "namespace", namespace)
-    inventory = json.loads(kubectl_json(cluster, "get", "node", node.name)["metadata"]["annotations"]
-                           ["vgpu.io/node-gpus"])
-    uuid = inventory["gpus"][0]["uuid"]
+    uuid = node_inventory(cluster, node)["gpus"][0]["uuid"]
     limits = {"nvidia.com/gpu": "1", "nvidia.com/gpumem": "1024", "nvidia.com/gpucores": "30"}
     background = workload_pod("background", namespace, ["workload", "sync", "k1ms", "3600"], limits)
     important = workload_pod("important", namespace, ["workload", "sync", "k1ms", "3600"],
@@ -865,8 +866,7 @@ def test_a_decision_granting_more_than_the_pod_asks_for_is_refused_by_the_node(r
                        {"nvidia.com/gpu": "1", "nvidia.com/gpumem": "1024", "nvidia.com/gpucores": "10"})
     pod["spec"]["schedulerName"] = "nobody"  # left for the "extender" below
     cluster.kubectl("create", "-f", "-", input=json.dumps(pod))
-    inventory = json.loads(kubectl_json(cluster, "get", "node", node.name)["metadata"]["annotations"]
-                           ["vgpu.io/node-gpus"])
+    inventory = node_inventory(cluster, node)
     gpu = inventory["gpus"][0]
     forged = {"version": 1, "node": node.name, "decidedUnixMs": int(time.time() * 1000), "containers": [
         {"name": "main", "init": False, "priority": None,
