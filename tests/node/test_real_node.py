@@ -783,8 +783,8 @@ probe dlsym fill 268435456 > /dev/null
 dir=$(dirname "$CUDA_DEVICE_MEMORY_SHARED_CACHE")
 if ls "$dir/../.claims" > /dev/null 2>&1; then echo records=reachable; else echo records=unreachable; fi
 rm -f "$dir/claim.owner"; mkfifo "$dir/claim.owner" && echo fifo=1
-sleep 2; rm -f "$dir/claim.owner"; ln -s /dev/zero "$dir/claim.owner" && echo zero=1
-sleep 2; rm -f "$dir/claim.owner"
+sleep 3; rm -f "$dir/claim.owner"; ln -s /dev/zero "$dir/claim.owner" && echo zero=1
+sleep 3; rm -f "$dir/claim.owner"
 ln -s /var/run/secrets/kubernetes.io/serviceaccount/token "$dir/claim.owner" && echo token=1
 echo planted=1
 exec workload sync k1ms 3600
@@ -847,7 +847,8 @@ def test_root_in_a_claims_container_planting_its_owner_file_neither_hangs_nor_le
           f"driver's records unreachable from it, the slowest of {passes} passes sampled {1000 * slowest:.1f} ms, "
           f"the claim named by its record, the token not in the monitor's log")
     assert secret not in logs and secret[-40:] not in logs
-    assert passes >= 5 and slowest < 1, (passes, slowest)
+    # Each sample a process in the node's network: a few a second at best.
+    assert passes >= 4 and slowest < 1, (passes, slowest)
     cluster.kubectl("delete", "namespace", namespace, "--wait=true", "--timeout=120s")
 
 
