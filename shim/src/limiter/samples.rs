@@ -33,6 +33,16 @@ const POOL_LIMIT: usize = 256;
 /// makes it visible about 5 us after the record); one busy with another
 /// context has not, and the sample is then taken as it comes.
 const START_EVENT_WAIT_NS: u64 = 10_000;
+/// Longest gap between the start event's record and the launch call that
+/// is taken off an idle stream's timing. The host's own time there is
+/// microseconds; a longer gap means the thread was preempted, and then the
+/// device may have stamped the event late too (a device thread starved on
+/// a busy host, as the simulated GPU's can be), so the gap may not be in
+/// the timing at all: taking it off would price the kernel below what it
+/// ran, and the container over its share. Such a timing is taken whole:
+/// over, never under, and the price's cluster at the bottom of the window
+/// leaves it out.
+const MAX_HOST_GAP_NS: u64 = 50_000;
 
 /// A timed launch in flight.
 pub struct Sample {
@@ -50,7 +60,9 @@ pub struct Sample {
     /// launch call's cost (the launch overhead: microseconds, a fifth more
     /// than a 20 us kernel ran). The call's cost is counted as at most the
     /// fastest launch call seen, so a thread preempted inside the call after
-    /// its kernel left does not make the kernel look shorter than it ran.
+    /// its kernel left does not make the kernel look shorter than it ran;
+    /// and a gap before the call longer than [`MAX_HOST_GAP_NS`] is not
+    /// taken off at all.
     idle_stream: bool,
     /// The start event was seen complete right after the launch (at this
     /// time). If it was not, the device was busy with another context's
@@ -80,8 +92,8 @@ impl Sample {
     /// The kernel's time, from the events' `elapsed_ns`; `fastest_launch_ns`
     /// is the fastest launch call seen (0: none yet).
     fn kernel_ns(&self, elapsed_ns: u64, fastest_launch_ns: u64) -> u64 {
-        if self.idle_stream && self.start_seen_at.is_some() {
-            let before_launch = self.launched_at.saturating_sub(self.recorded_at);
+        let before_launch = self.launched_at.saturating_sub(self.recorded_at);
+        if self.idle_stream && self.start_seen_at.is_some() && before_launch <= MAX_HOST_GAP_NS {
             let launch = self.launch_call_ns().min(fastest_launch_ns);
             elapsed_ns.saturating_sub(before_launch + launch)
         } else {
@@ -423,6 +435,23 @@ mod tests {
         assert_eq!(
             sample(true, true, 1_000, 4_000).kernel_ns(25_000, 0),
             24_000
+        );
+    }
+
+    #[test]
+    fn a_thread_preempted_before_its_launch_takes_the_timing_whole() {
+        // 300 us between the record and the launch: the device may have
+        // stamped the start event late as well, so the gap is not taken
+        // off (a 1 ms kernel priced at 0.7 ms would run its container 40 %
+        // over its share).
+        assert_eq!(
+            sample(true, true, 300_000, 4_000).kernel_ns(1_000_000, 4_000),
+            1_000_000
+        );
+        // Up to the bound, the gap is the host's and is taken off.
+        assert_eq!(
+            sample(true, true, MAX_HOST_GAP_NS, 4_000).kernel_ns(1_000_000, 4_000),
+            1_000_000 - MAX_HOST_GAP_NS - 4_000
         );
     }
 
