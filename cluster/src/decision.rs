@@ -23,14 +23,18 @@
 //!    pod will see no more calls (a container whose resources no vgpu plugin
 //!    serves runs without its vGPU instead of blocking the node, and its
 //!    decision still counts against the GPUs). The extender never binds a
-//!    second vGPU pod to a node that has a pending one. This state is
-//!    derived, not stored:
+//!    second vGPU pod to a node that has a pending one, unless the node's
+//!    plugin can tell its pending pods apart ([`NodeInventory::several_pending`]:
+//!    it asks kubelet's PodResources API which of them kubelet is admitting,
+//!    since kubelet lists a pod from the start of its admission and admits
+//!    one at a time). This state is derived, not stored:
 //!    the extender computes it from the pods it watches, so a deleted,
 //!    failed or finished pod stops being pending at once, and a restart of
 //!    the extender loses nothing (it rebuilds from the API). Kubelet admits
 //!    pods one at a time, so serialising per node costs one admission's time
 //!    per pod and nothing else.
-//! 4. **Allocate.** The plugin takes the node's pending pod, checks that the
+//! 4. **Allocate.** The plugin takes the node's pending pod (of several, the
+//!    one kubelet lists), checks that the
 //!    request matches its next unallocated GPU container (init containers
 //!    first, in order, then the others, as kubelet admits them, by device
 //!    count), appends the container to [`ALLOCATED_ANNOTATION`] (with the
@@ -109,6 +113,12 @@ impl InventoryGpu {
 pub struct NodeInventory {
     pub version: u32,
     pub gpus: Vec<InventoryGpu>,
+    /// The node's plugin tells which pending pod an `Allocate` serves from
+    /// kubelet's PodResources API, so the node may hold several pending
+    /// pods at once. False (or absent, as from an older plugin or one that
+    /// cannot reach that API): one at a time.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub several_pending: bool,
 }
 
 /// One GPU granted to a container.
@@ -505,9 +515,19 @@ mod tests {
                 nvlink_island: None,
                 healthy: true,
             }],
+            several_pending: false,
         };
-        let parsed = NodeInventory::parse(&inventory.to_json()).expect("parse");
+        let text = inventory.to_json();
+        assert!(!text.contains("severalPending"), "{text}");
+        let parsed = NodeInventory::parse(&text).expect("parse");
         assert_eq!(parsed, inventory);
+        let several = NodeInventory {
+            several_pending: true,
+            ..inventory.clone()
+        };
+        let text = several.to_json();
+        assert!(text.contains(r#""severalPending":true"#), "{text}");
+        assert_eq!(NodeInventory::parse(&text).expect("parse"), several);
         // Written by a plugin from before node Leases: its heartbeat is
         // ignored.
         let older = inventory

@@ -18,9 +18,16 @@ use vgpu_cluster::resources::ResourceNames;
 /// Longest wait before retrying a failed write.
 const RETRY: Duration = Duration::from_secs(5);
 
-/// The inventory for `gpus` with their measured `load`.
-pub fn inventory(gpus: &[InventoryGpu], load: &LoadFigures) -> NodeInventory {
+/// The inventory for `gpus` with their measured `load`; `several_pending`:
+/// whether this plugin tells pending pods apart through kubelet's
+/// PodResources API ([`NodeInventory::several_pending`]).
+pub fn inventory(
+    gpus: &[InventoryGpu],
+    load: &LoadFigures,
+    several_pending: bool,
+) -> NodeInventory {
     NodeInventory {
+        several_pending,
         version: FORMAT_VERSION,
         gpus: gpus
             .iter()
@@ -82,6 +89,7 @@ pub async fn publish(
     mut load: Option<watch::Receiver<LoadFigures>>,
     names: ResourceNames,
     resync: Duration,
+    several_pending: bool,
     mut shutdown: watch::Receiver<bool>,
 ) {
     let (mut failing, mut capacity_failing) = (false, false);
@@ -91,7 +99,7 @@ pub async fn publish(
             .as_mut()
             .map(|load| load.borrow_and_update().clone())
             .unwrap_or_default();
-        let current = inventory(&gpus.borrow_and_update(), &figures);
+        let current = inventory(&gpus.borrow_and_update(), &figures, several_pending);
         // Written at every resync too: a kubelet that finds its node
         // object recreated resets extended resources it does not manage.
         // Not needed for placing pods, only for kube-scheduler's retries:

@@ -141,7 +141,20 @@ pub async fn run(
         names: config.resources.clone(),
         defaults: config.request_defaults,
     };
-    let state = PluginState::new(cluster.clone(), config.settings, requests, gpus);
+    // Several pending pods per node only where kubelet's PodResources API
+    // answers now: without it, an `Allocate` among several would fail the
+    // pod, while binds that wait for the previous admission cost time only.
+    let several_pending = match &config.pod_resources_socket {
+        Some(socket) => pod_resources::tells_pods_apart(socket).await,
+        None => false,
+    };
+    let state = PluginState::new(
+        cluster.clone(),
+        config.settings,
+        requests,
+        gpus,
+        config.pod_resources_socket.clone(),
+    );
 
     let (events, mut received) = tokio::sync::mpsc::unbounded_channel();
     let stop_health = health::spawn(health, move |event| {
@@ -162,6 +175,7 @@ pub async fn run(
         config.load,
         config.resources,
         config.resync,
+        several_pending,
         shutdown.clone(),
     ));
     if let Some(socket) = config.pod_resources_socket.clone() {

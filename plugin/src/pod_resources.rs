@@ -1,4 +1,6 @@
-//! Checking the plugin's records against kubelet's when the plugin starts:
+//! Kubelet's PodResources API: which pod an `Allocate` serves when several
+//! are pending ([`kubelet_pods`]), and checking the plugin's records
+//! against kubelet's when the plugin starts:
 //! kubelet's PodResources API (v1 `List`) says which devices of the
 //! plugin's resource each container holds; the pods' decisions and
 //! allocation records ([`vgpu_cluster::decision`]) say what the plugin
@@ -11,9 +13,10 @@
 //! are not checked.
 
 use crate::api::podresources_v1::pod_resources_lister_client::PodResourcesListerClient;
-use crate::api::podresources_v1::ListPodResourcesRequest;
+use crate::api::podresources_v1::{ListPodResourcesRequest, ListPodResourcesResponse};
 use crate::cluster::Cluster;
 use crate::devices::parse_device_id;
+use crate::protocol::KubeletPods;
 use k8s_openapi::api::core::v1::Pod;
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
@@ -40,23 +43,74 @@ pub enum PodResourcesError {
 /// `(namespace, pod, container)`.
 type ContainerKey = (String, String, String);
 
-/// The device IDs of `resource` that kubelet says each container holds
-/// (containers holding none are left out).
-pub async fn kubelet_holdings(
-    socket: &Path,
-    resource: &str,
-) -> Result<BTreeMap<ContainerKey, Vec<String>>, PodResourcesError> {
+/// Kubelet's `List`.
+async fn list(socket: &Path) -> Result<ListPodResourcesResponse, PodResourcesError> {
     let channel = crate::kubelet::connect_unix(socket)
         .await
         .map_err(|source| PodResourcesError::Connect {
             socket: socket.to_path_buf(),
             source,
         })?;
-    let list = PodResourcesListerClient::new(channel)
+    Ok(PodResourcesListerClient::new(channel)
         .list(ListPodResourcesRequest {})
         .await
         .map_err(PodResourcesError::List)?
-        .into_inner();
+        .into_inner())
+}
+
+/// The pods kubelet lists: those it runs, and the one it is admitting
+/// (kubelet takes a pod into its list before admitting it, and admits one
+/// pod at a time).
+pub async fn kubelet_pods(socket: &Path) -> Result<KubeletPods, PodResourcesError> {
+    Ok(list(socket)
+        .await?
+        .pod_resources
+        .into_iter()
+        .map(|pod| (pod.namespace, pod.name))
+        .collect())
+}
+
+/// How long the start-up probe of kubelet's PodResources API may take.
+const PROBE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(5);
+
+/// Whether kubelet's PodResources API at `socket` answers, so that an
+/// `Allocate` among several pending pods can be matched to its pod; says
+/// which way it went.
+pub async fn tells_pods_apart(socket: &Path) -> bool {
+    match tokio::time::timeout(PROBE_TIMEOUT, kubelet_pods(socket)).await {
+        Ok(Ok(pods)) => {
+            tracing::info!(
+                "kubelet's PodResources API at {} lists {} pod(s): this node takes several vGPU pods at once (each Allocate is matched to the pod kubelet is admitting)",
+                socket.display(),
+                pods.len()
+            );
+            true
+        }
+        Ok(Err(error)) => {
+            tracing::info!(
+                error = &error as &dyn std::error::Error,
+                "kubelet's PodResources API is not usable: this node takes one vGPU pod at a time"
+            );
+            false
+        }
+        Err(_) => {
+            tracing::info!(
+                "kubelet's PodResources API at {} did not answer within {:?}: this node takes one vGPU pod at a time",
+                socket.display(),
+                PROBE_TIMEOUT
+            );
+            false
+        }
+    }
+}
+
+/// The device IDs of `resource` that kubelet says each container holds
+/// (containers holding none are left out).
+pub async fn kubelet_holdings(
+    socket: &Path,
+    resource: &str,
+) -> Result<BTreeMap<ContainerKey, Vec<String>>, PodResourcesError> {
+    let list = list(socket).await?;
     let mut held = BTreeMap::new();
     for pod in list.pod_resources {
         for container in pod.containers {

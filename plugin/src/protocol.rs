@@ -43,7 +43,7 @@ impl PendingPod {
 pub enum ProtocolError {
     #[error("no pod bound to node {node} is waiting for vGPUs (no pod with a {DECISION_ANNOTATION} annotation for this node has containers left to allocate): the pod was not placed by the vgpu scheduler extender's bind verb. Give it the vgpu schedulerName (the webhook does for pods naming none), and configure any kube-scheduler that calls the extender with bindVerb: bind (nvidia-gpu-scheduler's configuration calls only filter, prioritize and preempt, which records no GPU decision)")]
     NoPendingPod { node: String },
-    #[error("{count} pods are waiting for vGPUs on node {node} ({pods}); the scheduler extender allows one at a time, so the request cannot be matched to a pod")]
+    #[error("{count} pods are waiting for vGPUs on node {node} ({pods}); the request cannot be matched to one of them (kubelet's PodResources API, which names the pod kubelet is admitting, is not in use or listed several)")]
     SeveralPendingPods {
         node: String,
         count: usize,
@@ -195,15 +195,37 @@ pub fn records_allocated(pods: &[Pod], uid: &str, containers: &[String]) -> bool
         .any(|recorded| containers.iter().all(|c| recorded.contains(c)))
 }
 
-/// The one pod pending on `node` among `pods`.
+/// `(namespace, name)` of each pod kubelet lists in its PodResources API.
+pub type KubeletPods = std::collections::BTreeSet<(String, String)>;
+
+/// The one pod pending on `node` among `pods`; with `kubelet_lists`, only
+/// among the pods kubelet lists. Kubelet lists a pod from the start of its
+/// admission and admits one pod at a time, so of the pods pending by their
+/// records (decided, bound, not fully allocated), the one it lists is the
+/// one it is admitting; the others are bound but not yet taken up by
+/// kubelet.
 pub fn pending_pod(
     node: &str,
     pods: &[Pod],
     reading: Reading<'_>,
+    kubelet_lists: Option<&KubeletPods>,
 ) -> Result<PendingPod, ProtocolError> {
+    let listed = |pod: &Pod| {
+        kubelet_lists.is_none_or(|listed| {
+            let key = (
+                pod.metadata.namespace.clone().unwrap_or_default(),
+                pod.metadata.name.clone().unwrap_or_default(),
+            );
+            listed.contains(&key)
+        })
+    };
     let mut pending = Vec::new();
     let mut unusable = Vec::new();
-    for pod in pods.iter().filter(|p| may_be_admitting(p, node)) {
+    for pod in pods
+        .iter()
+        .filter(|p| may_be_admitting(p, node))
+        .filter(|p| listed(p))
+    {
         match read_pending(pod, node, reading) {
             Ok(Some(found)) => pending.push(found),
             Ok(None) => {}
@@ -318,12 +340,27 @@ mod tests {
     /// Finds the pending pod as a plugin with the default names and
     /// defaults on a node of four GPUs does.
     fn pending(node: &str, pods: &[Pod]) -> Result<PendingPod, ProtocolError> {
+        pending_listed(node, pods, None)
+    }
+
+    /// The same, narrowed to the pods kubelet lists, `ns/<name>`.
+    fn pending_listed(
+        node: &str,
+        pods: &[Pod],
+        listed: Option<&[&str]>,
+    ) -> Result<PendingPod, ProtocolError> {
         let gpus = gpus();
         let reading = Reading {
             rules: &RequestRules::default(),
             gpus: &gpus,
         };
-        pending_pod(node, pods, reading)
+        let listed: Option<KubeletPods> = listed.map(|names| {
+            names
+                .iter()
+                .map(|name| ("ns".to_string(), name.to_string()))
+                .collect()
+        });
+        pending_pod(node, pods, reading, listed.as_ref())
     }
 
     /// A container asking for what [`decision`] grants: `count` vGPUs of
@@ -447,6 +484,46 @@ mod tests {
         assert!(matches!(
             error,
             ProtocolError::SeveralPendingPods { count: 2, .. }
+        ));
+    }
+
+    #[test]
+    fn of_several_pending_pods_the_one_kubelet_lists_is_the_one_it_admits() {
+        let d = decision("n1", &[("a", 1)]);
+        let mut running = pod("running", "n1", Some(&d), Some(r#"["a"]"#));
+        running.status = Some(PodStatus {
+            phase: Some("Running".into()),
+            ..PodStatus::default()
+        });
+        let pods = [
+            running,
+            pod("p", "n1", Some(&d), None),
+            pod("q", "n1", Some(&d), None),
+            pod("r", "n1", Some(&d), None),
+        ];
+        // Kubelet lists the pods it runs and the one it is admitting; the
+        // others are bound, not yet taken up.
+        let found = pending_listed("n1", &pods, Some(&["running", "q"])).expect("listed");
+        assert_eq!(found.name, "q");
+        // Listing none of them, or two: nothing is guessed.
+        assert!(matches!(
+            pending_listed("n1", &pods, Some(&["running"])),
+            Err(ProtocolError::NoPendingPod { .. })
+        ));
+        assert!(matches!(
+            pending_listed("n1", &pods, Some(&["p", "r"])),
+            Err(ProtocolError::SeveralPendingPods { count: 2, .. })
+        ));
+        // A pod in another namespace of the same name is not it.
+        let other_namespace: KubeletPods = [("other".to_string(), "q".to_string())].into();
+        let gpus = gpus();
+        let reading = Reading {
+            rules: &RequestRules::default(),
+            gpus: &gpus,
+        };
+        assert!(matches!(
+            pending_pod("n1", &pods, reading, Some(&other_namespace)),
+            Err(ProtocolError::NoPendingPod { .. })
         ));
     }
 

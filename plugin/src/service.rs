@@ -5,9 +5,11 @@ use crate::api::v1beta1 as api;
 use crate::api::v1beta1::device_plugin_server::DevicePlugin;
 use crate::cluster::{Cluster, ClusterError};
 use crate::devices;
-use crate::protocol::{self, PendingPod, Reading};
+use crate::pod_resources;
+use crate::protocol::{self, PendingPod, ProtocolError, Reading};
 use futures_util::Stream;
 use k8s_openapi::api::core::v1::Pod;
+use std::path::PathBuf;
 use std::pin::Pin;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -64,6 +66,9 @@ pub struct PluginState {
     pub gpus: watch::Sender<Vec<InventoryGpu>>,
     /// One `Allocate` at a time (kubelet admits one pod at a time anyway).
     allocate_lock: Mutex<()>,
+    /// Kubelet's PodResources API, which tells several pending pods apart
+    /// ([`protocol::pending_pod`]); `None`: not asked.
+    pod_resources_socket: Option<PathBuf>,
 }
 
 impl PluginState {
@@ -72,6 +77,7 @@ impl PluginState {
         settings: Settings,
         requests: RequestRules,
         gpus: Vec<InventoryGpu>,
+        pod_resources_socket: Option<PathBuf>,
     ) -> Arc<Self> {
         Arc::new(Self {
             cluster,
@@ -79,6 +85,7 @@ impl PluginState {
             requests,
             gpus: watch::Sender::new(gpus),
             allocate_lock: Mutex::new(()),
+            pod_resources_socket,
         })
     }
 
@@ -93,8 +100,52 @@ impl PluginState {
     async fn pending_pod(&self, since: Instant) -> Result<PendingPod, Status> {
         let pods = self.pods_on_node(since).await?;
         let gpus = self.gpus.borrow().clone();
-        protocol::pending_pod(self.cluster.node(), &pods, self.reading(&gpus))
-            .map_err(|e| Status::failed_precondition(with_causes(&e)))
+        self.pending_among(&pods, &gpus).await
+    }
+
+    /// The pod kubelet is admitting among `pods`: the one pending pod, or
+    /// of several, the one kubelet's PodResources API lists.
+    async fn pending_among(
+        &self,
+        pods: &[Pod],
+        gpus: &[InventoryGpu],
+    ) -> Result<PendingPod, Status> {
+        let node = self.cluster.node();
+        let several = match protocol::pending_pod(node, pods, self.reading(gpus), None) {
+            Err(several @ ProtocolError::SeveralPendingPods { .. }) => several,
+            found => return found.map_err(|e| Status::failed_precondition(with_causes(&e))),
+        };
+        let Some(socket) = &self.pod_resources_socket else {
+            return Err(Status::failed_precondition(with_causes(&several)));
+        };
+        let listed = match pod_resources::kubelet_pods(socket).await {
+            Ok(listed) => listed,
+            Err(error) => {
+                return Err(Status::failed_precondition(format!(
+                    "{}; asking kubelet which one it admits failed: {}",
+                    with_causes(&several),
+                    with_causes(&error)
+                )))
+            }
+        };
+        match protocol::pending_pod(node, pods, self.reading(gpus), Some(&listed)) {
+            Ok(found) => {
+                if let ProtocolError::SeveralPendingPods { count, .. } = &several {
+                    tracing::info!(
+                        pod = %found.display(),
+                        "{count} pods pending on this node; kubelet is admitting this one"
+                    );
+                }
+                Ok(found)
+            }
+            // Kubelet lists none of them: a kubelet that does not list the
+            // pod it admits; say what was pending.
+            Err(ProtocolError::NoPendingPod { .. }) => Err(Status::failed_precondition(format!(
+                "{}; kubelet's PodResources API lists none of them",
+                with_causes(&several)
+            ))),
+            Err(error) => Err(Status::failed_precondition(with_causes(&error))),
+        }
     }
 
     async fn pods_on_node(&self, since: Instant) -> Result<Vec<Pod>, Status> {
@@ -135,8 +186,7 @@ impl PluginState {
                 }
             }
             let gpus = self.gpus.borrow().clone();
-            let pod = protocol::pending_pod(self.cluster.node(), &pods, self.reading(&gpus))
-                .map_err(|e| Status::failed_precondition(with_causes(&e)))?;
+            let pod = self.pending_among(&pods, &gpus).await?;
             let containers = protocol::match_requests(&pod, &sizes)
                 .map_err(|e| Status::failed_precondition(with_causes(&e)))?;
             let mut plans = Vec::with_capacity(containers.len());

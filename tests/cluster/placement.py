@@ -73,6 +73,31 @@ def node_holdings(cc: ChartCluster, namespace: str, running: list[dict]) -> dict
     return held
 
 
+def limits_not_their_own(cc: ChartCluster, namespace: str, running: list[dict]) -> list[str]:
+    """The GPU containers whose node started them with another memory cap
+    or compute share than they ask for: an allocation served to the wrong
+    pod."""
+    wrong = []
+    for pod in running:
+        folder = cc.node(pod["spec"]["nodeName"]).pod_dir(namespace, pod["metadata"]["name"])
+        assert folder is not None, f"nothing kept of {pod['metadata']['name']}"
+        for container in pod["spec"]["containers"]:
+            limits = container.get("resources", {}).get("limits", {})
+            if "nvidia.com/gpumem" not in limits:
+                continue
+            spec = json.loads((folder / f"{container['name']}.json").read_text())
+            env = dict(item.split("=", 1) for item in spec["env"])
+            for index, _ in enumerate(env.get("NVIDIA_VISIBLE_DEVICES", "").split(",")):
+                memory = env.get(f"CUDA_DEVICE_MEMORY_LIMIT_{index}", env.get("CUDA_DEVICE_MEMORY_LIMIT", "0"))
+                cores = env.get(f"CUDA_DEVICE_SM_LIMIT_{index}", env.get("CUDA_DEVICE_SM_LIMIT", "0"))
+                got = (mib_of(memory), int(cores))
+                asked = (int(limits["nvidia.com/gpumem"]), int(limits.get("nvidia.com/gpucores", "0")))
+                if got != asked:
+                    wrong.append(f"{pod['metadata']['name']}/{container['name']} device {index}: "
+                                 f"asked {asked[0]} MiB and {asked[1]} %, started with {got[0]} MiB and {got[1]} %")
+    return wrong
+
+
 def fits_somewhere(pod: dict, free: dict[str, list[dict]]) -> str | None:
     """A node where `pod` clearly fits the free capacity: each GPU
     container, in order, on GPUs with room for it (greedy, roomiest

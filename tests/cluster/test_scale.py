@@ -24,7 +24,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from chartcluster import ChartCluster, compile_workload  # noqa: E402
+from chartcluster import RELEASE_NAMESPACE, ChartCluster, compile_workload, kubectl_json  # noqa: E402
 from placement import (  # noqa: E402
     GPU_MIB,
     assert_not_overcommitted,
@@ -32,6 +32,7 @@ from placement import (  # noqa: E402
     fits_somewhere,
     free_capacity,
     gpu_container,
+    limits_not_their_own,
     node_holdings,
     settle,
     workload_reports,
@@ -72,6 +73,14 @@ def plan(hold: Path, seed: int = 16) -> list[dict]:
                                   "labels": {"kind": kind}},
                      "spec": spec})
     return pods
+
+
+def plugin_log(cc: ChartCluster, node) -> str:
+    """The device plugin's log on `node`."""
+    agents = kubectl_json(cc.cluster, "get", "pods", "-n", RELEASE_NAMESPACE, "-l", "app.kubernetes.io/component=node",
+                          "--field-selector", f"spec.nodeName={node.name}")["items"]
+    return "".join(node.container_log(RELEASE_NAMESPACE, agent["metadata"]["name"], "device-plugin")
+                   for agent in agents)
 
 
 def test_300_pods_over_20_nodes_from_4_submitters(tmp_path):
@@ -125,6 +134,18 @@ def test_300_pods_over_20_nodes_from_4_submitters(tmp_path):
         # The nodes' own record: no GPU carries more than it has.
         held = node_holdings(cc, NAMESPACE, running)
         assert_not_overcommitted(held)
+
+        # Each node's plugin tells its pending pods apart (kubelet's
+        # PodResources API), so binds did not wait for the previous pod's
+        # admission; and no container was served another pod's allocation.
+        for node in kubectl_json(cluster, "get", "nodes")["items"]:
+            inventory = json.loads(node["metadata"]["annotations"]["vgpu.io/node-gpus"])
+            assert inventory.get("severalPending") is True, (node["metadata"]["name"], inventory)
+        wrong = limits_not_their_own(cc, NAMESPACE, gpu_running)
+        assert not wrong, wrong
+        told_apart = sum(plugin_log(cc, node).count("kubelet is admitting this one") for node in cc.nodes)
+        print(f"Allocate calls matched among several pending pods by kubelet's PodResources API: {told_apart}")
+        assert told_apart > 0, "no node ever held two pending pods: the burst was serialised after all"
 
         # The simulated GPUs: every GPU workload got all it asked for.
         wrong = workload_reports(cc, NAMESPACE, gpu_running)

@@ -896,3 +896,45 @@ def test_a_decision_granting_more_than_the_pod_asks_for_is_refused_by_the_node(r
     assert "vgpu.io/allocated" not in kubectl_json(cluster, "get", "pod", name, "-n", namespace)["metadata"].get(
         "annotations", {})
     cluster.kubectl("delete", "pod", name, "-n", namespace, "--wait=false")
+
+
+def test_five_vgpu_pods_created_at_once_each_get_their_own_limits_from_the_real_kubelet(real_cluster):
+    """The extender binds a burst to one node without waiting for each
+    pod's admission: the plugin asks the real kubelet's PodResources API
+    which of the pending pods it is admitting. Five pods created in one
+    request, all on node-1's first GPU, each with its own cap and share:
+    every one runs with exactly its own in its region."""
+    cluster, node = real_cluster.cluster, real_cluster.node
+    namespace = "burst"
+    cluster.kubectl("create", "namespace", namespace)
+    inventory = node_inventory(cluster, node)
+    assert inventory.get("severalPending") is True, inventory
+    uuid = inventory["gpus"][0]["uuid"]
+    asked = {f"p{i}": (1024 + 128 * i, 10 + i) for i in range(5)}
+    pods = []
+    for name, (mib, cores) in asked.items():
+        pod = workload_pod(name, namespace, ["/bin/sleep", "3600"],
+                           {"nvidia.com/gpu": "1", "nvidia.com/gpumem": str(mib), "nvidia.com/gpucores": str(cores)})
+        pod["metadata"]["annotations"] = {"nvidia.com/use-gpuuuid": uuid}
+        pods.append(pod)
+    cluster.kubectl("create", "-f", "-", input=json.dumps({"apiVersion": "v1", "kind": "List", "items": pods}))
+
+    def all_running():
+        found = kubectl_json(cluster, "get", "pods", "-n", namespace)["items"]
+        phases = {p["metadata"]["name"]: p["status"].get("phase") for p in found}
+        assert "Failed" not in phases.values(), json.dumps([p["status"] for p in found], indent=1)
+        return found if len(found) == len(asked) and set(phases.values()) == {"Running"} else None
+    found = wait_for("the five pods running", all_running, timeout=120, log=real_cluster.logs)
+    held = regions(node)
+    for pod in found:
+        mib, cores = asked[pod["metadata"]["name"]]
+        region = held.get(f"{pod['metadata']['uid']}_main")
+        assert region and region[0]["memory"] == mib * MIB and region[0]["cores"] == cores, (
+            pod["metadata"]["name"], mib, cores, region)
+    agent = next(p for p in kubectl_json(cluster, "get", "pods", "-n", RELEASE_NAMESPACE,
+                                         "-l", "app.kubernetes.io/component=node")["items"]
+                 if p["spec"]["nodeName"] == node.name)["metadata"]["name"]
+    told_apart = node.container_log(RELEASE_NAMESPACE, agent, "device-plugin").count("kubelet is admitting this one")
+    print(f"\nfive pods at once on one GPU of a real node: each region holds its own cap and share; "
+          f"{told_apart} Allocate call(s) matched among several pending pods by the real kubelet's PodResources API")
+    cluster.kubectl("delete", "namespace", namespace, "--wait=true", "--timeout=120s")

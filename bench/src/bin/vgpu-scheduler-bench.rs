@@ -151,6 +151,7 @@ fn build_node(i: usize, gpus: usize) -> Node {
                 healthy: true,
             })
             .collect(),
+        several_pending: false,
     };
     Node {
         metadata: ObjectMeta {

@@ -37,6 +37,7 @@ pub fn node_with(name: &str, gpus: Vec<InventoryGpu>) -> Node {
     let inventory = NodeInventory {
         version: FORMAT_VERSION,
         gpus,
+        several_pending: false,
     };
     Node {
         metadata: ObjectMeta {

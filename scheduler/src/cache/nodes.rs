@@ -18,6 +18,9 @@ pub enum Inventory {
 pub struct NodeEntry {
     pub in_api: bool,
     pub inventory: Inventory,
+    /// Its plugin tells pending pods apart, so binds need not wait for the
+    /// previous pod's admission ([`vgpu_cluster::decision::NodeInventory::several_pending`]).
+    pub several_pending: bool,
     pub gpus: NodeGpus,
     /// What each GPU carries (same order as `gpus`).
     pub usage: Vec<Usage>,
@@ -39,6 +42,7 @@ impl NodeEntry {
         Self {
             in_api: false,
             inventory: Inventory::Missing,
+            several_pending: false,
             gpus: NodeGpus::default(),
             usage: Vec::new(),
             unlisted: Vec::new(),

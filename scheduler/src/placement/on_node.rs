@@ -72,7 +72,8 @@ pub fn place_on_node(
             in_use,
         });
     }
-    if !pending.is_empty() {
+    let several_pending = state.node(node).is_some_and(|n| n.several_pending);
+    if !pending.is_empty() && !several_pending {
         return Ok(OnNode::Waiting(pending));
     }
     let policy = request.gpu_policy.unwrap_or(snapshot.rules.gpu_policy);
@@ -132,6 +133,36 @@ mod tests {
             }
             other => panic!("expected a decision, got {other:?}"),
         }
+    }
+
+    #[test]
+    fn a_node_whose_plugin_tells_pending_pods_apart_takes_the_next_pod_at_once() {
+        let mut several = node("n1", 1);
+        let annotations = several.metadata.annotations.get_or_insert_default();
+        let inventory = annotations
+            .get(vgpu_cluster::decision::NODE_INVENTORY_ANNOTATION)
+            .map(|text| vgpu_cluster::decision::NodeInventory::parse(text).expect("inventory"))
+            .expect("inventory annotation");
+        let inventory = vgpu_cluster::decision::NodeInventory {
+            several_pending: true,
+            ..inventory
+        };
+        annotations.insert(
+            vgpu_cluster::decision::NODE_INVENTORY_ANNOTATION.to_string(),
+            inventory.to_json(),
+        );
+        let admitting = decided("a", 5, "n1", "GPU-n1-0", true, false);
+        let state = listed(vec![several], vec![admitting]);
+        match place(&state, &asking_vgpus("p", 1, 1024, 10)) {
+            Ok(OnNode::Decided(decision)) => assert_eq!(decision.node, "n1"),
+            other => panic!("expected a decision, got {other:?}"),
+        }
+        // The pending pod's grant still counts: a pod asking for what only
+        // the whole GPU has left does not fit beside it.
+        assert!(matches!(
+            place(&state, &asking_vgpus("q", 1, 1024, 100)),
+            Err(NodeRefusal::NoLongerFits { .. })
+        ));
     }
 
     #[test]

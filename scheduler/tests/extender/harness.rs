@@ -95,6 +95,7 @@ pub fn inventory(node: &str, gpus: &[Gpu]) -> String {
                 healthy: g.healthy,
             })
             .collect(),
+        several_pending: false,
     }
     .to_json()
 }

@@ -69,6 +69,7 @@ impl ClusterState {
                     .collect()
             })
             .unwrap_or_default();
+        entry.several_pending = matches!(&parsed, Some(Ok(inventory)) if inventory.several_pending);
         let (inventory, gpus) = match parsed {
             None => (Inventory::Missing, Vec::new()),
             Some(Err(error)) => {
@@ -149,6 +150,7 @@ impl ClusterState {
             Some(entry) => {
                 entry.in_api = false;
                 entry.inventory = Inventory::Missing;
+                entry.several_pending = false;
                 entry.gpus = NodeGpus::default();
                 !entry.pods.is_empty() || !entry.reservations.is_empty()
             }

@@ -57,7 +57,8 @@ func (m *deviceManager) GetAllocatableDevices() []*podresourcesapi.ContainerDevi
 	return devices
 }
 
-// GetPods lists the pods this node runs.
+// GetPods lists the pods this node runs or is admitting, as kubelet's
+// pod manager does: not those still queued for admission.
 func (m *podManager) GetPods() []*v1.Pod {
 	m.mu.Lock()
 	workers := make([]*podWorker, 0, len(m.workers))
@@ -68,7 +69,9 @@ func (m *podManager) GetPods() []*v1.Pod {
 	pods := make([]*v1.Pod, 0, len(workers))
 	for _, worker := range workers {
 		worker.mu.Lock()
-		pods = append(pods, worker.pod)
+		if worker.admitting {
+			pods = append(pods, worker.pod)
+		}
 		worker.mu.Unlock()
 	}
 	return pods

@@ -220,6 +220,10 @@ type podWorker struct {
 	sync       chan struct{}
 	wakeup     chan struct{} // interrupts back-off waits
 	dir        string
+	// admitting: admission has begun. Kubelet takes a pod into its pod
+	// manager (which its PodResources API lists) just before admitting
+	// it, one pod at a time; pods it has not reached are not listed.
+	admitting bool
 }
 
 func newPodWorker(m *podManager, pod *v1.Pod) *podWorker {
@@ -330,6 +334,7 @@ func (w *podWorker) admit(ctx context.Context) {
 	w.mu.Lock()
 	pod := w.pod
 	w.startTime = ptr.To(metav1.Now())
+	w.admitting = true
 	w.mu.Unlock()
 	go w.statusLoop(ctx)
 	if err := w.manager.devices.allocatePod(ctx, pod); err != nil {
