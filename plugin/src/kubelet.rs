@@ -14,16 +14,16 @@ use crate::api::v1beta1 as api;
 use crate::api::v1beta1::device_plugin_server::DevicePluginServer;
 use crate::api::v1beta1::registration_client::RegistrationClient;
 use crate::service::{self, DevicePluginService, PluginState};
-use hyper_util::rt::TokioIo;
+use crate::unix_channel::connect_unix;
 use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 use thiserror::Error;
-use tokio::net::{UnixListener, UnixStream};
+use tokio::net::UnixListener;
 use tokio::sync::watch;
 use tokio_stream::wrappers::UnixListenerStream;
-use tonic::transport::{Endpoint, Server, Uri};
+use tonic::transport::Server;
 
 /// The device plugin API version this plugin speaks.
 pub const API_VERSION: &str = "v1beta1";
@@ -78,20 +78,6 @@ fn identity(path: &Path) -> Option<Identity> {
     std::fs::symlink_metadata(path)
         .ok()
         .map(|m| (m.dev(), m.ino(), m.ctime(), m.ctime_nsec()))
-}
-
-/// A gRPC channel over a unix socket.
-pub async fn connect_unix(
-    path: &Path,
-) -> Result<tonic::transport::Channel, tonic::transport::Error> {
-    let path = path.to_path_buf();
-    Endpoint::from_static("http://localhost")
-        .connect_timeout(REGISTER_TIMEOUT)
-        .connect_with_connector(tower::service_fn(move |_: Uri| {
-            let path = path.clone();
-            async move { Ok::<_, std::io::Error>(TokioIo::new(UnixStream::connect(path).await?)) }
-        }))
-        .await
 }
 
 /// Registers with the kubelet listening at `kubelet_socket`.

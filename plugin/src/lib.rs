@@ -6,7 +6,7 @@
 //! - [`api`]: kubelet's device plugin and PodResources APIs.
 //! - [`devices`]: the `<uuid>::<k>` devices kubelet sees and the preferred
 //!   allocation.
-//! - [`protocol`]: finding the node's one pending pod and matching
+//! - [`protocol`]: finding the pod kubelet is admitting and matching
 //!   kubelet's requests to its containers (the protocol of
 //!   [`vgpu_cluster::decision`]).
 //! - [`allocate`]: a container's region plan, as kubelet's answer.
@@ -17,7 +17,10 @@
 //! - [`inventory`]: the node annotation.
 //! - [`lease`]: the node's Lease, renewed to show the plugin is alive.
 //! - [`load`]: the GPUs' measured, smoothed utilization.
-//! - [`pod_resources`]: the records checked against kubelet's at start.
+//! - [`pod_resources`]: kubelet's PodResources API: which of several
+//!   pending pods kubelet is admitting, and the records checked against
+//!   kubelet's at start.
+//! - [`unix_channel`]: gRPC over kubelet's unix sockets.
 //! - [`options`]: the command line.
 
 pub mod allocate;
@@ -32,6 +35,7 @@ pub mod options;
 pub mod pod_resources;
 pub mod protocol;
 pub mod service;
+pub mod unix_channel;
 
 use cluster::Cluster;
 use service::PluginState;

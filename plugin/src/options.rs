@@ -81,7 +81,10 @@ pub struct Options {
 
     /// Kubelet's PodResources API socket: at start the plugin checks its
     /// allocation records against what kubelet says each container holds,
-    /// and logs every difference. Not there: not checked.
+    /// and logs every difference; when it answers then, the node takes
+    /// several vGPU pods at once (an `Allocate` among several pending pods
+    /// goes to the one kubelet lists as admitting). Not there: not checked,
+    /// and one pod at a time.
     #[arg(long, default_value = DEFAULT_POD_RESOURCES_SOCKET, value_name = "PATH")]
     pub pod_resources_socket: PathBuf,
 

@@ -45,7 +45,7 @@ type ContainerKey = (String, String, String);
 
 /// Kubelet's `List`.
 async fn list(socket: &Path) -> Result<ListPodResourcesResponse, PodResourcesError> {
-    let channel = crate::kubelet::connect_unix(socket)
+    let channel = crate::unix_channel::connect_unix(socket)
         .await
         .map_err(|source| PodResourcesError::Connect {
             socket: socket.to_path_buf(),

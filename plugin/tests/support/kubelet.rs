@@ -15,7 +15,7 @@ use tonic::{Request, Response, Status};
 use vgpu_device_plugin::api::v1beta1 as api;
 use vgpu_device_plugin::api::v1beta1::device_plugin_client::DevicePluginClient;
 use vgpu_device_plugin::api::v1beta1::registration_server::{Registration, RegistrationServer};
-use vgpu_device_plugin::kubelet::connect_unix;
+use vgpu_device_plugin::unix_channel::connect_unix;
 
 struct RegistrationService {
     registrations: mpsc::UnboundedSender<api::RegisterRequest>,
