@@ -111,8 +111,8 @@ impl PluginState {
         gpus: &[InventoryGpu],
     ) -> Result<PendingPod, Status> {
         let node = self.cluster.node();
-        let several = match protocol::pending_pod(node, pods, self.reading(gpus), None) {
-            Err(several @ ProtocolError::SeveralPendingPods { .. }) => several,
+        let (several, count) = match protocol::pending_pod(node, pods, self.reading(gpus), None) {
+            Err(several @ ProtocolError::SeveralPendingPods { count, .. }) => (several, count),
             found => return found.map_err(|e| Status::failed_precondition(with_causes(&e))),
         };
         let Some(socket) = &self.pod_resources_socket else {
@@ -130,12 +130,10 @@ impl PluginState {
         };
         match protocol::pending_pod(node, pods, self.reading(gpus), Some(&listed)) {
             Ok(found) => {
-                if let ProtocolError::SeveralPendingPods { count, .. } = &several {
-                    tracing::info!(
-                        pod = %found.display(),
-                        "{count} pods pending on this node; kubelet is admitting this one"
-                    );
-                }
+                tracing::info!(
+                    pod = %found.display(),
+                    "{count} pods pending on this node; kubelet is admitting this one"
+                );
                 Ok(found)
             }
             // Kubelet lists none of them: a kubelet that does not list the
