@@ -39,7 +39,10 @@
 //!    first, in order, then the others, as kubelet admits them, by device
 //!    count), appends the container to [`ALLOCATED_ANNOTATION`] (with the
 //!    pod's resource version as a precondition), and only then answers with
-//!    that container's environment and mounts. A request that
+//!    that container's environment and mounts. It may read the pod from a
+//!    watch, which can be behind: the precondition fails for a pod changed
+//!    since, and kubelet's list must show the pod and no pod the watch has
+//!    not shown; otherwise it reads the pods afresh. A request that
 //!    matches no pending pod fails with a message kubelet shows in the pod's
 //!    events; nothing is guessed.
 //! 5. **Restarts.** Plugin, kubelet and extender keep no state of their own

@@ -1,8 +1,8 @@
-//! The Kubernetes API: the pods bound to this node (read fresh at every
-//! `Allocate`, never from a cache, since the answer must match what the
-//! extender wrote), the allocation record on a pod (written with the pod's
-//! resource version as a precondition), the node's GPU inventory, and the
-//! node's Lease.
+//! The Kubernetes API: the pods bound to this node (read fresh where the
+//! watched ones in [`crate::pod_cache`] may not be trusted), the allocation
+//! record on a pod (written with the pod's resource version as a
+//! precondition, which is what makes the watched pods safe to use), the
+//! node's GPU inventory, and the node's Lease.
 
 use crate::protocol::PendingPod;
 use k8s_openapi::api::coordination::v1::{Lease, LeaseSpec};
@@ -81,6 +81,10 @@ impl Cluster {
         &self.node
     }
 
+    pub fn client(&self) -> Client {
+        self.client.clone()
+    }
+
     /// The pods bound to this node, as the API server has them now.
     pub async fn pods_on_node(&self) -> Result<Vec<Pod>, ClusterError> {
         let pods: Api<Pod> = Api::all(self.client.clone());
@@ -93,12 +97,12 @@ impl Cluster {
     }
 
     /// Records `allocated` as the pod's allocated containers, provided the
-    /// pod has not changed since `pod` was read.
+    /// pod has not changed since `pod` was read; answers the pod written.
     pub async fn record_allocated(
         &self,
         pod: &PendingPod,
         allocated: &[String],
-    ) -> Result<(), ClusterError> {
+    ) -> Result<Pod, ClusterError> {
         let pods: Api<Pod> = Api::namespaced(self.client.clone(), &pod.namespace);
         let record = serde_json::to_string(allocated).unwrap_or_else(|_| "[]".to_string());
         let patch = serde_json::json!({
@@ -109,8 +113,7 @@ impl Cluster {
         });
         pods.patch(&pod.name, &PatchParams::default(), &Patch::Merge(&patch))
             .await
-            .map_err(api_error(format!("pod {}/{}", pod.namespace, pod.name)))?;
-        Ok(())
+            .map_err(api_error(format!("pod {}/{}", pod.namespace, pod.name)))
     }
 
     /// Sets, in the node's status, the capacity (and allocatable: no

@@ -21,6 +21,7 @@
 //!   pending pods kubelet is admitting, and the records checked against
 //!   kubelet's at start.
 //! - [`unix_channel`]: gRPC over kubelet's unix sockets.
+//! - [`pod_cache`]: the node's pods as a watch shows them.
 //! - [`options`]: the command line.
 
 pub mod allocate;
@@ -32,6 +33,7 @@ pub mod kubelet;
 pub mod lease;
 pub mod load;
 pub mod options;
+pub mod pod_cache;
 pub mod pod_resources;
 pub mod protocol;
 pub mod service;
@@ -159,6 +161,12 @@ pub async fn run(
         gpus,
         config.pod_resources_socket.clone(),
     );
+
+    tokio::spawn(state.pods.clone().follow(
+        cluster.client(),
+        config.node.clone(),
+        shutdown.clone(),
+    ));
 
     let (events, mut received) = tokio::sync::mpsc::unbounded_channel();
     let stop_health = health::spawn(health, move |event| {

@@ -5,6 +5,7 @@ use crate::api::v1beta1 as api;
 use crate::api::v1beta1::device_plugin_server::DevicePlugin;
 use crate::cluster::{Cluster, ClusterError};
 use crate::devices;
+use crate::pod_cache::PodCache;
 use crate::pod_resources;
 use crate::protocol::{self, PendingPod, ProtocolError, Reading};
 use futures_util::Stream;
@@ -16,6 +17,7 @@ use std::time::{Duration, Instant};
 use tokio::sync::{watch, Mutex};
 use tonic::{Request, Response, Status};
 use vgpu_cluster::decision::InventoryGpu;
+use vgpu_cluster::file_error::io_error;
 use vgpu_cluster::report::with_causes;
 use vgpu_cluster::requests::RequestRules;
 use vgpu_node_agent::allocation::{self, RegionPlan, Settings, ENV_VISIBLE_DEVICES};
@@ -69,6 +71,8 @@ pub struct PluginState {
     /// Kubelet's PodResources API, which tells several pending pods apart
     /// ([`protocol::pending_pod`]); `None`: not asked.
     pod_resources_socket: Option<PathBuf>,
+    /// The node's pods as watched, and as this plugin wrote them.
+    pub pods: PodCache,
 }
 
 impl PluginState {
@@ -86,6 +90,7 @@ impl PluginState {
             gpus: watch::Sender::new(gpus),
             allocate_lock: Mutex::new(()),
             pod_resources_socket,
+            pods: PodCache::default(),
         })
     }
 
@@ -97,10 +102,72 @@ impl PluginState {
         }
     }
 
-    async fn pending_pod(&self, since: Instant) -> Result<PendingPod, Status> {
+    /// The pod kubelet is admitting: among the watched pods where kubelet
+    /// confirms it, else among the pods read afresh.
+    async fn pending_pod(
+        &self,
+        since: Instant,
+        gpus: &[InventoryGpu],
+    ) -> Result<PendingPod, Status> {
+        if let Some(pods) = self.pods.pods() {
+            match self.confirmed_among(&pods, gpus).await {
+                Ok(pod) => return Ok(pod),
+                Err(why) => tracing::debug!("reading the node's pods afresh: {why}"),
+            }
+        }
         let pods = self.pods_on_node(since).await?;
-        let gpus = self.gpus.borrow().clone();
-        self.pending_among(&pods, &gpus).await
+        self.pending_among(&pods, gpus).await
+    }
+
+    /// The pod kubelet is admitting among `pods` as watched, which may be
+    /// behind the API server: the pending one kubelet lists, provided the
+    /// watch has shown every pod kubelet lists (a pod kubelet admits that
+    /// the watch has not shown yet could otherwise be taken for another).
+    /// Without kubelet's PodResources API, the one pending pod (the
+    /// extender then binds no other to the node before its allocation is
+    /// recorded). `Err`: why the pods are to be read afresh.
+    async fn confirmed_among(
+        &self,
+        pods: &[Pod],
+        gpus: &[InventoryGpu],
+    ) -> Result<PendingPod, String> {
+        let node = self.cluster.node();
+        let listed =
+            match &self.pod_resources_socket {
+                Some(socket) => Some(pod_resources::kubelet_pods(socket).await.map_err(|e| {
+                    format!("asking kubelet which pod it admits: {}", with_causes(&e))
+                })?),
+                None => None,
+            };
+        if let Some(listed) = &listed {
+            let watched: protocol::KubeletPods = pods
+                .iter()
+                .map(|p| {
+                    (
+                        p.metadata.namespace.clone().unwrap_or_default(),
+                        p.metadata.name.clone().unwrap_or_default(),
+                    )
+                })
+                .collect();
+            if let Some((namespace, name)) = listed.difference(&watched).next() {
+                return Err(format!(
+                    "kubelet lists pod {namespace}/{name}, which the watch has not shown"
+                ));
+            }
+        }
+        let found = protocol::pending_pod(node, pods, self.reading(gpus), listed.as_ref())
+            .map_err(|e| with_causes(&e))?;
+        if listed.is_some() {
+            if let Err(ProtocolError::SeveralPendingPods { count, .. }) =
+                protocol::pending_pod(node, pods, self.reading(gpus), None)
+            {
+                tracing::info!(
+                    pod = %found.display(),
+                    "{count} pods pending on this node; kubelet is admitting this one"
+                );
+            }
+        }
+        Ok(found)
     }
 
     /// The pod kubelet is admitting among `pods`: the one pending pod, or
@@ -170,21 +237,32 @@ impl PluginState {
         // never came (the API server stopped in between): its pod UID and
         // plans.
         let mut unanswered: Option<(PendingPod, Vec<RegionPlan>)> = None;
+        // Regions this call prepared whose record was refused: never
+        // handed to a container, so a later attempt may replace them when
+        // the pod's decision changed in between.
+        let mut unrecorded: Vec<RegionPlan> = Vec::new();
         for attempt in 1..=MAX_ATTEMPTS {
-            let pods = self.pods_on_node(since).await?;
-            if let Some((earlier, plans)) = unanswered.take() {
-                let containers: Vec<String> =
-                    plans.iter().map(|p| p.holder.name().to_string()).collect();
-                if protocol::records_allocated(&pods, &earlier.uid, &containers) {
-                    tracing::info!(
-                        pod = %earlier.display(),
-                        "the allocation record was stored although its answer was lost"
-                    );
-                    return Ok(self.allocated(&earlier.display(), &plans));
-                }
-            }
             let gpus = self.gpus.borrow().clone();
-            let pod = self.pending_among(&pods, &gpus).await?;
+            // The first attempt may take the pod from the watch: the
+            // record's precondition catches a pod changed since. After a
+            // conflict, the pods are read afresh.
+            let pod = if attempt == 1 {
+                self.pending_pod(since, &gpus).await?
+            } else {
+                let pods = self.pods_on_node(since).await?;
+                if let Some((earlier, plans)) = unanswered.take() {
+                    let containers: Vec<String> =
+                        plans.iter().map(|p| p.holder.name().to_string()).collect();
+                    if protocol::records_allocated(&pods, &earlier.uid, &containers) {
+                        tracing::info!(
+                            pod = %earlier.display(),
+                            "the allocation record was stored although its answer was lost"
+                        );
+                        return Ok(self.allocated(&earlier.display(), &plans));
+                    }
+                }
+                self.pending_among(&pods, &gpus).await?
+            };
             let containers = protocol::match_requests(&pod, &sizes)
                 .map_err(|e| Status::failed_precondition(with_causes(&e)))?;
             let mut plans = Vec::with_capacity(containers.len());
@@ -202,13 +280,41 @@ impl PluginState {
             for (plan, request) in plans.iter().zip(&request.container_requests) {
                 note_kubelet_choice(&pod, plan, &request.devices_ids);
             }
+            let superseded: Vec<PathBuf> = plans
+                .iter()
+                .filter(|plan| {
+                    unrecorded
+                        .iter()
+                        .any(|u| u.region_host == plan.region_host && u.envs != plan.envs)
+                })
+                .map(|plan| plan.region_host.clone())
+                .collect();
+            if !superseded.is_empty() {
+                tracing::info!(
+                    pod = %pod.display(),
+                    "the pod's decision changed while allocating; replacing the region prepared for the earlier one"
+                );
+            }
             let prepared = plans.clone();
-            tokio::task::spawn_blocking(move || prepared.iter().try_for_each(allocation::prepare))
-                .await
-                .map_err(|e| Status::internal(format!("preparing the container directory: {e}")))?
-                .map_err(|e| {
-                    Status::internal(format!("pod {}: {}", pod.display(), with_causes(&e)))
-                })?;
+            tokio::task::spawn_blocking(move || {
+                for path in &superseded {
+                    match std::fs::remove_file(path) {
+                        Err(error) if error.kind() != std::io::ErrorKind::NotFound => {
+                            return Err(allocation::AllocationError::from(io_error(
+                                path,
+                                "remove the superseded region",
+                            )(
+                                error
+                            )));
+                        }
+                        _ => {}
+                    }
+                }
+                prepared.iter().try_for_each(allocation::prepare)
+            })
+            .await
+            .map_err(|e| Status::internal(format!("preparing the container directory: {e}")))?
+            .map_err(|e| Status::internal(format!("pod {}: {}", pod.display(), with_causes(&e))))?;
 
             let mut allocated = pod.allocated.clone();
             allocated.extend(plans.iter().map(|p| p.holder.name().to_string()));
@@ -217,7 +323,12 @@ impl PluginState {
             })
             .await;
             match recorded {
-                Ok(()) => return Ok(self.allocated(&pod.display(), &plans)),
+                Ok(written) => {
+                    // The next `Allocate` must see this pod allocated, even
+                    // before the watch shows it.
+                    self.pods.remember(written);
+                    return Ok(self.allocated(&pod.display(), &plans));
+                }
                 Err(ClusterError::Conflict { .. }) => {
                     tracing::debug!(pod = %pod.display(), attempt, "pod changed while allocating; reading it again");
                     // The conflict may be with our own write: after an
@@ -226,6 +337,7 @@ impl PluginState {
                     // client's own retries). Only this plugin records a
                     // node's allocations, so if the next read shows these
                     // containers recorded, the write was ours.
+                    unrecorded.extend(plans.iter().cloned());
                     unanswered = Some((pod, plans));
                 }
                 Err(error) => return Err(Status::unavailable(with_causes(&error))),
@@ -268,7 +380,8 @@ impl PluginState {
         &self,
         request: &api::PreferredAllocationRequest,
     ) -> api::PreferredAllocationResponse {
-        let pod = match self.pending_pod(Instant::now()).await {
+        let gpus = self.gpus.borrow().clone();
+        let pod = match self.pending_pod(Instant::now(), &gpus).await {
             Ok(pod) => Some(pod),
             Err(status) => {
                 tracing::debug!(
@@ -289,7 +402,6 @@ impl PluginState {
                     .collect()
             })
             .unwrap_or_default();
-        let gpus = self.gpus.borrow().clone();
         let container_responses = request
             .container_requests
             .iter()

@@ -6,7 +6,10 @@
 //! the real server through the fault proxy, which refuses the next patches
 //! on cue ([`Action::conflict`]); the same holds for a write stored while
 //! its answer was lost to a stopping server ([`Action::LoseAnswer`]),
-//! which the plugin must recognise as its own. The plugin runs in-process
+//! which the plugin must recognise as its own. `Allocate` takes the pod
+//! from its watch of the node's pods where it can, so the same holds for a
+//! pod changed after the watch showed it, and an `Allocate` served with
+//! every list of pods refused shows the watch at work. The plugin runs in-process
 //! on a fixed GPU list against a fake kubelet (real gRPC over unix
 //! sockets).
 
@@ -23,7 +26,10 @@ use vgpu_cluster::decision::{
 };
 use vgpu_device_plugin::cluster::make_client;
 use vgpu_node_agent::health::{HealthTracker, ManualHealth};
-use vgpu_testkit::fault_proxy::{Action, Fault, FaultId, FaultProxy, Verb, ANY_POD};
+use vgpu_testkit::fault_proxy::{pod_named, Action, Fault, FaultId, FaultProxy, Verb, ANY_POD};
+
+/// Every list of the pods of all namespaces (the plugin's, by node).
+const POD_LISTS: &str = "/api/v1/pods";
 
 const WAIT: Duration = Duration::from_secs(10);
 const NODE: &str = "node-c";
@@ -90,22 +96,12 @@ impl Node {
     /// A pod of one container asking for one GPU, decided onto GPU 0 of
     /// `NODE` by the extender, bound there and waiting for kubelet.
     async fn pending_pod(&self, name: &str, container: &str) -> Pod {
-        let decision = Decision {
-            version: FORMAT_VERSION,
-            node: NODE.into(),
-            decided_unix_ms: 1,
-            containers: vec![ContainerDecision {
-                name: container.into(),
-                init: false,
-                devices: vec![DeviceGrant {
-                    uuid: gpus()[0].uuid.clone(),
-                    memory_bytes: GIB,
-                    cores_percent: 20,
-                    burst_percent: None,
-                }],
-                priority: None,
-            }],
-        };
+        self.pending_pod_with(name, container, 20).await
+    }
+
+    /// The same, given `cores_percent` of the GPU.
+    async fn pending_pod_with(&self, name: &str, container: &str, cores_percent: u32) -> Pod {
+        let decision = decision(container, cores_percent);
         // Created bound (a real server takes `spec.nodeName` on create).
         let pod: Pod = serde_json::from_value(json!({
             "apiVersion": "v1",
@@ -145,6 +141,27 @@ impl Node {
     fn inject_conflicts(&self, count: usize) -> FaultId {
         self.proxy
             .inject(Fault::new(Verb::Patch, ANY_POD, Action::conflict()).times(count))
+    }
+}
+
+/// The extender's decision for one `container` on GPU 0 of `NODE`: 1 GiB
+/// and `cores_percent`.
+fn decision(container: &str, cores_percent: u32) -> Decision {
+    Decision {
+        version: FORMAT_VERSION,
+        node: NODE.into(),
+        decided_unix_ms: 1,
+        containers: vec![ContainerDecision {
+            name: container.into(),
+            init: false,
+            devices: vec![DeviceGrant {
+                uuid: gpus()[0].uuid.clone(),
+                memory_bytes: GIB,
+                cores_percent,
+                burst_percent: None,
+            }],
+            priority: None,
+        }],
     }
 }
 
@@ -227,4 +244,88 @@ async fn allocate_is_aborted_while_the_pod_keeps_changing() {
     let (_, answer) = node.conn.allocate_one(1).await.expect("served after all");
     assert_eq!(answer.envs["NVIDIA_VISIBLE_DEVICES"], gpus()[0].uuid);
     assert_eq!(node.allocated("infer").await, vec!["server"]);
+}
+
+/// The pod's decision changes (another writer) after the plugin's watch
+/// showed it and just before the plugin records its allocation: the
+/// record's precondition fails on the changed pod, the plugin reads it
+/// afresh, and the container gets the decision as it now is, never the
+/// one the watch showed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pod_changed_after_the_watch_showed_it_is_served_as_it_now_is() {
+    let mut node = Node::start("plugin-conflicts-stale-watch").await;
+    let pod = node.pending_pod_with("tune", "main", 20).await;
+    let (patches, conflicts) = node.patches();
+    node.proxy.inject(
+        Fault::new(
+            Verb::Patch,
+            pod_named("tune"),
+            Action::ChangeFirst(json!({
+                "metadata": { "annotations": { DECISION_ANNOTATION: decision("main", 30).to_json() } }
+            })),
+        )
+        .times(1),
+    );
+    let answers = node.conn.admit(&pod, RESOURCE).await.expect("admitted");
+    let (patches_now, conflicts_now) = node.patches();
+    assert_eq!(conflicts_now - conflicts, 1, "the write on the changed pod");
+    // The refused record and the record (the other writer's patch is not
+    // the plugin's).
+    assert_eq!(patches_now - patches, 2);
+    assert_eq!(answers[0].2.envs["CUDA_DEVICE_SM_LIMIT_0"], "30");
+    assert_eq!(node.allocated("tune").await, vec!["main"]);
+}
+
+/// Once the plugin's watch of the node's pods is in, an `Allocate` needs no
+/// list of them: with every list refused (400, which the plugin does not
+/// wait out), a pod the watch has shown is still served. Kubelet asks again
+/// while the watch has not shown it yet (what a refused fresh list fails).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn allocate_takes_the_pod_from_the_watch_without_listing_pods() {
+    let mut node = Node::start("plugin-conflicts-watched").await;
+    // The watch's first list.
+    let deadline = tokio::time::Instant::now() + WAIT;
+    while node.proxy.count_answered(Verb::List, POD_LISTS, 200) == 0 {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the plugin never listed the node's pods"
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    node.proxy.inject(Fault::new(
+        Verb::List,
+        POD_LISTS,
+        Action::Refuse {
+            code: 400,
+            reason: "BadRequest",
+            message: "lists refused by the test".into(),
+        },
+    ));
+    for name in ["first", "second", "third"] {
+        let pod = node.pending_pod(name, "main").await;
+        let answers = loop {
+            match node.conn.admit(&pod, RESOURCE).await {
+                Ok(answers) => break answers,
+                Err(status) => {
+                    assert!(
+                        status.message().contains("lists refused by the test"),
+                        "{}",
+                        status.message()
+                    );
+                    assert!(
+                        tokio::time::Instant::now() < deadline + WAIT,
+                        "{name} never served"
+                    );
+                    tokio::time::sleep(Duration::from_millis(5)).await;
+                }
+            }
+        };
+        assert_eq!(answers[0].2.envs["CUDA_DEVICE_SM_LIMIT_0"], "20");
+        assert_eq!(node.allocated(name).await, vec!["main"]);
+    }
+    assert_eq!(
+        node.proxy.count_answered(Verb::List, POD_LISTS, 200),
+        1,
+        "only the watch's first list went through"
+    );
 }

@@ -12,9 +12,15 @@
 //! 3. The decision is written to the pod with its `resourceVersion` as a
 //!    precondition, and applied to the state at once, before the lock is
 //!    released: the next bind on the node sees this pod pending.
-//! 4. Only then is the pod bound. If binding fails, the decision is removed
-//!    again (with the new `resourceVersion` as precondition, so a pod that
-//!    was bound after all keeps it).
+//! 4. Only then is the pod bound, after the locks are released: the next
+//!    bind on the node already counts this pod's decision, so binding it
+//!    needs no lock (two binds of one pod never run at once, see below). If
+//!    binding fails, the decision is removed again (with the new
+//!    `resourceVersion` as precondition, so a pod that was bound after all
+//!    keeps it).
+//!
+//! A second bind of a pod while one runs is refused: two binds of one pod
+//! to two nodes would each decide under its own node's lock.
 //!
 //! The node locks are in memory: of several replicas, only the one holding
 //! the extender's Lease serves the verbs ([`crate::leader`]).
@@ -89,6 +95,8 @@ pub enum BindError {
          vGPU pods are admitted one per node at a time); kube-scheduler will retry"
     )]
     StillAdmitting { node: String, pending: String },
+    #[error("pod {pod} is being bound by another request; kube-scheduler will retry")]
+    BindingMeanwhile { pod: String },
     #[error("pod {pod} was bound by someone else meanwhile")]
     BoundMeanwhile { pod: String },
     #[error("recording the decision on pod {pod} failed")]
@@ -154,6 +162,9 @@ impl Scheduler {
         self.check_leading()?;
         let api = self.api.as_ref().ok_or(BindError::NoApi)?;
         let key = format!("{namespace}/{name}");
+        let _binding = self
+            .start_binding(&key)
+            .ok_or_else(|| BindError::BindingMeanwhile { pod: key.clone() })?;
         let deadline = tokio::time::Instant::now() + self.config.bind_wait;
 
         let mut pod = self.fetch(api, args).await?;
@@ -202,7 +213,7 @@ impl Scheduler {
         // Binds of pods holding claims go one at a time, so two pods
         // holding the same claim cannot both be placed (the webhook's check
         // at creation can be raced); taken before the node's lock, always.
-        let _claims_guard = if claim_keys_held(&pod).is_empty() {
+        let claims_guard = if claim_keys_held(&pod).is_empty() {
             None
         } else {
             Some(
@@ -220,7 +231,7 @@ impl Scheduler {
             .quotas()
             .limits_namespace(namespace)
             .then(|| self.namespace_lock(namespace));
-        let _quota_guard = match &quota_lock {
+        let quota_guard = match &quota_lock {
             Some(lock) => Some(
                 tokio::time::timeout_at(deadline, lock.lock())
                     .await
@@ -232,7 +243,7 @@ impl Scheduler {
             None => None,
         };
         let lock = self.node_lock(node);
-        let _guard = tokio::time::timeout_at(deadline, lock.lock())
+        let node_guard = tokio::time::timeout_at(deadline, lock.lock())
             .await
             .map_err(|_| BindError::NodeBusy {
                 node: node.clone(),
@@ -274,6 +285,11 @@ impl Scheduler {
             }
         };
         self.state.update(|s| s.apply_written_pod(&written));
+        // The next bind on the node (of the namespace, of a claim) now
+        // counts this decision: the binding itself needs no lock.
+        drop(node_guard);
+        drop(quota_guard);
+        drop(claims_guard);
         let uid = written.metadata.uid.clone().unwrap_or_default();
         match api.bind(namespace, name, &uid, node).await {
             Ok(()) => {

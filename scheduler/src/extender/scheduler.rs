@@ -43,6 +43,9 @@ pub struct Scheduler {
     node_locks: Locks,
     /// Held while a pod of a namespace with a vGPU quota is bound.
     namespace_locks: Locks,
+    /// Pods (`namespace/name`) a bind is running for: a second bind of the
+    /// same pod is refused while the first runs.
+    binding: Mutex<std::collections::HashSet<String>>,
     /// Seeds the random node policy and keys the score cache.
     pub(super) hasher: foldhash::fast::RandomState,
     pub(super) score_cache: ScoreCache,
@@ -63,6 +66,7 @@ impl Scheduler {
             api,
             node_locks: Mutex::new(HashMap::new()),
             namespace_locks: Mutex::new(HashMap::new()),
+            binding: Mutex::new(std::collections::HashSet::new()),
             hasher: foldhash::fast::RandomState::default(),
             score_cache: ScoreCache::default(),
             binds_in_flight: AtomicUsize::new(0),
@@ -179,10 +183,39 @@ impl Scheduler {
         lock_of(&self.namespace_locks, namespace)
     }
 
+    /// Marks a bind of `pod` running until the guard is dropped; `None`
+    /// when one already runs.
+    pub(super) fn start_binding(&self, pod: &str) -> Option<BindingPod<'_>> {
+        let mut binding = self
+            .binding
+            .lock()
+            .unwrap_or_else(|poison| poison.into_inner());
+        binding.insert(pod.to_string()).then(|| BindingPod {
+            binding: &self.binding,
+            pod: pod.to_string(),
+        })
+    }
+
     /// A number that is random across pods and nodes, but the same for one
     /// pod and node within this process.
     pub(super) fn random(&self, uid: &str, node: &str) -> u64 {
         self.hasher.hash_one((uid, node))
+    }
+}
+
+/// A bind of one pod running; see [`Scheduler::start_binding`].
+pub(super) struct BindingPod<'a> {
+    binding: &'a Mutex<std::collections::HashSet<String>>,
+    pod: String,
+}
+
+impl Drop for BindingPod<'_> {
+    fn drop(&mut self) {
+        let mut binding = self
+            .binding
+            .lock()
+            .unwrap_or_else(|poison| poison.into_inner());
+        binding.remove(&self.pod);
     }
 }
 

@@ -238,6 +238,67 @@ async fn unknown_nodes_in_bind_are_refused() {
     assert!(h.api.pod("p").await.expect("pod")["spec"]["nodeName"].is_null());
 }
 
+/// Through the fault proxy: a pod's binding held back after its decision
+/// for node n1 is written (and the node's lock released), while another
+/// bind of the same pod to n2 comes in. It is refused: deciding anew under
+/// n2's lock would overwrite n1's decision, and once one binding lost,
+/// its clean-up would leave the pod bound with no decision.
+#[tokio::test]
+async fn a_second_bind_of_a_pod_while_one_runs_is_refused() {
+    let h = Harness::start_behind_proxy(test_config()).await;
+    h.put_node(node("n1", &[gpu("NVIDIA A10", 24)])).await;
+    h.put_node(node("n2", &[gpu("NVIDIA A10", 24)])).await;
+    let p = h
+        .create_pod(pod("twice", &[vgpu("main", 1, 1024, 10)], &[]))
+        .await;
+    h.caught_up(version_of(&p), 0).await;
+    let binding = vgpu_testkit::fault_proxy::Gate::new();
+    h.proxy().inject(Fault::new(
+        Verb::Create,
+        vgpu_testkit::fault_proxy::pod_binding("twice"),
+        Action::Hold(binding.clone()),
+    ));
+    let first = {
+        let client = h.client.clone();
+        let body = json!({
+            "PodName": "twice",
+            "PodNamespace": p["metadata"]["namespace"],
+            "PodUID": uid_of(&p),
+            "Node": "n1",
+        });
+        tokio::spawn(async move { client.post("/bind", body.to_string().into_bytes()).await })
+    };
+    // The first bind has written its decision; its binding waits.
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+    while h.decision(&p).await.is_none() {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "no decision written"
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    // Refused at once (deciding anew, it would wait for its own binding).
+    let second = tokio::time::timeout(Duration::from_secs(10), h.bind(&p, "n2"))
+        .await
+        .expect("the second bind answers while the first is held");
+    assert_eq!(
+        second.error,
+        "pod ml-team/twice is being bound by another request; kube-scheduler will retry"
+    );
+    binding.open();
+    let (status, reply) = first.await.expect("first bind").expect("answered");
+    let reply: serde_json::Value = serde_json::from_slice(&reply).expect("JSON");
+    assert_eq!(status, 200);
+    assert!(
+        reply["Error"].as_str().unwrap_or_default().is_empty(),
+        "{reply}"
+    );
+    let stored = h.api.pod("twice").await.expect("pod");
+    assert_eq!(stored["spec"]["nodeName"], "n1");
+    assert_eq!(h.decision(&p).await.expect("decision").node, "n1");
+    healthy(&h).await;
+}
+
 /// Through the fault proxy: lists held back until the extender has been
 /// asked while they are missing, a fault a real API server does not
 /// produce on demand.

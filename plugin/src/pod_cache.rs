@@ -1,0 +1,211 @@
+//! The pods bound to this node as a watch of the API server shows them,
+//! plus the plugin's own writes, so that an `Allocate` (and the
+//! `GetPreferredAllocation` before it) need not list them afresh.
+//!
+//! What is read here may be behind the API server; it is used only where
+//! that is caught: an `Allocate` records its allocation with the pod's
+//! `resourceVersion` as read here as a precondition (a pod changed since
+//! fails the write), and finds no pod or the wrong one only where the
+//! pod kubelet admits is missing here, which it checks against kubelet's
+//! own list; in either case it reads the pods afresh
+//! ([`crate::service`]).
+
+use futures_util::StreamExt;
+use k8s_openapi::api::core::v1::Pod;
+use kube::runtime::watcher::{self, Event};
+use kube::runtime::WatchStreamExt;
+use kube::{Api, Client};
+use std::collections::HashMap;
+use std::sync::{Arc, RwLock};
+use tokio::sync::watch;
+
+/// The pods of one node, by UID.
+#[derive(Default)]
+struct Pods {
+    /// Whether the watch's first list is in.
+    synced: bool,
+    by_uid: HashMap<String, Pod>,
+    /// The next list while a (re)list is being read.
+    relisting: Option<HashMap<String, Pod>>,
+}
+
+/// The node's pods, kept by [`PodCache::follow`].
+#[derive(Clone, Default)]
+pub struct PodCache {
+    pods: Arc<RwLock<Pods>>,
+}
+
+fn uid(pod: &Pod) -> Option<&str> {
+    pod.metadata.uid.as_deref()
+}
+
+/// Whether `candidate` is a later version of its pod than `held` (resource
+/// versions compare as numbers on every API server this runs against; one
+/// that is not a number is taken as later).
+fn later(candidate: &Pod, held: &Pod) -> bool {
+    let number = |pod: &Pod| {
+        pod.metadata
+            .resource_version
+            .as_deref()
+            .and_then(|v| v.parse::<u64>().ok())
+    };
+    match (number(candidate), number(held)) {
+        (Some(new), Some(old)) => new > old,
+        _ => true,
+    }
+}
+
+impl PodCache {
+    /// The pods, or `None` while the watch's first list is not in.
+    pub fn pods(&self) -> Option<Vec<Pod>> {
+        let pods = self
+            .pods
+            .read()
+            .unwrap_or_else(|poison| poison.into_inner());
+        pods.synced.then(|| pods.by_uid.values().cloned().collect())
+    }
+
+    /// Takes `pod` as the plugin just wrote it, unless the watch already
+    /// showed a later version.
+    pub fn remember(&self, pod: Pod) {
+        let mut pods = self
+            .pods
+            .write()
+            .unwrap_or_else(|poison| poison.into_inner());
+        insert_if_later(&mut pods.by_uid, pod);
+    }
+
+    fn apply(&self, event: Event<Pod>) {
+        let mut pods = self
+            .pods
+            .write()
+            .unwrap_or_else(|poison| poison.into_inner());
+        match event {
+            Event::Apply(pod) => insert_if_later(&mut pods.by_uid, pod),
+            Event::Delete(pod) => {
+                if let Some(uid) = uid(&pod) {
+                    pods.by_uid.remove(uid);
+                }
+            }
+            Event::Init => pods.relisting = Some(HashMap::new()),
+            Event::InitApply(pod) => {
+                if let (Some(listing), Some(uid)) = (pods.relisting.as_mut(), uid(&pod)) {
+                    listing.insert(uid.to_string(), pod);
+                }
+            }
+            Event::InitDone => {
+                if let Some(listed) = pods.relisting.take() {
+                    pods.by_uid = listed;
+                    pods.synced = true;
+                }
+            }
+        }
+    }
+
+    /// Follows the pods bound to `node` until `shutdown` becomes true
+    /// (the watch reconnects, and lists again, after errors).
+    pub async fn follow(self, client: Client, node: String, mut shutdown: watch::Receiver<bool>) {
+        let api: Api<Pod> = Api::all(client);
+        let config = watcher::Config::default().fields(&format!("spec.nodeName={node}"));
+        let mut events = std::pin::pin!(watcher::watcher(api, config).default_backoff());
+        loop {
+            tokio::select! {
+                event = events.next() => match event {
+                    Some(Ok(event)) => self.apply(event),
+                    Some(Err(error)) => tracing::warn!(
+                        error = &error as &dyn std::error::Error,
+                        "watching the node's pods failed; reconnecting (Allocate lists them meanwhile)"
+                    ),
+                    None => return,
+                },
+                // A dropped sender stops it too.
+                _ = shutdown.wait_for(|stop| *stop) => return,
+            }
+        }
+    }
+}
+
+fn insert_if_later(by_uid: &mut HashMap<String, Pod>, pod: Pod) {
+    let Some(key) = uid(&pod).map(str::to_string) else {
+        return;
+    };
+    match by_uid.get(&key) {
+        Some(held) if !later(&pod, held) => {}
+        _ => {
+            by_uid.insert(key, pod);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
+
+    fn pod(uid: &str, version: &str) -> Pod {
+        Pod {
+            metadata: ObjectMeta {
+                uid: Some(uid.to_string()),
+                resource_version: Some(version.to_string()),
+                ..ObjectMeta::default()
+            },
+            ..Pod::default()
+        }
+    }
+
+    fn versions(cache: &PodCache) -> Option<Vec<(String, String)>> {
+        cache.pods().map(|pods| {
+            let mut out: Vec<(String, String)> = pods
+                .into_iter()
+                .map(|p| {
+                    (
+                        p.metadata.uid.unwrap_or_default(),
+                        p.metadata.resource_version.unwrap_or_default(),
+                    )
+                })
+                .collect();
+            out.sort();
+            out
+        })
+    }
+
+    #[test]
+    fn nothing_is_served_before_the_first_list_is_in() {
+        let cache = PodCache::default();
+        cache.apply(Event::Init);
+        cache.apply(Event::InitApply(pod("a", "5")));
+        assert_eq!(versions(&cache), None);
+        cache.apply(Event::InitDone);
+        assert_eq!(versions(&cache), Some(vec![("a".into(), "5".into())]));
+    }
+
+    #[test]
+    fn an_older_version_never_replaces_a_newer_one() {
+        let cache = PodCache::default();
+        cache.apply(Event::Init);
+        cache.apply(Event::InitDone);
+        // The plugin's own write is seen before the watch shows it.
+        cache.remember(pod("a", "9"));
+        cache.apply(Event::Apply(pod("a", "7")));
+        assert_eq!(versions(&cache), Some(vec![("a".into(), "9".into())]));
+        cache.apply(Event::Apply(pod("a", "10")));
+        assert_eq!(versions(&cache), Some(vec![("a".into(), "10".into())]));
+        cache.apply(Event::Delete(pod("a", "11")));
+        assert_eq!(versions(&cache), Some(vec![]));
+    }
+
+    #[test]
+    fn a_relist_replaces_what_was_held() {
+        let cache = PodCache::default();
+        cache.apply(Event::Init);
+        cache.apply(Event::InitApply(pod("a", "5")));
+        cache.apply(Event::InitDone);
+        // The watch broke; a pod deleted meanwhile is gone from the relist.
+        cache.apply(Event::Init);
+        cache.apply(Event::InitApply(pod("b", "8")));
+        // Served meanwhile: the old list.
+        assert_eq!(versions(&cache), Some(vec![("a".into(), "5".into())]));
+        cache.apply(Event::InitDone);
+        assert_eq!(versions(&cache), Some(vec![("b".into(), "8".into())]));
+    }
+}
