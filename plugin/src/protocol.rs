@@ -198,6 +198,14 @@ pub fn records_allocated(pods: &[Pod], uid: &str, containers: &[String]) -> bool
 /// `(namespace, name)` of each pod kubelet lists in its PodResources API.
 pub type KubeletPods = std::collections::BTreeSet<(String, String)>;
 
+/// `pod` as [`KubeletPods`] names it.
+pub fn kubelet_key(pod: &Pod) -> (String, String) {
+    (
+        pod.metadata.namespace.clone().unwrap_or_default(),
+        pod.metadata.name.clone().unwrap_or_default(),
+    )
+}
+
 /// The one pod pending on `node` among `pods`; with `kubelet_lists`, only
 /// among the pods kubelet lists. Kubelet lists a pod from the start of its
 /// admission and admits one pod at a time, so of the pods pending by their
@@ -210,15 +218,7 @@ pub fn pending_pod(
     reading: Reading<'_>,
     kubelet_lists: Option<&KubeletPods>,
 ) -> Result<PendingPod, ProtocolError> {
-    let listed = |pod: &Pod| {
-        kubelet_lists.is_none_or(|listed| {
-            let key = (
-                pod.metadata.namespace.clone().unwrap_or_default(),
-                pod.metadata.name.clone().unwrap_or_default(),
-            );
-            listed.contains(&key)
-        })
-    };
+    let listed = |pod: &Pod| kubelet_lists.is_none_or(|listed| listed.contains(&kubelet_key(pod)));
     let mut pending = Vec::new();
     let mut unusable = Vec::new();
     for pod in pods

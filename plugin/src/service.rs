@@ -140,15 +140,7 @@ impl PluginState {
                 None => None,
             };
         if let Some(listed) = &listed {
-            let watched: protocol::KubeletPods = pods
-                .iter()
-                .map(|p| {
-                    (
-                        p.metadata.namespace.clone().unwrap_or_default(),
-                        p.metadata.name.clone().unwrap_or_default(),
-                    )
-                })
-                .collect();
+            let watched: protocol::KubeletPods = pods.iter().map(protocol::kubelet_key).collect();
             if let Some((namespace, name)) = listed.difference(&watched).next() {
                 return Err(format!(
                     "kubelet lists pod {namespace}/{name}, which the watch has not shown"
