@@ -12,9 +12,11 @@
 //!    versioned), on start and on any change. It shows it is alive by
 //!    renewing the node's Lease ([`crate::node_lease`]); the extender gives
 //!    nothing new to a node whose Lease ran out.
-//! 2. **Decision.** When the extender binds a pod, it first writes its
-//!    choice (node, and per container the GPUs with memory and cores) as the
-//!    pod annotation [`DECISION_ANNOTATION`] ([`Decision`]), then binds.
+//! 2. **Decision.** When the extender binds a pod, it writes its choice
+//!    (node, and per container the GPUs with memory and cores) as the pod
+//!    annotation [`DECISION_ANNOTATION`] ([`Decision`]) in the Binding
+//!    itself, whose annotations the API server merges into the pod: a pod
+//!    is bound with its decision or not at all.
 //! 3. **One pending pod per node.** A pod is *pending* on a node from its
 //!    decision until the plugin has allocated all its GPU containers
 //!    ([`ALLOCATED_ANNOTATION`]) or kubelet has finished admitting it

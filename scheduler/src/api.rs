@@ -53,6 +53,14 @@ impl From<kube::Error> for ApiError {
     }
 }
 
+/// The pod as it was read: a write made from it is refused once it
+/// changed.
+#[derive(Clone, Copy, Debug)]
+pub struct PodVersion<'a> {
+    pub uid: &'a str,
+    pub resource_version: &'a str,
+}
+
 /// Every `ElasticGPU` of the cluster.
 pub fn elastic_gpus(client: Client) -> Api<ElasticGpu> {
     Api::all(client)
@@ -199,30 +207,6 @@ impl KubeApi {
         Ok(self.elastic_classes().get(name).await?)
     }
 
-    /// Writes `decision` (JSON) as the pod's decision annotation, clearing
-    /// any allocation record, if the pod is still at `resource_version`.
-    pub async fn write_decision(
-        &self,
-        namespace: &str,
-        name: &str,
-        resource_version: &str,
-        decision: &str,
-    ) -> Result<Pod, ApiError> {
-        let patch = json!({
-            "metadata": {
-                "resourceVersion": resource_version,
-                "annotations": {
-                    DECISION_ANNOTATION: decision,
-                    ALLOCATED_ANNOTATION: null,
-                }
-            }
-        });
-        Ok(self
-            .pods(namespace)
-            .patch(name, &PatchParams::default(), &Patch::Merge(&patch))
-            .await?)
-    }
-
     /// Answers a pod's resize request: its status, and the new decision
     /// when one was made (the device plugin's record of what it
     /// allocated is kept: the containers run), if the pod is still at
@@ -282,10 +266,11 @@ impl KubeApi {
         Ok(())
     }
 
-    /// Removes the decision annotation, if the pod is still at
-    /// `resource_version` (a pod that changed since, e.g. got bound after
-    /// all, keeps it).
-    pub async fn clear_decision(
+    /// Removes vgpu's records of an earlier grant (the decision and the
+    /// device plugin's allocation) from a pod not bound yet, if it is still
+    /// at `resource_version`: a Binding can add annotations but not remove
+    /// them.
+    pub async fn clear_records(
         &self,
         namespace: &str,
         name: &str,
@@ -294,7 +279,7 @@ impl KubeApi {
         let patch = json!({
             "metadata": {
                 "resourceVersion": resource_version,
-                "annotations": { DECISION_ANNOTATION: null }
+                "annotations": { DECISION_ANNOTATION: null, ALLOCATED_ANNOTATION: null }
             }
         });
         Ok(self
@@ -312,10 +297,43 @@ impl KubeApi {
         uid: &str,
         node: &str,
     ) -> Result<(), ApiError> {
+        let metadata = json!({ "name": name, "namespace": namespace, "uid": uid });
+        self.post_binding(namespace, name, metadata, node).await
+    }
+
+    /// Binds the pod and records its decision in one write: the API server
+    /// merges a Binding's annotations into the pod, under the Binding's UID
+    /// and `resourceVersion` as preconditions (so a pod changed since it
+    /// was read is refused with a conflict, and nothing is written).
+    pub async fn bind_with_decision(
+        &self,
+        namespace: &str,
+        name: &str,
+        read: &PodVersion<'_>,
+        node: &str,
+        decision: &str,
+    ) -> Result<(), ApiError> {
+        let metadata = json!({
+            "name": name,
+            "namespace": namespace,
+            "uid": read.uid,
+            "resourceVersion": read.resource_version,
+            "annotations": { DECISION_ANNOTATION: decision },
+        });
+        self.post_binding(namespace, name, metadata, node).await
+    }
+
+    async fn post_binding(
+        &self,
+        namespace: &str,
+        name: &str,
+        metadata: serde_json::Value,
+        node: &str,
+    ) -> Result<(), ApiError> {
         let binding = json!({
             "apiVersion": "v1",
             "kind": "Binding",
-            "metadata": { "name": name, "namespace": namespace, "uid": uid },
+            "metadata": metadata,
             "target": { "apiVersion": "v1", "kind": "Node", "name": node }
         });
         let _status: serde_json::Value = self

@@ -123,11 +123,18 @@ pub fn path_matches(pattern: &str, path: &str) -> bool {
 
 /// A gate that held requests wait at until the test opens it.
 #[derive(Clone, Debug)]
-pub struct Gate(tokio::sync::watch::Sender<bool>);
+pub struct Gate {
+    open: tokio::sync::watch::Sender<bool>,
+    /// How many requests have come to the gate.
+    arrived: tokio::sync::watch::Sender<usize>,
+}
 
 impl Default for Gate {
     fn default() -> Self {
-        Self(tokio::sync::watch::Sender::new(false))
+        Self {
+            open: tokio::sync::watch::Sender::new(false),
+            arrived: tokio::sync::watch::Sender::new(0),
+        }
     }
 }
 
@@ -138,12 +145,20 @@ impl Gate {
 
     /// Lets every held request (and every later one) through.
     pub fn open(&self) {
-        self.0.send_replace(true);
+        self.open.send_replace(true);
+    }
+
+    /// Waits until a request has come to the gate (and is held there,
+    /// unless it was opened).
+    pub async fn reached(&self) {
+        let mut arrived = self.arrived.subscribe();
+        // The sender lives in `self`, so the wait ends only on an arrival.
+        let _ = arrived.wait_for(|count| *count > 0).await;
     }
 
     async fn passed(&self) {
-        let mut open = self.0.subscribe();
-        // The sender lives in `self`, so the wait ends only when opened.
+        self.arrived.send_modify(|count| *count += 1);
+        let mut open = self.open.subscribe();
         let _ = open.wait_for(|open| *open).await;
     }
 }
@@ -161,8 +176,9 @@ pub enum Action {
         reason: &'static str,
         message: String,
     },
-    /// Another writer merge-patches the object at the request's path with
-    /// this first; then the request is forwarded.
+    /// Another writer merge-patches the object at the request's path (for
+    /// a pod's `binding`, the pod) with this first; then the request is
+    /// forwarded.
     ChangeFirst(serde_json::Value),
     /// Forwards it (the server stores it), then answers 503 in place of
     /// the server's answer.
@@ -472,7 +488,10 @@ async fn serve(State(proxy): State<Arc<FaultProxy>>, request: Request) -> Respon
             reason,
             message,
         }) => status(code, reason, &message),
-        Some(Action::ChangeFirst(patch)) => match proxy.change(&path, &patch).await {
+        Some(Action::ChangeFirst(patch)) => match proxy
+            .change(path.strip_suffix("/binding").unwrap_or(&path), &patch)
+            .await
+        {
             Ok(()) => forward().await,
             Err(why) => status(
                 500,

@@ -143,12 +143,25 @@ impl Drop for ApiServer {
 /// `binding` subresource, the only way a real server lets `spec.nodeName`
 /// be set on an existing pod.
 pub async fn bind_pod(client: &kube::Client, namespace: &str, name: &str, node: &str) {
+    bind_pod_annotated(client, namespace, name, node, Default::default()).await;
+}
+
+/// Binds as [`bind_pod`] does, with `annotations` in the Binding, which the
+/// API server merges into the pod (as the extender records its decision).
+pub async fn bind_pod_annotated(
+    client: &kube::Client,
+    namespace: &str,
+    name: &str,
+    node: &str,
+    annotations: std::collections::BTreeMap<String, String>,
+) {
     use k8s_openapi::api::core::v1::{Binding, ObjectReference, Pod};
     use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
     let binding = Binding {
         metadata: ObjectMeta {
             name: Some(name.into()),
             namespace: Some(namespace.into()),
+            annotations: Some(annotations),
             ..ObjectMeta::default()
         },
         target: ObjectReference {

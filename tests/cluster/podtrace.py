@@ -35,7 +35,7 @@ AUDIT_POLICY = {
 # that marks it (Running: the bench's watch).
 STEPS = {
     "plain": ("created", "admitted", "bound", "kubelet", "running"),
-    "vgpu": ("created", "admitted", "decided", "bound", "allocated", "kubelet", "running"),
+    "vgpu": ("created", "admitted", "bound", "allocated", "kubelet", "running"),
     "dra": ("created", "admitted", "claim", "claim allocated", "bound", "kubelet", "running"),
     "null": ("created", "admitted", "claim", "claim allocated", "bound", "kubelet", "running"),
     "whole": ("created", "admitted", "claim", "claim allocated", "bound", "kubelet", "running"),
@@ -43,8 +43,7 @@ STEPS = {
 }
 MEANING = {
     "admitted": "create answered (admission, webhooks included)",
-    "decided": "the extender's decision written on the pod",
-    "bound": "binding created",
+    "bound": "binding created (a vGPU pod's carries the extender's decision)",
     "allocated": "the device plugin's Allocate recorded on the pod",
     "claim": "its ResourceClaim made (from the template; by kube-scheduler for an extended resource)",
     "claim allocated": "the claim's allocation written by kube-scheduler",
@@ -101,8 +100,6 @@ def read_steps(audit_log: Path, namespace: str, running: dict[str, float]) -> di
                 pod.setdefault("bound", done)
             elif subresource == "status":
                 status_writes.setdefault(ref["name"], []).append(done)
-            elif subresource == "" and verb == "patch" and user.endswith("-scheduler"):
-                pod.setdefault("decided", done)
             elif subresource == "" and verb == "patch" and user.endswith("-node"):
                 pod.setdefault("allocated", done)
     for name, writes in status_writes.items():

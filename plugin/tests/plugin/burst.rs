@@ -1,7 +1,7 @@
 //! 50 pods bound in a burst across 5 nodes, each node a simulated GPU with
 //! the real plugin binary and a fake kubelet, all on one real API server
 //! (etcd and kube-apiserver); the test plays the scheduler
-//! extender (decision first, then bind, one pending pod per node) and
+//! extender (bound with its decision, one pending pod per node) and
 //! kubelet (containers admitted in order). Every container must get
 //! exactly its own GPUs and limits, in its environment and in the region
 //! created on the host; then the same with every plugin killed and
@@ -264,7 +264,7 @@ async fn run_node(
             run.kubelet.restart().await;
             reconnect(&mut run).await;
         }
-        // The extender: decision, then bind. Nothing else is pending here.
+        // The extender: bound with its decision. Nothing else is pending here.
         let unbound = api.pod(&name).await;
         let decision = decision_for(i, &unbound, &run.node.name, &run.gpus);
         let bound = api.bind(&name, &decision).await;

@@ -17,7 +17,7 @@ pub mod node;
 use k8s_openapi::api::core::v1::{Container, Node, Pod, PodSpec, PodStatus, ResourceRequirements};
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
-use kube::api::{Api, Patch, PatchParams, PostParams};
+use kube::api::{Api, PostParams};
 use kube::Client;
 use std::collections::BTreeMap;
 use std::future::Future;
@@ -177,17 +177,19 @@ impl ControlPlane {
             .unwrap_or_else(|error| panic!("get pod {name}: {error}"))
     }
 
-    /// The extender's bind: the decision first, then the node, through the
-    /// `binding` subresource (the only way to set `spec.nodeName`).
+    /// The extender's bind: the node and the decision in one Binding (the
+    /// `binding` subresource, the only way to set `spec.nodeName`), whose
+    /// annotations the API server merges into the pod.
     pub async fn bind(&self, name: &str, decision: &Decision) -> Pod {
-        let pods = self.pods();
-        let annotate = serde_json::json!({
-            "metadata": { "annotations": { DECISION_ANNOTATION: decision.to_json() } }
-        });
-        pods.patch(name, &PatchParams::default(), &Patch::Merge(&annotate))
-            .await
-            .unwrap_or_else(|error| panic!("annotate pod {name} with its decision: {error}"));
-        vgpu_testkit::kube::bind_pod(&self.client, NAMESPACE, name, &decision.node).await;
+        let annotations = [(DECISION_ANNOTATION.to_string(), decision.to_json())].into();
+        vgpu_testkit::kube::bind_pod_annotated(
+            &self.client,
+            NAMESPACE,
+            name,
+            &decision.node,
+            annotations,
+        )
+        .await;
         self.pod(name).await
     }
 

@@ -51,6 +51,10 @@ pub struct PodRecord {
     /// Set while the record comes from the extender's own write and the
     /// watch has not shown this version yet.
     pub local_since: Option<Instant>,
+    /// Decided by this extender and counted while the binding that writes
+    /// the decision runs ([`crate::cache::state::ClusterState::count_binding`]):
+    /// `resource_version` is the pod's as read, before the binding.
+    pub being_bound: bool,
     /// Not bound, and its decision is older than the unbound grace (or
     /// dated further ahead than any clock of the extender's replicas
     /// could be): its GPUs are not counted until the pod is bound.
@@ -101,6 +105,7 @@ impl PodRecord {
             contribution,
             claims: claim_keys_held(pod),
             local_since: None,
+            being_bound: false,
             unbound_expired: false,
             resize_request: unanswered(Some(annotations)).map(str::to_string),
         }))

@@ -2,22 +2,23 @@
 //! choices are ruled out by construction. Only pods that ask for vGPUs are
 //! bound; any other is refused before anything is written.
 //!
-//! 1. One in-process lock per node is held across check, record and bind,
-//!    so two binds to one node never interleave (and one per namespace
-//!    whose quota limits vGPU resources, taken first).
+//! 1. One in-process lock per node is held while the pod is placed, so two
+//!    binds to one node never decide at once (and one per namespace whose
+//!    quota limits vGPU resources, taken first).
 //! 2. Under it, the bind waits (up to `--bind-wait-ms`) until the node has
 //!    no *pending* pod (decided, not yet fully allocated by the device
-//!    plugin), then places the pod on the node's GPUs as they are now
+//!    plugin) unless the node's plugin tells several pending pods apart,
+//!    then places the pod on the node's GPUs as they are now
 //!    ([`crate::placement::on_node`]).
-//! 3. The decision is written to the pod with its `resourceVersion` as a
-//!    precondition, and applied to the state at once, before the lock is
-//!    released: the next bind on the node sees this pod pending.
-//! 4. Only then is the pod bound, after the locks are released: the next
-//!    bind on the node already counts this pod's decision, so binding it
-//!    needs no lock (two binds of one pod never run at once, see below). If
-//!    binding fails, the decision is removed again (with the new
-//!    `resourceVersion` as precondition, so a pod that was bound after all
-//!    keeps it).
+//! 3. The decision is counted in the state before the lock is released:
+//!    the next bind on the node sees this pod pending.
+//! 4. Then, with no lock held, one call binds the pod and writes its
+//!    decision: the API server merges a Binding's annotations into the
+//!    pod, under the pod's UID and `resourceVersion` as read (a pod changed
+//!    since is refused, and decided again from what it now is). No pod is
+//!    ever bound without its decision, nor carries a decision it was not
+//!    bound with. If the binding was refused, the count is taken back; if
+//!    its answer was lost, the pod is read back to tell.
 //!
 //! A second bind of a pod while one runs is refused: two binds of one pod
 //! to two nodes would each decide under its own node's lock.
@@ -25,8 +26,9 @@
 //! The node locks are in memory: of several replicas, only the one holding
 //! the extender's Lease serves the verbs ([`crate::leader`]).
 
-use crate::api::{ApiError, KubeApi};
+use crate::api::{ApiError, KubeApi, PodVersion};
 use crate::cache::clock::now_unix_ms;
+use crate::cache::pods::version_of;
 use crate::extender::reply::Reply;
 use crate::extender::scheduler::{NotServing, Scheduler};
 use crate::extender::wire::{ExtenderBindingArgs, ExtenderBindingResult};
@@ -37,7 +39,7 @@ use crate::vocabulary::claims::claim_keys_held;
 use k8s_openapi::api::core::v1::Pod;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use thiserror::Error;
-use vgpu_cluster::decision::{Decision, DECISION_ANNOTATION};
+use vgpu_cluster::decision::{Decision, ALLOCATED_ANNOTATION, DECISION_ANNOTATION};
 use vgpu_cluster::report::with_causes;
 use vgpu_cluster::requests::PodRequest;
 
@@ -168,52 +170,122 @@ impl Scheduler {
         let deadline = tokio::time::Instant::now() + self.config.bind_wait;
 
         let mut pod = self.fetch(api, args).await?;
-        let request = self.rules.parse(&pod)?;
-        // The extender's binding rights are for the pods it places: a pod
-        // that names no vGPU resource (nor, through the webhook, an Elastic
-        // GPU claim or KubeShare labels, which become vGPU resources) is
-        // not sent here by a kube-scheduler configured with
-        // managedResources, so a request to bind one comes from someone
-        // else, and would bind any pending pod to any node. One that names
-        // them at zero (`nvidia.com/gpu: 0`, as charts render a CPU-only
-        // variant) is sent here and bound, with no decision.
-        let named = self.rules.names_a_resource(&pod);
-        if request.is_empty() && !named {
-            return Err(BindError::NotOurs { pod: key });
-        }
-        if let Some(bound) = pod.spec.as_ref().and_then(|s| s.node_name.as_deref()) {
-            return if bound == node.as_str() {
-                Ok(" (it already was)".to_string())
-            } else {
-                Err(BindError::AlreadyBound {
-                    pod: key,
-                    node: bound.to_string(),
-                })
-            };
-        }
-        if request.is_empty() {
+        let mut attempt = 1;
+        loop {
+            let request = self.rules.parse(&pod)?;
+            let bound = pod.spec.as_ref().and_then(|s| s.node_name.as_deref());
+            if attempt > 1 {
+                // The pod changed since it was read, so it was read again.
+                if bound.is_some() {
+                    return Err(BindError::BoundMeanwhile { pod: key });
+                }
+                if request.is_empty() {
+                    // It no longer asks for a vGPU: no decision to record,
+                    // and not this bind's to finish.
+                    return Err(BindError::NotOurs { pod: key });
+                }
+            }
+            // The extender's binding rights are for the pods it places: a
+            // pod that names no vGPU resource (nor, through the webhook, an
+            // Elastic GPU claim or KubeShare labels, which become vGPU
+            // resources) is not sent here by a kube-scheduler configured
+            // with managedResources, so a request to bind one comes from
+            // someone else, and would bind any pending pod to any node. One
+            // that names them at zero (`nvidia.com/gpu: 0`, as charts render
+            // a CPU-only variant) is sent here and bound, with no decision.
+            if request.is_empty() && !self.rules.names_a_resource(&pod) {
+                return Err(BindError::NotOurs { pod: key });
+            }
+            if let Some(bound) = bound {
+                return if bound == node.as_str() {
+                    Ok(" (it already was)".to_string())
+                } else {
+                    Err(BindError::AlreadyBound {
+                        pod: key,
+                        node: bound.to_string(),
+                    })
+                };
+            }
             if !self.state.read().node(node).is_some_and(|n| n.in_api) {
                 return Err(BindError::UnknownNode(node.clone()));
             }
-            api.bind(namespace, name, &args.pod_uid, node)
-                .await
-                .map_err(|source| BindError::Bind {
-                    pod: key,
-                    node: node.clone(),
-                    source,
-                })?;
-            return Ok(" (no GPUs)".to_string());
+            if request.is_empty() {
+                api.bind(namespace, name, &args.pod_uid, node)
+                    .await
+                    .map_err(|source| BindError::Bind {
+                        pod: key,
+                        node: node.clone(),
+                        source,
+                    })?;
+                return Ok(" (no GPUs)".to_string());
+            }
+            let outcome = match self.clear_earlier_records(api, pod).await {
+                Ok(cleared) => {
+                    self.decide_and_bind(api, &cleared, node, &request, deadline)
+                        .await
+                }
+                Err(error) => Err(error),
+            };
+            match outcome {
+                Err(error) if changed_meanwhile(&error) && attempt < 3 => {
+                    // Its annotations may now choose other GPUs: decide
+                    // again from the pod as it is.
+                    attempt += 1;
+                    pod = self.fetch(api, args).await?;
+                }
+                outcome => return outcome,
+            }
         }
+    }
 
-        // Check, record and bind under the node's lock.
-        if !self.state.read().node(node).is_some_and(|n| n.in_api) {
-            return Err(BindError::UnknownNode(node.clone()));
+    /// The pod without vgpu's records of an earlier grant (a decision
+    /// whose binding failed, written by an older version of the extender
+    /// or by hand): a Binding can add annotations, not remove them.
+    async fn clear_earlier_records(&self, api: &KubeApi, pod: Pod) -> Result<Pod, BindError> {
+        let carries = pod.metadata.annotations.as_ref().is_some_and(|a| {
+            a.contains_key(DECISION_ANNOTATION) || a.contains_key(ALLOCATED_ANNOTATION)
+        });
+        if !carries {
+            return Ok(pod);
         }
+        let meta = &pod.metadata;
+        let (namespace, name) = (
+            meta.namespace.as_deref().unwrap_or_default(),
+            meta.name.as_deref().unwrap_or_default(),
+        );
+        let version = meta.resource_version.as_deref().unwrap_or_default();
+        let cleared = api
+            .clear_records(namespace, name, version)
+            .await
+            .map_err(|source| BindError::RecordDecision {
+                pod: format!("{namespace}/{name}"),
+                source,
+            })?;
+        self.state.update(|s| s.apply_written_pod(&cleared));
+        Ok(cleared)
+    }
+
+    /// Under the node's lock (and the namespace's and claims' where they
+    /// apply): places the pod and counts its decision in the state. Then,
+    /// with the locks released, binds it and writes the decision in one
+    /// call; the count is taken back if that did not happen.
+    async fn decide_and_bind(
+        &self,
+        api: &KubeApi,
+        pod: &Pod,
+        node: &str,
+        request: &PodRequest,
+        deadline: tokio::time::Instant,
+    ) -> Result<String, BindError> {
+        let meta = &pod.metadata;
+        let namespace = meta.namespace.as_deref().unwrap_or_default();
+        let name = meta.name.as_deref().unwrap_or_default();
+        let key = format!("{namespace}/{name}");
         let wait_ms = self.config.bind_wait.as_millis();
         // Binds of pods holding claims go one at a time, so two pods
         // holding the same claim cannot both be placed (the webhook's check
         // at creation can be raced); taken before the node's lock, always.
-        let claims_guard = if claim_keys_held(&pod).is_empty() {
+        let claims_guard = if claim_keys_held(pod).is_empty() {
             None
         } else {
             Some(
@@ -236,7 +308,7 @@ impl Scheduler {
                 tokio::time::timeout_at(deadline, lock.lock())
                     .await
                     .map_err(|_| BindError::NamespaceBusy {
-                        namespace: namespace.clone(),
+                        namespace: namespace.to_string(),
                         wait_ms,
                     })?,
             ),
@@ -246,77 +318,69 @@ impl Scheduler {
         let node_guard = tokio::time::timeout_at(deadline, lock.lock())
             .await
             .map_err(|_| BindError::NodeBusy {
-                node: node.clone(),
+                node: node.to_string(),
                 wait_ms,
             })?;
-        let mut request = request;
-        let mut attempt = 0;
-        let written = loop {
-            attempt += 1;
-            let decision = self.wait_and_place(&pod, node, &request, deadline).await?;
-            let version = pod.metadata.resource_version.clone().unwrap_or_default();
-            // The lead may have passed while this bind waited.
-            self.check_leading()?;
-            match api
-                .write_decision(namespace, name, &version, &decision.to_json())
-                .await
-            {
-                Ok(written) => break written,
-                Err(ApiError::Conflict(_)) if attempt < 3 => {
-                    // The pod changed since it was read: read it again (its
-                    // annotations may choose other GPUs) and decide again.
-                    pod = self.fetch(api, args).await?;
-                    if pod
-                        .spec
-                        .as_ref()
-                        .and_then(|s| s.node_name.as_deref())
-                        .is_some()
-                    {
-                        return Err(BindError::BoundMeanwhile { pod: key });
-                    }
-                    request = self.rules.parse(&pod)?;
-                    if request.is_empty() {
-                        // It no longer asks for a vGPU: no decision to
-                        // record, and not this bind's to finish.
-                        return Err(BindError::NotOurs { pod: key });
-                    }
-                }
-                Err(source) => return Err(BindError::RecordDecision { pod: key, source }),
-            }
-        };
-        self.state.update(|s| s.apply_written_pod(&written));
+        let decision = self.wait_and_place(pod, node, request, deadline).await?;
+        // The lead may have passed while this bind waited.
+        self.check_leading()?;
+        let decision_json = decision.to_json();
+        let decided = as_bound(pod, node, &decision_json);
+        self.state.update(|s| s.count_binding(&decided));
         // The next bind on the node (of the namespace, of a claim) now
-        // counts this decision: the binding itself needs no lock.
+        // counts this decision: the binding needs no lock.
         drop(node_guard);
         drop(quota_guard);
         drop(claims_guard);
-        let uid = written.metadata.uid.clone().unwrap_or_default();
-        match api.bind(namespace, name, &uid, node).await {
-            Ok(()) => {
-                self.state.update(|s| s.mark_bound(&uid, node));
-                Ok(summarize(&written))
+
+        let read = PodVersion {
+            uid: meta.uid.as_deref().unwrap_or_default(),
+            resource_version: meta.resource_version.as_deref().unwrap_or_default(),
+        };
+        let Err(source) = api
+            .bind_with_decision(namespace, name, &read, node, &decision_json)
+            .await
+        else {
+            return Ok(summarize(&decided));
+        };
+        let error = |source| BindError::Bind {
+            pod: key.clone(),
+            node: node.to_string(),
+            source,
+        };
+        if refused_outright(&source) {
+            self.forget(&decided);
+            return Err(error(source));
+        }
+        // No answer or a server error, and the binding may have been
+        // stored; or a conflict, which answers the client's own retry of
+        // a binding stored under a lost answer as well as a pod changed
+        // since it was read. The pod tells which.
+        match api.get_pod(namespace, name).await {
+            Ok(now) if now.metadata.uid == meta.uid && carries(&now, node, &decision_json) => {
+                Ok(summarize(&decided))
             }
-            Err(source) => {
-                let version = written
-                    .metadata
-                    .resource_version
-                    .clone()
-                    .unwrap_or_default();
-                match api.clear_decision(namespace, name, &version).await {
-                    Ok(cleared) => self.state.update(|s| s.apply_written_pod(&cleared)),
-                    Err(clear_error) => tracing::warn!(
-                        error = &clear_error as &dyn std::error::Error,
-                        "pod {key}: binding failed and the decision could not be removed; it expires after {} s",
-                        self.config.unbound_grace.as_secs()
-                    ),
-                }
-                Err(BindError::Bind {
-                    pod: key,
-                    node: node.clone(),
-                    source,
-                })
+            Ok(_) => {
+                self.forget(&decided);
+                Err(error(source))
+            }
+            Err(read_error) => {
+                // Still counted: the watch settles it (the binding's
+                // version, or kube-scheduler's record of the failure).
+                tracing::warn!(
+                    error = &read_error as &dyn std::error::Error,
+                    "pod {key}: binding it got no clear answer and reading it back failed; its decision stays counted until the watch shows the pod again"
+                );
+                Err(error(source))
             }
         }
+    }
+
+    /// Stops counting the decision of a binding that did not happen.
+    fn forget(&self, decided: &Pod) {
+        let uid = decided.metadata.uid.as_deref().unwrap_or_default();
+        self.state
+            .update(|s| s.forget_binding(uid, version_of(decided)));
     }
 
     async fn fetch(&self, api: &KubeApi, args: &ExtenderBindingArgs) -> Result<Pod, BindError> {
@@ -371,6 +435,56 @@ impl Scheduler {
             }
         }
     }
+}
+
+/// `pod` as the binding will leave it: on `node`, with `decision`.
+fn as_bound(pod: &Pod, node: &str, decision: &str) -> Pod {
+    let mut decided = pod.clone();
+    decided
+        .metadata
+        .annotations
+        .get_or_insert_with(Default::default)
+        .insert(DECISION_ANNOTATION.to_string(), decision.to_string());
+    decided.spec.get_or_insert_with(Default::default).node_name = Some(node.to_string());
+    decided
+}
+
+/// Whether `pod` is bound to `node` with `decision`.
+fn carries(pod: &Pod, node: &str, decision: &str) -> bool {
+    let bound = pod.spec.as_ref().and_then(|s| s.node_name.as_deref());
+    let recorded = pod
+        .metadata
+        .annotations
+        .as_ref()
+        .and_then(|a| a.get(DECISION_ANNOTATION));
+    bound == Some(node) && recorded.map(String::as_str) == Some(decision)
+}
+
+/// The API server refused the write as asked and nothing of it was
+/// stored, as opposed to failing while it may have stored it. Not a
+/// conflict: the Kubernetes client retries a write answered 503 (as by a
+/// server stopping after it stored the write), and the retry of a stored
+/// binding conflicts.
+fn refused_outright(error: &ApiError) -> bool {
+    match error {
+        ApiError::NotFound(_) => true,
+        ApiError::Refused { code, .. } => *code < 500,
+        ApiError::Conflict(_) | ApiError::Client(_) | ApiError::Other(_) => false,
+    }
+}
+
+/// The pod changed between the extender's read and its conditional write.
+fn changed_meanwhile(error: &BindError) -> bool {
+    matches!(
+        error,
+        BindError::Bind {
+            source: ApiError::Conflict(_),
+            ..
+        } | BindError::RecordDecision {
+            source: ApiError::Conflict(_),
+            ..
+        }
+    )
 }
 
 /// `: main -> GPU-x (4096 MiB, 30%)` for the log.

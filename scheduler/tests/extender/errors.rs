@@ -238,11 +238,10 @@ async fn unknown_nodes_in_bind_are_refused() {
     assert!(h.api.pod("p").await.expect("pod")["spec"]["nodeName"].is_null());
 }
 
-/// Through the fault proxy: a pod's binding held back after its decision
-/// for node n1 is written (and the node's lock released), while another
-/// bind of the same pod to n2 comes in. It is refused: deciding anew under
-/// n2's lock would overwrite n1's decision, and once one binding lost,
-/// its clean-up would leave the pod bound with no decision.
+/// Through the fault proxy: a pod's binding to node n1 held back after its
+/// decision is counted (and the node's lock released), while another bind
+/// of the same pod to n2 comes in. It is refused: deciding anew under n2's
+/// lock would count the pod on both nodes.
 #[tokio::test]
 async fn a_second_bind_of_a_pod_while_one_runs_is_refused() {
     let h = Harness::start_behind_proxy(test_config()).await;
@@ -252,10 +251,10 @@ async fn a_second_bind_of_a_pod_while_one_runs_is_refused() {
         .create_pod(pod("twice", &[vgpu("main", 1, 1024, 10)], &[]))
         .await;
     h.caught_up(version_of(&p), 0).await;
-    let binding = vgpu_testkit::fault_proxy::Gate::new();
+    let binding = Gate::new();
     h.proxy().inject(Fault::new(
         Verb::Create,
-        vgpu_testkit::fault_proxy::pod_binding("twice"),
+        pod_binding("twice"),
         Action::Hold(binding.clone()),
     ));
     let first = {
@@ -268,15 +267,10 @@ async fn a_second_bind_of_a_pod_while_one_runs_is_refused() {
         });
         tokio::spawn(async move { client.post("/bind", body.to_string().into_bytes()).await })
     };
-    // The first bind has written its decision; its binding waits.
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
-    while h.decision(&p).await.is_none() {
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "no decision written"
-        );
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
+    // The first bind has decided; its binding waits.
+    tokio::time::timeout(Duration::from_secs(20), binding.reached())
+        .await
+        .expect("the first bind's binding arrives");
     // Refused at once (deciding anew, it would wait for its own binding).
     let second = tokio::time::timeout(Duration::from_secs(10), h.bind(&p, "n2"))
         .await
@@ -309,7 +303,7 @@ async fn nothing_is_decided_before_the_first_complete_list() {
     api.put_node(node("n1", &[gpu("NVIDIA A10", 24)])).await;
     api.put_lease("n1", LONG_LEASE_SECONDS).await;
     let proxy = FaultProxy::start(client).await;
-    let lists = vgpu_testkit::fault_proxy::Gate::new();
+    let lists = Gate::new();
     proxy.inject(Fault::new(
         Verb::List,
         vgpu_testkit::fault_proxy::ANYTHING,

@@ -27,7 +27,7 @@ use vgpu_scheduler::Running;
 pub use vgpu_testkit::decisions::{allocated_of, decision_of, node_name_of};
 use vgpu_testkit::extender_client::ExtenderClient;
 pub use vgpu_testkit::fault_proxy::{
-    pod_binding, pod_named, Action, Fault, FaultProxy, Verb, ANY_POD, ANY_POD_BINDING,
+    pod_binding, Action, Fault, FaultProxy, Gate, Verb, ANY_POD, ANY_POD_BINDING,
 };
 use vgpu_testkit::kube::ApiServer;
 pub use vgpu_testkit::pending_pods::PendingPods;

@@ -454,7 +454,8 @@ async fn bind_refusals() {
 async fn a_binding_the_api_refuses_takes_the_decision_back() {
     let h = Harness::start_behind_proxy(test_config()).await;
     h.put_node(node("n2", &[gpu("NVIDIA A10", 24)])).await;
-    // The decision is taken back and the node is free at once.
+    // The pod is read back (a 500 may come after the write was stored),
+    // found unbound, and the node is free at once.
     h.proxy().inject(Fault::new(
         Verb::Create,
         pod_binding("refused"),
@@ -475,7 +476,11 @@ async fn a_binding_the_api_refuses_takes_the_decision_back() {
         1,
         "the binding was tried"
     );
-    assert!(h.decision(&refused).await.is_none(), "decision removed");
+    assert!(h.decision(&refused).await.is_none(), "no decision written");
+    assert!(
+        h.proxy().count(Verb::Patch, ANY_POD) == 0,
+        "the binding wrote the decision: no pod was patched"
+    );
     let next = h
         .create_pod(pod("next", &[vgpu("main", 1, 1024, 10)], &[]))
         .await;
@@ -488,9 +493,9 @@ async fn a_binding_the_api_refuses_takes_the_decision_back() {
 }
 
 /// Through the fault proxy: a write between the extender's read and its
-/// conditional write is a race a real API server shows only by chance.
+/// conditional binding is a race a real API server shows only by chance.
 #[tokio::test]
-async fn a_pod_changed_before_the_decision_is_written_is_decided_again() {
+async fn a_pod_changed_before_its_binding_is_decided_again() {
     let h = Harness::start_behind_proxy(test_config()).await;
     h.put_node(node("n1", &[gpu("NVIDIA A10", 24), gpu("NVIDIA A10", 24)]))
         .await;
@@ -502,18 +507,88 @@ async fn a_pod_changed_before_the_decision_is_written_is_decided_again() {
     let touch = serde_json::json!({ "metadata": { "annotations": {
         "nvidia.com/use-gpuuuid": pinned,
     } } });
-    h.proxy()
-        .inject(Fault::new(Verb::Patch, pod_named("moving"), Action::ChangeFirst(touch)).times(1));
+    h.proxy().inject(
+        Fault::new(
+            Verb::Create,
+            pod_binding("moving"),
+            Action::ChangeFirst(touch),
+        )
+        .times(1),
+    );
     let result = h.bind(&p, "n1").await;
     assert!(result.error.is_empty(), "{result:?}");
     assert_eq!(
-        h.proxy().count_answered(Verb::Patch, ANY_POD, 409),
+        h.proxy().count_answered(Verb::Create, ANY_POD_BINDING, 409),
         1,
-        "the first write was refused"
+        "the first binding was refused"
+    );
+    assert_eq!(
+        h.proxy().count_answered(Verb::Create, ANY_POD_BINDING, 201),
+        1,
+        "the second went through"
     );
     let decision = h.decision(&p).await.expect("decision");
     assert_eq!(
         decision.containers[0].devices[0].uuid, pinned,
         "decided again from the new pod"
+    );
+}
+
+/// Through the fault proxy: a binding stored whose answer is lost (503) is
+/// a fault a real API server does not produce on demand. The Kubernetes
+/// client retries the 503 and its retry conflicts with the stored binding;
+/// the pod, read back, shows the binding and decision were this bind's.
+#[tokio::test]
+async fn a_binding_whose_answer_is_lost_is_read_back() {
+    let h = Harness::start_behind_proxy(test_config()).await;
+    h.put_node(node("n1", &[gpu("NVIDIA A10", 24)])).await;
+    let p = h
+        .create_pod(pod("unanswered", &[vgpu("main", 1, 1024, 10)], &[]))
+        .await;
+    h.proxy()
+        .inject(Fault::new(Verb::Create, pod_binding("unanswered"), Action::LoseAnswer).times(1));
+    let result = h.bind(&p, "n1").await;
+    assert!(result.error.is_empty(), "stored, so bound: {result:?}");
+    assert_eq!(
+        h.proxy().count_answered(Verb::Create, ANY_POD_BINDING, 503),
+        1
+    );
+    assert_eq!(
+        h.proxy().count_answered(Verb::Create, ANY_POD_BINDING, 409),
+        1,
+        "the client's retry meets the binding it stored"
+    );
+    let stored = h.api.pod("unanswered").await.expect("pod");
+    assert_eq!(stored["spec"]["nodeName"], "n1");
+    assert_eq!(h.decision(&p).await.expect("decision").node, "n1");
+}
+
+/// A pod carrying a decision from an earlier grant (an older extender's
+/// failed bind) is decided afresh: the old records are removed first, as
+/// a Binding cannot remove annotations.
+#[tokio::test]
+async fn a_pod_with_an_earlier_decision_and_allocation_is_decided_afresh() {
+    let h = Harness::start(test_config()).await;
+    h.put_node(node("n1", &[gpu("NVIDIA A10", 24)])).await;
+    let stale = [
+        (
+            "vgpu.io/decision",
+            r#"{"version":1,"node":"n9","decided_unix_ms":1,"containers":[]}"#,
+        ),
+        ("vgpu.io/allocated", "main"),
+    ];
+    let p = h
+        .create_pod(pod("earlier", &[vgpu("main", 1, 1024, 10)], &stale))
+        .await;
+    let result = h.bind(&p, "n1").await;
+    assert!(result.error.is_empty(), "{result:?}");
+    let stored = h.api.pod("earlier").await.expect("pod");
+    assert_eq!(stored["spec"]["nodeName"], "n1");
+    assert_eq!(h.decision(&p).await.expect("decision").node, "n1");
+    assert!(
+        stored["metadata"]["annotations"]
+            .get("vgpu.io/allocated")
+            .is_none(),
+        "the old allocation record is gone: {stored}"
     );
 }

@@ -83,9 +83,14 @@ impl ClusterState {
             if !trusted {
                 continue;
             }
+            // A decision being bound stands for the version after the
+            // one it was read at.
             let keep = match relist.seen.get(&uid) {
                 None => true,
-                Some(listed) => !not_newer(old.resource_version, *listed),
+                Some(listed) => {
+                    !not_newer(old.resource_version, *listed)
+                        || (old.being_bound && old.resource_version == *listed)
+                }
             };
             if keep {
                 pods.insert(uid, old);
@@ -123,7 +128,9 @@ impl ClusterState {
             match (version, existing.resource_version) {
                 (Some(new), Some(old)) if new < old => return,
                 (Some(new), Some(old)) if new == old => {
-                    if !local {
+                    // The watch confirms an own write; the version a
+                    // decision being bound was read at confirms nothing.
+                    if !local && !existing.being_bound {
                         existing.local_since = None;
                     }
                     return;
@@ -185,23 +192,64 @@ impl ClusterState {
         self.apply_pod(pod, true);
     }
 
-    /// Records that the extender bound pod `uid` to `node` (the binding
-    /// answer carries no pod; the watch brings the new version later).
-    pub fn mark_bound(&mut self, uid: &str, node: &str) {
-        let old_node = match self.pods.get_mut(uid) {
-            Some(record) if record.node_name.is_none() => {
-                let old = record.counted_node().map(str::to_string);
-                record.node_name = Some(node.to_string());
-                old
-            }
-            _ => return,
+    /// Counts the decision `pod` carries while the binding that writes it
+    /// runs: `pod` is the pod as read, with the decision annotation and
+    /// `spec.nodeName` set as the binding will set them. The record stands
+    /// for the pod's next version: the watch or a list showing the version
+    /// read keeps it, a newer one replaces it (the binding's own, or a
+    /// change that makes the binding fail on its precondition). Not
+    /// counted when the watch has already shown a newer version: the
+    /// binding will fail.
+    pub fn count_binding(&mut self, pod: &Pod) {
+        let Some(uid) = pod.metadata.uid.clone() else {
+            return;
         };
-        let new_node = self
+        let version = version_of(pod);
+        let newer_known =
+            |known: Option<u64>| matches!((version, known), (Some(v), Some(k)) if v < k);
+        if self
+            .floors
+            .get(&uid)
+            .is_some_and(|(floor, _)| newer_known(*floor))
+            || self
+                .pods
+                .get(&uid)
+                .is_some_and(|r| newer_known(r.resource_version))
+        {
+            return;
+        }
+        let Some(mut record) = self.record_of(&uid, pod) else {
+            return;
+        };
+        record.local_since = Some(Instant::now());
+        record.being_bound = true;
+        let old_node = self
+            .pods
+            .get(&uid)
+            .and_then(|r| r.counted_node().map(str::to_string));
+        let new_node = record.counted_node().map(str::to_string);
+        self.pods.insert(uid.clone(), record);
+        self.floors.remove(&uid);
+        self.move_pod(&uid, old_node, new_node);
+        self.updates += 1;
+    }
+
+    /// The binding [`ClusterState::count_binding`] counted for pod `uid`,
+    /// read at `version`, did not happen: its decision is no longer
+    /// counted (unless the watch has replaced the record meanwhile).
+    pub fn forget_binding(&mut self, uid: &str, version: Option<u64>) {
+        let counted = self
             .pods
             .get(uid)
-            .and_then(|r| r.counted_node().map(str::to_string));
-        self.move_pod(uid, old_node, new_node);
-        self.updates += 1;
+            .is_some_and(|r| r.being_bound && r.resource_version == version);
+        if !counted {
+            return;
+        }
+        if let Some(record) = self.pods.remove(uid) {
+            let old_node = record.counted_node().map(str::to_string);
+            self.move_pod(uid, old_node, None);
+            self.updates += 1;
+        }
     }
 
     fn rebuild_all(&mut self) {

@@ -228,15 +228,60 @@ fn own_writes_count_at_once_and_survive_an_older_relist() {
         state.pending_on("n1", now + 31_000, GRACE, "").is_empty(),
         "an unbound decision stops blocking after the grace"
     );
-    state.mark_bound("b", "n1");
+    state.apply_written_pod(&decided("b", 21, "n1", "GPU-n1-1", true, false));
     assert_eq!(state.pending_on("n1", now + 31_000, GRACE, "").len(), 1);
     // A relist that predates the write keeps it.
     state.relist(vec![undecided("b", 19)]);
     assert_eq!(state.pending_on("n1", now, GRACE, "").len(), 1);
     // A relist that has a newer version replaces it.
-    state.relist(vec![decided("b", 21, "n1", "GPU-n1-1", true, true)]);
+    state.relist(vec![decided("b", 22, "n1", "GPU-n1-1", true, true)]);
     assert!(state.pending_on("n1", now, GRACE, "").is_empty());
     assert_eq!(state.node("n1").expect("node").usage[1].tasks, 1);
+}
+
+/// The pod as read, decided for `GPU-n1-1` of n1 as a binding would
+/// write it.
+fn being_bound(name: &str, version: u64) -> Pod {
+    decided(name, version, "n1", "GPU-n1-1", true, false)
+}
+
+#[test]
+fn a_decision_being_bound_counts_until_a_newer_version_or_its_failure() {
+    let now = now_unix_ms();
+    let mut state = synced_state();
+    state.apply(undecided("b", 20));
+    state.count_binding(&being_bound("b", 20));
+    assert_eq!(state.pending_on("n1", now, GRACE, "").len(), 1);
+    // The watch or a relist still showing the version read keeps it.
+    state.apply(undecided("b", 20));
+    state.relist(vec![undecided("b", 20)]);
+    assert_eq!(state.pending_on("n1", now, GRACE, "").len(), 1);
+    assert_eq!(gpu_usage(&state, 1).memory_bytes, 4 * GIB);
+    // The binding's own version replaces it.
+    state.apply(decided("b", 21, "n1", "GPU-n1-1", true, true));
+    assert!(!state.pod("b").expect("b").being_bound);
+    assert_eq!(gpu_usage(&state, 1).tasks, 1);
+    // A failure reported late does not take back the confirmed decision.
+    state.forget_binding("b", Some(20));
+    assert_eq!(gpu_usage(&state, 1).memory_bytes, 4 * GIB);
+
+    // Another pod: its binding fails, and the GPU is free again.
+    state.count_binding(&being_bound("c", 30));
+    assert_eq!(gpu_usage(&state, 1).memory_bytes, 8 * GIB);
+    state.forget_binding("c", Some(30));
+    assert_eq!(gpu_usage(&state, 1).memory_bytes, 4 * GIB);
+    assert!(state.pod("c").is_none());
+
+    // A pod the watch already showed deleted is not counted (its binding
+    // will fail).
+    state.apply_event(Event::Delete(undecided("d", 41)));
+    state.count_binding(&being_bound("d", 40));
+    assert!(state.pod("d").is_none());
+    // A change after the count replaces the record (the binding fails).
+    state.count_binding(&being_bound("e", 50));
+    state.apply(undecided("e", 51));
+    assert!(state.pod("e").is_none());
+    assert_eq!(gpu_usage(&state, 1).memory_bytes, 4 * GIB);
 }
 
 #[test]
@@ -380,7 +425,7 @@ fn an_unbound_decision_stops_holding_its_node_when_its_grace_ends() {
     assert_eq!(state.expire_unbound(deadline + 1), 0);
 
     // Bound after all (a bind that took long): counted again.
-    state.mark_bound("a", "n1");
+    state.apply(dated(decided("a", 6, "n1", "GPU-n1-0", true, false), now));
     assert_eq!(gpu_usage(&state, 0).memory_bytes, 4 * GIB);
 }
 
@@ -391,7 +436,7 @@ fn a_pod_bound_or_decided_again_within_its_grace_is_not_expired() {
     let grace = GRACE.as_millis() as u64;
     state.apply(dated(decided("a", 5, "n1", "GPU-n1-0", false, false), now));
     state.apply(dated(decided("b", 6, "n1", "GPU-n1-1", false, false), now));
-    state.mark_bound("a", "n1");
+    state.apply(dated(decided("a", 6, "n1", "GPU-n1-0", true, false), now));
     // b is decided again 10 s later (its first bind failed).
     state.apply(dated(
         decided("b", 7, "n1", "GPU-n1-1", false, false),
