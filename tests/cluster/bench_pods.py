@@ -9,8 +9,8 @@ our drivers' ResourceSlices, prepared by kubelet's DRA code calling our
 driver), the same claims from a DRA driver that prepares nothing
 (tests/cluster/nulldra: what DRA costs the control plane and kubelet
 alone), against pods that ask for neither, placed by the chart's
-kube-scheduler (by `schedulerName`; it calls no extender for them), in
-rotating rounds of one run. Half the nodes offer their GPUs through DRA,
+kube-scheduler (by `schedulerName`; it calls no extender for them) on the
+nodes the vGPU pods run on, in rotating rounds of one run. Half the nodes offer their GPUs through DRA,
 half through the device plugin (the null driver runs there too). Also the extender's own time per verb from
 its `/metrics`, over the vGPU rounds (kube-scheduler has no per-extender
 latency figure), and where each kind of pod spends its time, step by step
@@ -33,7 +33,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from chartcluster import EXTENDER_PORT, TARGET, ChartCluster, extender_address  # noqa: E402
+from chartcluster import DRA_NODE_LABEL, EXTENDER_PORT, TARGET, ChartCluster, extender_address  # noqa: E402
 from controlplane import wait_for  # noqa: E402
 from placement import GPU_MIB, count  # noqa: E402
 from podtrace import AUDIT_POLICY, missing, read_steps, table  # noqa: E402
@@ -113,7 +113,8 @@ def pods(kind: str, namespace: str, count: int) -> list[dict]:
     `dra` ones the same share through a claim from the template (default
     scheduler; `null` the same from the null driver; `whole` a whole GPU
     through a claim from the template, `ext` through the extended resource),
-    `plain` ones name the chart's scheduler and ask for no GPU."""
+    `plain` ones name the chart's scheduler, ask for no GPU and go to the
+    device plugin's nodes, as the `vgpu` ones do."""
     out = []
     for number in range(count):
         container: dict = {"name": "main", "image": "busybox", "command": ["sleep", "3600"]}
@@ -128,6 +129,12 @@ def pods(kind: str, namespace: str, count: int) -> list[dict]:
             container["resources"] = {"claims": [{"name": "gpu"}]}
         else:
             spec["schedulerName"] = SCHEDULER_NAME
+            # On the nodes the vGPU pods (and the null driver's) run on:
+            # the same kubelets admit them, so the ratio is what a vGPU
+            # costs, not what twice the nodes give.
+            spec["affinity"] = {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {
+                "nodeSelectorTerms": [{"matchExpressions": [
+                    {"key": DRA_NODE_LABEL, "operator": "DoesNotExist"}]}]}}}
         out.append({"apiVersion": "v1", "kind": "Pod",
                     "metadata": {"name": f"{kind}-{number:04d}", "namespace": namespace}, "spec": spec})
     return out
@@ -356,7 +363,8 @@ def main(argv: list[str]) -> int:
 
     rate = {kind: statistics.median(rates[kind]) for kind in kinds}
     print(f"\n{options.pods} pods per round, {options.repeats} round(s) of each kind, {options.nodes} nodes x 2 "
-          f"simulated GPUs ({dra_nodes} through DRA), {options.parallel} creators, node policy "
+          f"simulated GPUs ({dra_nodes} through DRA; the no-GPU, vGPU and null DRA pods on the other "
+          f"{plugin_nodes}), {options.parallel} creators, node policy "
           f"{options.node_policy or 'binpack'}, kube-controller-manager's client "
           f"{f'{qps:g} requests/s' if qps else 'at its default rate'}; medians over rounds "
           f"({time.monotonic() - started:.0f} s)\n")
