@@ -171,6 +171,31 @@ def test_a_tenant_cannot_rewrite_the_decision_of_its_running_pod(hostile):
     assert (after[DECISION], after[ALLOCATED]) == (before[DECISION], before[ALLOCATED])
 
 
+def test_a_tenant_allowed_to_bind_cannot_carry_a_decision_in_a_binding(hostile):
+    """The extender writes a decision in the pod's Binding, whose
+    annotations the API server merges into the pod: a tenant that may bind
+    its own pods (as one running its own scheduler would) cannot do the
+    same with a forged, uncapped decision."""
+    cluster = hostile.cc.cluster
+    cluster.kubectl("create", "role", "binder", "--verb=create", "--resource=pods/binding", "-n", TENANT)
+    cluster.kubectl("create", "rolebinding", "binder", "--role=binder", f"--serviceaccount={TENANT}:owner",
+                    "-n", TENANT)
+    # A node nobody has: no scheduler binds it meanwhile.
+    created = hostile.kubectl(hostile.tenant, "create", "-f", "-",
+                              input=json.dumps(vgpu_pod("self-bound", node="nowhere")))
+    assert created.returncode == 0, created.stderr
+    forged = json.loads(uncapped(hostile.annotations("own-1")[DECISION]))
+    binding = {"apiVersion": "v1", "kind": "Binding",
+               "metadata": {"name": "self-bound", "namespace": TENANT, "annotations": {DECISION: json.dumps(forged)}},
+               "target": {"apiVersion": "v1", "kind": "Node", "name": forged["node"]}}
+    path = f"/api/v1/namespaces/{TENANT}/pods/self-bound/binding"
+    bound = hostile.kubectl(hostile.tenant, "create", "--raw", path, "-f", "-", input=json.dumps(binding))
+    refused_by_policy(bound, "scheduler extender")
+    pod = hostile.pod("self-bound")
+    assert not pod["spec"].get("nodeName"), pod["spec"]
+    assert DECISION not in hostile.annotations("self-bound")
+
+
 def test_a_tenant_resizing_its_pod_gets_no_more_than_it_asked_for(hostile):
     """The resize request is the tenant's to write; the answer and the
     decision are not: a request past the pod's own (1 GiB, 10 %) is
