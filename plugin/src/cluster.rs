@@ -1,10 +1,9 @@
 //! The Kubernetes API: the pods bound to this node (read fresh where the
 //! watched ones in [`crate::pod_cache`] may not be trusted), the allocation
-//! record on a pod (written with the pod's resource version as a
-//! precondition, which is what makes the watched pods safe to use), the
-//! node's GPU inventory, and the node's Lease.
+//! record on a pod ([`crate::records`]), the node's GPU inventory, and the
+//! node's Lease.
 
-use crate::protocol::PendingPod;
+use crate::records::PodName;
 use k8s_openapi::api::coordination::v1::{Lease, LeaseSpec};
 use k8s_openapi::api::core::v1::{Node, Pod};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{MicroTime, ObjectMeta};
@@ -34,6 +33,11 @@ pub enum ClusterError {
 }
 
 impl ClusterError {
+    /// Whether the object is not there (HTTP 404).
+    pub fn is_gone(&self) -> bool {
+        matches!(self, Self::Api { source: kube::Error::Api(status), .. } if status.code == 404)
+    }
+
     /// Whether the API server could not answer (unreachable, restarting,
     /// overloaded, or its storage down) rather than refused: asking again
     /// shortly may succeed. 401 and 403 count too: an API server that has
@@ -96,24 +100,34 @@ impl Cluster {
         Ok(list.items)
     }
 
-    /// Records `allocated` as the pod's allocated containers, provided the
-    /// pod has not changed since `pod` was read; answers the pod written.
+    /// The pod `namespace/name` as the API server has it now; `None`: none.
+    pub async fn pod(&self, namespace: &str, name: &str) -> Result<Option<Pod>, ClusterError> {
+        let pods: Api<Pod> = Api::namespaced(self.client.clone(), namespace);
+        pods.get_opt(name)
+            .await
+            .map_err(api_error(format!("pod {namespace}/{name}")))
+    }
+
+    /// Records `allocated` as the allocated containers of `pod`, provided
+    /// it is still the pod with UID `uid` (a pod of the same name made
+    /// since is refused); answers the pod written.
     pub async fn record_allocated(
         &self,
-        pod: &PendingPod,
+        pod: &PodName,
+        uid: &str,
         allocated: &[String],
     ) -> Result<Pod, ClusterError> {
         let pods: Api<Pod> = Api::namespaced(self.client.clone(), &pod.namespace);
         let record = serde_json::to_string(allocated).unwrap_or_else(|_| "[]".to_string());
         let patch = serde_json::json!({
             "metadata": {
-                "resourceVersion": pod.resource_version,
+                "uid": uid,
                 "annotations": { ALLOCATED_ANNOTATION: record },
             }
         });
         pods.patch(&pod.name, &PatchParams::default(), &Patch::Merge(&patch))
             .await
-            .map_err(api_error(format!("pod {}/{}", pod.namespace, pod.name)))
+            .map_err(api_error(format!("pod {pod}")))
     }
 
     /// Sets, in the node's status, the capacity (and allocatable: no

@@ -10,6 +10,8 @@
 //!   kubelet's requests to its containers (the protocol of
 //!   [`vgpu_cluster::decision`]).
 //! - [`allocate`]: a container's region plan, as kubelet's answer.
+//! - [`records`]: which containers were served: the regions on the host
+//!   first, the pods' annotation published after the answer.
 //! - [`cluster`]: the Kubernetes API (pods, allocation record, node
 //!   inventory).
 //! - [`service`]: the `DevicePlugin` gRPC service.
@@ -36,6 +38,7 @@ pub mod options;
 pub mod pod_cache;
 pub mod pod_resources;
 pub mod protocol;
+pub mod records;
 pub mod service;
 pub mod unix_channel;
 
@@ -154,12 +157,17 @@ pub async fn run(
         Some(socket) => pod_resources::tells_pods_apart(socket).await,
         None => false,
     };
+    let records = Arc::new(records::Records::load(
+        &config.settings.containers_dir,
+        &config.settings.region_file,
+    ));
     let state = PluginState::new(
         cluster.clone(),
         config.settings,
         requests,
         gpus,
         config.pod_resources_socket.clone(),
+        Arc::clone(&records),
     );
 
     tokio::spawn(state.pods.clone().follow(
@@ -167,6 +175,13 @@ pub async fn run(
         config.node.clone(),
         shutdown.clone(),
     ));
+    let (settled_tx, mut settled) = watch::channel(false);
+    let publisher_task = tokio::spawn({
+        let cluster = cluster.clone();
+        let pods = state.pods.clone();
+        let shutdown = shutdown.clone();
+        async move { records.publish(cluster, pods, settled_tx, shutdown).await }
+    });
 
     let (events, mut received) = tokio::sync::mpsc::unbounded_channel();
     let stop_health = health::spawn(health, move |event| {
@@ -193,7 +208,13 @@ pub async fn run(
     if let Some(socket) = config.pod_resources_socket.clone() {
         let cluster = cluster.clone();
         let resource = config.kubelet.resource_name.clone();
-        tokio::spawn(async move { pod_resources::check(&cluster, &socket, &resource).await });
+        // Checked once the records of containers served before this start
+        // are published, so that it compares what was served.
+        tokio::spawn(async move {
+            if settled.wait_for(|settled| *settled).await.is_ok() {
+                pod_resources::check(&cluster, &socket, &resource).await;
+            }
+        });
     }
     let lease_task = tokio::spawn(lease::renew(
         cluster.clone(),
@@ -206,6 +227,7 @@ pub async fn run(
     stop_health.store(true, Ordering::Release);
     let _ = inventory_task.await;
     let _ = lease_task.await;
+    let _ = publisher_task.await;
     health_task.abort();
     result.map_err(PluginError::from)
 }

@@ -3,12 +3,14 @@
 //! `GetPreferredAllocation` before it) need not list them afresh.
 //!
 //! What is read here may be behind the API server; it is used only where
-//! that is caught: an `Allocate` records its allocation with the pod's
-//! `resourceVersion` as read here as a precondition (a pod changed since
-//! fails the write), and finds no pod or the wrong one only where the
-//! pod kubelet admits is missing here, which it checks against kubelet's
-//! own list; in either case it reads the pods afresh
-//! ([`crate::service`]).
+//! that is caught or does not matter. An `Allocate` finds no pod or the
+//! wrong one only where the pod kubelet admits is missing here, which it
+//! checks against kubelet's own list, and then reads the pods afresh
+//! ([`crate::service`]). The allocation records are the plugin's own
+//! ([`crate::records`]), merged in until the watch shows them. A decision
+//! is fixed once its pod is bound, except by a resize, which reaches a
+//! container's region through the node monitor whichever decision
+//! `Allocate` read.
 
 use futures_util::StreamExt;
 use k8s_openapi::api::core::v1::Pod;
@@ -63,6 +65,17 @@ impl PodCache {
             .read()
             .unwrap_or_else(|poison| poison.into_inner());
         pods.synced.then(|| pods.by_uid.values().cloned().collect())
+    }
+
+    /// The pod with UID `uid` as held now (the watch's first list may not
+    /// be in yet).
+    pub fn get(&self, uid: &str) -> Option<Pod> {
+        self.pods
+            .read()
+            .unwrap_or_else(|poison| poison.into_inner())
+            .by_uid
+            .get(uid)
+            .cloned()
     }
 
     /// Takes `pod` as the plugin just wrote it, unless the watch already

@@ -27,7 +27,6 @@ pub struct PendingPod {
     pub namespace: String,
     pub name: String,
     pub uid: String,
-    pub resource_version: String,
     pub decision: Decision,
     /// Containers already allocated, in order.
     pub allocated: Vec<String>,
@@ -168,31 +167,13 @@ fn read_pending(
         .uid
         .clone()
         .ok_or_else(|| unusable("no UID".to_string()))?;
-    let resource_version = pod
-        .metadata
-        .resource_version
-        .clone()
-        .ok_or_else(|| unusable("no resource version".to_string()))?;
     Ok(Some(PendingPod {
         namespace: pod.metadata.namespace.clone().unwrap_or_default(),
         name: pod.metadata.name.clone().unwrap_or_default(),
         uid,
-        resource_version,
         decision,
         allocated,
     }))
-}
-
-/// Whether `pods` hold the pod with UID `uid` with every one of
-/// `containers` recorded as allocated: a write whose answer was lost (the
-/// API server went down after storing it) shows up this way when the pod
-/// is read again.
-pub fn records_allocated(pods: &[Pod], uid: &str, containers: &[String]) -> bool {
-    pods.iter()
-        .filter(|pod| pod.metadata.uid.as_deref() == Some(uid))
-        .filter_map(|pod| annotation(pod, ALLOCATED_ANNOTATION))
-        .filter_map(|text| parse_allocated(text).ok())
-        .any(|recorded| containers.iter().all(|c| recorded.contains(c)))
 }
 
 /// `(namespace, name)` of each pod kubelet lists in its PodResources API.

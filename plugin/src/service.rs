@@ -8,6 +8,7 @@ use crate::devices;
 use crate::pod_cache::PodCache;
 use crate::pod_resources;
 use crate::protocol::{self, PendingPod, ProtocolError, Reading};
+use crate::records::{PodName, Records};
 use futures_util::Stream;
 use k8s_openapi::api::core::v1::Pod;
 use std::path::PathBuf;
@@ -17,14 +18,9 @@ use std::time::{Duration, Instant};
 use tokio::sync::{watch, Mutex};
 use tonic::{Request, Response, Status};
 use vgpu_cluster::decision::InventoryGpu;
-use vgpu_cluster::file_error::io_error;
 use vgpu_cluster::report::with_causes;
 use vgpu_cluster::requests::RequestRules;
 use vgpu_node_agent::allocation::{self, RegionPlan, Settings, ENV_VISIBLE_DEVICES};
-
-/// How often an `Allocate` re-reads the pod when its record was changed
-/// by someone else in between.
-const MAX_ATTEMPTS: usize = 5;
 
 /// How long `Allocate` waits out an API server outage (a restart of the
 /// server or of etcd) before failing: kubelet fails the pod for good when
@@ -73,6 +69,8 @@ pub struct PluginState {
     pod_resources_socket: Option<PathBuf>,
     /// The node's pods as watched, and as this plugin wrote them.
     pub pods: PodCache,
+    /// The containers served whose record is not published yet.
+    pub records: Arc<Records>,
 }
 
 impl PluginState {
@@ -82,6 +80,7 @@ impl PluginState {
         requests: RequestRules,
         gpus: Vec<InventoryGpu>,
         pod_resources_socket: Option<PathBuf>,
+        records: Arc<Records>,
     ) -> Arc<Self> {
         Arc::new(Self {
             cluster,
@@ -91,6 +90,7 @@ impl PluginState {
             allocate_lock: Mutex::new(()),
             pod_resources_socket,
             pods: PodCache::default(),
+            records,
         })
     }
 
@@ -109,13 +109,16 @@ impl PluginState {
         since: Instant,
         gpus: &[InventoryGpu],
     ) -> Result<PendingPod, Status> {
+        // Taken before the pods are read: a record published meanwhile is
+        // in one or the other.
+        let unpublished = self.records.unpublished();
         if let Some(pods) = self.pods.pods() {
-            match self.confirmed_among(&pods, gpus).await {
+            match self.confirmed_among(&unpublished.merge(pods), gpus).await {
                 Ok(pod) => return Ok(pod),
                 Err(why) => tracing::debug!("reading the node's pods afresh: {why}"),
             }
         }
-        let pods = self.pods_on_node(since).await?;
+        let pods = unpublished.merge(self.pods_on_node(since).await?);
         self.pending_among(&pods, gpus).await
     }
 
@@ -213,7 +216,10 @@ impl PluginState {
         .map_err(|e| Status::unavailable(with_causes(&e)))
     }
 
-    /// Serves one `Allocate` call (see [`vgpu_cluster::decision`], step 4).
+    /// Serves one `Allocate` call (see [`vgpu_cluster::decision`], step 4):
+    /// the pending pod's next containers get their regions on the host,
+    /// which are their records ([`crate::records`]); the pod's annotation
+    /// is published after the answer.
     pub async fn allocate(
         &self,
         request: &api::AllocateRequest,
@@ -224,132 +230,38 @@ impl PluginState {
             .iter()
             .map(|c| c.devices_ids.len())
             .collect();
-        let since = Instant::now();
-        // The last write that may have been stored although its answer
-        // never came (the API server stopped in between): its pod UID and
-        // plans.
-        let mut unanswered: Option<(PendingPod, Vec<RegionPlan>)> = None;
-        // Regions this call prepared whose record was refused: never
-        // handed to a container, so a later attempt may replace them when
-        // the pod's decision changed in between.
-        let mut unrecorded: Vec<RegionPlan> = Vec::new();
-        for attempt in 1..=MAX_ATTEMPTS {
-            let gpus = self.gpus.borrow().clone();
-            // The first attempt may take the pod from the watch: the
-            // record's precondition catches a pod changed since. After a
-            // conflict, the pods are read afresh.
-            let pod = if attempt == 1 {
-                self.pending_pod(since, &gpus).await?
-            } else {
-                let pods = self.pods_on_node(since).await?;
-                if let Some((earlier, plans)) = unanswered.take() {
-                    let containers: Vec<String> =
-                        plans.iter().map(|p| p.holder.name().to_string()).collect();
-                    if protocol::records_allocated(&pods, &earlier.uid, &containers) {
-                        tracing::info!(
-                            pod = %earlier.display(),
-                            "the allocation record was stored although its answer was lost"
-                        );
-                        return Ok(self.allocated(&earlier.display(), &plans));
-                    }
-                }
-                self.pending_among(&pods, &gpus).await?
-            };
-            let containers = protocol::match_requests(&pod, &sizes)
-                .map_err(|e| Status::failed_precondition(with_causes(&e)))?;
-            let mut plans = Vec::with_capacity(containers.len());
-            for container in &containers {
-                let plan =
-                    allocate::plan(&self.settings, &pod.uid, container, &gpus).map_err(|e| {
-                        Status::failed_precondition(format!(
-                            "pod {}: {}",
-                            pod.display(),
-                            with_causes(&e)
-                        ))
-                    })?;
-                plans.push(plan);
-            }
-            for (plan, request) in plans.iter().zip(&request.container_requests) {
-                note_kubelet_choice(&pod, plan, &request.devices_ids);
-            }
-            let superseded: Vec<PathBuf> = plans
-                .iter()
-                .filter(|plan| {
-                    unrecorded
-                        .iter()
-                        .any(|u| u.region_host == plan.region_host && u.envs != plan.envs)
-                })
-                .map(|plan| plan.region_host.clone())
-                .collect();
-            if !superseded.is_empty() {
-                tracing::info!(
-                    pod = %pod.display(),
-                    "the pod's decision changed while allocating; replacing the region prepared for the earlier one"
-                );
-            }
-            let prepared = plans.clone();
-            tokio::task::spawn_blocking(move || {
-                for path in &superseded {
-                    match std::fs::remove_file(path) {
-                        Err(error) if error.kind() != std::io::ErrorKind::NotFound => {
-                            return Err(allocation::AllocationError::from(io_error(
-                                path,
-                                "remove the superseded region",
-                            )(
-                                error
-                            )));
-                        }
-                        _ => {}
-                    }
-                }
-                prepared.iter().try_for_each(allocation::prepare)
-            })
+        let gpus = self.gpus.borrow().clone();
+        let pod = self.pending_pod(Instant::now(), &gpus).await?;
+        let containers = protocol::match_requests(&pod, &sizes)
+            .map_err(|e| Status::failed_precondition(with_causes(&e)))?;
+        let mut plans = Vec::with_capacity(containers.len());
+        for container in &containers {
+            let plan = allocate::plan(&self.settings, &pod.uid, container, &gpus).map_err(|e| {
+                Status::failed_precondition(format!("pod {}: {}", pod.display(), with_causes(&e)))
+            })?;
+            plans.push(plan);
+        }
+        for (plan, request) in plans.iter().zip(&request.container_requests) {
+            note_kubelet_choice(&pod, plan, &request.devices_ids);
+        }
+        let prepared = plans.clone();
+        tokio::task::spawn_blocking(move || prepared.iter().try_for_each(allocation::prepare))
             .await
             .map_err(|e| Status::internal(format!("preparing the container directory: {e}")))?
             .map_err(|e| Status::internal(format!("pod {}: {}", pod.display(), with_causes(&e))))?;
-
-            let mut allocated = pod.allocated.clone();
-            allocated.extend(plans.iter().map(|p| p.holder.name().to_string()));
-            let recorded = through_outage(since, "recording the allocation", || {
-                self.cluster.record_allocated(&pod, &allocated)
-            })
-            .await;
-            match recorded {
-                Ok(written) => {
-                    // The next `Allocate` must see this pod allocated, even
-                    // before the watch shows it.
-                    self.pods.remember(written);
-                    return Ok(self.allocated(&pod.display(), &plans));
-                }
-                Err(ClusterError::Conflict { .. }) => {
-                    tracing::debug!(pod = %pod.display(), attempt, "pod changed while allocating; reading it again");
-                    // The conflict may be with our own write: after an
-                    // answer lost to an outage, a retry's precondition
-                    // fails on the write it repeats (by us or by the
-                    // client's own retries). Only this plugin records a
-                    // node's allocations, so if the next read shows these
-                    // containers recorded, the write was ours.
-                    unrecorded.extend(plans.iter().cloned());
-                    unanswered = Some((pod, plans));
-                }
-                Err(error) => return Err(Status::unavailable(with_causes(&error))),
-            }
-        }
-        // The last write may have been our own, stored unanswered.
-        if let Some((earlier, plans)) = unanswered {
-            let pods = self.pods_on_node(since).await?;
-            let containers: Vec<String> =
-                plans.iter().map(|p| p.holder.name().to_string()).collect();
-            if protocol::records_allocated(&pods, &earlier.uid, &containers) {
-                return Ok(self.allocated(&earlier.display(), &plans));
-            }
-        }
-        Err(Status::aborted(format!(
-            "the pod kept changing during {MAX_ATTEMPTS} attempts to record its allocation"
-        )))
+        let served: Vec<String> = plans.iter().map(|p| p.holder.name().to_string()).collect();
+        self.records.served(
+            &pod.uid,
+            PodName {
+                namespace: pod.namespace.clone(),
+                name: pod.name.clone(),
+            },
+            &served,
+        );
+        Ok(self.allocated(&pod.display(), &plans))
     }
 
-    /// The answer for containers whose allocation is recorded; logs them.
+    /// The answer for containers served; logs them.
     fn allocated(&self, pod: &str, plans: &[RegionPlan]) -> api::AllocateResponse {
         for plan in plans {
             tracing::info!(

@@ -301,11 +301,7 @@ async fn run_node(
             answers.push((container.clone(), ids, answer));
         }
         let names: Vec<String> = containers.iter().map(|(n, _)| n.clone()).collect();
-        assert_eq!(
-            api.allocated(&name).await,
-            names,
-            "{name}: allocation record"
-        );
+        api.wait_allocated(&name, &names).await;
         for ((container, ids, answer), decided) in answers.iter().zip(&decision.containers) {
             assert_eq!(container, &decided.name);
             check_container(&run, &bound, decided, ids, answer, &dirs);
@@ -354,7 +350,7 @@ async fn burst(disrupt: impl Fn(usize) -> Disruptions) {
             .into_iter()
             .map(|(n, _)| n)
             .collect();
-        assert_eq!(api.allocated(&name).await, expected, "{name}");
+        api.wait_allocated(&name, &expected).await;
     }
     let expected_restarts: usize = (0..NODES)
         .filter(|n| disrupt(*n).plugin_restart_from.is_some())

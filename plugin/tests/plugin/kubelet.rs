@@ -263,7 +263,7 @@ async fn allocate_serves_the_pending_pod_and_refuses_what_it_cannot_match() {
     });
     let p = api.bind("train", &decision).await;
     let answers = conn.admit(&p, RESOURCE).await.expect("admitted");
-    assert_eq!(api.allocated("train").await, vec!["setup", "main"]);
+    api.wait_allocated("train", &["setup", "main"]).await;
     let (name, ids, setup) = &answers[0];
     assert_eq!(name, "setup");
     assert!(
@@ -390,5 +390,5 @@ async fn allocate_serves_the_pending_pod_and_refuses_what_it_cannot_match() {
     // Healthy again, the GPU is served to the pod decided for it.
     let (_, answer) = conn.allocate_one(1).await.expect("served once healthy");
     assert_eq!(answer.envs["NVIDIA_VISIBLE_DEVICES"], gpu0);
-    assert_eq!(api.allocated("infer").await, vec!["server"]);
+    api.wait_allocated("infer", &["server"]).await;
 }

@@ -4,7 +4,7 @@
 //! `container` (which measures compute shares) keep binaries of their own.
 
 mod burst;
-mod conflicts;
 mod kubelet;
+mod records;
 #[path = "../support/mod.rs"]
 mod support;

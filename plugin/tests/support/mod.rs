@@ -214,6 +214,19 @@ impl ControlPlane {
             .unwrap_or_default()
     }
 
+    /// Waits until the pod's allocation record names exactly `containers`,
+    /// in order (the plugin publishes it after answering kubelet); panics
+    /// after [`RECORD_WAIT`].
+    pub async fn wait_allocated(&self, name: &str, containers: &[impl AsRef<str>]) {
+        let expected: Vec<&str> = containers.iter().map(AsRef::as_ref).collect();
+        eventually(
+            RECORD_WAIT,
+            &format!("pod {name}'s record {expected:?}"),
+            || async { (self.allocated(name).await == expected).then_some(()) },
+        )
+        .await;
+    }
+
     /// The node's published inventory, if any.
     pub async fn inventory(&self, node: &str) -> Option<NodeInventory> {
         Api::<Node>::all(self.client.clone())
@@ -254,6 +267,10 @@ where
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
 }
+
+/// Longer than the plugin's longest wait between attempts at publishing
+/// a record (5 s).
+pub const RECORD_WAIT: Duration = Duration::from_secs(20);
 
 pub const GIB: u64 = 1 << 30;
 pub const MIB: u64 = 1 << 20;
