@@ -39,20 +39,28 @@
 //!    one kubelet lists), checks that the
 //!    request matches its next unallocated GPU container (init containers
 //!    first, in order, then the others, as kubelet admits them, by device
-//!    count), appends the container to [`ALLOCATED_ANNOTATION`] (with the
-//!    pod's resource version as a precondition), and only then answers with
-//!    that container's environment and mounts. It may read the pod from a
-//!    watch, which can be behind: the precondition fails for a pod changed
-//!    since, and kubelet's list must show the pod and no pod the watch has
-//!    not shown; otherwise it reads the pods afresh. A request that
-//!    matches no pending pod fails with a message kubelet shows in the pod's
-//!    events; nothing is guessed.
+//!    count), prepares the container's region on the host, and answers
+//!    with that container's environment and mounts. The region is the
+//!    container's record on the node; the plugin appends the container to
+//!    [`ALLOCATED_ANNOTATION`] after the answer (kubelet admits one pod at
+//!    a time and waits for the answer, so the answer waits for no API
+//!    call), retrying until the API server takes it, with the pod's UID as
+//!    a precondition. Until then it merges the record into every pod it
+//!    reads. It may read the pod from a watch, which can be behind:
+//!    kubelet's list must show the pod and no pod the watch has not shown;
+//!    otherwise it reads the pods afresh. A decision is fixed once its pod
+//!    is bound, but for a resize, which reaches the container's region
+//!    through the node monitor. A request that matches no pending pod
+//!    fails with a message kubelet shows in the pod's events; nothing is
+//!    guessed.
 //! 5. **Restarts.** Plugin, kubelet and extender keep no state of their own
-//!    that the annotations do not hold, so any of them may restart at any
-//!    point. The record is written before the answer, so a plugin that dies
-//!    in between leaves a pod whose admission failed (kubelet reports it;
-//!    its controller replaces it), never a container served twice or a
-//!    later container matched to the wrong record.
+//!    that the annotations and the regions on the node do not hold, so any
+//!    of them may restart at any point. A plugin reads its records back
+//!    from the regions (`<pod UID>_<container>`) and publishes those the
+//!    annotation lacks: a plugin that dies after preparing a region leaves
+//!    a container that was served, or a pod whose admission failed
+//!    (kubelet reports it; its controller replaces it), never a container
+//!    served twice or a later container matched to the wrong record.
 
 use crate::scaling::{MemoryScaling, MemorySplit};
 use serde::{Deserialize, Serialize};

@@ -3,9 +3,9 @@
 //! unix sockets) and a real API server (etcd and kube-apiserver, one per
 //! test): registration, re-registration when kubelet restarts, health
 //! updates in `ListAndWatch` and in the node inventory, and `Allocate`'s
-//! refusals. Needs no simulated GPU. Conflicts on the allocation record,
-//! which a real server cannot be made to produce on cue, are in
-//! `conflicts.rs`.
+//! refusals. Needs no simulated GPU. The allocation record written after
+//! the answer, with the pod writes refused or lost (which a real server
+//! cannot be made to do on cue), is in `records.rs`.
 
 use crate::support::kubelet::{gpus, FakeKubelet, PluginConn};
 use crate::support::*;
