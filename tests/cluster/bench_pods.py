@@ -41,6 +41,10 @@ from podtrace import AUDIT_POLICY, missing, read_steps, table  # noqa: E402
 SCHEDULER_NAME = "vgpu-scheduler"
 HISTOGRAM = "vgpu_extender_request_duration_seconds"
 VERBS = ("filter", "prioritize", "bind", "mutate")
+# The API server's histogram of its calls to admission webhooks, and the
+# name of vgpu's (the chart's MutatingWebhookConfiguration).
+WEBHOOK_HISTOGRAM = "apiserver_admission_webhook_admission_duration_seconds"
+WEBHOOK_NAME = "scheduler.vgpu.io"
 
 
 KINDS = ("plain", "vgpu", "dra", "null")
@@ -140,31 +144,55 @@ def pods(kind: str, namespace: str, count: int) -> list[dict]:
     return out
 
 
-def histogram(text: str) -> dict[str, dict]:
-    """Per verb: cumulative bucket counts by upper bound, sum and count."""
-    out = {verb: {"buckets": {}, "sum": 0.0, "count": 0.0} for verb in VERBS}
+def histogram(text: str, metric: str = HISTOGRAM, key=lambda labels: labels.get("verb"),
+              keys: tuple[str, ...] = VERBS) -> dict[str, dict]:
+    """Per key (by default the extender's verbs): cumulative bucket counts by
+    upper bound, sum and count, added up over the metric's series that
+    `key` maps to it."""
+    out = {name: {"buckets": {}, "sum": 0.0, "count": 0.0} for name in keys}
     for line in text.splitlines():
-        if not line.startswith(HISTOGRAM):
+        if not line.startswith(metric + "_") or "{" not in line:
             continue
         series, value = line.rsplit(" ", 1)
-        labels = dict(part.split("=", 1) for part in series[series.index("{") + 1:-1].split(","))
-        verb = labels.get("verb", "").strip('"')
-        if verb not in out:
+        name = series[:series.index("{")]
+        labels = {label: text.strip('"') for label, text in
+                  (part.split("=", 1) for part in series[series.index("{") + 1:-1].split(","))}
+        found = out.get(key(labels))
+        if found is None:
             continue
-        if series.startswith(HISTOGRAM + "_bucket"):
-            out[verb]["buckets"][float(labels["le"].strip('"'))] = float(value)
-        elif series.startswith(HISTOGRAM + "_sum"):
-            out[verb]["sum"] = float(value)
-        elif series.startswith(HISTOGRAM + "_count"):
-            out[verb]["count"] = float(value)
+        if name == metric + "_bucket":
+            bound = float(labels["le"])
+            found["buckets"][bound] = found["buckets"].get(bound, 0.0) + float(value)
+        elif name == metric + "_sum":
+            found["sum"] += float(value)
+        elif name == metric + "_count":
+            found["count"] += float(value)
     return out
 
 
+def webhook_histogram(text: str) -> dict[str, dict]:
+    """The API server's own time for its calls to vgpu's webhook on pod
+    creation, from its /metrics."""
+    return histogram(text, WEBHOOK_HISTOGRAM, keys=("webhook",),
+                     key=lambda labels: "webhook" if (labels.get("name"), labels.get("operation"))
+                     == (WEBHOOK_NAME, "CREATE") else None)
+
+
 def difference(after: dict, before: dict) -> dict:
-    return {verb: {"buckets": {le: count - before[verb]["buckets"].get(le, 0.0)
-                               for le, count in after[verb]["buckets"].items()},
-                   "sum": after[verb]["sum"] - before[verb]["sum"],
-                   "count": after[verb]["count"] - before[verb]["count"]} for verb in VERBS}
+    return {name: {"buckets": {le: count - before[name]["buckets"].get(le, 0.0)
+                               for le, count in after[name]["buckets"].items()},
+                   "sum": after[name]["sum"] - before[name]["sum"],
+                   "count": after[name]["count"] - before[name]["count"]} for name in after}
+
+
+def add(total: dict, delta: dict) -> None:
+    """Adds one round's `difference` into `total`."""
+    for name, series in delta.items():
+        into = total.setdefault(name, {"buckets": {}, "sum": 0.0, "count": 0.0})
+        for le, calls in series["buckets"].items():
+            into["buckets"][le] = into["buckets"].get(le, 0.0) + calls
+        into["sum"] += series["sum"]
+        into["count"] += series["count"]
 
 
 def quantile(series: dict, q: float) -> float:
@@ -258,8 +286,10 @@ def run_round(cc: ChartCluster, kind: str, namespace: str, pod_count: int, paral
     command = cc.cluster.command([sys.executable, str(HERE / "podrate.py"), "--server", cc.cluster.server,
                                   "--pki", str(cc.cluster.pki), "--namespace", namespace,
                                   "--parallel", str(parallel)] + (["--metrics", metrics] if metrics else []))
+    server_before = cc.cluster.kubectl("get", "--raw", "/metrics").stdout if metrics else ""
     done = subprocess.run(command, input=json.dumps(pods(kind, namespace, pod_count)), capture_output=True,
                           text=True, check=False)
+    server_after = cc.cluster.kubectl("get", "--raw", "/metrics").stdout if metrics else ""
     if done.returncode != 0:
         raise SystemExit(f"podrate failed: {done.stderr[-2000:]}")
     result = json.loads(done.stdout)
@@ -280,7 +310,8 @@ def run_round(cc: ChartCluster, kind: str, namespace: str, pod_count: int, paral
                        {name: at + result["clock"] for name, at in running.items()})
     return {"rate": pod_count / elapsed, "latencies": latencies, "steps": steps,
             "metrics": (histogram(result["metrics"]["after"]), histogram(result["metrics"]["before"]))
-            if metrics else None}
+            if metrics else None,
+            "webhook": (webhook_histogram(server_after), webhook_histogram(server_before)) if metrics else None}
 
 
 def main(argv: list[str]) -> int:
@@ -327,7 +358,8 @@ def main(argv: list[str]) -> int:
     # Per kind, each pod's steps (pod names made unique by round).
     traces: dict[str, dict[str, dict[str, float]]] = {kind: {} for kind in kinds}
     latencies: dict[str, list[float]] = {kind: [] for kind in kinds}
-    verbs = {verb: {"buckets": {}, "sum": 0.0, "count": 0.0} for verb in VERBS}
+    verbs: dict[str, dict] = {}
+    webhook: dict[str, dict] = {}
     # The monitors sample once a second: the nodes' agents share this
     # machine's cores with the control plane.
     helm_args = ["--set", "node.monitor.intervalMs=1000"]
@@ -353,12 +385,8 @@ def main(argv: list[str]) -> int:
                 traces[kind].update({f"{round_}/{name}": pod for name, pod in result["steps"].items()})
                 latencies[kind].extend(result["latencies"])
                 if result["metrics"]:
-                    delta = difference(*result["metrics"])
-                    for verb in VERBS:
-                        for le, count in delta[verb]["buckets"].items():
-                            verbs[verb]["buckets"][le] = verbs[verb]["buckets"].get(le, 0.0) + count
-                        verbs[verb]["sum"] += delta[verb]["sum"]
-                        verbs[verb]["count"] += delta[verb]["count"]
+                    add(verbs, difference(*result["metrics"]))
+                    add(webhook, difference(*result["webhook"]))
                 print(f"round {round_ + 1} {kind}: {result['rate']:.1f} pods/s", file=sys.stderr)
 
     rate = {kind: statistics.median(rates[kind]) for kind in kinds}
@@ -379,12 +407,13 @@ def main(argv: list[str]) -> int:
               f"{dra * 1000:.0f} ms | {null * 1000:.0f} ms | {vgpu / plain:.2f} | {dra / null:.2f} |")
     print("\n| extender verb (its own time, from its /metrics) | calls | mean | p50 | p99 |")
     print("|---|---:|---:|---:|---:|")
-    for verb in VERBS:
-        series = verbs[verb]
-        if series["count"] <= 0:
-            print(f"| {verb} | 0 | - | - | - |")
+    rows = [(verb, verbs.get(verb)) for verb in VERBS]
+    rows.append(("the API server's call to the webhook, pod creation (its /metrics)", webhook.get("webhook")))
+    for label, series in rows:
+        if not series or series["count"] <= 0:
+            print(f"| {label} | 0 | - | - | - |")
             continue
-        print(f"| {verb} | {series['count']:.0f} | {series['sum'] / series['count'] * 1000:.2f} ms | "
+        print(f"| {label} | {series['count']:.0f} | {series['sum'] / series['count'] * 1000:.2f} ms | "
               f"{quantile(series, 0.5) * 1000:.2f} ms | {quantile(series, 0.99) * 1000:.2f} ms |")
     if options.whole_gpus:
         whole, ext = rate["whole"], rate["ext"]
@@ -413,9 +442,14 @@ def main(argv: list[str]) -> int:
             print(f"bench_pods: {len(gaps)} step(s) of {kind} pods not in the audit log, e.g. {gaps[:3]}",
                   file=sys.stderr)
             status = 1
-    missed = [verb for verb in ("filter", "bind", "mutate") if verbs[verb]["count"] < options.pods * options.repeats]
+    missed = [verb for verb in ("filter", "bind", "mutate")
+              if verbs.get(verb, {}).get("count", 0) < options.pods * options.repeats]
     if missed:
         print(f"bench_pods: the extender counted fewer {', '.join(missed)} calls than vGPU pods", file=sys.stderr)
+        status = 1
+    if webhook.get("webhook", {}).get("count", 0) < options.pods * options.repeats:
+        print(f"bench_pods: the API server counted fewer calls to {WEBHOOK_NAME} ({WEBHOOK_HISTOGRAM}) than vGPU "
+              "pods", file=sys.stderr)
         status = 1
     return status
 
