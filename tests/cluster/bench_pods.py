@@ -13,7 +13,8 @@ kube-scheduler (by `schedulerName`; it calls no extender for them) on the
 nodes the vGPU pods run on, in rotating rounds of one run. Half the nodes offer their GPUs through DRA,
 half through the device plugin (the null driver runs there too). Also the extender's own time per verb from
 its `/metrics`, over the vGPU rounds (kube-scheduler has no per-extender
-latency figure), and where each kind of pod spends its time, step by step
+latency figure), the API server's own time for its calls to the webhook
+(from the API server's `/metrics`), and where each kind of pod spends its time, step by step
 (podtrace: the API server's audit log).
 
 Prints a Markdown table of medians over the rounds. Needs root (network
