@@ -3,7 +3,6 @@
 //! record on a pod ([`crate::records`]), the node's GPU inventory, and the
 //! node's Lease.
 
-use crate::records::PodName;
 use k8s_openapi::api::coordination::v1::{Lease, LeaseSpec};
 use k8s_openapi::api::core::v1::{Node, Pod};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{MicroTime, ObjectMeta};
@@ -108,16 +107,16 @@ impl Cluster {
             .map_err(api_error(format!("pod {namespace}/{name}")))
     }
 
-    /// Records `allocated` as the allocated containers of `pod`, provided
-    /// it is still the pod with UID `uid` (a pod of the same name made
-    /// since is refused); answers the pod written.
+    /// Records `allocated` as the allocated containers of the pod
+    /// `namespace/name`, provided it is still the pod with UID `uid` (a pod
+    /// of the same name made since is refused); answers the pod written.
     pub async fn record_allocated(
         &self,
-        pod: &PodName,
+        (namespace, name): (&str, &str),
         uid: &str,
         allocated: &[String],
     ) -> Result<Pod, ClusterError> {
-        let pods: Api<Pod> = Api::namespaced(self.client.clone(), &pod.namespace);
+        let pods: Api<Pod> = Api::namespaced(self.client.clone(), namespace);
         let record = serde_json::to_string(allocated).unwrap_or_else(|_| "[]".to_string());
         let patch = serde_json::json!({
             "metadata": {
@@ -125,9 +124,9 @@ impl Cluster {
                 "annotations": { ALLOCATED_ANNOTATION: record },
             }
         });
-        pods.patch(&pod.name, &PatchParams::default(), &Patch::Merge(&patch))
+        pods.patch(name, &PatchParams::default(), &Patch::Merge(&patch))
             .await
-            .map_err(api_error(format!("pod {pod}")))
+            .map_err(api_error(format!("pod {namespace}/{name}")))
     }
 
     /// Sets, in the node's status, the capacity (and allocatable: no

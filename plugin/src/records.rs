@@ -227,14 +227,24 @@ impl Records {
             if entry.pod.is_some() {
                 return true;
             }
-            let found = pods
+            let Some(found) = pods
                 .iter()
-                .find(|p| p.metadata.uid.as_deref() == Some(uid.as_str()));
-            entry.pod = found.map(|p| PodName {
-                namespace: p.metadata.namespace.clone().unwrap_or_default(),
-                name: p.metadata.name.clone().unwrap_or_default(),
+                .find(|p| p.metadata.uid.as_deref() == Some(uid.as_str()))
+            else {
+                // Gone: the monitor removes its regions.
+                return false;
+            };
+            // Most records read back were published before the restart.
+            if allocated_of(found)
+                .is_some_and(|recorded| entry.containers.iter().all(|c| recorded.contains(c)))
+            {
+                return false;
+            }
+            entry.pod = Some(PodName {
+                namespace: found.metadata.namespace.clone().unwrap_or_default(),
+                name: found.metadata.name.clone().unwrap_or_default(),
             });
-            entry.pod.is_some()
+            true
         });
         Ok(())
     }
@@ -266,7 +276,10 @@ impl Records {
             self.forget(uid, served);
             return Ok(());
         }
-        match cluster.record_allocated(pod, uid, &all).await {
+        match cluster
+            .record_allocated((&pod.namespace, &pod.name), uid, &all)
+            .await
+        {
             Ok(written) => {
                 // In the cache before the record is dropped here: a read
                 // of the pods never sees neither.
