@@ -13,8 +13,7 @@ use std::path::PathBuf;
 use std::time::Duration;
 use tokio::sync::watch;
 use vgpu_cluster::decision::DeviceGrant;
-use vgpu_device_plugin::cluster::make_client;
-use vgpu_node_agent::health::{HealthTracker, ManualHealth, ManualHealthHandle, Signal};
+use vgpu_node_agent::health::{ManualHealthHandle, Signal};
 
 const WAIT: Duration = Duration::from_secs(10);
 
@@ -39,17 +38,8 @@ async fn start_plugin(api: &ControlPlane, node: &str, tag: &str) -> Harness {
     let _ = std::fs::remove_dir_all(&dir);
     let plugin_dir = dir.join("device-plugins");
     std::fs::create_dir_all(&plugin_dir).expect("dirs");
-    let config = crate::support::kubelet::in_process_config(node, &dir, RESOURCE);
-    let (source, health) = ManualHealth::new(HealthTracker::new([13], Some(Duration::ZERO)));
-    let client = make_client(&api.source()).await.expect("client");
-    let (stop, shutdown) = watch::channel(false);
-    let task = tokio::spawn(vgpu_device_plugin::run(
-        config,
-        gpus(),
-        Box::new(source),
-        client,
-        shutdown,
-    ));
+    let (health, stop, task) =
+        crate::support::kubelet::spawn_in_process(node, &dir, &api.source()).await;
     Harness {
         dir,
         plugin_dir,

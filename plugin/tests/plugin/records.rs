@@ -23,8 +23,6 @@ use vgpu_cluster::decision::{
     ContainerDecision, Decision, DeviceGrant, ALLOCATED_ANNOTATION, DECISION_ANNOTATION,
     FORMAT_VERSION,
 };
-use vgpu_device_plugin::cluster::make_client;
-use vgpu_node_agent::health::{HealthTracker, ManualHealth};
 use vgpu_testkit::fault_proxy::{pod_named, Action, Fault, FaultId, FaultProxy, Verb, ANY_POD};
 
 /// Every list of the pods of all namespaces (the plugin's, by node).
@@ -60,17 +58,7 @@ async fn start_plugin(
     proxy: &FaultProxy,
     dir: &std::path::Path,
 ) -> (watch::Sender<bool>, PluginTask) {
-    let config = kubelet::in_process_config(NODE, dir, RESOURCE);
-    let (source, _health) = ManualHealth::new(HealthTracker::new([13], Some(Duration::ZERO)));
-    let client = make_client(&proxy.source()).await.expect("client");
-    let (stop, shutdown) = watch::channel(false);
-    let task = tokio::spawn(vgpu_device_plugin::run(
-        config,
-        gpus(),
-        Box::new(source),
-        client,
-        shutdown,
-    ));
+    let (_health, stop, task) = kubelet::spawn_in_process(NODE, dir, &proxy.source()).await;
     (stop, task)
 }
 

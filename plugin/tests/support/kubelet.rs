@@ -312,6 +312,35 @@ impl PluginConn {
 /// The plugin's configuration for running in-process on `node` in the test
 /// folder `dir` (its device-plugin directory is `dir/device-plugins`,
 /// where the fake kubelet listens too).
+/// The plugin started in-process on [`gpus`] for `node`, its files under
+/// `dir`, talking to the API at `source`: its health handle, the sender
+/// that stops it, and its task.
+pub async fn spawn_in_process(
+    node: &str,
+    dir: &Path,
+    source: &vgpu_cluster::client::ApiSource,
+) -> (
+    vgpu_node_agent::health::ManualHealthHandle,
+    watch::Sender<bool>,
+    tokio::task::JoinHandle<Result<(), vgpu_device_plugin::PluginError>>,
+) {
+    use vgpu_node_agent::health::{HealthTracker, ManualHealth};
+    let config = in_process_config(node, dir, super::RESOURCE);
+    let (health_source, health) = ManualHealth::new(HealthTracker::new([13], Some(Duration::ZERO)));
+    let client = vgpu_device_plugin::cluster::make_client(source)
+        .await
+        .expect("client");
+    let (stop, shutdown) = watch::channel(false);
+    let task = tokio::spawn(vgpu_device_plugin::run(
+        config,
+        gpus(),
+        Box::new(health_source),
+        client,
+        shutdown,
+    ));
+    (health, stop, task)
+}
+
 pub fn in_process_config(
     node: &str,
     dir: &Path,
