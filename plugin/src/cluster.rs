@@ -20,9 +20,6 @@ pub use vgpu_cluster::client::{ApiSource, ClientError};
 pub enum ClusterError {
     #[error(transparent)]
     Client(#[from] ClientError),
-    /// The object changed since it was read (HTTP 409).
-    #[error("{what}: changed since it was read")]
-    Conflict { what: String },
     #[error("{what}")]
     Api {
         what: String,
@@ -45,7 +42,7 @@ impl ClusterError {
     /// once the wait is over.
     pub fn is_outage(&self) -> bool {
         match self {
-            Self::Client(_) | Self::Conflict { .. } => false,
+            Self::Client(_) => false,
             Self::Api { source, .. } => match source {
                 kube::Error::Api(status) => {
                     status.code >= 500 || matches!(status.code, 401 | 403 | 429)
@@ -69,10 +66,7 @@ pub struct Cluster {
 }
 
 fn api_error(what: String) -> impl FnOnce(kube::Error) -> ClusterError {
-    move |source| match &source {
-        kube::Error::Api(status) if status.code == 409 => ClusterError::Conflict { what },
-        _ => ClusterError::Api { what, source },
-    }
+    move |source| ClusterError::Api { what, source }
 }
 
 impl Cluster {

@@ -200,7 +200,8 @@ impl Records {
     }
 
     /// How many containers' records are unpublished.
-    pub fn unpublished_count(&self) -> usize {
+    #[cfg(test)]
+    fn unpublished_count(&self) -> usize {
         self.lock().values().map(|e| e.containers.len()).sum()
     }
 
