@@ -349,6 +349,23 @@ class ChartExtender:
         webhook = next(item for item in self.installed if item["kind"] == "MutatingWebhookConfiguration")
         self.ca = base64.b64decode(webhook["webhooks"][0]["clientConfig"]["caBundle"]).decode()
 
+    def serve_service(self, namespace: str, address: str) -> None:
+        """Points the chart's Service for the extender at `address`,
+        standing in for the endpoint controllers (no kubelet runs the
+        extender's pod)."""
+        service = next(item for item in self.installed if item["kind"] == "Service"
+                       and item["metadata"]["name"].endswith("-scheduler"))["metadata"]["name"]
+        ports = [{"name": name, "port": port, "protocol": "TCP"} for name, port in self.ports.items()]
+        self.cluster.kubectl("apply", "-f", "-", input=json.dumps({"apiVersion": "v1", "kind": "List", "items": [
+            {"apiVersion": "v1", "kind": "Endpoints", "metadata": {"name": service, "namespace": namespace},
+             "subsets": [{"addresses": [{"ip": address}], "ports": ports}]},
+            {"apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice",
+             "metadata": {"name": f"{service}-test", "namespace": namespace,
+                          "labels": {"kubernetes.io/service-name": service,
+                                     "endpointslice.kubernetes.io/managed-by": "vgpu-tests"}},
+             "addressType": "IPv4", "endpoints": [{"addresses": [address]}], "ports": ports},
+        ]}))
+
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
 
@@ -457,8 +474,10 @@ def test_a_hami_pod_goes_through_the_webhook_kube_scheduler_and_the_extender(tmp
                     "-node-lifecycle-controller",
     ) as cluster:
         namespace = "vgpu-hook"
+        # Every vGPU pod through the webhook (the API server's own admission
+        # of them is compared with it below).
         cluster.helm("install", "hook", str(CHART), "-n", namespace, "--create-namespace",
-                     "--set", "scheduler.webhook.failurePolicy=Fail")
+                     "--set", "scheduler.webhook.failurePolicy=Fail", "--set", "scheduler.webhook.inProcess=false")
         uuid = "GPU-3b1f0c2e-8d4a-4f6b-9c7e-5a2d1e0f9b8c"
         node, status, lease = gpu_node("gpu-node-1", uuid)
         cluster.kubectl("create", "-f", "-", input=json.dumps(node))
@@ -469,18 +488,7 @@ def test_a_hami_pod_goes_through_the_webhook_kube_scheduler_and_the_extender(tmp
         cluster.kubectl("patch", "node", "gpu-node-1", "--type=json", "-p",
                         json.dumps([{"op": "remove", "path": "/spec/taints"}]))
         extender = ChartExtender(cluster, "hook", namespace, tmp_path)
-        service = next(item for item in extender.installed if item["kind"] == "Service"
-                       and item["metadata"]["name"].endswith("-scheduler"))["metadata"]["name"]
-        ports = [{"name": name, "port": port, "protocol": "TCP"} for name, port in extender.ports.items()]
-        cluster.kubectl("apply", "-f", "-", input=json.dumps({"apiVersion": "v1", "kind": "List", "items": [
-            {"apiVersion": "v1", "kind": "Endpoints", "metadata": {"name": service, "namespace": namespace},
-             "subsets": [{"addresses": [{"ip": network.address}], "ports": ports}]},
-            {"apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice",
-             "metadata": {"name": f"{service}-test", "namespace": namespace,
-                          "labels": {"kubernetes.io/service-name": service,
-                                     "endpointslice.kubernetes.io/managed-by": "vgpu-tests"}},
-             "addressType": "IPv4", "endpoints": [{"addresses": [network.address]}], "ports": ports},
-        ]}))
+        extender.serve_service(namespace, network.address)
         # kube-scheduler as the chart runs it: its configuration from the
         # chart's ConfigMap, as its own ServiceAccount.
         config_map = next(item for item in extender.installed
@@ -557,6 +565,152 @@ def test_a_hami_pod_goes_through_the_webhook_kube_scheduler_and_the_extender(tmp
             scheduler.terminate()
             scheduler.wait(timeout=30)
             extender.stop()
+
+
+def admission_corpus() -> list[dict]:
+    """Pods as tenants write them, one for each rule of vgpu's admission:
+    vGPU containers with and without seccomp profiles (their own, their
+    pod's), init containers, privileged and Unconfined ones, named
+    schedulers and nodes, Elastic GPU resources, and pods naming a vGPU
+    resource but no GPU, or none at all."""
+    gpu = {"limits": {"nvidia.com/gpu": "1", "nvidia.com/gpumem": "4096", "nvidia.com/gpucores": "30"}}
+
+    def pod(name, containers, init=(), **spec):
+        body = {"containers": list(containers), **spec}
+        if init:
+            body["initContainers"] = list(init)
+        return {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name, "namespace": "tenant"}, "spec": body}
+
+    def container(name, resources=None, **context):
+        found = {"name": name, "image": "cuda"}
+        if resources:
+            found["resources"] = resources
+        if context:
+            found["securityContext"] = context
+        return found
+
+    localhost = {"type": "Localhost", "localhostProfile": "profiles/gpu.json"}
+    return [
+        pod("hami-style", [container("main", gpu)]),
+        pod("sidecars", [container("main", gpu), container("log"), container("user", gpu, runAsUser=1000)]),
+        pod("init", [container("main")], init=[container("warm", gpu)]),
+        pod("pod-runtime-default", [container("main", gpu)],
+            securityContext={"seccompProfile": {"type": "RuntimeDefault"}}),
+        pod("pod-localhost", [container("main", gpu)], securityContext={"seccompProfile": localhost}),
+        pod("own-localhost", [container("main", gpu, seccompProfile=localhost), container("other", gpu)]),
+        pod("privileged", [container("main", gpu, privileged=True)]),
+        pod("privileged-sidecar", [container("main", gpu), container("net", privileged=True)]),
+        pod("privileged-init", [container("main", gpu)], init=[container("setup", gpu, privileged=True)]),
+        pod("unconfined", [container("main", gpu, seccompProfile={"type": "Unconfined"})]),
+        pod("pod-unconfined", [container("a", gpu, seccompProfile={"type": "RuntimeDefault"}), container("b", gpu)],
+            securityContext={"seccompProfile": {"type": "Unconfined"}}),
+        pod("unconfined-sidecar", [container("main", gpu), container("tool", seccompProfile={"type": "Unconfined"})]),
+        pod("own-scheduler", [container("main", gpu)], schedulerName="team-scheduler"),
+        pod("default-scheduler", [container("main", gpu)], schedulerName="default-scheduler"),
+        pod("on-a-node", [container("main", gpu)], nodeName="gpu-node-9"),
+        pod("elastic", [container("main", {"limits": {"elasticgpu.io/gpu-memory": "2048",
+                                                      "elasticgpu.io/gpu-core": "20"}})]),
+        pod("memory-only", [container("main", {"limits": {"nvidia.com/gpumem": "4096"}})]),
+        pod("no-gpu", [container("main")]),
+    ]
+
+
+def admitted(cluster, pod: dict) -> dict:
+    """What admission made of `pod` (a server-side dry run: nothing is
+    kept): the fields vgpu's admission sets, or the reason it was refused."""
+    done = cluster.kubectl("create", "--dry-run=server", "-o", "json", "-f", "-", input=json.dumps(pod), check=False)
+    if done.returncode != 0:
+        # The reason as vgpu wrote it, without the API server's preamble
+        # (which names the webhook or the policy that refused).
+        return {"refused": re.sub(r"^.*denied (the )?request: ", "", done.stderr.strip())}
+    spec = json.loads(done.stdout)["spec"]
+    return {"schedulerName": spec.get("schedulerName"), "podSeccomp": spec.get("securityContext", {}),
+            **{kind: [(c["name"], c.get("securityContext"), c.get("resources")) for c in spec.get(kind, [])]
+               for kind in ("containers", "initContainers")}}
+
+
+def mutate_calls(cluster, port: int) -> float:
+    """The webhook calls the extender has answered (its /metrics on
+    loopback, read where the extender runs)."""
+    read = f"import urllib.request; print(urllib.request.urlopen('http://127.0.0.1:{port}/metrics').read().decode())"
+    text = subprocess.run(cluster.command([sys.executable, "-c", read]), capture_output=True, text=True,
+                          check=True).stdout
+    found = re.search(r'^vgpu_extender_request_duration_seconds_count\{verb="mutate"\} (\S+)$', text, re.MULTILINE)
+    return float(found.group(1)) if found else 0.0
+
+
+def test_the_api_server_admits_vgpu_pods_as_the_webhook_does_without_calling_it(tmp_path):
+    """On Kubernetes 1.36 the chart has the API server admit plain vGPU
+    pods itself (a MutatingAdmissionPolicy and a ValidatingAdmissionPolicy,
+    templates/pod-admission.yaml). Every pod of the corpus comes out of it
+    exactly as out of the extender's webhook, refusals in the same words;
+    the webhook is called only for the pods that need the extender (here
+    the Elastic GPU one), and with the extender stopped plain vGPU pods are
+    still admitted, while that one is refused (failurePolicy Fail)."""
+    with TestNetwork() as network, ControlPlane(
+        tmp_path / "control-plane", network=network,
+        controllers="*,-endpoints-controller,-endpointslice-controller,-endpointslice-mirroring-controller",
+    ) as cluster:
+        namespace = "vgpu-admit"
+        cluster.helm("install", "admit", str(CHART), "-n", namespace, "--create-namespace",
+                     "--set", "scheduler.webhook.inProcess=false")
+        plain = free_port()
+        extender = ChartExtender(cluster, "admit", namespace, tmp_path, extra=(f"--port={plain}",))
+        corpus = admission_corpus()
+        try:
+            extender.serve_service(namespace, network.address)
+            cluster.kubectl("create", "namespace", "tenant")
+            wait_for("the tenant namespace's ServiceAccount",
+                     lambda: cluster.kubectl("get", "serviceaccount", "default", "-n", "tenant", check=False)
+                     .returncode == 0)
+            hami = corpus[0]
+            wait_for("the webhook answering through the Service",
+                     lambda: admitted(cluster, hami).get("schedulerName") == "vgpu-scheduler", log=extender.log)
+            by_webhook = {pod["metadata"]["name"]: admitted(cluster, pod) for pod in corpus}
+            webhook_calls = mutate_calls(cluster, plain)
+            # The corpus says something: pods were mutated, refused and
+            # left alone.
+            assert by_webhook["sidecars"]["containers"][2][1] == {
+                "runAsUser": 1000, "seccompProfile": {"type": "RuntimeDefault"}}, by_webhook["sidecars"]
+            assert by_webhook["privileged"]["refused"].startswith("container main asks for vGPUs and is privileged")
+            assert by_webhook["pod-unconfined"]["refused"].startswith("container b asks for vGPUs and runs seccomp "
+                                                                      "Unconfined"), by_webhook["pod-unconfined"]
+            assert by_webhook["no-gpu"]["schedulerName"] == "default-scheduler"
+            assert by_webhook["own-scheduler"]["schedulerName"] == "team-scheduler"
+            assert by_webhook["elastic"]["containers"][0][2]["limits"]["nvidia.com/gpu"] == "1"
+
+            upgraded = cluster.helm("upgrade", "admit", str(CHART), "-n", namespace,
+                                    "--set", "scheduler.webhook.inProcess=true", check=False)
+            assert upgraded.returncode == 0, upgraded.stderr
+            kinds = cluster.kubectl("get", "mutatingadmissionpolicies,validatingadmissionpolicies", "-o",
+                                    "jsonpath={.items[*].metadata.name}").stdout.split()
+            assert {"admit-vgpu-vgpu-pods", "admit-vgpu-vgpu-confinement"} <= set(kinds), kinds
+
+            def in_process() -> dict | None:
+                # The policies and the webhook's narrower conditions are in
+                # force once a vGPU pod is admitted without a webhook call.
+                before = mutate_calls(cluster, plain)
+                found = admitted(cluster, hami)
+                webhook_called = mutate_calls(cluster, plain) != before
+                return None if webhook_called or found.get("schedulerName") != "vgpu-scheduler" else found
+
+            wait_for("the API server's own admission in force", in_process, timeout=60, log=extender.log)
+            before = mutate_calls(cluster, plain)
+            by_policy = {pod["metadata"]["name"]: admitted(cluster, pod) for pod in corpus}
+            differ = {name: (by_webhook[name], by_policy[name]) for name in by_webhook
+                      if by_webhook[name] != by_policy[name]}
+            assert not differ, differ
+            # Only the Elastic GPU pod reached the webhook.
+            assert mutate_calls(cluster, plain) - before == 1, (before, mutate_calls(cluster, plain), webhook_calls)
+
+            extender.stop()
+            alone = {pod["metadata"]["name"]: admitted(cluster, pod) for pod in corpus}
+            assert alone["hami-style"] == by_webhook["hami-style"]
+            assert alone["privileged"] == by_webhook["privileged"]
+            assert "failed calling webhook" in alone["elastic"]["refused"], alone["elastic"]
+        finally:
+            if extender.process.poll() is None:
+                extender.stop()
 
 
 def test_a_port_taken_before_the_api_server_binds_it_is_replaced_by_another(tmp_path, monkeypatch):

@@ -14,8 +14,10 @@
 //!    the next bind on the node sees this pod pending.
 //! 4. Then, with no lock held, one call binds the pod and writes its
 //!    decision: the API server merges a Binding's annotations into the
-//!    pod, under the pod's UID and `resourceVersion` as read (a pod changed
-//!    since is refused, and decided again from what it now is). No pod is
+//!    pod, under the pod's UID and `resourceVersion` as read: the copy the
+//!    filter call for it sent ([`crate::extender::filtered_pods`]), else
+//!    the API server's (a pod changed since is refused, read again and
+//!    decided again from what it now is). No pod is
 //!    ever bound without its decision, nor carries a decision it was not
 //!    bound with. If the binding was refused, the count is taken back; if
 //!    its answer was lost, the pod is read back to tell.
@@ -169,7 +171,11 @@ impl Scheduler {
             .ok_or_else(|| BindError::BindingMeanwhile { pod: key.clone() })?;
         let deadline = tokio::time::Instant::now() + self.config.bind_wait;
 
-        let mut pod = self.fetch(api, args).await?;
+        // The pod as filter saw it, else as the API server has it.
+        let mut pod = match self.filtered_pods.take(namespace, name, &args.pod_uid) {
+            Some(pod) => pod,
+            None => self.fetch(api, args).await?,
+        };
         let mut attempt = 1;
         loop {
             let request = self.rules.parse(&pod)?;

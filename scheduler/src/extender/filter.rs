@@ -99,7 +99,8 @@ impl Scheduler {
             }
         };
         let borrowed: Vec<&str> = names.iter().map(AsRef::as_ref).collect();
-        let verdicts = match self.filter_verdicts(pod, borrowed) {
+        let pod_bytes = args.pod.map_or(0, |raw| raw.get().len());
+        let verdicts = match self.filter_verdicts(pod, borrowed, pod_bytes) {
             Ok(verdicts) => verdicts,
             Err(error) => {
                 return Reply::json(200, &ExtenderFilterResult::error(with_causes(&error)))
@@ -139,11 +140,12 @@ impl Scheduler {
     }
 
     /// Which candidates fit; remembers their loads for the prioritize call
-    /// that follows.
+    /// that follows, and the pod (its JSON `pod_bytes` long) for the bind.
     fn filter_verdicts<'a>(
         &self,
         pod: &Pod,
         names: Vec<&'a str>,
+        pod_bytes: usize,
     ) -> Result<NodeVerdicts<'a>, FilterError> {
         self.check_leading()?;
         let request = self
@@ -214,6 +216,7 @@ impl Scheduler {
                     at: Instant::now(),
                     loads,
                 });
+                self.filtered_pods.remember(pod, pod_bytes);
             }
         }
         Ok(verdicts)

@@ -10,13 +10,14 @@
 //! - [`claim_slice`]: a claim's slice placed for the claim controller.
 //! - [`resize`]: running pods' resize requests answered with new
 //!   decisions.
-//! - [`reply`], [`score_cache`]: their answers, and the loads filter keeps
-//!   for prioritize.
+//! - [`reply`], [`score_cache`], [`filtered_pods`]: their answers, the
+//!   loads filter keeps for prioritize and the pods it keeps for bind.
 
 pub mod bind;
 pub mod claim_slice;
 pub mod config;
 pub mod filter;
+pub mod filtered_pods;
 pub mod preempt;
 pub mod prioritize;
 pub mod reply;

@@ -7,6 +7,7 @@ use crate::cache::clock::now_unix_ms;
 use crate::cache::state::debug::DebugState;
 use crate::cache::state::SharedState;
 use crate::extender::config::Config;
+use crate::extender::filtered_pods::FilteredPods;
 use crate::extender::reply::Reply;
 use crate::extender::score_cache::ScoreCache;
 use crate::leader::Leadership;
@@ -49,6 +50,8 @@ pub struct Scheduler {
     /// Seeds the random node policy and keys the score cache.
     pub(super) hasher: foldhash::fast::RandomState,
     pub(super) score_cache: ScoreCache,
+    /// The pods filter passed, for their binds.
+    pub(super) filtered_pods: FilteredPods,
     pub(super) binds_in_flight: AtomicUsize,
     /// Held while a pod holding Elastic GPU claims is bound.
     pub(super) claims_lock: tokio::sync::Mutex<()>,
@@ -69,6 +72,7 @@ impl Scheduler {
             binding: Mutex::new(std::collections::HashSet::new()),
             hasher: foldhash::fast::RandomState::default(),
             score_cache: ScoreCache::default(),
+            filtered_pods: FilteredPods::default(),
             binds_in_flight: AtomicUsize::new(0),
             claims_lock: tokio::sync::Mutex::new(()),
             stopping: AtomicBool::new(false),

@@ -2,6 +2,7 @@
 //! per test), through testkit's fault proxy for the faults a real server
 //! shows only by chance.
 
+mod bind_copy;
 mod burst;
 mod claims;
 mod elastic_claims;

@@ -129,6 +129,80 @@ same CA.
 CEL: whether the admitted pod names one of the vGPU resources in a
 container's or init container's limits or requests.
 */}}
+{{/*
+CEL, over a container `c`: whether it is given vGPUs, i.e. names the GPU
+count or an Elastic GPU resource in its limits or requests (as
+cluster/src/requests/parse.rs's asks_for_vgpu reads a container).
+*/}}
+{{- define "vgpu.celContainerGetsVgpus" -}}
+{{- $r := .Values.resources -}}
+{{- $set := printf "['%s', '%s', '%s']" $r.gpu $r.elasticMemory $r.elasticCores -}}
+(c.?resources.?limits.orValue({}).exists(k, k in {{ $set }}) || c.?resources.?requests.orValue({}).exists(k, k in {{ $set }}))
+{{- end -}}
+
+{{/*
+Whether the API server itself admits plain vGPU pods (templates/pod-admission.yaml):
+"true" or empty. scheduler.webhook.inProcess auto: where the cluster serves
+MutatingAdmissionPolicy (admissionregistration.k8s.io/v1, Kubernetes 1.36+).
+*/}}
+{{- define "vgpu.inProcessAdmission" -}}
+{{- $webhook := .Values.scheduler.webhook -}}
+{{- $mode := toString $webhook.inProcess -}}
+{{- $served := .Capabilities.APIVersions.Has "admissionregistration.k8s.io/v1/MutatingAdmissionPolicy" -}}
+{{- if $webhook.enabled -}}
+{{- if eq $mode "true" -}}
+{{- if not $served -}}
+{{- fail "scheduler.webhook.inProcess=true: this cluster serves no MutatingAdmissionPolicy (admissionregistration.k8s.io/v1, Kubernetes 1.36+); use auto or false, and the webhook admits every vGPU pod" -}}
+{{- end -}}
+true
+{{- else if and (eq $mode "auto") $served -}}
+true
+{{- end -}}
+{{- end -}}
+{{- end -}}
+
+{{/*
+What the API server's own admission of vGPU pods applies to
+(templates/pod-admission.yaml): pods being created in the namespaces the
+webhook serves, with a container or init container given vGPUs.
+*/}}
+{{- define "vgpu.podAdmissionScope" -}}
+matchConstraints:
+  resourceRules:
+    - apiGroups: [""]
+      apiVersions: [v1]
+      operations: [CREATE]
+      resources: [pods]
+  namespaceSelector:
+    matchExpressions:
+      - key: vgpu.io/webhook
+        operator: NotIn
+        values: [ignore]
+      {{- with .Values.scheduler.webhook.ignoreNamespaces }}
+      - key: kubernetes.io/metadata.name
+        operator: NotIn
+        values: {{ toJson . }}
+      {{- end }}
+matchConditions:
+  - name: gets-vgpus
+    expression: >-
+      object.spec.containers.exists(c, {{ include "vgpu.celContainerGetsVgpus" . }})
+      || object.spec.?initContainers.orValue([]).exists(c, {{ include "vgpu.celContainerGetsVgpus" . }})
+{{- end -}}
+
+{{/*
+CEL: whether a pod being created needs the extender's own admission (the
+webhook) when the API server admits plain vGPU pods itself: a container
+asking for Elastic GPU resources (given their GPU count), an Elastic GPU
+claim to look up, KubeShare's labels or scheduler name to translate.
+*/}}
+{{- define "vgpu.needsExtenderAdmission" -}}
+{{- $r := .Values.resources -}}
+{{- $set := printf "['%s', '%s']" $r.elasticMemory $r.elasticCores -}}
+{{- $asks := printf "(c.?resources.?limits.orValue({}).exists(k, k in %s) || c.?resources.?requests.orValue({}).exists(k, k in %s))" $set $set -}}
+object.spec.containers.exists(c, {{ $asks }}) || object.spec.?initContainers.orValue([]).exists(c, {{ $asks }}){{ if .Values.elasticGPU.crds.enabled }} || object.metadata.?annotations.orValue({}).exists(k, k.startsWith('egpuc.elasticgpu.io/')){{ end }} || object.metadata.?labels.orValue({}).exists(k, k.startsWith('sharedgpu/')){{ with .Values.scheduler.webhook.schedulerAlias }} || object.spec.?schedulerName.orValue('') == '{{ . }}'{{ end }}
+{{- end -}}
+
 {{- define "vgpu.asksForVgpus" -}}
 {{- $r := .Values.resources -}}
 {{- $names := list $r.gpu $r.memory $r.memoryPercentage $r.cores $r.priority $r.elasticMemory $r.elasticCores -}}
