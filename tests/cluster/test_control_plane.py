@@ -22,6 +22,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+import yaml
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent.parent
@@ -711,6 +712,45 @@ def test_the_api_server_admits_vgpu_pods_as_the_webhook_does_without_calling_it(
         finally:
             if extender.process.poll() is None:
                 extender.stop()
+
+
+def test_the_charts_admission_in_the_api_server_follows_its_values(cluster):
+    """`helm template` offline: `inProcess: true` on a cluster without
+    MutatingAdmissionPolicy fails, naming the value; `auto` there renders
+    the webhook for every vGPU pod; with the API, `allowPrivileged` leaves
+    only the scheduler name to set and nothing to refuse; with the webhook
+    off there is no admission at all."""
+    mutating = "--api-versions=admissionregistration.k8s.io/v1/MutatingAdmissionPolicy"
+
+    def template(*args: str) -> list[dict]:
+        done = cluster.helm("template", "t", str(CHART), "--kube-version=1.36.3", *args)
+        return [item for item in yaml.safe_load_all(done.stdout) if item]
+
+    refused = cluster.helm("template", "t", str(CHART), "--kube-version=1.36.3",
+                           "--set", "scheduler.webhook.inProcess=true", check=False)
+    assert refused.returncode != 0 and "scheduler.webhook.inProcess=true" in refused.stderr, refused.stderr
+
+    def kinds(items):
+        return sorted(item["kind"] for item in items if "AdmissionPolicy" in item["kind"]
+                      and item["metadata"]["name"].startswith("t-vgpu-vgpu-"))
+
+    def webhook_condition(items):
+        webhook = next(item for item in items if item["kind"] == "MutatingWebhookConfiguration")
+        return webhook["webhooks"][0]["matchConditions"][0]["name"]
+
+    offline = template()
+    assert kinds(offline) == [] and webhook_condition(offline) == "asks-for-vgpus"
+    served = template(mutating)
+    assert kinds(served) == ["MutatingAdmissionPolicy", "MutatingAdmissionPolicyBinding",
+                             "ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding"]
+    assert webhook_condition(served) == "needs-the-extender"
+    allowed = template(mutating, "--set", "scheduler.webhook.allowPrivileged=true")
+    assert kinds(allowed) == ["MutatingAdmissionPolicy", "MutatingAdmissionPolicyBinding"]
+    policy = next(item for item in allowed if item["kind"] == "MutatingAdmissionPolicy")
+    (mutation,) = policy["spec"]["mutations"]
+    assert "schedulerName" in mutation["applyConfiguration"]["expression"]
+    assert kinds(template(mutating, "--set", "scheduler.webhook.inProcess=false")) == []
+    assert kinds(template(mutating, "--set", "scheduler.webhook.enabled=false")) == []
 
 
 def test_a_port_taken_before_the_api_server_binds_it_is_replaced_by_another(tmp_path, monkeypatch):

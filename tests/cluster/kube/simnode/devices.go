@@ -197,15 +197,13 @@ func (m *deviceManager) inUseLocked(resource string) map[string]bool {
 	return used
 }
 
-// release frees everything pod `uid` holds.
+// release frees everything pod `uid` holds. The node's status does not
+// change: it counts devices, not their holders (kubelet reports no status
+// for an allocation or its release either).
 func (m *deviceManager) release(uid types.UID) {
 	m.mu.Lock()
-	_, held := m.allocated[uid]
 	delete(m.allocated, uid)
 	m.mu.Unlock()
-	if held {
-		m.changed()
-	}
 }
 
 // retain frees the devices of every pod not in `active` (kubelet's
@@ -317,9 +315,6 @@ func (m *deviceManager) allocateContainer(ctx context.Context, pod *v1.Pod, cont
 				delete(reuse[resource], id)
 			}
 		}
-	}
-	if len(given.ids) > 0 {
-		m.changed()
 	}
 	return nil
 }

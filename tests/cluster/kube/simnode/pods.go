@@ -27,6 +27,7 @@ import (
 	"k8s.io/client-go/tools/cache"
 	"k8s.io/client-go/util/retry"
 	"k8s.io/klog/v2"
+	podutil "k8s.io/kubernetes/pkg/util/pod"
 	"k8s.io/utils/ptr"
 )
 
@@ -888,8 +889,12 @@ func (w *podWorker) writeStatus(ctx context.Context) error {
 	if current.UID != w.uid {
 		return nil
 	}
-	current.Status = w.status(current.Status)
-	_, err = w.manager.client.CoreV1().Pods(namespace).UpdateStatus(ctx, current, metav1.UpdateOptions{})
+	// Written as kubelet's status manager writes it: a patch of the status
+	// under the pod's UID (kubelet's own function), which a write of the
+	// pod's metadata in between does not make conflict, and none at all
+	// when nothing changed.
+	updated := w.status(*current.Status.DeepCopy())
+	_, _, _, err = podutil.PatchPodStatus(ctx, w.manager.client, namespace, name, w.uid, current.Status, updated)
 	return err
 }
 
