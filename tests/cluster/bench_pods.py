@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """Pods per second, created to Running, on the chart installed in the real
-control plane with simulated nodes: pods that ask for a vGPU (through our
-webhook, kube-scheduler with our extender, and kubelet's device-plugin code
-calling our plugin), pods that claim a share of a GPU through DRA (a
+control plane with simulated nodes: pods that ask for a vGPU (through the
+chart's admission, kube-scheduler with our extender, and kubelet's
+device-plugin code calling our plugin), pods that claim a share of a GPU through DRA (a
 ResourceClaimTemplate of the vgpu.io DeviceClass: claims made by
 kube-controller-manager, allocated by the default kube-scheduler against
 our drivers' ResourceSlices, prepared by kubelet's DRA code calling our

@@ -324,7 +324,9 @@ def test_what_vgpu_and_the_tenant_do_still_works(hostile):
     # each policy matches (kube-controller-manager's check, in the status).
     policies = {p["metadata"]["name"]: p for p in kubectl_json(
         cluster, "get", "validatingadmissionpolicies", "-l", f"app.kubernetes.io/instance={RELEASE}")["items"]}
-    assert set(policies) == {f"{RELEASE}-pod-records", f"{RELEASE}-binding-records", f"{RELEASE}-node-agents"}
+    # (vgpu-confinement: the webhook's refusals, the API server's own on 1.36.)
+    assert set(policies) == {f"{RELEASE}-pod-records", f"{RELEASE}-binding-records", f"{RELEASE}-node-agents",
+                             f"{RELEASE}-vgpu-confinement"}
 
     def checked():
         current = kubectl_json(cluster, "get", "validatingadmissionpolicies",
