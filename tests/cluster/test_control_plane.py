@@ -748,7 +748,8 @@ def test_the_charts_admission_in_the_api_server_follows_its_values(cluster):
     assert kinds(allowed) == ["MutatingAdmissionPolicy", "MutatingAdmissionPolicyBinding"]
     policy = next(item for item in allowed if item["kind"] == "MutatingAdmissionPolicy")
     (mutation,) = policy["spec"]["mutations"]
-    assert "schedulerName" in mutation["applyConfiguration"]["expression"]
+    assert "schedulerName" in mutation["jsonPatch"]["expression"]
+    assert "seccompProfile" not in mutation["jsonPatch"]["expression"]
     assert kinds(template(mutating, "--set", "scheduler.webhook.inProcess=false")) == []
     assert kinds(template(mutating, "--set", "scheduler.webhook.enabled=false")) == []
 
