@@ -29,6 +29,10 @@ def tls(pki: Path) -> ssl.SSLContext:
     return context
 
 
+# How many times a closed watch is resumed before the round fails.
+WATCH_RESUMES = 5
+
+
 def connect(server: str, context: ssl.SSLContext) -> http.client.HTTPSConnection:
     url = urlparse(server)
     return http.client.HTTPSConnection(url.hostname, url.port, context=context, timeout=60)
@@ -37,25 +41,38 @@ def connect(server: str, context: ssl.SSLContext) -> http.client.HTTPSConnection
 def watch_running(server: str, context: ssl.SSLContext, namespace: str, want: set[str],
                   running: dict[str, float], ready: threading.Event, done: threading.Event,
                   failures: list[str]) -> None:
-    """Records when each pod of `want` is first seen Running."""
+    """Records when each pod of `want` is first seen Running. A watch the
+    API server closes (it drops a watcher that falls behind, as this one
+    can on two busy cores) is resumed from the last version it showed, so
+    no event is lost; only those of the gap arrive late."""
     try:
-        connection = connect(server, context)
-        connection.request("GET", f"/api/v1/namespaces/{namespace}/pods?watch=1&allowWatchBookmarks=false")
-        response = connection.getresponse()
-        if response.status != 200:
-            failures.append(f"watch answered {response.status}: {response.read()[:300]!r}")
-            return
-        ready.set()
-        while len(running) < len(want):
-            line = response.readline()
-            if not line:
-                failures.append("the watch ended early")
+        version = ""
+        for _attempt in range(WATCH_RESUMES + 1):
+            connection = connect(server, context)
+            since = f"&resourceVersion={version}" if version else ""
+            connection.request("GET", f"/api/v1/namespaces/{namespace}/pods?watch=1&allowWatchBookmarks=false{since}")
+            response = connection.getresponse()
+            if response.status != 200:
+                failures.append(f"watch answered {response.status}: {response.read()[:300]!r}")
                 return
-            event = json.loads(line)
-            pod = event.get("object", {})
-            name = pod.get("metadata", {}).get("name")
-            if name in want and name not in running and pod.get("status", {}).get("phase") == "Running":
-                running[name] = time.monotonic()
+            ready.set()
+            while len(running) < len(want):
+                line = response.readline()
+                if not line:
+                    break
+                event = json.loads(line)
+                if event.get("type") == "ERROR":
+                    failures.append(f"watch: {event.get('object', {}).get('message')}")
+                    return
+                pod = event.get("object", {})
+                version = pod.get("metadata", {}).get("resourceVersion", version)
+                name = pod.get("metadata", {}).get("name")
+                if name in want and name not in running and pod.get("status", {}).get("phase") == "Running":
+                    running[name] = time.monotonic()
+            connection.close()
+            if len(running) >= len(want):
+                return
+        failures.append(f"the watch ended early {WATCH_RESUMES + 1} times")
     except (OSError, ValueError) as error:
         failures.append(f"watch: {error}")
     finally:
