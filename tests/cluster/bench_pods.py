@@ -380,8 +380,8 @@ def main(argv: list[str]) -> int:
                                               audit_policy=AUDIT_POLICY,
                                               controller_manager_args=controller_manager))
         start_null_drivers(cc, cc.nodes[dra_nodes:], stack)
-        in_process = bool(json.loads(cc.cluster.kubectl("get", "mutatingadmissionpolicies", "-o", "json")
-                                     .stdout)["items"])
+        policies = json.loads(cc.cluster.kubectl("get", "mutatingadmissionpolicies", "-o", "json").stdout)["items"]
+        in_process = any(p["metadata"]["name"].endswith("-vgpu-pods") for p in policies)
         metrics = extender_metrics_url(cc)
         for round_ in range(options.repeats):
             # Each kind goes first, second, ... in turn.

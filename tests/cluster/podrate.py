@@ -42,9 +42,9 @@ def watch_running(server: str, context: ssl.SSLContext, namespace: str, want: se
                   running: dict[str, float], ready: threading.Event, done: threading.Event,
                   failures: list[str]) -> None:
     """Records when each pod of `want` is first seen Running. A watch the
-    API server closes (it drops a watcher that falls behind, as this one
-    can on two busy cores) is resumed from the last version it showed, so
-    no event is lost; only those of the gap arrive late."""
+    API server closes before then (seen once under load) is resumed from
+    the last version it showed, so no event is lost; only those of the gap
+    arrive late."""
     try:
         version = ""
         for _attempt in range(WATCH_RESUMES + 1):

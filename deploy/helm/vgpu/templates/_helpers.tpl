@@ -126,18 +126,25 @@ same CA.
 {{- end -}}
 
 {{/*
-CEL: whether the admitted pod names one of the vGPU resources in a
-container's or init container's limits or requests.
+CEL, given (list <a container's CEL expression> <resource names>): whether
+that container names one of the resources in its limits or requests.
 */}}
+{{- define "vgpu.celContainerNames" -}}
+{{- $c := index . 0 -}}
+{{- $quoted := list -}}
+{{- range index . 1 }}{{ $quoted = append $quoted (printf "'%s'" .) }}{{ end -}}
+{{- $set := printf "[%s]" (join ", " $quoted) -}}
+({{ $c }}.?resources.?limits.orValue({}).exists(k, k in {{ $set }}) || {{ $c }}.?resources.?requests.orValue({}).exists(k, k in {{ $set }}))
+{{- end -}}
+
 {{/*
-CEL, over a container `c`: whether it is given vGPUs, i.e. names the GPU
-count or an Elastic GPU resource in its limits or requests (as
+CEL, given (list $ <a container's CEL expression>): whether the container
+is given vGPUs, i.e. names the GPU count or an Elastic GPU resource (as
 cluster/src/requests/parse.rs's asks_for_vgpu reads a container).
 */}}
 {{- define "vgpu.celContainerGetsVgpus" -}}
-{{- $r := .Values.resources -}}
-{{- $set := printf "['%s', '%s', '%s']" $r.gpu $r.elasticMemory $r.elasticCores -}}
-(c.?resources.?limits.orValue({}).exists(k, k in {{ $set }}) || c.?resources.?requests.orValue({}).exists(k, k in {{ $set }}))
+{{- $r := (index . 0).Values.resources -}}
+{{- include "vgpu.celContainerNames" (list (index . 1) (list $r.gpu $r.elasticMemory $r.elasticCores)) -}}
 {{- end -}}
 
 {{/*
@@ -186,8 +193,8 @@ matchConstraints:
 matchConditions:
   - name: gets-vgpus
     expression: >-
-      object.spec.containers.exists(c, {{ include "vgpu.celContainerGetsVgpus" . }})
-      || object.spec.?initContainers.orValue([]).exists(c, {{ include "vgpu.celContainerGetsVgpus" . }})
+      object.spec.containers.exists(c, {{ include "vgpu.celContainerGetsVgpus" (list . "c") }})
+      || object.spec.?initContainers.orValue([]).exists(c, {{ include "vgpu.celContainerGetsVgpus" (list . "c") }})
 {{- end -}}
 
 {{/*
@@ -198,18 +205,18 @@ claim to look up, KubeShare's labels or scheduler name to translate.
 */}}
 {{- define "vgpu.needsExtenderAdmission" -}}
 {{- $r := .Values.resources -}}
-{{- $set := printf "['%s', '%s']" $r.elasticMemory $r.elasticCores -}}
-{{- $asks := printf "(c.?resources.?limits.orValue({}).exists(k, k in %s) || c.?resources.?requests.orValue({}).exists(k, k in %s))" $set $set -}}
+{{- $asks := include "vgpu.celContainerNames" (list "c" (list $r.elasticMemory $r.elasticCores)) -}}
 object.spec.containers.exists(c, {{ $asks }}) || object.spec.?initContainers.orValue([]).exists(c, {{ $asks }}){{ if .Values.elasticGPU.crds.enabled }} || object.metadata.?annotations.orValue({}).exists(k, k.startsWith('egpuc.elasticgpu.io/')){{ end }} || object.metadata.?labels.orValue({}).exists(k, k.startsWith('sharedgpu/')){{ with .Values.scheduler.webhook.schedulerAlias }} || object.spec.?schedulerName.orValue('') == '{{ . }}'{{ end }}
 {{- end -}}
 
+{{/*
+CEL: whether the admitted pod names one of the vGPU resources in a
+container's or init container's limits or requests.
+*/}}
 {{- define "vgpu.asksForVgpus" -}}
 {{- $r := .Values.resources -}}
 {{- $names := list $r.gpu $r.memory $r.memoryPercentage $r.cores $r.priority $r.elasticMemory $r.elasticCores -}}
-{{- $quoted := list -}}
-{{- range $names }}{{ $quoted = append $quoted (printf "'%s'" .) }}{{ end -}}
-{{- $set := printf "[%s]" (join ", " $quoted) -}}
-{{- $asks := printf "has(c.resources) && ((has(c.resources.limits) && c.resources.limits.exists(k, k in %s)) || (has(c.resources.requests) && c.resources.requests.exists(k, k in %s)))" $set $set -}}
+{{- $asks := include "vgpu.celContainerNames" (list "c" $names) -}}
 object.spec.containers.exists(c, {{ $asks }}) || (has(object.spec.initContainers) && object.spec.initContainers.exists(c, {{ $asks }})){{ if .Values.elasticGPU.crds.enabled }} || (has(object.metadata.annotations) && object.metadata.annotations.exists(k, k.startsWith('egpuc.elasticgpu.io/'))){{ end }} || (has(object.metadata.labels) && object.metadata.labels.exists(k, k.startsWith('sharedgpu/'))){{ with .Values.scheduler.webhook.schedulerAlias }} || (has(object.spec.schedulerName) && object.spec.schedulerName == '{{ . }}'){{ end }}
 {{- end -}}
 
