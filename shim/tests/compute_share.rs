@@ -288,6 +288,34 @@ type Case<'a> = (u32, &'a str, &'a str, &'a [(&'a str, &'a str)]);
 /// Kernels that vary from run to run (5 % either way) are charged what they
 /// used on average, in every pattern and on the timeline too: charging their
 /// fastest runs gave 52.4 % at 50 %.
+/// A launch call whose thread is held up after its kernel reached the
+/// device (preempted on a busy host) returns after the kernel ended. Early
+/// in a process, before the fastest launch call is known, taking such a
+/// call's time off its timing priced a 1 ms kernel at about a microsecond,
+/// and the container ran uncapped for the rest of its window (seen as
+/// 93.8 % under a 75 % cap on a loaded two-core machine).
+#[test]
+fn launch_calls_held_up_after_their_kernel_left_do_not_make_it_look_free() {
+    let _machine = alone();
+    let env = [
+        WALL_TIMING[0],
+        WALL_TIMING[1],
+        ("SIMGPU_LATE_RETURNS", "3ms@2-12"),
+    ];
+    let result = measure_single_in(&env, 50, "sync", "k1ms", Duration::from_secs(3));
+    eprintln!(
+        "late returns: {:.2} % (uncapped beside it {:.2} %)",
+        result.steady, result.uncapped
+    );
+    assert_share(
+        "limit 50, sync, k1ms, launch calls 2 to 12 returning 3 ms late",
+        result.steady,
+        50.0,
+        result.uncapped,
+        TIGHT_TOLERANCE,
+    );
+}
+
 #[test]
 fn kernels_whose_time_varies_are_charged_their_mean_in_every_pattern() {
     let _machine = alone();

@@ -20,6 +20,7 @@
 //! | `SIMGPU_LAUNCH_OVERHEAD` | host time each launch call spends before its work reaches the device (a duration) | `4us` with `wall`, else `0ns` |
 //! | `SIMGPU_KERNELS` | durations that replace what module images declare, by kernel name: `k1ms=200us,k30ms=5ms` | none |
 //! | `SIMGPU_SWITCH_COST` | wall timing only: device time spent, and given to no process, each time the device passes from one process's work to another's, as a GPU spends it saving one context and loading the next (a duration up to 1s: `60us`) | `0ns` |
+//! | `SIMGPU_LATE_RETURNS` | launch calls that return late, as a call whose thread is preempted just after its kernel reached the device does: `3ms@2-6` holds the 2nd to 6th kernel launch calls of each process for 3 ms after their work was handed over (a duration up to 1s, calls counted from 1) | none |
 //! | `SIMGPU_KERNEL_JITTER` | how much a kernel's time varies from run to run, as a GPU's does with its clocks: each kernel runs its duration times a factor drawn uniformly from 1 ± this (`5%`, below 100 %) | `0%` |
 //!
 //! The topology variables are described in [`crate::topology`].
@@ -87,6 +88,29 @@ pub struct Config {
     pub kernel_jitter: f64,
     /// Wall timing: device time each switch between processes costs.
     pub switch_cost_ns: u64,
+    /// Launch calls held up after handing their kernel over.
+    pub late_returns: Option<LateReturns>,
+}
+
+/// Launch calls `first..=last` of a process (counted from 1) return
+/// `delay_ns` after their work reached the device (`SIMGPU_LATE_RETURNS`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LateReturns {
+    pub delay_ns: u64,
+    pub first: u64,
+    pub last: u64,
+}
+
+impl LateReturns {
+    /// How long launch call number `call` (from 1) is held after its work
+    /// left.
+    pub fn delay_of(&self, call: u64) -> u64 {
+        if (self.first..=self.last).contains(&call) {
+            self.delay_ns
+        } else {
+            0
+        }
+    }
 }
 
 impl Config {
@@ -369,6 +393,14 @@ pub fn from_env(var: impl Fn(&str) -> Option<String>) -> Result<Config, String> 
         Some(v) => parse_kernel_durations(&v)?,
         None => Vec::new(),
     };
+    let late_returns = match var("SIMGPU_LATE_RETURNS") {
+        Some(v) => Some(parse_late_returns(&v).ok_or_else(|| {
+            format!(
+                "bad SIMGPU_LATE_RETURNS={v:?}: expected DURATION@FIRST-LAST, a duration up to 1s and launch calls counted from 1 (3ms@2-6)"
+            )
+        })?),
+        None => None,
+    };
     let kernel_jitter = match var("SIMGPU_KERNEL_JITTER") {
         Some(v) => parse_fraction(&v).ok_or_else(|| {
             format!("bad SIMGPU_KERNEL_JITTER={v:?}: expected a percentage below 100 (5%)")
@@ -395,6 +427,22 @@ pub fn from_env(var: impl Fn(&str) -> Option<String>) -> Result<Config, String> 
         kernel_durations,
         kernel_jitter,
         switch_cost_ns,
+        late_returns,
+    })
+}
+
+/// `DURATION@FIRST-LAST` (`SIMGPU_LATE_RETURNS`); a single call number
+/// stands for itself.
+fn parse_late_returns(text: &str) -> Option<LateReturns> {
+    let (duration, calls) = text.trim().split_once('@')?;
+    let delay_ns = parse_duration(duration).filter(|&ns| ns <= 1_000_000_000)?;
+    let (first, last) = calls.split_once('-').unwrap_or((calls, calls));
+    let first: u64 = first.trim().parse().ok()?;
+    let last: u64 = last.trim().parse().ok()?;
+    (first >= 1 && first <= last).then_some(LateReturns {
+        delay_ns,
+        first,
+        last,
     })
 }
 
@@ -558,6 +606,33 @@ mod tests {
         assert_eq!(tuned.kernel_duration("k20us", 20_000), 20_000);
         let timeline_with_overhead = cfg(&[("SIMGPU_LAUNCH_OVERHEAD", "2us")]).expect("valid");
         assert_eq!(timeline_with_overhead.launch_overhead_ns, 2_000);
+    }
+
+    #[test]
+    fn late_returns_name_a_duration_and_a_range_of_calls() {
+        assert_eq!(cfg(&[]).expect("valid").late_returns, None);
+        let late = cfg(&[("SIMGPU_LATE_RETURNS", "3ms@2-6")])
+            .expect("valid")
+            .late_returns
+            .expect("set");
+        assert_eq!(
+            (
+                late.delay_of(1),
+                late.delay_of(2),
+                late.delay_of(6),
+                late.delay_of(7)
+            ),
+            (0, 3_000_000, 3_000_000, 0)
+        );
+        let one = cfg(&[("SIMGPU_LATE_RETURNS", " 50us @ 3 ")])
+            .expect("valid")
+            .late_returns
+            .expect("set");
+        assert_eq!((one.first, one.last, one.delay_ns), (3, 3, 50_000));
+        for bad in ["3ms", "3ms@0-2", "3ms@5-2", "2s@1-2", "x@1-2", "3ms@1-"] {
+            let err = cfg(&[("SIMGPU_LATE_RETURNS", bad)]).expect_err(bad);
+            assert!(err.contains("SIMGPU_LATE_RETURNS"), "{err}");
+        }
     }
 
     #[test]

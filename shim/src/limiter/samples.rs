@@ -43,6 +43,14 @@ const START_EVENT_WAIT_NS: u64 = 10_000;
 /// over, never under, and the price's cluster at the bottom of the window
 /// leaves it out.
 const MAX_HOST_GAP_NS: u64 = 50_000;
+/// Timed launch calls (after a process's first) before the fastest of them
+/// is taken as what a call costs. A thread can be preempted inside a call
+/// after its kernel left, and the call then returns after the kernel ended:
+/// taking that call's time off its own timing priced a 1 ms kernel at a
+/// microsecond, which held for the window's 64 samples. The fastest of
+/// eight calls is held up only if all eight were; until then no call's time
+/// is taken off (a timing over, never under).
+const TRUSTED_LAUNCH_CALLS: u64 = 8;
 
 /// A timed launch in flight.
 pub struct Sample {
@@ -90,7 +98,7 @@ impl Sample {
     }
 
     /// The kernel's time, from the events' `elapsed_ns`; `fastest_launch_ns`
-    /// is the fastest launch call seen (0: none yet).
+    /// is the fastest launch call seen (0: not known yet).
     fn kernel_ns(&self, elapsed_ns: u64, fastest_launch_ns: u64) -> u64 {
         let before_launch = self.launched_at.saturating_sub(self.recorded_at);
         if self.idle_stream && self.start_seen_at.is_some() && before_launch <= MAX_HOST_GAP_NS {
@@ -124,9 +132,9 @@ pub struct Sampler {
     pending_count: AtomicUsize,
     pool: ForkSafeLock<Vec<PooledEvent>>,
     /// The shortest timed launch call so far (ns): what handing a kernel to
-    /// the device costs the host when nothing interrupts the call. 0 until
-    /// the second timed call: a process's first launch call carries one-off
-    /// set-up, some of it after the kernel has left.
+    /// the device costs the host when nothing interrupts the call. A
+    /// process's first launch call is left out: it carries one-off set-up,
+    /// some of it after the kernel has left.
     fastest_launch_ns: AtomicU64,
     timed_calls: AtomicU64,
 }
@@ -182,9 +190,27 @@ impl Sampler {
         }
     }
 
-    /// The fastest timed launch call so far (0 until the second).
+    /// The fastest timed launch call so far; 0 until
+    /// [`TRUSTED_LAUNCH_CALLS`] calls after the first were timed.
     pub fn fastest_launch_ns(&self) -> u64 {
-        self.fastest_launch_ns.load(Ordering::Relaxed)
+        if self.timed_calls.load(Ordering::Relaxed) > TRUSTED_LAUNCH_CALLS {
+            self.fastest_launch_ns.load(Ordering::Relaxed)
+        } else {
+            0
+        }
+    }
+
+    /// Counts a timed launch call of `call_ns`.
+    fn note_launch_call(&self, call_ns: u64) {
+        if self.timed_calls.fetch_add(1, Ordering::Relaxed) == 0 {
+            return;
+        }
+        let call = call_ns.max(1);
+        let _ =
+            self.fastest_launch_ns
+                .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |fastest| {
+                    (fastest == 0 || call < fastest).then_some(call)
+                });
     }
 
     pub fn has_pending(&self) -> bool {
@@ -278,13 +304,8 @@ impl Sampler {
         if launched && sample.idle_stream {
             sample.start_seen_at = seen_complete(sample.start);
         }
-        if launched && self.timed_calls.fetch_add(1, Ordering::Relaxed) > 0 {
-            let call = sample.launch_call_ns().max(1);
-            let _ = self.fastest_launch_ns.fetch_update(
-                Ordering::Relaxed,
-                Ordering::Relaxed,
-                |fastest| (fastest == 0 || call < fastest).then_some(call),
-            );
+        if launched {
+            self.note_launch_call(sample.launch_call_ns());
         }
         if !launched || !record(sample.end, stream, flavour) {
             self.give_back(sample.context, sample.start);
@@ -329,8 +350,7 @@ impl Sampler {
                 && milliseconds >= 0.0
             {
                 let elapsed_ns = (milliseconds as f64 * 1e6) as u64;
-                let kernel_ns =
-                    sample.kernel_ns(elapsed_ns, self.fastest_launch_ns.load(Ordering::Relaxed));
+                let kernel_ns = sample.kernel_ns(elapsed_ns, self.fastest_launch_ns());
                 tracing::trace!(
                     elapsed_ns,
                     kernel_ns,
@@ -410,6 +430,30 @@ mod tests {
             launched_at: recorded_at + launched_after,
             returned_at,
         }
+    }
+
+    #[test]
+    fn the_fastest_launch_call_counts_once_enough_calls_were_timed() {
+        let sampler = Sampler::new();
+        // The first call (one-off set-up), then one held up 2.9 ms after
+        // its kernel left: neither is what a call costs.
+        sampler.note_launch_call(900_000);
+        sampler.note_launch_call(2_900_000);
+        assert_eq!(sampler.fastest_launch_ns(), 0);
+        for call in 0..TRUSTED_LAUNCH_CALLS - 2 {
+            sampler.note_launch_call(5_000 + call);
+        }
+        assert_eq!(
+            sampler.fastest_launch_ns(),
+            0,
+            "seven calls after the first"
+        );
+        sampler.note_launch_call(6_000);
+        assert_eq!(sampler.fastest_launch_ns(), 5_000);
+        // Until then the held-up call's timing is taken whole: over, not
+        // under (it was 1 us after taking its own call off).
+        let held_up = sample(true, true, 1_000, 2_900_000);
+        assert_eq!(held_up.kernel_ns(2_902_000, 0), 2_901_000);
     }
 
     #[test]

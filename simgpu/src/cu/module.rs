@@ -13,11 +13,13 @@
 //! costs device memory equal to its image length.
 
 use std::ffi::{c_char, c_int, c_uint, c_void};
+use std::sync::atomic::{AtomicU64, Ordering};
 
 use vgpu_cuda_abi::cuda::*;
 
 use super::{inp, out};
 use crate::clock::{self, parse_duration};
+use crate::config::LateReturns;
 use crate::driver::{
     self, charge, check_init, lock, new_handle, Function, KernelNode, Module, NodeOp, QUEUE_DEPTH,
 };
@@ -375,7 +377,24 @@ fn launch(
     let cfg = check_init()?;
     let node = kernel_node(func, grid, block, shared_mem, kernel_params, extra, stream)?;
     spend_launch_overhead(cfg.launch_overhead_ns);
-    enqueue(stream, &node, 0).map(|_| ())
+    enqueue(stream, &node, 0)?;
+    if let Some(late) = cfg.late_returns {
+        return_late(&late);
+    }
+    Ok(())
+}
+
+/// Kernel launch calls this process has made (`SIMGPU_LATE_RETURNS`).
+static LAUNCH_CALLS: AtomicU64 = AtomicU64::new(0);
+
+/// Holds the calling thread after its kernel was handed over, when this
+/// launch call is one `late` names.
+fn return_late(late: &LateReturns) {
+    let call = LAUNCH_CALLS.fetch_add(1, Ordering::Relaxed) + 1;
+    let delay_ns = late.delay_of(call);
+    if delay_ns > 0 {
+        std::thread::sleep(std::time::Duration::from_nanos(delay_ns));
+    }
 }
 
 /// Validates a launch and describes it as a graph would hold it.
