@@ -81,7 +81,8 @@ pub struct Cli {
     /// the kube-scheduler in the same pod. 0.0.0.0 exposes kube-scheduler's
     /// verbs (which bind pods), /debug/state and the views to every client
     /// that reaches the port: only for a kube-scheduler elsewhere, behind a
-    /// NetworkPolicy.
+    /// NetworkPolicy. Beyond loopback, a bind reads its pod from the API
+    /// server rather than use the copy its filter call sent.
     #[arg(long, default_value = "127.0.0.1", value_name = "IP")]
     pub address: IpAddr,
 
@@ -334,6 +335,9 @@ impl Cli {
                 opportunistic_class: self.opportunistic_priority_class.0.clone(),
             },
             limits: self.limits(),
+            // The verbs on loopback reach kube-scheduler in the pod only
+            // (over --client-ca, certified callers only).
+            keep_filtered_pods: self.address.is_loopback(),
         }
     }
 
@@ -466,6 +470,13 @@ mod tests {
         // kube-scheduler's verbs on loopback unless asked otherwise.
         assert_eq!(cli.address, IpAddr::from([127, 0, 0, 1]));
         assert_eq!(cli.secure_address, IpAddr::from([0, 0, 0, 0]));
+        assert!(config.keep_filtered_pods, "filter's callers are trusted");
+        let exposed =
+            Cli::try_parse_from(["vgpu-scheduler", "--address", "0.0.0.0"]).expect("parse");
+        assert!(
+            !exposed.config().keep_filtered_pods,
+            "any pod may call filter: binds read the pod"
+        );
         assert_eq!(config.limits, Limits::default());
         assert_eq!(cli.health_listener(), None);
         assert_eq!(config.gpu_policy, GpuPolicy::Binpack);

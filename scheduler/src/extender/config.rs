@@ -30,6 +30,13 @@ pub struct Config {
     pub node_lease_grace: Duration,
     /// What the servers take from each client.
     pub limits: Limits,
+    /// Whether a bind may use the pod its filter call sent instead of
+    /// reading it ([`crate::extender::filtered_pods`]): only where no one
+    /// but kube-scheduler calls filter. A caller that reaches the verbs
+    /// unauthenticated (`--address 0.0.0.0`) could otherwise send a forged
+    /// pod under a real pod's UID and version, and the bind would decide
+    /// from its requests rather than the pod's.
+    pub keep_filtered_pods: bool,
 }
 
 /// The largest body of filter, prioritize, preempt and the webhooks by
@@ -113,6 +120,7 @@ impl Default for Config {
             admission: AdmissionPolicy::default(),
             node_lease_grace: DEFAULT_NODE_LEASE_GRACE,
             limits: Limits::default(),
+            keep_filtered_pods: true,
         }
     }
 }

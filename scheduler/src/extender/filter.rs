@@ -216,7 +216,9 @@ impl Scheduler {
                     at: Instant::now(),
                     loads,
                 });
-                self.filtered_pods.remember(pod, pod_bytes);
+                if self.config.keep_filtered_pods {
+                    self.filtered_pods.remember(pod, pod_bytes);
+                }
             }
         }
         Ok(verdicts)

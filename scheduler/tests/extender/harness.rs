@@ -75,6 +75,14 @@ pub fn uuid(node: &str, index: usize) -> String {
     format!("GPU-{node}-{index}")
 }
 
+/// A merge patch that pins a pod to the GPU `uuid` (as a user changing
+/// their mind between filter and bind would).
+pub fn pin_to_gpu(uuid: &str) -> Value {
+    json!({ "metadata": { "annotations": {
+        "nvidia.com/use-gpuuuid": uuid,
+    } } })
+}
+
 pub fn inventory(node: &str, gpus: &[Gpu]) -> String {
     NodeInventory {
         version: FORMAT_VERSION,

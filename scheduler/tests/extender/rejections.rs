@@ -504,14 +504,11 @@ async fn a_pod_changed_before_its_binding_is_decided_again() {
         .await;
     // Between the extender's read and its write, someone pins the pod to GPU 1.
     let pinned = uuid("n1", 1);
-    let touch = serde_json::json!({ "metadata": { "annotations": {
-        "nvidia.com/use-gpuuuid": pinned,
-    } } });
     h.proxy().inject(
         Fault::new(
             Verb::Create,
             pod_binding("moving"),
-            Action::ChangeFirst(touch),
+            Action::ChangeFirst(pin_to_gpu(&pinned)),
         )
         .times(1),
     );
