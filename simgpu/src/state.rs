@@ -852,7 +852,8 @@ impl Shared {
     pub fn processes(&self, device: usize) -> Vec<(u32, u64)> {
         let device = self.physical(device);
         self.reclaim_dead();
-        let mut out = Vec::new();
+        let mut recorded = Vec::new();
+        let mut used_bytes = Vec::new();
         for i in 0..MAX_SLOTS {
             let rec = self.slot(i);
             let pid = rec.pid.load(Ordering::Acquire);
@@ -861,11 +862,14 @@ impl Shared {
             }
             let used = rec.used[device].load(Ordering::Acquire);
             if used > 0 || rec.contexts[device].load(Ordering::Acquire) > 0 {
-                let namespace = rec.pid_namespace.load(Ordering::Acquire);
-                out.push((crate::pids::as_seen_here(pid, namespace), used));
+                recorded.push((pid, rec.pid_namespace.load(Ordering::Acquire)));
+                used_bytes.push(used);
             }
         }
-        out
+        crate::pids::as_seen_here(&recorded)
+            .into_iter()
+            .zip(used_bytes)
+            .collect()
     }
 
     /// (total, used) of a device after reclaiming dead processes' memory.
