@@ -104,10 +104,42 @@ def openssl(*args: str, cwd: Path) -> None:
         raise ControlPlaneError(f"openssl {' '.join(args)}: {done.stderr.strip()}")
 
 
+# Made certificates are kept here, one set per API server address and day,
+# and copied into each control plane's `pki`: the Rust integration tests
+# start well over a hundred API servers, and making the four RSA keys took
+# one to one and a half seconds of each start on a 2-core machine.
+PKI_CACHE = Path(tempfile.gettempdir()) / "vgpu-test-pki"
+
+
 def make_certificates(pki: Path, address: str) -> None:
     """A CA, the API server's serving certificate (for `address` too), an
     admin client certificate (group system:masters) and the service-account
-    key pair."""
+    key pair: today's set for `address`, made by the first control plane
+    to need it (the certificates last two days)."""
+    day = time.strftime("%Y-%m-%d", time.gmtime())
+    cached = PKI_CACHE / f"{address}-{SERVICE_IP}-{day}"
+    if not (cached / "sa.pub").exists():
+        PKI_CACHE.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(prefix=".making-", dir=PKI_CACHE))
+        write_certificates(staging, address)
+        try:
+            # Whole or not at all: a rename onto a set another process
+            # finished meanwhile fails, and that set is used.
+            staging.rename(cached)
+        except OSError:
+            if not (cached / "sa.pub").exists():
+                raise
+            for made in staging.iterdir():
+                made.unlink()
+            staging.rmdir()
+    pki.mkdir(parents=True, exist_ok=True)
+    for made in cached.iterdir():
+        (pki / made.name).write_bytes(made.read_bytes())
+    os.chmod(pki / "ca.key", 0o600)
+
+
+def write_certificates(pki: Path, address: str) -> None:
+    """Makes the set `make_certificates` describes in `pki`."""
     pki.mkdir(parents=True, exist_ok=True)
     openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", "ca.key", "-out", "ca.crt",
             "-days", "2", "-subj", "/CN=vgpu-test-ca", cwd=pki)
@@ -304,15 +336,14 @@ class ControlPlane(Started):
             "/api/v1/namespaces/default/serviceaccounts/default"))
 
     def stop(self) -> None:
-        """Stops, newest first, exactly the processes this object started."""
+        """Stops, newest first, exactly the processes this object started.
+        SIGKILL: a test control plane's state is thrown away with it, and
+        kube-apiserver's graceful stop took over a second of every test's
+        teardown."""
         for process in reversed(list(self.processes.values())):
             if process.poll() is None:
-                process.terminate()
-                try:
-                    process.wait(timeout=20)
-                except subprocess.TimeoutExpired:
-                    process.kill()
-                    process.wait()
+                process.kill()
+                process.wait()
         self.processes.clear()
 
     def restart(self, name: str, kill: bool = True) -> float:

@@ -1522,16 +1522,20 @@ def main(argv: list[str]) -> int:
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="vgpu-gpu-suite-")).resolve()
     try:
         nvcc = find_nvcc(args.nvcc)
+        if not args.build_only:
+            # What the run needs besides the programs is found first: a
+            # wrong path or a machine without a GPU is told before the
+            # compile, not after it.
+            libraries = [Library("vgpu", find_library(args.lib), host_swap=True)]
+            peer = find_peer(args.peer)
+            if peer is not None:
+                libraries.append(Library(args.peer_label, peer))
+            tools = Tools(find_tool(args.vgpu, "--vgpu", "vgpu"), find_tool(args.monitor, "--monitor", "vgpu-monitor"))
+            nvml, handle = open_gpu()
         print(f"building the CUDA programs with {nvcc} into {workdir / 'bin'}", flush=True)
         build(nvcc, args.arch, workdir / "bin")
         if args.build_only:
             return 0
-        libraries = [Library("vgpu", find_library(args.lib), host_swap=True)]
-        peer = find_peer(args.peer)
-        if peer is not None:
-            libraries.append(Library(args.peer_label, peer))
-        tools = Tools(find_tool(args.vgpu, "--vgpu", "vgpu"), find_tool(args.monitor, "--monitor", "vgpu-monitor"))
-        nvml, handle = open_gpu()
     except SetupError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
