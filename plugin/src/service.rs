@@ -224,6 +224,7 @@ impl PluginState {
         &self,
         request: &api::AllocateRequest,
     ) -> Result<api::AllocateResponse, Status> {
+        let called = Instant::now();
         let _one_at_a_time = self.allocate_lock.lock().await;
         let sizes: Vec<usize> = request
             .container_requests
@@ -258,14 +259,18 @@ impl PluginState {
             },
             &served,
         );
-        Ok(self.allocated(&pod.display(), &plans))
+        Ok(self.allocated(&pod.display(), &plans, called))
     }
 
-    /// The answer for containers served; logs them.
-    fn allocated(&self, pod: &str, plans: &[RegionPlan]) -> api::AllocateResponse {
+    /// The answer for containers served; logs them, with the time kubelet
+    /// waited for it (kubelet admits a node's pods one at a time, so this
+    /// bounds how fast a node starts vGPU pods).
+    fn allocated(&self, pod: &str, plans: &[RegionPlan], called: Instant) -> api::AllocateResponse {
+        let took_ms = called.elapsed().as_secs_f64() * 1e3;
         for plan in plans {
             tracing::info!(
                 pod = %pod,
+                took_ms = format_args!("{took_ms:.1}"),
                 container = %plan.holder.name(),
                 gpus = %plan.envs.get(ENV_VISIBLE_DEVICES).map(String::as_str).unwrap_or_default(),
                 dir = %plan.host_dir.display(),
