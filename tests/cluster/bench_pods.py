@@ -14,7 +14,8 @@ nodes the vGPU pods run on, in rotating rounds of one run. Half the nodes offer 
 half through the device plugin (the null driver runs there too). Also the extender's own time per verb from
 its `/metrics`, over the vGPU rounds (kube-scheduler has no per-extender
 latency figure), the API server's own time for its calls to the webhook
-(from the API server's `/metrics`), and where each kind of pod spends its time, step by step
+and evaluating vgpu's mutating admission policy (both from the API server's
+`/metrics`), and where each kind of pod spends its time, step by step
 (podtrace: the API server's audit log).
 
 Prints a Markdown table of medians over the rounds. Needs root (network
@@ -45,10 +46,18 @@ VERBS = ("filter", "prioritize", "bind", "mutate")
 # The API server's histogram of its calls to admission webhooks, and the
 # name of vgpu's (the chart's MutatingWebhookConfiguration).
 WEBHOOK_HISTOGRAM = "apiserver_admission_webhook_admission_duration_seconds"
+# The API server's time evaluating vgpu's mutating admission policy, per
+# pod it mutates, from its /metrics (the API server here reports no such
+# figure for validating policies that pass).
+POLICY_HISTOGRAM = "apiserver_mutating_admission_policy_check_duration_seconds"
 WEBHOOK_NAME = "scheduler.vgpu.io"
 
 
 KINDS = ("plain", "vgpu", "dra", "null")
+# Each kind of pod as the tables name it.
+TITLES = {"plain": "no GPU", "vgpu": "one vGPU (extender)", "dra": "one claim (vgpu's DRA driver)",
+          "null": "one claim (null DRA driver)", "whole": "a whole GPU, claim from a template",
+          "ext": "a whole GPU, extended resource"}
 # Whole GPUs through vgpu's DRA driver (`--whole-gpus`), each round one pod
 # for every GPU of the DRA nodes: a claim from a template of the
 # vgpu.io-exclusive class, or the class's extended resource with no claim
@@ -177,6 +186,13 @@ def webhook_histogram(text: str) -> dict[str, dict]:
     return histogram(text, WEBHOOK_HISTOGRAM, keys=("webhook",),
                      key=lambda labels: "webhook" if (labels.get("name"), labels.get("operation"))
                      == (WEBHOOK_NAME, "CREATE") else None)
+
+
+def policy_histogram(text: str) -> dict[str, dict]:
+    """The API server's own time evaluating vgpu's mutating admission
+    policy (in-process admission of vGPU pods), from its /metrics."""
+    return histogram(text, POLICY_HISTOGRAM, keys=("policy",),
+                     key=lambda labels: "policy" if labels.get("policy", "").endswith("-vgpu-pods") else None)
 
 
 def difference(after: dict, before: dict) -> dict:
@@ -312,7 +328,8 @@ def run_round(cc: ChartCluster, kind: str, namespace: str, pod_count: int, paral
     return {"rate": pod_count / elapsed, "latencies": latencies, "steps": steps,
             "metrics": (histogram(result["metrics"]["after"]), histogram(result["metrics"]["before"]))
             if metrics else None,
-            "webhook": (webhook_histogram(server_after), webhook_histogram(server_before)) if metrics else None}
+            "webhook": (webhook_histogram(server_after), webhook_histogram(server_before)) if metrics else None,
+            "policy": (policy_histogram(server_after), policy_histogram(server_before)) if metrics else None}
 
 
 def main(argv: list[str]) -> int:
@@ -365,6 +382,7 @@ def main(argv: list[str]) -> int:
     latencies: dict[str, list[float]] = {kind: [] for kind in kinds}
     verbs: dict[str, dict] = {}
     webhook: dict[str, dict] = {}
+    policy: dict[str, dict] = {}
     # The monitors sample once a second: the nodes' agents share this
     # machine's cores with the control plane.
     helm_args = ["--set", "node.monitor.intervalMs=1000"]
@@ -396,6 +414,7 @@ def main(argv: list[str]) -> int:
                 if result["metrics"]:
                     add(verbs, difference(*result["metrics"]))
                     add(webhook, difference(*result["webhook"]))
+                    add(policy, difference(*result["policy"]))
                 print(f"round {round_ + 1} {kind}: {result['rate']:.1f} pods/s", file=sys.stderr)
 
     rate = {kind: statistics.median(rates[kind]) for kind in kinds}
@@ -415,10 +434,12 @@ def main(argv: list[str]) -> int:
         plain, vgpu, dra, null = (percentile(latencies[kind], q) for kind in KINDS)
         print(f"| one pod, create to Running, {label} | {plain * 1000:.0f} ms | {vgpu * 1000:.0f} ms | "
               f"{dra * 1000:.0f} ms | {null * 1000:.0f} ms | {vgpu / plain:.2f} | {dra / null:.2f} |")
-    print("\n| extender verb (its own time, from its /metrics) | calls | mean | p50 | p99 |")
+    print("\n| extender verb or API server step (its own time, from its /metrics) | calls | mean | p50 | p99 |")
     print("|---|---:|---:|---:|---:|")
     rows = [(verb, verbs.get(verb)) for verb in VERBS]
     rows.append(("the API server's call to the webhook, pod creation (its /metrics)", webhook.get("webhook")))
+    rows.append(("the API server's evaluation of vgpu's mutating policy, pod creation (its /metrics)",
+                 policy.get("policy")))
     for label, series in rows:
         if not series or series["count"] <= 0:
             print(f"| {label} | 0 | - | - | - |")
@@ -437,14 +458,11 @@ def main(argv: list[str]) -> int:
             by_template, by_resource = (percentile(latencies[kind], q) for kind in WHOLE_KINDS)
             print(f"| one pod, create to Running, {label} | {by_template * 1000:.0f} ms | "
                   f"{by_resource * 1000:.0f} ms | {by_resource / by_template:.2f} |")
-    titles = {"plain": "no GPU", "vgpu": "one vGPU (extender)", "dra": "one claim (vgpu's DRA driver)",
-              "null": "one claim (null DRA driver)", "whole": "a whole GPU, claim from a template",
-              "ext": "a whole GPU, extended resource"}
     print("\nWhere the time goes, per pod: each step's time from the one before, from the API server's audit log "
           "(the write that marks the step, completed) and the bench's watch (Running)")
     for kind in kinds:
         print()
-        print("\n".join(table(kind, titles[kind], traces[kind])))
+        print("\n".join(table(kind, TITLES[kind], traces[kind])))
     status = 0
     untraced = {kind: missing(kind, traces[kind]) for kind in kinds}
     for kind, gaps in untraced.items():
