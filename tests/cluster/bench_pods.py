@@ -46,18 +46,14 @@ VERBS = ("filter", "prioritize", "bind", "mutate")
 # The API server's histogram of its calls to admission webhooks, and the
 # name of vgpu's (the chart's MutatingWebhookConfiguration).
 WEBHOOK_HISTOGRAM = "apiserver_admission_webhook_admission_duration_seconds"
+WEBHOOK_NAME = "scheduler.vgpu.io"
 # The API server's time evaluating vgpu's mutating admission policy, per
 # pod it mutates, from its /metrics (the API server here reports no such
 # figure for validating policies that pass).
 POLICY_HISTOGRAM = "apiserver_mutating_admission_policy_check_duration_seconds"
-WEBHOOK_NAME = "scheduler.vgpu.io"
 
 
 KINDS = ("plain", "vgpu", "dra", "null")
-# Each kind of pod as the tables name it.
-TITLES = {"plain": "no GPU", "vgpu": "one vGPU (extender)", "dra": "one claim (vgpu's DRA driver)",
-          "null": "one claim (null DRA driver)", "whole": "a whole GPU, claim from a template",
-          "ext": "a whole GPU, extended resource"}
 # Whole GPUs through vgpu's DRA driver (`--whole-gpus`), each round one pod
 # for every GPU of the DRA nodes: a claim from a template of the
 # vgpu.io-exclusive class, or the class's extended resource with no claim
@@ -458,11 +454,14 @@ def main(argv: list[str]) -> int:
             by_template, by_resource = (percentile(latencies[kind], q) for kind in WHOLE_KINDS)
             print(f"| one pod, create to Running, {label} | {by_template * 1000:.0f} ms | "
                   f"{by_resource * 1000:.0f} ms | {by_resource / by_template:.2f} |")
+    titles = {"plain": "no GPU", "vgpu": "one vGPU (extender)", "dra": "one claim (vgpu's DRA driver)",
+              "null": "one claim (null DRA driver)", "whole": "a whole GPU, claim from a template",
+              "ext": "a whole GPU, extended resource"}
     print("\nWhere the time goes, per pod: each step's time from the one before, from the API server's audit log "
           "(the write that marks the step, completed) and the bench's watch (Running)")
     for kind in kinds:
         print()
-        print("\n".join(table(kind, TITLES[kind], traces[kind])))
+        print("\n".join(table(kind, titles[kind], traces[kind])))
     status = 0
     untraced = {kind: missing(kind, traces[kind]) for kind in kinds}
     for kind, gaps in untraced.items():
