@@ -171,6 +171,29 @@ def test_a_tenant_cannot_rewrite_the_decision_of_its_running_pod(hostile):
     assert (after[DECISION], after[ALLOCATED]) == (before[DECISION], before[ALLOCATED])
 
 
+def test_a_tenant_allowed_to_write_pod_status_cannot_rewrite_a_record_through_it(hostile):
+    """pods/status may change a pod's annotations too: a tenant given that
+    subresource (as a tenant's own controller might be) can neither forge
+    nor remove a record through it, while a status write that leaves the
+    records alone goes through (kubelets' writes take that path)."""
+    cluster = hostile.cc.cluster
+    cluster.kubectl("create", "role", "status-writer", "--verb=get,patch,update", "--resource=pods/status",
+                    "-n", TENANT)
+    cluster.kubectl("create", "rolebinding", "status-writer", "--role=status-writer",
+                    f"--serviceaccount={TENANT}:owner", "-n", TENANT)
+    before = hostile.annotations("own-1")
+    path = ["patch", "pod", "own-1", "-n", TENANT, "--subresource=status", "--type=merge", "-p"]
+    forged = hostile.kubectl(hostile.tenant, *path, json.dumps(
+        {"metadata": {"annotations": {DECISION: uncapped(before[DECISION])}}}))
+    refused_by_policy(forged, DECISION)
+    removed = hostile.kubectl(hostile.tenant, *path, json.dumps({"metadata": {"annotations": {ALLOCATED: None}}}))
+    refused_by_policy(removed, ALLOCATED)
+    harmless = hostile.kubectl(hostile.tenant, *path, json.dumps({"metadata": {"annotations": {"team": "ml"}}}))
+    assert harmless.returncode == 0, harmless.stderr
+    after = hostile.annotations("own-1")
+    assert (after[DECISION], after[ALLOCATED], after["team"]) == (before[DECISION], before[ALLOCATED], "ml")
+
+
 def test_a_tenant_allowed_to_bind_cannot_carry_a_decision_in_a_binding(hostile):
     """The extender writes a decision in the pod's Binding, whose
     annotations the API server merges into the pod: a tenant that may bind
