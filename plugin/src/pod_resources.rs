@@ -21,6 +21,7 @@ use k8s_openapi::api::core::v1::Pod;
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
 use thiserror::Error;
+use tonic::transport::Channel;
 use vgpu_cluster::decision::{
     parse_allocated, Decision, FormatError, ALLOCATED_ANNOTATION, DECISION_ANNOTATION,
 };
@@ -43,14 +44,17 @@ pub enum PodResourcesError {
 /// `(namespace, pod, container)`.
 type ContainerKey = (String, String, String);
 
-/// Kubelet's `List`.
-async fn list(socket: &Path) -> Result<ListPodResourcesResponse, PodResourcesError> {
-    let channel = crate::unix_channel::connect_unix(socket)
+async fn connect(socket: &Path) -> Result<Channel, PodResourcesError> {
+    crate::unix_channel::connect_unix(socket)
         .await
         .map_err(|source| PodResourcesError::Connect {
             socket: socket.to_path_buf(),
             source,
-        })?;
+        })
+}
+
+/// Kubelet's `List` on `channel`.
+async fn list_on(channel: Channel) -> Result<ListPodResourcesResponse, PodResourcesError> {
     Ok(PodResourcesListerClient::new(channel)
         .list(ListPodResourcesRequest {})
         .await
@@ -58,16 +62,62 @@ async fn list(socket: &Path) -> Result<ListPodResourcesResponse, PodResourcesErr
         .into_inner())
 }
 
-/// The pods kubelet lists: those it runs, and the one it is admitting
+/// Kubelet's `List`, on a connection of its own.
+async fn list(socket: &Path) -> Result<ListPodResourcesResponse, PodResourcesError> {
+    list_on(connect(socket).await?).await
+}
+
+/// The pods of a `List`: those kubelet runs, and the one it is admitting
 /// (kubelet takes a pod into its list before admitting it, and admits one
 /// pod at a time).
-pub async fn kubelet_pods(socket: &Path) -> Result<KubeletPods, PodResourcesError> {
-    Ok(list(socket)
-        .await?
-        .pod_resources
+fn listed_pods(list: ListPodResourcesResponse) -> KubeletPods {
+    list.pod_resources
         .into_iter()
         .map(|pod| (pod.namespace, pod.name))
-        .collect())
+        .collect()
+}
+
+/// The pods kubelet lists ([`listed_pods`]), on a connection of its own.
+pub async fn kubelet_pods(socket: &Path) -> Result<KubeletPods, PodResourcesError> {
+    Ok(listed_pods(list(socket).await?))
+}
+
+/// Kubelet's PodResources API over one kept connection. Every
+/// `GetPreferredAllocation` and `Allocate` asks which pods kubelet lists,
+/// while kubelet waits to admit the node's next pod: a connection made for
+/// each question added a handshake with kubelet to every admission. A
+/// question that fails on the kept connection (kubelet restarted and made
+/// its socket anew) is asked once more on a new one.
+pub struct KubeletPodsClient {
+    socket: PathBuf,
+    kept: tokio::sync::Mutex<Option<Channel>>,
+}
+
+impl KubeletPodsClient {
+    /// Connects on the first question.
+    pub fn new(socket: PathBuf) -> Self {
+        Self {
+            socket,
+            kept: tokio::sync::Mutex::new(None),
+        }
+    }
+
+    /// The pods kubelet lists now ([`listed_pods`]).
+    pub async fn kubelet_pods(&self) -> Result<KubeletPods, PodResourcesError> {
+        let kept = self.kept.lock().await.clone();
+        if let Some(channel) = kept {
+            match list_on(channel).await {
+                Ok(list) => return Ok(listed_pods(list)),
+                Err(error) => tracing::debug!(
+                    error = &error as &dyn std::error::Error,
+                    "kubelet's PodResources API failed on the kept connection; connecting again"
+                ),
+            }
+        }
+        let channel = connect(&self.socket).await?;
+        *self.kept.lock().await = Some(channel.clone());
+        Ok(listed_pods(list_on(channel).await?))
+    }
 }
 
 /// How long the start-up probe of kubelet's PodResources API may take.
@@ -364,6 +414,14 @@ pub async fn check(cluster: &Cluster, socket: &Path, resource: &str) -> Option<R
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::api::podresources_v1::pod_resources_lister_server::{
+        PodResourcesLister, PodResourcesListerServer,
+    };
+    use crate::api::podresources_v1::PodResources;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use std::sync::Arc;
+    use tokio_stream::wrappers::UnixListenerStream;
+    use tokio_stream::StreamExt;
     use vgpu_cluster::decision::{ContainerDecision, DeviceGrant, FORMAT_VERSION};
 
     fn pod(name: &str, node: &str, containers: &[(&str, &[&str])], allocated: &[&str]) -> Pod {
@@ -501,5 +559,86 @@ mod tests {
         assert_eq!(report.agreeing, 0);
         assert_eq!(report.findings.len(), 1, "{:?}", report.findings);
         assert!(report.findings[0].what.contains("unreadable"));
+    }
+
+    /// Kubelet's PodResources API on a unix socket, counting the
+    /// connections it accepts.
+    struct FakeKubelet {
+        connections: Arc<AtomicUsize>,
+        stop: Option<tokio::sync::oneshot::Sender<()>>,
+    }
+
+    struct Lister;
+
+    #[tonic::async_trait]
+    impl PodResourcesLister for Lister {
+        async fn list(
+            &self,
+            _request: tonic::Request<ListPodResourcesRequest>,
+        ) -> Result<tonic::Response<ListPodResourcesResponse>, tonic::Status> {
+            Ok(tonic::Response::new(ListPodResourcesResponse {
+                pod_resources: vec![PodResources {
+                    name: "admitted".into(),
+                    namespace: "team".into(),
+                    containers: Vec::new(),
+                }],
+            }))
+        }
+    }
+
+    fn serve(socket: &Path) -> FakeKubelet {
+        let _ = std::fs::remove_file(socket);
+        let listener = tokio::net::UnixListener::bind(socket).expect("bind the socket");
+        let connections = Arc::new(AtomicUsize::new(0));
+        let counted = connections.clone();
+        let incoming = UnixListenerStream::new(listener).map(move |connection| {
+            counted.fetch_add(1, Ordering::SeqCst);
+            connection
+        });
+        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        tokio::spawn(
+            tonic::transport::Server::builder()
+                .add_service(PodResourcesListerServer::new(Lister))
+                .serve_with_incoming_shutdown(incoming, async move {
+                    let _ = stopped.await;
+                }),
+        );
+        FakeKubelet {
+            connections,
+            stop: Some(stop),
+        }
+    }
+
+    #[tokio::test]
+    async fn keeps_one_connection_and_connects_again_after_kubelet_restarts() {
+        let dir = std::env::temp_dir().join(format!("vgpu-pod-resources-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).expect("make the directory");
+        let socket = dir.join("kubelet.sock");
+        let mut kubelet = serve(&socket);
+        let client = KubeletPodsClient::new(socket.clone());
+        let expected: KubeletPods = [("team".to_string(), "admitted".to_string())].into();
+        for _ in 0..3 {
+            assert_eq!(
+                client.kubelet_pods().await.expect("kubelet lists"),
+                expected
+            );
+        }
+        assert_eq!(kubelet.connections.load(Ordering::SeqCst), 1);
+
+        // Kubelet restarts: the kept connection ends, the socket is made anew.
+        if let Some(stop) = kubelet.stop.take() {
+            let _ = stop.send(());
+        }
+        let restarted = serve(&socket);
+        assert_eq!(
+            client
+                .kubelet_pods()
+                .await
+                .expect("kubelet lists after its restart"),
+            expected
+        );
+        assert_eq!(client.kubelet_pods().await.expect("and again"), expected);
+        assert_eq!(restarted.connections.load(Ordering::SeqCst), 1);
+        let _ = std::fs::remove_dir_all(&dir);
     }
 }

@@ -6,7 +6,7 @@ use crate::api::v1beta1::device_plugin_server::DevicePlugin;
 use crate::cluster::{Cluster, ClusterError};
 use crate::devices;
 use crate::pod_cache::PodCache;
-use crate::pod_resources;
+use crate::pod_resources::KubeletPodsClient;
 use crate::protocol::{self, PendingPod, ProtocolError, Reading};
 use crate::records::{PodName, Records};
 use futures_util::Stream;
@@ -66,7 +66,7 @@ pub struct PluginState {
     allocate_lock: Mutex<()>,
     /// Kubelet's PodResources API, which tells several pending pods apart
     /// ([`protocol::pending_pod`]); `None`: not asked.
-    pod_resources_socket: Option<PathBuf>,
+    pod_resources: Option<KubeletPodsClient>,
     /// The node's pods as watched, and as this plugin wrote them.
     pub pods: PodCache,
     /// The containers served whose record is not published yet.
@@ -88,7 +88,7 @@ impl PluginState {
             requests,
             gpus: watch::Sender::new(gpus),
             allocate_lock: Mutex::new(()),
-            pod_resources_socket,
+            pod_resources: pod_resources_socket.map(KubeletPodsClient::new),
             pods: PodCache::default(),
             records,
         })
@@ -136,8 +136,8 @@ impl PluginState {
     ) -> Result<PendingPod, String> {
         let node = self.cluster.node();
         let listed =
-            match &self.pod_resources_socket {
-                Some(socket) => Some(pod_resources::kubelet_pods(socket).await.map_err(|e| {
+            match &self.pod_resources {
+                Some(client) => Some(client.kubelet_pods().await.map_err(|e| {
                     format!("asking kubelet which pod it admits: {}", with_causes(&e))
                 })?),
                 None => None,
@@ -177,10 +177,10 @@ impl PluginState {
             Err(several @ ProtocolError::SeveralPendingPods { count, .. }) => (several, count),
             found => return found.map_err(|e| Status::failed_precondition(with_causes(&e))),
         };
-        let Some(socket) = &self.pod_resources_socket else {
+        let Some(client) = &self.pod_resources else {
             return Err(Status::failed_precondition(with_causes(&several)));
         };
-        let listed = match pod_resources::kubelet_pods(socket).await {
+        let listed = match client.kubelet_pods().await {
             Ok(listed) => listed,
             Err(error) => {
                 return Err(Status::failed_precondition(format!(
