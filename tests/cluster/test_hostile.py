@@ -18,7 +18,9 @@ HAMi's pods do, so the webhook sends them to vgpu's scheduler.
 - The node agent of node-1, with the token its pod has, writes a vGPU
   annotation or a label of a pod on node-2, node-2's Node or node-2's
   Lease: refused; the node agent's account with a token not bound to its
-  pod writes no pod at all.
+  pod writes no pod at all. On node-1's own pods it changes the
+  allocation record and nothing else (not the decision, not a label):
+  refused.
 - What vgpu itself does still works: the extender places both pods and
   records its decisions, each node's plugin records the allocation, the
   node agent of node-1 updates the record of a pod on node-1, the tenant
@@ -294,6 +296,28 @@ def test_a_node_agent_cannot_write_a_pod_on_another_node(hostile):
     assert hostile.annotations("own-2")[ALLOCATED] == record
     assert hostile.annotations("own-1")[ALLOCATED] == own_1_record
     assert "app" not in hostile.pod("own-2")["metadata"].get("labels", {})
+
+
+def test_a_node_agent_changes_nothing_but_the_allocation_record_of_its_own_nodes_pods(hostile):
+    # node-1's agent on node-1's pod: its decision (the grant the plugin
+    # serves and the monitor restores), its labels, another annotation.
+    own_1 = hostile.pod("own-1")
+    assert own_1["spec"]["nodeName"] == "node-1"
+    forged = uncapped(own_1["metadata"]["annotations"][DECISION])
+    decision = hostile.kubectl(hostile.agent_1, "annotate", "--overwrite", "pod", "own-1", "-n", TENANT,
+                               f"{DECISION}={forged}")
+    refused_by_policy(decision, "vgpu.io/allocated annotation")
+    relabelled = hostile.kubectl(hostile.agent_1, "label", "pod", "own-1", "-n", TENANT, "app=stolen")
+    refused_by_policy(relabelled, "vgpu.io/allocated annotation")
+    # With its record, in one write: still refused.
+    both = hostile.kubectl(hostile.agent_1, "annotate", "--overwrite", "pod", "own-1", "-n", TENANT,
+                           f"{ALLOCATED}=[]", "team=stolen")
+    refused_by_policy(both, "vgpu.io/allocated annotation")
+    after = hostile.pod("own-1")
+    assert after["metadata"]["annotations"][DECISION] == own_1["metadata"]["annotations"][DECISION]
+    assert after["metadata"]["annotations"][ALLOCATED] == own_1["metadata"]["annotations"][ALLOCATED]
+    assert after["metadata"]["annotations"].get("team") != "stolen"
+    assert after["metadata"].get("labels", {}).get("app") != "stolen"
 
 
 def test_a_node_agent_cannot_write_another_nodes_node_or_lease(hostile):
