@@ -21,14 +21,16 @@ use std::collections::HashMap;
 use std::sync::{Arc, RwLock};
 use tokio::sync::watch;
 
-/// The pods of one node, by UID.
+/// The pods of one node, by UID. Each is shared, not copied, with every
+/// `Allocate` that reads it (kubelet admits a node's pods one after
+/// another, and each admission reads all of the node's pods twice).
 #[derive(Default)]
 struct Pods {
     /// Whether the watch's first list is in.
     synced: bool,
-    by_uid: HashMap<String, Pod>,
+    by_uid: HashMap<String, Arc<Pod>>,
     /// The next list while a (re)list is being read.
-    relisting: Option<HashMap<String, Pod>>,
+    relisting: Option<HashMap<String, Arc<Pod>>>,
 }
 
 /// The node's pods, kept by [`PodCache::follow`].
@@ -59,7 +61,7 @@ fn later(candidate: &Pod, held: &Pod) -> bool {
 
 impl PodCache {
     /// The pods, or `None` while the watch's first list is not in.
-    pub fn pods(&self) -> Option<Vec<Pod>> {
+    pub fn pods(&self) -> Option<Vec<Arc<Pod>>> {
         let pods = self
             .pods
             .read()
@@ -69,7 +71,7 @@ impl PodCache {
 
     /// The pod with UID `uid` as held now (the watch's first list may not
     /// be in yet).
-    pub fn get(&self, uid: &str) -> Option<Pod> {
+    pub fn get(&self, uid: &str) -> Option<Arc<Pod>> {
         self.pods
             .read()
             .unwrap_or_else(|poison| poison.into_inner())
@@ -85,7 +87,7 @@ impl PodCache {
             .pods
             .write()
             .unwrap_or_else(|poison| poison.into_inner());
-        insert_if_later(&mut pods.by_uid, pod);
+        insert_if_later(&mut pods.by_uid, kept(pod));
     }
 
     fn apply(&self, event: Event<Pod>) {
@@ -94,7 +96,7 @@ impl PodCache {
             .write()
             .unwrap_or_else(|poison| poison.into_inner());
         match event {
-            Event::Apply(pod) => insert_if_later(&mut pods.by_uid, pod),
+            Event::Apply(pod) => insert_if_later(&mut pods.by_uid, kept(pod)),
             Event::Delete(pod) => {
                 if let Some(uid) = uid(&pod) {
                     pods.by_uid.remove(uid);
@@ -103,7 +105,7 @@ impl PodCache {
             Event::Init => pods.relisting = Some(HashMap::new()),
             Event::InitApply(pod) => {
                 if let (Some(listing), Some(uid)) = (pods.relisting.as_mut(), uid(&pod)) {
-                    listing.insert(uid.to_string(), pod);
+                    listing.insert(uid.to_string(), kept(pod));
                 }
             }
             Event::InitDone => {
@@ -138,7 +140,15 @@ impl PodCache {
     }
 }
 
-fn insert_if_later(by_uid: &mut HashMap<String, Pod>, pod: Pod) {
+/// `pod` as held: without its managed fields (the API server's record of
+/// who set which field, often the largest part of a pod; nothing here
+/// reads it).
+fn kept(mut pod: Pod) -> Arc<Pod> {
+    pod.metadata.managed_fields = None;
+    Arc::new(pod)
+}
+
+fn insert_if_later(by_uid: &mut HashMap<String, Arc<Pod>>, pod: Arc<Pod>) {
     let Some(key) = uid(&pod).map(str::to_string) else {
         return;
     };
@@ -172,8 +182,8 @@ mod tests {
                 .into_iter()
                 .map(|p| {
                     (
-                        p.metadata.uid.unwrap_or_default(),
-                        p.metadata.resource_version.unwrap_or_default(),
+                        p.metadata.uid.clone().unwrap_or_default(),
+                        p.metadata.resource_version.clone().unwrap_or_default(),
                     )
                 })
                 .collect();

@@ -5,6 +5,7 @@
 //! an error whose text kubelet shows in the pod's events.
 
 use k8s_openapi::api::core::v1::Pod;
+use std::borrow::Borrow;
 use thiserror::Error;
 use vgpu_cluster::decision::{
     kubelet_has_admitted, parse_allocated, ContainerDecision, Decision, FormatError, InventoryGpu,
@@ -193,9 +194,9 @@ pub fn kubelet_key(pod: &Pod) -> (String, String) {
 /// records (decided, bound, not fully allocated), the one it lists is the
 /// one it is admitting; the others are bound but not yet taken up by
 /// kubelet.
-pub fn pending_pod(
+pub fn pending_pod<P: Borrow<Pod>>(
     node: &str,
-    pods: &[Pod],
+    pods: &[P],
     reading: Reading<'_>,
     kubelet_lists: Option<&KubeletPods>,
 ) -> Result<PendingPod, ProtocolError> {
@@ -204,6 +205,7 @@ pub fn pending_pod(
     let mut unusable = Vec::new();
     for pod in pods
         .iter()
+        .map(Borrow::borrow)
         .filter(|p| may_be_admitting(p, node))
         .filter(|p| listed(p))
     {

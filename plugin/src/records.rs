@@ -26,7 +26,7 @@ use crate::pod_cache::PodCache;
 use k8s_openapi::api::core::v1::Pod;
 use std::collections::HashMap;
 use std::path::Path;
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 use tokio::sync::{watch, Notify};
 use vgpu_cluster::decision::{parse_allocated, ALLOCATED_ANNOTATION};
@@ -101,7 +101,8 @@ impl Unpublished {
     /// `pods` with each unpublished record added to its pod's annotation.
     /// A pod whose annotation cannot be read is left as it is: the protocol
     /// refuses it with the reason.
-    pub fn merge(&self, mut pods: Vec<Pod>) -> Vec<Pod> {
+    /// Only the pods given a record are copied.
+    pub fn merge(&self, mut pods: Vec<Arc<Pod>>) -> Vec<Arc<Pod>> {
         if self.0.is_empty() {
             return pods;
         }
@@ -115,7 +116,8 @@ impl Unpublished {
             let all = union(&recorded, served);
             if all.len() != recorded.len() {
                 let text = serde_json::to_string(&all).unwrap_or_default();
-                pod.metadata
+                Arc::make_mut(pod)
+                    .metadata
                     .annotations
                     .get_or_insert_with(Default::default)
                     .insert(ALLOCATED_ANNOTATION.to_string(), text);
@@ -262,7 +264,7 @@ impl Records {
     ) -> Result<(), ClusterError> {
         let current = match cache.get(uid) {
             Some(pod) => Some(pod),
-            None => cluster.pod(&pod.namespace, &pod.name).await?,
+            None => cluster.pod(&pod.namespace, &pod.name).await?.map(Arc::new),
         };
         let Some(current) = current.filter(|p| p.metadata.uid.as_deref() == Some(uid)) else {
             tracing::debug!(%pod, "pod gone before its allocation record was published");
@@ -372,8 +374,8 @@ mod tests {
     use super::*;
     use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 
-    fn pod(uid: &str, allocated: Option<&str>) -> Pod {
-        Pod {
+    fn pod(uid: &str, allocated: Option<&str>) -> Arc<Pod> {
+        Arc::new(Pod {
             metadata: ObjectMeta {
                 uid: Some(uid.into()),
                 annotations: allocated
@@ -381,7 +383,7 @@ mod tests {
                 ..ObjectMeta::default()
             },
             ..Pod::default()
-        }
+        })
     }
 
     fn recorded(pod: &Pod) -> Option<&str> {
@@ -416,6 +418,17 @@ mod tests {
         assert_eq!(recorded(&pods[2]), Some(r#"["x"]"#));
         assert_eq!(recorded(&pods[3]), Some("not json"), "left to the protocol");
         assert_eq!(records.unpublished_count(), 3);
+    }
+
+    #[test]
+    fn only_the_pods_given_a_record_are_copied() {
+        let records = Records::default();
+        records.served("a", name("a"), &["main".into()]);
+        let (a, b) = (pod("a", None), pod("b", None));
+        let pods = records.unpublished().merge(vec![a.clone(), b.clone()]);
+        assert!(!Arc::ptr_eq(&pods[0], &a));
+        assert_eq!(recorded(&a), None, "the pod as held is left as it was");
+        assert!(Arc::ptr_eq(&pods[1], &b));
     }
 
     #[test]

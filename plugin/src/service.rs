@@ -131,7 +131,7 @@ impl PluginState {
     /// recorded). `Err`: why the pods are to be read afresh.
     async fn confirmed_among(
         &self,
-        pods: &[Pod],
+        pods: &[Arc<Pod>],
         gpus: &[InventoryGpu],
     ) -> Result<PendingPod, String> {
         let node = self.cluster.node();
@@ -143,7 +143,8 @@ impl PluginState {
                 None => None,
             };
         if let Some(listed) = &listed {
-            let watched: protocol::KubeletPods = pods.iter().map(protocol::kubelet_key).collect();
+            let watched: protocol::KubeletPods =
+                pods.iter().map(|p| protocol::kubelet_key(p)).collect();
             if let Some((namespace, name)) = listed.difference(&watched).next() {
                 return Err(format!(
                     "kubelet lists pod {namespace}/{name}, which the watch has not shown"
@@ -169,7 +170,7 @@ impl PluginState {
     /// of several, the one kubelet's PodResources API lists.
     async fn pending_among(
         &self,
-        pods: &[Pod],
+        pods: &[Arc<Pod>],
         gpus: &[InventoryGpu],
     ) -> Result<PendingPod, Status> {
         let node = self.cluster.node();
@@ -208,11 +209,12 @@ impl PluginState {
         }
     }
 
-    async fn pods_on_node(&self, since: Instant) -> Result<Vec<Pod>, Status> {
+    async fn pods_on_node(&self, since: Instant) -> Result<Vec<Arc<Pod>>, Status> {
         through_outage(since, "listing the node's pods", || {
             self.cluster.pods_on_node()
         })
         .await
+        .map(|pods| pods.into_iter().map(Arc::new).collect())
         .map_err(|e| Status::unavailable(with_causes(&e)))
     }
 

@@ -781,8 +781,6 @@ const NVML_EVENT_TYPE_XID_CRITICAL_ERROR: c_ulonglong = 0x8;
 const SUPPORTED_EVENT_TYPES: c_ulonglong = NVML_EVENT_TYPE_XID_CRITICAL_ERROR;
 /// GPU / compute instance id of an event on a device without MIG.
 const NO_INSTANCE: c_uint = 0xFFFF_FFFF;
-/// How often a waiting event set looks at the state file.
-const EVENT_POLL: std::time::Duration = std::time::Duration::from_millis(2);
 
 /// `nvmlEventData_t` (the layout `nvmlEventSetWait_v2` fills).
 #[repr(C)]
@@ -882,6 +880,7 @@ fn wait_event(set: &NvmlEventSet, timeout_ms: c_uint) -> Result<NvmlEventData, n
     let deadline =
         std::time::Instant::now() + std::time::Duration::from_millis(u64::from(timeout_ms));
     loop {
+        let generation = shared.xid_generation();
         {
             let mut watched = set.watched();
             for (index, seen) in watched.iter_mut() {
@@ -902,7 +901,9 @@ fn wait_event(set: &NvmlEventSet, timeout_ms: c_uint) -> Result<NvmlEventData, n
         if now >= deadline {
             return Err(NVML_ERROR_TIMEOUT);
         }
-        std::thread::sleep(EVENT_POLL.min(deadline - now));
+        // Blocks until an injection (as a real driver's wait does), not
+        // polling: every node agent waits here all the time.
+        shared.wait_for_xid(generation, deadline - now);
     }
 }
 
@@ -972,7 +973,10 @@ pub extern "C" fn simgpu_inject_xid(device: c_int, xid: u32) -> u64 {
             let sequence = ((current >> 32) as u32).wrapping_add(1).max(1);
             let next = (u64::from(sequence) << 32) | u64::from(xid);
             match word.compare_exchange_weak(current, next, Ordering::AcqRel, Ordering::Acquire) {
-                Ok(_) => return u64::from(sequence),
+                Ok(_) => {
+                    shared.xid_injected();
+                    return u64::from(sequence);
+                }
                 Err(actual) => current = actual,
             }
         }

@@ -36,7 +36,8 @@ pub const RING_CAPACITY: u64 = 65_536;
 /// "SIMGPU" followed by the format generation.
 const MAGIC: u64 = 0x5349_4d47_5055_0001;
 /// 2: device records gained the last holder and the switch counters.
-const LAYOUT_VERSION: u32 = 2;
+/// 3: the header gained the XID generation (a futex word).
+const LAYOUT_VERSION: u32 = 3;
 const PAGE: u64 = 4096;
 /// Slot liveness lock bytes live far beyond the end of the file.
 const LOCK_BASE: i64 = 1 << 40;
@@ -56,6 +57,10 @@ struct Header {
     slots_offset: u64,
     rings_offset: u64,
     created_realtime_us: u64,
+    /// Bumped after every injected XID (on any device), a futex word:
+    /// NVML event sets sleep on it, as a real driver's event wait blocks.
+    xid_generation: AtomicU32,
+    _reserved: u32,
 }
 
 /// One device, as every process sees it.
@@ -281,6 +286,26 @@ impl Shared {
     /// process may see only some devices: `SIMGPU_VISIBLE_DEVICES`).
     fn physical(&self, ordinal: usize) -> usize {
         self.visible[ordinal]
+    }
+
+    /// The XID generation now. Read before looking at the devices' XID
+    /// words: an injection after the look has changed it by then.
+    pub fn xid_generation(&self) -> u32 {
+        self.header().xid_generation.load(Ordering::Acquire)
+    }
+
+    /// Tells every NVML event wait, in any process, that an XID was
+    /// injected (after its device's word was written).
+    pub fn xid_injected(&self) {
+        let word = &self.header().xid_generation;
+        word.fetch_add(1, Ordering::AcqRel);
+        futex_wake_all(word);
+    }
+
+    /// Sleeps while the XID generation is still `seen`, at most `timeout`.
+    pub fn wait_for_xid(&self, seen: u32, timeout: std::time::Duration) {
+        let timeout_ns = i64::try_from(timeout.as_nanos()).unwrap_or(i64::MAX);
+        futex_wait(&self.header().xid_generation, seen, timeout_ns);
     }
 
     /// Shared record of this process's device `ordinal`.
@@ -979,6 +1004,8 @@ struct RawHeader {
     slots_offset: u64,
     rings_offset: u64,
     created_realtime_us: u64,
+    xid_generation: u32,
+    _reserved: u32,
 }
 
 /// Checks that an existing file matches the layout and device sizes we need.

@@ -1534,6 +1534,18 @@ fn nvml_events() {
         assert_eq!(register(d1, XID, set), NVML_SUCCESS);
         let mut data = std::mem::zeroed::<EventData>();
         assert_eq!(wait(set, &mut data, 20), NVML_ERROR_TIMEOUT);
+        // A wait with nothing to report sleeps the whole time (as a real
+        // driver's does), spending next to no CPU: a node agent waits here
+        // all the time. Polling every 2 ms spent 8.4 ms of CPU in a wait
+        // this long (1.4 % of a core per waiting thread).
+        let (cpu, wall) = (thread_cpu(), std::time::Instant::now());
+        assert_eq!(wait(set, &mut data, 600), NVML_ERROR_TIMEOUT);
+        let (cpu, wall) = (thread_cpu() - cpu, wall.elapsed());
+        assert!(wall >= std::time::Duration::from_millis(600), "{wall:?}");
+        assert!(
+            cpu < std::time::Duration::from_micros(400),
+            "{cpu:?} of CPU in {wall:?}"
+        );
         assert_eq!(inject(1, 48), 1);
         assert_eq!(wait(set, &mut data, 1000), NVML_SUCCESS);
         assert_eq!(data.device, d1);
@@ -1555,6 +1567,18 @@ fn nvml_events() {
         assert_eq!(inject(5, 48), u64::MAX, "no such device");
         assert_eq!(free(set), NVML_SUCCESS);
     }
+}
+
+/// The CPU time the calling thread has used.
+fn thread_cpu() -> std::time::Duration {
+    let mut now = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: a valid clock id and a writable timespec.
+    let read = unsafe { libc::clock_gettime(libc::CLOCK_THREAD_CPUTIME_ID, &mut now) };
+    assert_eq!(read, 0);
+    std::time::Duration::new(now.tv_sec as u64, now.tv_nsec as u32)
 }
 
 fn no_pci() -> nvmlPciInfo_t {
