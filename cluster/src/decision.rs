@@ -45,7 +45,9 @@
 //!    [`ALLOCATED_ANNOTATION`] after the answer (kubelet admits one pod at
 //!    a time and waits for the answer, so the answer waits for no API
 //!    call), retrying until the API server takes it, with the pod's UID as
-//!    a precondition. Until then it merges the record into every pod it
+//!    a precondition, unless kubelet's status shows the pod admitted by
+//!    then (which ends its pending as the record would: in a burst, most
+//!    pods, each spared a write every pod watcher receives). Until then it merges the record into every pod it
 //!    reads. It may read the pod from a watch, which can be behind:
 //!    kubelet's list must show the pod and no pod the watch has not shown;
 //!    otherwise it reads the pods afresh. A decision is fixed once its pod
@@ -57,7 +59,7 @@
 //!    that the annotations and the regions on the node do not hold, so any
 //!    of them may restart at any point. A plugin reads its records back
 //!    from the regions (`<pod UID>_<container>`) and publishes those the
-//!    annotation lacks: a plugin that dies after preparing a region leaves
+//!    annotation lacks (of pods kubelet has not admitted yet): a plugin that dies after preparing a region leaves
 //!    a container that was served, or a pod whose admission failed
 //!    (kubelet reports it; its controller replaces it), never a container
 //!    served twice or a later container matched to the wrong record.

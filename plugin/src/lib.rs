@@ -161,6 +161,10 @@ pub async fn run(
         &config.settings.containers_dir,
         &config.settings.region_file,
     ));
+    let (containers_dir, region_file) = (
+        config.settings.containers_dir.clone(),
+        config.settings.region_file.clone(),
+    );
     let state = PluginState::new(
         cluster.clone(),
         config.settings,
@@ -212,7 +216,8 @@ pub async fn run(
         // are published, so that it compares what was served.
         tokio::spawn(async move {
             if settled.wait_for(|settled| *settled).await.is_ok() {
-                pod_resources::check(&cluster, &socket, &resource).await;
+                let served = records::served_on_node(&containers_dir, &region_file);
+                pod_resources::check(&cluster, &socket, &resource, &served).await;
             }
         });
     }

@@ -235,10 +235,14 @@ fn finished(pod: &Pod) -> bool {
 }
 
 /// Compares kubelet's `held` (for the plugin's `resource`) with the
-/// records on `pods`, the pods bound to `node`.
+/// records of `pods`, the pods bound to `node`: their annotations, and the
+/// containers `served` on the node (pod UID, container: their regions,
+/// the plugin's own record, which is all there is of a container served
+/// after kubelet had admitted its pod).
 pub fn compare(
     held: &BTreeMap<ContainerKey, Vec<String>>,
     pods: &[Pod],
+    served: &BTreeSet<(String, String)>,
     node: &str,
     resource: &str,
 ) -> Report {
@@ -252,6 +256,7 @@ pub fn compare(
     for pod in pods {
         let namespace = pod.metadata.namespace.clone().unwrap_or_default();
         let name = pod.metadata.name.clone().unwrap_or_default();
+        let uid = pod.metadata.uid.clone().unwrap_or_default();
         let key_of = |container: &str| (namespace.clone(), name.clone(), container.to_string());
         let shown = format!("{namespace}/{name}");
         if finished(pod) {
@@ -283,7 +288,8 @@ pub fn compare(
             if let Some((key, _)) = ids {
                 explained.insert(key);
             }
-            let is_allocated = recorded.allocated.contains(&container.name);
+            let is_allocated = recorded.allocated.contains(&container.name)
+                || served.contains(&(uid.clone(), container.name.clone()));
             let decided: BTreeSet<&str> =
                 container.devices.iter().map(|d| d.uuid.as_str()).collect();
             match (is_allocated, ids.map(|(_, ids)| ids)) {
@@ -363,10 +369,16 @@ pub fn compare(
     report
 }
 
-/// Checks the records of the pods on the plugin's node against what
+/// Checks the records of the pods on the plugin's node (their annotations
+/// and the containers `served`, from the regions on the node) against what
 /// kubelet at `socket` says their containers hold of `resource`, and logs
 /// the outcome; `None` when it could not be checked (said why).
-pub async fn check(cluster: &Cluster, socket: &Path, resource: &str) -> Option<Report> {
+pub async fn check(
+    cluster: &Cluster,
+    socket: &Path,
+    resource: &str,
+    served: &BTreeSet<(String, String)>,
+) -> Option<Report> {
     if !socket.exists() {
         tracing::info!(
             "kubelet's PodResources API is not at {}: the allocation records are not checked against kubelet's",
@@ -394,7 +406,7 @@ pub async fn check(cluster: &Cluster, socket: &Path, resource: &str) -> Option<R
             return None;
         }
     };
-    let report = compare(&held, &pods, cluster.node(), resource);
+    let report = compare(&held, &pods, served, cluster.node(), resource);
     for finding in &report.findings {
         tracing::warn!(
             pod = %finding.pod,
@@ -449,7 +461,7 @@ mod tests {
         };
         serde_json::from_value(serde_json::json!({
             "metadata": {
-                "name": name, "namespace": "ns",
+                "name": name, "namespace": "ns", "uid": format!("uid-{name}"),
                 "annotations": {
                     DECISION_ANNOTATION: decision.to_json(),
                     ALLOCATED_ANNOTATION: serde_json::to_string(allocated).expect("JSON"),
@@ -488,9 +500,27 @@ mod tests {
             ("a", "main", &["GPU-0::3"]),
             ("b", "x", &["GPU-0::1", "GPU-1::0"]),
         ]);
-        let report = compare(&kubelet, &pods, "n1", R);
+        let report = compare(&kubelet, &pods, &BTreeSet::new(), "n1", R);
         assert_eq!(report.findings, vec![]);
         assert_eq!(report.agreeing, 2);
+    }
+
+    #[test]
+    fn a_region_on_the_node_records_a_container_its_annotation_does_not() {
+        // Served after kubelet had admitted the pod: no annotation.
+        let pods = [pod("late", "n1", &[("main", &["GPU-0"])], &[])];
+        let kubelet = held(&[("late", "main", &["GPU-0::2"])]);
+        let served = BTreeSet::from([("uid-late".to_string(), "main".to_string())]);
+        let report = compare(&kubelet, &pods, &served, "n1", R);
+        assert_eq!(report.findings, vec![]);
+        assert_eq!(report.agreeing, 1);
+        // Another pod's region records nothing of this one.
+        let elsewhere = BTreeSet::from([("uid-other".to_string(), "main".to_string())]);
+        let report = compare(&kubelet, &pods, &elsewhere, "n1", R);
+        assert_eq!(report.agreeing, 0);
+        assert!(report.findings[0]
+            .what
+            .contains("no allocation is recorded"));
     }
 
     #[test]
@@ -507,7 +537,7 @@ mod tests {
             ("elsewhere", "main", &["GPU-1::4"]),
             ("stranger", "main", &["GPU-1::5"]),
         ]);
-        let report = compare(&kubelet, &pods, "n1", R);
+        let report = compare(&kubelet, &pods, &BTreeSet::new(), "n1", R);
         assert_eq!(report.agreeing, 0);
         let said: Vec<(String, &str)> = report
             .findings
@@ -555,7 +585,7 @@ mod tests {
             annotations.insert(ALLOCATED_ANNOTATION.into(), "main".into());
         }
         let kubelet = held(&[("done", "main", &["GPU-0::0"])]);
-        let report = compare(&kubelet, &[done, broken], "n1", R);
+        let report = compare(&kubelet, &[done, broken], &BTreeSet::new(), "n1", R);
         assert_eq!(report.agreeing, 0);
         assert_eq!(report.findings.len(), 1, "{:?}", report.findings);
         assert!(report.findings[0].what.contains("unreadable"));

@@ -106,6 +106,15 @@ fn pod_name(pod: &Pod) -> String {
 /// reports any status), and carrying a decision.
 fn may_be_admitting(pod: &Pod, node: &str) -> bool {
     let bound_here = pod.spec.as_ref().and_then(|s| s.node_name.as_deref()) == Some(node);
+    bound_here
+        && pod.metadata.deletion_timestamp.is_none()
+        && !admitted_by_kubelet(pod)
+        && annotation(pod, DECISION_ANNOTATION).is_some()
+}
+
+/// Whether the pod's status, which kubelet writes, shows that kubelet has
+/// admitted it ([`kubelet_has_admitted`]).
+pub fn admitted_by_kubelet(pod: &Pod) -> bool {
     let status = pod.status.as_ref();
     let phase = status.and_then(|s| s.phase.as_deref());
     let reports_statuses = status.is_some_and(|s| {
@@ -114,10 +123,7 @@ fn may_be_admitting(pod: &Pod, node: &str) -> bool {
             .chain(&s.init_container_statuses))
         .any(|v| !v.is_empty())
     });
-    bound_here
-        && pod.metadata.deletion_timestamp.is_none()
-        && !kubelet_has_admitted(phase, reports_statuses)
-        && annotation(pod, DECISION_ANNOTATION).is_some()
+    kubelet_has_admitted(phase, reports_statuses)
 }
 
 /// Reads one candidate; `Ok(None)` when all its containers are allocated.

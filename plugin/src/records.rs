@@ -12,9 +12,12 @@
 //! and counts those containers as allocated, whether or not the annotation
 //! was written before it stopped: no container is served twice, and no
 //! later container is matched to an earlier one's grant. The annotation,
-//! which the extender and the start-up check against kubelet read, follows
-//! from a background task ([`Records::publish`]) that retries until the
-//! API server takes it or the pod is gone.
+//! which the extender reads, follows from a background task
+//! ([`Records::publish`]) that retries until the API server takes it, the
+//! pod is gone, or kubelet's status shows the pod admitted: kubelet writes
+//! that only after every `Allocate` of the pod, and it ends the pod's
+//! wait as the annotation would, so from then on the region alone is the
+//! record (the start-up check against kubelet reads both).
 //!
 //! While a record is unpublished, every pod the plugin reads (from its
 //! watch or afresh) has it merged in ([`Unpublished::merge`]); records are
@@ -23,8 +26,9 @@
 
 use crate::cluster::{Cluster, ClusterError};
 use crate::pod_cache::PodCache;
+use crate::protocol::admitted_by_kubelet;
 use k8s_openapi::api::core::v1::Pod;
-use std::collections::HashMap;
+use std::collections::{BTreeSet, HashMap};
 use std::path::Path;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -97,6 +101,38 @@ fn container_of_dir(name: &str) -> Option<(&str, &str)> {
         .then_some((uid, container))
 }
 
+/// The containers whose regions are under `containers_dir`, as (pod UID,
+/// container): the ones this node's plugin served. A directory that cannot
+/// be read holds none.
+pub fn served_on_node(containers_dir: &Path, region_file: &str) -> BTreeSet<(String, String)> {
+    let entries = match std::fs::read_dir(containers_dir) {
+        Ok(entries) => entries,
+        Err(error) if error.kind() == std::io::ErrorKind::NotFound => return BTreeSet::new(),
+        Err(error) => {
+            tracing::warn!(
+                error = &error as &dyn std::error::Error,
+                "reading the served containers' regions in {}; none taken as served",
+                containers_dir.display()
+            );
+            return BTreeSet::new();
+        }
+    };
+    entries
+        .flatten()
+        .filter_map(|entry| {
+            let name = entry.file_name();
+            let (uid, container) = name.to_str().and_then(container_of_dir)?;
+            // Without its region file, stopped while making it: that
+            // container was never answered.
+            entry
+                .path()
+                .join(region_file)
+                .is_file()
+                .then(|| (uid.to_string(), container.to_string()))
+        })
+        .collect()
+}
+
 impl Unpublished {
     /// `pods` with each unpublished record added to its pod's annotation.
     /// A pod whose annotation cannot be read is left as it is: the protocol
@@ -130,44 +166,24 @@ impl Unpublished {
 impl Records {
     /// The records held by the regions under `containers_dir` (a
     /// directory per served container, holding `region_file`): those of
-    /// pods whose annotation already has them are dropped on the first
-    /// publishing pass. A directory that cannot be read holds none.
+    /// pods whose annotation already has them, or whose status shows them
+    /// admitted, are dropped on the first publishing pass.
     pub fn load(containers_dir: &Path, region_file: &str) -> Self {
         let records = Self::default();
-        let entries = match std::fs::read_dir(containers_dir) {
-            Ok(entries) => entries,
-            Err(error) if error.kind() == std::io::ErrorKind::NotFound => return records,
-            Err(error) => {
-                tracing::warn!(
-                    error = &error as &dyn std::error::Error,
-                    "reading the served containers' regions in {}; none taken as served",
-                    containers_dir.display()
-                );
-                return records;
-            }
-        };
-        let mut count = 0;
+        let served = served_on_node(containers_dir, region_file);
         {
             let mut unpublished = records.lock();
-            for entry in entries.flatten() {
-                let name = entry.file_name();
-                let Some((uid, container)) = name.to_str().and_then(container_of_dir) else {
-                    continue;
-                };
-                if !entry.path().join(region_file).is_file() {
-                    // Stopped while making it: that container was never
-                    // answered.
-                    continue;
-                }
-                let held = unpublished.entry(uid.to_string()).or_default();
-                if !held.containers.iter().any(|c| c == container) {
-                    held.containers.push(container.to_string());
-                    count += 1;
-                }
+            for (uid, container) in &served {
+                unpublished
+                    .entry(uid.clone())
+                    .or_default()
+                    .containers
+                    .push(container.clone());
             }
         }
         tracing::info!(
-            "{count} served container(s) read back from the regions in {}",
+            "{} served container(s) read back from the regions in {}",
+            served.len(),
             containers_dir.display()
         );
         records
@@ -271,6 +287,18 @@ impl Records {
             self.forget(uid, served);
             return Ok(());
         };
+        // The annotation tells those who wait for the pod's admission (the
+        // extender, this plugin's next Allocate) that its containers were
+        // served. Once kubelet's status shows the pod admitted (written
+        // only after every Allocate of the pod), that tells them itself,
+        // so the annotation is no longer written: in a burst most records
+        // come after it, and each is a pod write every pod watcher of the
+        // cluster receives. The region stays the plugin's own record.
+        if admitted_by_kubelet(&current) {
+            tracing::debug!(%pod, "kubelet's status shows the pod admitted: its allocation record stays on the node");
+            self.forget(uid, served);
+            return Ok(());
+        }
         // An annotation that cannot be read is replaced: this plugin is its
         // only writer, and what it served is what the record must say.
         let recorded = allocated_of(&current).unwrap_or_default();
@@ -399,6 +427,54 @@ mod tests {
             namespace: "ns".into(),
             name: name.into(),
         }
+    }
+
+    /// A cluster whose API server is unreachable (a port nobody listens
+    /// on): any write fails.
+    fn unreachable_cluster() -> Cluster {
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .and_then(|listener| listener.local_addr())
+            .expect("a free port")
+            .port();
+        let url = format!("http://127.0.0.1:{port}").parse().expect("URL");
+        let client = kube::Client::try_from(kube::Config::new(url)).expect("client");
+        Cluster::new(client, "n1".into())
+    }
+
+    /// The pod with UID `uid` as the watch holds it, in `phase`.
+    fn watched(uid: &str, phase: &str) -> PodCache {
+        let mut held = Arc::unwrap_or_clone(pod(uid, None));
+        held.metadata.name = Some(uid.into());
+        held.metadata.namespace = Some("ns".into());
+        held.status = Some(k8s_openapi::api::core::v1::PodStatus {
+            phase: Some(phase.into()),
+            ..Default::default()
+        });
+        let cache = PodCache::default();
+        cache.remember(held);
+        cache
+    }
+
+    #[tokio::test]
+    async fn no_record_is_written_for_a_pod_kubelet_has_admitted() {
+        let cluster = unreachable_cluster();
+        // Admitted: nothing to write, so nothing asked of the API server.
+        let records = Records::default();
+        records.served("a", name("a"), &["main".into()]);
+        let cache = watched("a", "Running");
+        let published = records
+            .publish_one(&cluster, &cache, "a", &name("a"), &["main".into()])
+            .await;
+        assert!(published.is_ok(), "{published:?}");
+        assert_eq!(records.unpublished_count(), 0);
+        // Still being admitted: the record is written (and here refused).
+        records.served("b", name("b"), &["main".into()]);
+        let cache = watched("b", "Pending");
+        let published = records
+            .publish_one(&cluster, &cache, "b", &name("b"), &["main".into()])
+            .await;
+        assert!(published.is_err(), "the write was tried");
+        assert_eq!(records.unpublished_count(), 1);
     }
 
     #[test]

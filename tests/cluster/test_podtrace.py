@@ -63,10 +63,26 @@ def test_a_vgpu_pods_steps_come_from_the_writes_that_mark_them(tmp_path):
     assert round(p["kubelet"] - p["created"], 3) == 0.400
     assert missing("vgpu", steps) == []
     spent = durations("vgpu", steps)
-    assert [round(spent[step][0], 3) for step in ("bound", "allocated", "kubelet")] == \
-        [0.22, 0.05, 0.1]
+    assert [round(spent[step][0], 3) for step in ("bound", "kubelet")] == [0.22, 0.15]
     lines = table("vgpu", "one vGPU", steps)
     assert lines[-1].startswith("| create to Running | 900 |"), lines
+    # The plugin's record is a side step, timed from the binding.
+    assert any("1 of 1 pods, ms from the binding | 50 |" in line for line in lines), lines
+
+
+def test_a_vgpu_pod_without_the_plugins_record_is_traced_whole(tmp_path):
+    """Where kubelet's status shows the pod admitted first, the plugin
+    writes no record: no step is missing, and kubelet's follows the
+    binding."""
+    log = write(tmp_path / "audit.log", [
+        event("create", "pods", "p", "2026-11-27T10:00:00.030000Z", received="2026-11-27T10:00:00.000000Z"),
+        event("create", "pods", "p", "2026-11-27T10:00:00.250000Z", subresource="binding"),
+        event("patch", "pods", "p", "2026-11-27T10:00:00.400000Z", subresource="status", code=200),
+    ])
+    steps = read_steps(log, NAMESPACE, {"p": 1_795_773_600.9})
+    assert missing("vgpu", steps) == []
+    assert [round(durations("vgpu", steps)[step][0], 3) for step in ("bound", "kubelet")] == [0.22, 0.15]
+    assert any("0 of 1 pods" in line for line in table("vgpu", "one vGPU", steps))
 
 
 def test_a_dra_pods_claim_is_found_by_its_owner(tmp_path):
