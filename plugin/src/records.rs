@@ -455,24 +455,34 @@ mod tests {
         cache
     }
 
+    /// Serves container `main` of pod `uid`, then publishes its record
+    /// with the pod watched in `phase`.
+    async fn serve_and_publish(
+        records: &Records,
+        uid: &str,
+        phase: &str,
+    ) -> Result<(), ClusterError> {
+        records.served(uid, name(uid), &["main".into()]);
+        records
+            .publish_one(
+                &unreachable_cluster(),
+                &watched(uid, phase),
+                uid,
+                &name(uid),
+                &["main".into()],
+            )
+            .await
+    }
+
     #[tokio::test]
     async fn no_record_is_written_for_a_pod_kubelet_has_admitted() {
-        let cluster = unreachable_cluster();
-        // Admitted: nothing to write, so nothing asked of the API server.
         let records = Records::default();
-        records.served("a", name("a"), &["main".into()]);
-        let cache = watched("a", "Running");
-        let published = records
-            .publish_one(&cluster, &cache, "a", &name("a"), &["main".into()])
-            .await;
+        // Admitted: nothing to write, so nothing asked of the API server.
+        let published = serve_and_publish(&records, "a", "Running").await;
         assert!(published.is_ok(), "{published:?}");
         assert_eq!(records.unpublished_count(), 0);
         // Still being admitted: the record is written (and here refused).
-        records.served("b", name("b"), &["main".into()]);
-        let cache = watched("b", "Pending");
-        let published = records
-            .publish_one(&cluster, &cache, "b", &name("b"), &["main".into()])
-            .await;
+        let published = serve_and_publish(&records, "b", "Pending").await;
         assert!(published.is_err(), "the write was tried");
         assert_eq!(records.unpublished_count(), 1);
     }
