@@ -95,7 +95,10 @@ fn gpu_pods(scheduler: &Scheduler) -> BTreeMap<String, Value> {
                 },
                 "status": {
                     "bound": pod.node_name.is_some(),
+                    // The device plugin's record; a pod kubelet admitted
+                    // before the plugin wrote it has none (`admitted`).
                     "allocatedContainers": pod.allocated,
+                    "admitted": pod.admitted,
                     "pending": pod.is_pending(now, grace),
                     "finished": pod.terminal,
                     "deleting": pod.deleting,

@@ -120,6 +120,10 @@ async fn gpu_pods_and_nodes_are_listed_and_watched() {
     let device = &added["spec"]["containers"][0]["devices"][0];
     assert_eq!(device["memoryBytes"], 2048_u64 << 20);
     assert_eq!(device["coresPercent"], 30);
+    assert_eq!(
+        added["status"]["admitted"], false,
+        "kubelet has not taken it"
+    );
     h.allocate(&p).await;
     pods.until("MODIFIED", "p", |pod| {
         pod["status"]["allocatedContainers"] == serde_json::json!(["main"])
