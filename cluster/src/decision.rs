@@ -47,8 +47,11 @@
 //!    call), retrying until the API server takes it, with the pod's UID as
 //!    a precondition, unless kubelet's status shows the pod admitted by
 //!    then (which ends its pending as the record would: in a burst, most
-//!    pods, each spared a write every pod watcher receives). Until then it merges the record into every pod it
-//!    reads. It may read the pod from a watch, which can be behind:
+//!    pods, each spared a write every pod watcher receives). A plugin that
+//!    tells pending pods apart ([`NodeInventory::several_pending`]) writes
+//!    no annotation at all: the extender binds to its node without waiting,
+//!    so no one waits for it. Until then it merges the record into every
+//!    pod it reads. It may read the pod from a watch, which can be behind:
 //!    kubelet's list must show the pod and no pod the watch has not shown;
 //!    otherwise it reads the pods afresh. A decision is fixed once its pod
 //!    is bound, but for a resize, which reaches the container's region

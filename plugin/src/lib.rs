@@ -157,9 +157,27 @@ pub async fn run(
         Some(socket) => pod_resources::tells_pods_apart(socket).await,
         None => false,
     };
+    // Where the extender binds without waiting for the previous pod's
+    // admission, no one reads the pods' allocation records: they stay on
+    // the node.
+    let keeping = if several_pending {
+        records::Keeping::NodeOnly
+    } else {
+        records::Keeping::PodAnnotation
+    };
+    tracing::info!(
+        "allocation records: {}",
+        match keeping {
+            records::Keeping::NodeOnly =>
+                "kept on the node only (kubelet's PodResources API tells pending pods apart)",
+            records::Keeping::PodAnnotation =>
+                "also published to each pod until kubelet admits it (the extender waits for them)",
+        }
+    );
     let records = Arc::new(records::Records::load(
         &config.settings.containers_dir,
         &config.settings.region_file,
+        keeping,
     ));
     let (containers_dir, region_file) = (
         config.settings.containers_dir.clone(),

@@ -37,6 +37,10 @@ struct Pods {
 #[derive(Clone, Default)]
 pub struct PodCache {
     pods: Arc<RwLock<Pods>>,
+    /// Marked changed after every change to the pods held, so that those
+    /// waiting for the watch to show something need not read the pods
+    /// afresh or ask again on a timer.
+    changed: Arc<watch::Sender<()>>,
 }
 
 fn uid(pod: &Pod) -> Option<&str> {
@@ -80,17 +84,32 @@ impl PodCache {
             .cloned()
     }
 
+    /// A receiver marked changed at every later change to the pods held:
+    /// subscribe before reading them, so that no change after the read is
+    /// missed.
+    pub fn subscribe(&self) -> watch::Receiver<()> {
+        self.changed.subscribe()
+    }
+
     /// Takes `pod` as the plugin just wrote it, unless the watch already
     /// showed a later version.
     pub fn remember(&self, pod: Pod) {
-        let mut pods = self
-            .pods
-            .write()
-            .unwrap_or_else(|poison| poison.into_inner());
-        insert_if_later(&mut pods.by_uid, kept(pod));
+        {
+            let mut pods = self
+                .pods
+                .write()
+                .unwrap_or_else(|poison| poison.into_inner());
+            insert_if_later(&mut pods.by_uid, kept(pod));
+        }
+        self.changed.send_replace(());
     }
 
     fn apply(&self, event: Event<Pod>) {
+        self.apply_held(event);
+        self.changed.send_replace(());
+    }
+
+    fn apply_held(&self, event: Event<Pod>) {
         let mut pods = self
             .pods
             .write()
@@ -230,5 +249,19 @@ mod tests {
         assert_eq!(versions(&cache), Some(vec![("a".into(), "5".into())]));
         cache.apply(Event::InitDone);
         assert_eq!(versions(&cache), Some(vec![("b".into(), "8".into())]));
+    }
+
+    #[test]
+    fn a_subscriber_is_told_of_every_change_after_it_subscribed() {
+        let cache = PodCache::default();
+        cache.apply(Event::Init);
+        cache.apply(Event::InitDone);
+        let mut changes = cache.subscribe();
+        assert!(!changes.has_changed().expect("sender held"));
+        cache.apply(Event::Apply(pod("a", "5")));
+        assert!(changes.has_changed().expect("sender held"));
+        changes.mark_unchanged();
+        cache.remember(pod("a", "6"));
+        assert!(changes.has_changed().expect("sender held"));
     }
 }

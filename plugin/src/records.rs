@@ -17,7 +17,9 @@
 //! pod is gone, or kubelet's status shows the pod admitted: kubelet writes
 //! that only after every `Allocate` of the pod, and it ends the pod's
 //! wait as the annotation would, so from then on the region alone is the
-//! record (the start-up check against kubelet reads both).
+//! record (the start-up check against kubelet reads both). Where the
+//! plugin tells pending pods apart by kubelet's PodResources API, the
+//! extender waits for no record, and none is written ([`Keeping::NodeOnly`]).
 //!
 //! While a record is unpublished, every pod the plugin reads (from its
 //! watch or afresh) has it merged in ([`Unpublished::merge`]); records are
@@ -58,11 +60,31 @@ struct Entry {
     containers: Vec<String>,
 }
 
+/// Where a served container's record is kept besides its region on the
+/// node.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Keeping {
+    /// Also in the pod's [`ALLOCATED_ANNOTATION`], until kubelet's status
+    /// shows the pod admitted: the extender binds no other vGPU pod to
+    /// the node while one is pending, and the annotation ends the wait.
+    #[default]
+    PodAnnotation,
+    /// Only on the node, where this plugin tells pending pods apart by
+    /// kubelet's PodResources API (the node's inventory says
+    /// `severalPending`): the extender binds to the node without waiting,
+    /// so nobody waits for the annotation, and each one spared is a pod
+    /// write every pod watcher of the cluster receives. The plugin holds
+    /// the record in memory (merged into every pod it reads) until the
+    /// pod's status shows it admitted or the pod is gone.
+    NodeOnly,
+}
+
 /// The records not yet published, by pod UID.
 #[derive(Default)]
 pub struct Records {
     unpublished: Mutex<HashMap<String, Entry>>,
     wake: Notify,
+    keeping: Keeping,
 }
 
 /// A copy of the unpublished records, by pod UID.
@@ -167,9 +189,13 @@ impl Records {
     /// The records held by the regions under `containers_dir` (a
     /// directory per served container, holding `region_file`): those of
     /// pods whose annotation already has them, or whose status shows them
-    /// admitted, are dropped on the first publishing pass.
-    pub fn load(containers_dir: &Path, region_file: &str) -> Self {
-        let records = Self::default();
+    /// admitted, are dropped on the first publishing pass; the others are
+    /// kept as `keeping` says.
+    pub fn load(containers_dir: &Path, region_file: &str, keeping: Keeping) -> Self {
+        let records = Self {
+            keeping,
+            ..Self::default()
+        };
         let served = served_on_node(containers_dir, region_file);
         {
             let mut unpublished = records.lock();
@@ -269,7 +295,8 @@ impl Records {
     }
 
     /// Publishes one pod's record; `Ok` when there is nothing left to do
-    /// for it (written, already there, or the pod gone).
+    /// for it now (written, already there, kept on the node only, or the
+    /// pod gone).
     async fn publish_one(
         &self,
         cluster: &Cluster,
@@ -297,6 +324,11 @@ impl Records {
         if admitted_by_kubelet(&current) {
             tracing::debug!(%pod, "kubelet's status shows the pod admitted: its allocation record stays on the node");
             self.forget(uid, served);
+            return Ok(());
+        }
+        if self.keeping == Keeping::NodeOnly {
+            // Held until the pod's status shows it admitted (a later pass,
+            // woken by the watch) or the pod is gone.
             return Ok(());
         }
         // An annotation that cannot be read is replaced: this plugin is its
@@ -358,8 +390,9 @@ impl Records {
 
     /// Publishes the records as they come until `shutdown`; `settled` turns
     /// true once those held at start are published (or their pods found
-    /// gone). What is unpublished at shutdown stays in the regions for the
-    /// next start.
+    /// gone, or kept on the node only). What is unpublished at shutdown
+    /// stays in the regions for the next start. Records held on the node
+    /// only are looked at again whenever `cache` changes.
     pub async fn publish(
         &self,
         cluster: Cluster,
@@ -368,10 +401,12 @@ impl Records {
         mut shutdown: watch::Receiver<bool>,
     ) {
         let mut delay = FIRST_RETRY_DELAY;
+        let mut pods_changed = cache.subscribe();
         loop {
             // Registered before the pass, so a record noted during it wakes
-            // the next one.
+            // the next one, and a change of the pods read during it too.
             let woken = self.wake.notified();
+            pods_changed.mark_unchanged();
             // A pass may wait long on a write (the client's own retries of
             // an overloaded server): shutdown does not wait for it, and what
             // it leaves unpublished is in the regions for the next start.
@@ -382,8 +417,12 @@ impl Records {
             if done {
                 settled.send_if_modified(|settled| !std::mem::replace(settled, true));
                 delay = FIRST_RETRY_DELAY;
+                let held = !self.lock().is_empty();
                 tokio::select! {
                     () = woken => {}
+                    // Records held on the node only: the pod's status
+                    // showing it admitted, or its deletion, ends them.
+                    Ok(()) = pods_changed.changed(), if held => {}
                     _ = shutdown.wait_for(|stop| *stop) => return,
                 }
             } else {
@@ -487,6 +526,68 @@ mod tests {
         assert_eq!(records.unpublished_count(), 1);
     }
 
+    #[tokio::test]
+    async fn a_record_kept_on_the_node_only_is_held_until_kubelet_has_admitted_its_pod() {
+        let records = Records {
+            keeping: Keeping::NodeOnly,
+            ..Records::default()
+        };
+        // Still being admitted: held, and nothing is written (the API
+        // server is unreachable, and the pass succeeds).
+        let published = serve_and_publish(&records, "a", "Pending").await;
+        assert!(published.is_ok(), "{published:?}");
+        assert_eq!(records.unpublished_count(), 1);
+        let pods = records.unpublished().merge(vec![pod("a", None)]);
+        assert_eq!(recorded(&pods[0]), Some(r#"["main"]"#), "merged while held");
+        // Admitted: dropped.
+        let published = records
+            .publish_one(
+                &unreachable_cluster(),
+                &watched("a", "Running"),
+                "a",
+                &name("a"),
+                &["main".into()],
+            )
+            .await;
+        assert!(published.is_ok(), "{published:?}");
+        assert_eq!(records.unpublished_count(), 0);
+    }
+
+    #[tokio::test]
+    async fn the_publisher_drops_a_held_record_once_the_watch_shows_its_pod_admitted() {
+        let records = Arc::new(Records {
+            keeping: Keeping::NodeOnly,
+            ..Records::default()
+        });
+        records.served("a", name("a"), &["main".into()]);
+        let cache = watched("a", "Pending");
+        let (settled_tx, mut settled) = watch::channel(false);
+        let (stop, shutdown) = watch::channel(false);
+        let publisher = tokio::spawn({
+            let (records, cache) = (Arc::clone(&records), cache.clone());
+            async move {
+                records
+                    .publish(unreachable_cluster(), cache, settled_tx, shutdown)
+                    .await
+            }
+        });
+        settled.wait_for(|s| *s).await.expect("publisher running");
+        assert_eq!(records.unpublished_count(), 1, "held while being admitted");
+        // The watch shows the pod admitted: the next pass drops its record.
+        let mut admitted = Arc::unwrap_or_clone(watched("a", "Running").get("a").expect("held"));
+        admitted.metadata.resource_version = Some("2".into());
+        cache.remember(admitted);
+        tokio::time::timeout(Duration::from_secs(10), async {
+            while records.unpublished_count() != 0 {
+                tokio::task::yield_now().await;
+            }
+        })
+        .await
+        .expect("the record dropped after the watch showed the pod admitted");
+        stop.send_replace(true);
+        publisher.await.expect("publisher stopped");
+    }
+
     #[test]
     fn unpublished_records_are_merged_into_the_pods_read() {
         let records = Records::default();
@@ -558,7 +659,7 @@ mod tests {
         // A DRA claim's region and a stray name.
         make("claim-uid-3", true);
         make("uid_4_x", true);
-        let records = Records::load(&dir, "region.cache");
+        let records = Records::load(&dir, "region.cache", Keeping::PodAnnotation);
         let pods = records
             .unpublished()
             .merge(vec![pod("uid-1", None), pod("uid-2", None)]);
@@ -570,7 +671,7 @@ mod tests {
         assert_eq!(records.unpublished_count(), 2);
         std::fs::remove_dir_all(&dir).expect("clean");
         assert_eq!(
-            Records::load(&dir, "region.cache").unpublished_count(),
+            Records::load(&dir, "region.cache", Keeping::PodAnnotation).unpublished_count(),
             0,
             "no directory, no records"
         );

@@ -27,6 +27,18 @@ use vgpu_node_agent::allocation::{self, RegionPlan, Settings, ENV_VISIBLE_DEVICE
 /// `Allocate` fails, so riding out a restart is worth the wait.
 const API_OUTAGE_PATIENCE: Duration = Duration::from_secs(25);
 
+/// How long `Allocate` waits for the watch of the node's pods to show a
+/// pod kubelet lists before it reads the pods afresh.
+const WATCH_CATCH_UP: Duration = Duration::from_millis(250);
+
+/// Why the watched pods do not tell which pod kubelet is admitting.
+enum Unconfirmed {
+    /// Kubelet lists this pod, which the watch has not shown yet.
+    NotShown { namespace: String, name: String },
+    /// The protocol found no single pending pod among them; why.
+    Refused(String),
+}
+
 /// Calls `call` again while the API server cannot answer, for up to
 /// [`API_OUTAGE_PATIENCE`] from `since`.
 async fn through_outage<T, F, Fut>(
@@ -109,32 +121,25 @@ impl PluginState {
         since: Instant,
         gpus: &[InventoryGpu],
     ) -> Result<PendingPod, Status> {
+        match self.pending_among_watched(gpus).await {
+            Ok(pod) => return Ok(pod),
+            Err(why) => tracing::debug!("reading the node's pods afresh: {why}"),
+        }
         // Taken before the pods are read: a record published meanwhile is
         // in one or the other.
         let unpublished = self.records.unpublished();
-        if let Some(pods) = self.pods.pods() {
-            match self.confirmed_among(&unpublished.merge(pods), gpus).await {
-                Ok(pod) => return Ok(pod),
-                Err(why) => tracing::debug!("reading the node's pods afresh: {why}"),
-            }
-        }
         let pods = unpublished.merge(self.pods_on_node(since).await?);
         self.pending_among(&pods, gpus).await
     }
 
-    /// The pod kubelet is admitting among `pods` as watched, which may be
-    /// behind the API server: the pending one kubelet lists, provided the
-    /// watch has shown every pod kubelet lists (a pod kubelet admits that
-    /// the watch has not shown yet could otherwise be taken for another).
-    /// Without kubelet's PodResources API, the one pending pod (the
-    /// extender then binds no other to the node before its allocation is
-    /// recorded). `Err`: why the pods are to be read afresh.
-    async fn confirmed_among(
-        &self,
-        pods: &[Arc<Pod>],
-        gpus: &[InventoryGpu],
-    ) -> Result<PendingPod, String> {
-        let node = self.cluster.node();
+    /// The pod kubelet is admitting among the pods as watched, where
+    /// kubelet's list confirms it. A pod kubelet lists that the watch has
+    /// not shown yet is waited for, up to [`WATCH_CATCH_UP`]: kubelet's own
+    /// watch of the same API server showed it a moment earlier, and reading
+    /// the node's pods afresh is one more request to an API server that is
+    /// busiest during a burst of admissions. `Err`: why the pods are to be
+    /// read afresh.
+    async fn pending_among_watched(&self, gpus: &[InventoryGpu]) -> Result<PendingPod, String> {
         let listed =
             match &self.pod_resources {
                 Some(client) => Some(client.kubelet_pods().await.map_err(|e| {
@@ -142,17 +147,63 @@ impl PluginState {
                 })?),
                 None => None,
             };
-        if let Some(listed) = &listed {
+        let deadline = tokio::time::Instant::now() + WATCH_CATCH_UP;
+        let mut changes = self.pods.subscribe();
+        loop {
+            // Marked before the read: a change after it wakes the wait.
+            changes.mark_unchanged();
+            // Taken before the pods are read: a record published meanwhile
+            // is in one or the other.
+            let unpublished = self.records.unpublished();
+            let pods = self
+                .pods
+                .pods()
+                .ok_or("the watch of the node's pods has not listed them yet")?;
+            let pods = unpublished.merge(pods);
+            match self.confirmed_among(&pods, gpus, listed.as_ref()) {
+                Err(Unconfirmed::NotShown { namespace, name }) => {
+                    let why = format!(
+                        "kubelet lists pod {namespace}/{name}, which the watch has not shown \
+                         within {} ms",
+                        WATCH_CATCH_UP.as_millis()
+                    );
+                    match tokio::time::timeout_at(deadline, changes.changed()).await {
+                        Ok(Ok(())) => continue,
+                        Ok(Err(_)) | Err(_) => return Err(why),
+                    }
+                }
+                Err(Unconfirmed::Refused(why)) => return Err(why),
+                Ok(found) => return Ok(found),
+            }
+        }
+    }
+
+    /// The pod kubelet is admitting among `pods` as watched, which may be
+    /// behind the API server: the pending one kubelet lists (`listed`),
+    /// provided the watch has shown every pod kubelet lists (a pod kubelet
+    /// admits that the watch has not shown yet could otherwise be taken for
+    /// another). Without kubelet's PodResources API, the one pending pod
+    /// (the extender then binds no other to the node before its allocation
+    /// is recorded).
+    fn confirmed_among(
+        &self,
+        pods: &[Arc<Pod>],
+        gpus: &[InventoryGpu],
+        listed: Option<&protocol::KubeletPods>,
+    ) -> Result<PendingPod, Unconfirmed> {
+        let node = self.cluster.node();
+        if let Some(listed) = listed {
             let watched: protocol::KubeletPods =
                 pods.iter().map(|p| protocol::kubelet_key(p)).collect();
             if let Some((namespace, name)) = listed.difference(&watched).next() {
-                return Err(format!(
-                    "kubelet lists pod {namespace}/{name}, which the watch has not shown"
-                ));
+                return Err(Unconfirmed::NotShown {
+                    namespace: namespace.clone(),
+                    name: name.clone(),
+                });
             }
         }
-        let found = protocol::pending_pod(node, pods, self.reading(gpus), listed.as_ref())
-            .map_err(|e| with_causes(&e))?;
+        let found = protocol::pending_pod(node, pods, self.reading(gpus), listed)
+            .map_err(|e| Unconfirmed::Refused(with_causes(&e)))?;
         if listed.is_some() {
             if let Err(ProtocolError::SeveralPendingPods { count, .. }) =
                 protocol::pending_pod(node, pods, self.reading(gpus), None)
