@@ -12,6 +12,7 @@
 //! container's region through the node monitor whichever decision
 //! `Allocate` read.
 
+use crate::protocol::{kubelet_key, KubeletPods};
 use futures_util::StreamExt;
 use k8s_openapi::api::core::v1::Pod;
 use kube::runtime::watcher::{self, Event};
@@ -19,6 +20,8 @@ use kube::runtime::WatchStreamExt;
 use kube::{Api, Client};
 use std::collections::HashMap;
 use std::sync::{Arc, RwLock};
+use std::time::Duration;
+use thiserror::Error;
 use tokio::sync::watch;
 
 /// The pods of one node, by UID. Each is shared, not copied, with every
@@ -31,6 +34,15 @@ struct Pods {
     by_uid: HashMap<String, Arc<Pod>>,
     /// The next list while a (re)list is being read.
     relisting: Option<HashMap<String, Arc<Pod>>>,
+}
+
+/// Why [`PodCache::showing`] gave up.
+#[derive(Debug, Error, PartialEq, Eq)]
+pub enum NotShown {
+    #[error("the watch of the node's pods has not listed them yet")]
+    NotListedYet,
+    #[error("kubelet lists pod {namespace}/{name}, which the watch has not shown")]
+    Pod { namespace: String, name: String },
 }
 
 /// The node's pods, kept by [`PodCache::follow`].
@@ -89,6 +101,39 @@ impl PodCache {
     /// missed.
     pub fn subscribe(&self) -> watch::Receiver<()> {
         self.changed.subscribe()
+    }
+
+    /// The pods once the watch shows every pod `listed` names (by
+    /// namespace and name), waiting for it up to `within`. `Err`: a pod
+    /// still not shown, or that the watch's first list is not in.
+    pub async fn showing(
+        &self,
+        listed: &KubeletPods,
+        within: Duration,
+    ) -> Result<Vec<Arc<Pod>>, NotShown> {
+        let deadline = tokio::time::Instant::now() + within;
+        let mut changes = self.subscribe();
+        loop {
+            // Marked before the read: a change after it ends the wait.
+            changes.mark_unchanged();
+            let missing = match self.pods() {
+                None => NotShown::NotListedYet,
+                Some(pods) => {
+                    let shown: KubeletPods = pods.iter().map(|p| kubelet_key(p)).collect();
+                    match listed.difference(&shown).next() {
+                        None => return Ok(pods),
+                        Some((namespace, name)) => NotShown::Pod {
+                            namespace: namespace.clone(),
+                            name: name.clone(),
+                        },
+                    }
+                }
+            };
+            match tokio::time::timeout_at(deadline, changes.changed()).await {
+                Ok(Ok(())) => {}
+                Ok(Err(_)) | Err(_) => return Err(missing),
+            }
+        }
     }
 
     /// Takes `pod` as the plugin just wrote it, unless the watch already
@@ -263,5 +308,66 @@ mod tests {
         changes.mark_unchanged();
         cache.remember(pod("a", "6"));
         assert!(changes.has_changed().expect("sender held"));
+    }
+
+    fn named(uid: &str, name: &str) -> Pod {
+        let mut held = pod(uid, "1");
+        held.metadata.namespace = Some("ns".into());
+        held.metadata.name = Some(name.into());
+        held
+    }
+
+    #[tokio::test]
+    async fn a_pod_kubelet_lists_is_waited_for_until_the_watch_shows_it() {
+        let cache = PodCache::default();
+        cache.apply(Event::Init);
+        cache.apply(Event::InitApply(named("a", "first")));
+        cache.apply(Event::InitDone);
+        let listed: KubeletPods = [("ns".to_string(), "second".to_string())].into();
+        let waiting = tokio::spawn({
+            let (cache, listed) = (cache.clone(), listed.clone());
+            async move { cache.showing(&listed, Duration::from_secs(30)).await }
+        });
+        // The watch shows an unrelated change, then the pod kubelet lists.
+        tokio::task::yield_now().await;
+        cache.apply(Event::Apply(named("c", "third")));
+        tokio::task::yield_now().await;
+        assert!(
+            !waiting.is_finished(),
+            "still waiting for the pod kubelet lists"
+        );
+        cache.apply(Event::Apply(named("b", "second")));
+        let pods = waiting.await.expect("joined").expect("shown");
+        assert_eq!(pods.len(), 3);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_pod_the_watch_never_shows_is_waited_for_no_longer_than_asked() {
+        let cache = PodCache::default();
+        let listed: KubeletPods = [("ns".to_string(), "second".to_string())].into();
+        assert_eq!(
+            cache.showing(&listed, Duration::from_millis(250)).await,
+            Err(NotShown::NotListedYet)
+        );
+        cache.apply(Event::Init);
+        cache.apply(Event::InitApply(named("a", "first")));
+        cache.apply(Event::InitDone);
+        let started = tokio::time::Instant::now();
+        assert_eq!(
+            cache.showing(&listed, Duration::from_millis(250)).await,
+            Err(NotShown::Pod {
+                namespace: "ns".into(),
+                name: "second".into()
+            })
+        );
+        assert_eq!(started.elapsed(), Duration::from_millis(250));
+        let nothing = KubeletPods::new();
+        assert_eq!(
+            cache
+                .showing(&nothing, Duration::ZERO)
+                .await
+                .map(|p| p.len()),
+            Ok(1)
+        );
     }
 }

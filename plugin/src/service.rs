@@ -5,7 +5,7 @@ use crate::api::v1beta1 as api;
 use crate::api::v1beta1::device_plugin_server::DevicePlugin;
 use crate::cluster::{Cluster, ClusterError};
 use crate::devices;
-use crate::pod_cache::PodCache;
+use crate::pod_cache::{NotShown, PodCache};
 use crate::pod_resources::KubeletPodsClient;
 use crate::protocol::{self, PendingPod, ProtocolError, Reading};
 use crate::records::{PodName, Records};
@@ -30,14 +30,6 @@ const API_OUTAGE_PATIENCE: Duration = Duration::from_secs(25);
 /// How long `Allocate` waits for the watch of the node's pods to show a
 /// pod kubelet lists before it reads the pods afresh.
 const WATCH_CATCH_UP: Duration = Duration::from_millis(250);
-
-/// Why the watched pods do not tell which pod kubelet is admitting.
-enum Unconfirmed {
-    /// Kubelet lists this pod, which the watch has not shown yet.
-    NotShown { namespace: String, name: String },
-    /// The protocol found no single pending pod among them; why.
-    Refused(String),
-}
 
 /// Calls `call` again while the API server cannot answer, for up to
 /// [`API_OUTAGE_PATIENCE`] from `since`.
@@ -147,63 +139,33 @@ impl PluginState {
                 })?),
                 None => None,
             };
-        let deadline = tokio::time::Instant::now() + WATCH_CATCH_UP;
-        let mut changes = self.pods.subscribe();
-        loop {
-            // Marked before the read: a change after it wakes the wait.
-            changes.mark_unchanged();
-            // Taken before the pods are read: a record published meanwhile
-            // is in one or the other.
-            let unpublished = self.records.unpublished();
-            let pods = self
-                .pods
-                .pods()
-                .ok_or("the watch of the node's pods has not listed them yet")?;
-            let pods = unpublished.merge(pods);
-            match self.confirmed_among(&pods, gpus, listed.as_ref()) {
-                Err(Unconfirmed::NotShown { namespace, name }) => {
-                    let why = format!(
-                        "kubelet lists pod {namespace}/{name}, which the watch has not shown \
-                         within {} ms",
-                        WATCH_CATCH_UP.as_millis()
-                    );
-                    match tokio::time::timeout_at(deadline, changes.changed()).await {
-                        Ok(Ok(())) => continue,
-                        Ok(Err(_)) | Err(_) => return Err(why),
-                    }
-                }
-                Err(Unconfirmed::Refused(why)) => return Err(why),
-                Ok(found) => return Ok(found),
-            }
+        // Taken before the pods are read: a record published meanwhile is
+        // in one or the other (and none is served meanwhile: `Allocate`
+        // holds its lock).
+        let unpublished = self.records.unpublished();
+        let pods = match &listed {
+            Some(listed) => self.pods.showing(listed, WATCH_CATCH_UP).await,
+            None => self.pods.pods().ok_or(NotShown::NotListedYet),
         }
+        .map_err(|e| format!("{e} (waited up to {} ms)", WATCH_CATCH_UP.as_millis()))?;
+        let pods = unpublished.merge(pods);
+        self.confirmed_among(&pods, gpus, listed.as_ref())
     }
 
-    /// The pod kubelet is admitting among `pods` as watched, which may be
-    /// behind the API server: the pending one kubelet lists (`listed`),
-    /// provided the watch has shown every pod kubelet lists (a pod kubelet
-    /// admits that the watch has not shown yet could otherwise be taken for
-    /// another). Without kubelet's PodResources API, the one pending pod
-    /// (the extender then binds no other to the node before its allocation
-    /// is recorded).
+    /// The pod kubelet is admitting among `pods` as watched (which show
+    /// every pod kubelet lists): the pending one kubelet lists (`listed`).
+    /// Without kubelet's PodResources API, the one pending pod (the
+    /// extender then binds no other to the node before its allocation is
+    /// recorded).
     fn confirmed_among(
         &self,
         pods: &[Arc<Pod>],
         gpus: &[InventoryGpu],
         listed: Option<&protocol::KubeletPods>,
-    ) -> Result<PendingPod, Unconfirmed> {
+    ) -> Result<PendingPod, String> {
         let node = self.cluster.node();
-        if let Some(listed) = listed {
-            let watched: protocol::KubeletPods =
-                pods.iter().map(|p| protocol::kubelet_key(p)).collect();
-            if let Some((namespace, name)) = listed.difference(&watched).next() {
-                return Err(Unconfirmed::NotShown {
-                    namespace: namespace.clone(),
-                    name: name.clone(),
-                });
-            }
-        }
         let found = protocol::pending_pod(node, pods, self.reading(gpus), listed)
-            .map_err(|e| Unconfirmed::Refused(with_causes(&e)))?;
+            .map_err(|e| with_causes(&e))?;
         if listed.is_some() {
             if let Err(ProtocolError::SeveralPendingPods { count, .. }) =
                 protocol::pending_pod(node, pods, self.reading(gpus), None)
