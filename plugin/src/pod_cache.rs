@@ -150,11 +150,11 @@ impl PodCache {
     }
 
     fn apply(&self, event: Event<Pod>) {
-        self.apply_held(event);
+        self.change_held(event);
         self.changed.send_replace(());
     }
 
-    fn apply_held(&self, event: Event<Pod>) {
+    fn change_held(&self, event: Event<Pod>) {
         let mut pods = self
             .pods
             .write()
