@@ -144,10 +144,13 @@ impl PluginState {
         // holds its lock).
         let unpublished = self.records.unpublished();
         let pods = match &listed {
-            Some(listed) => self.pods.showing(listed, WATCH_CATCH_UP).await,
-            None => self.pods.pods().ok_or(NotShown::NotListedYet),
-        }
-        .map_err(|e| format!("{e} (waited up to {} ms)", WATCH_CATCH_UP.as_millis()))?;
+            Some(listed) => self
+                .pods
+                .showing(listed, WATCH_CATCH_UP)
+                .await
+                .map_err(|e| format!("{e} (waited up to {} ms)", WATCH_CATCH_UP.as_millis()))?,
+            None => self.pods.pods().ok_or(NotShown::NotListedYet.to_string())?,
+        };
         let pods = unpublished.merge(pods);
         self.confirmed_among(&pods, gpus, listed.as_ref())
     }
