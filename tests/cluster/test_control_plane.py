@@ -646,8 +646,10 @@ def test_the_api_server_admits_vgpu_pods_as_the_webhook_does_without_calling_it(
     templates/pod-admission.yaml). Every pod of the corpus comes out of it
     exactly as out of the extender's webhook, refusals in the same words;
     the webhook is called only for the pods that need the extender (here
-    the Elastic GPU one), and with the extender stopped plain vGPU pods are
-    still admitted, while that one is refused (failurePolicy Fail)."""
+    the Elastic GPU one), and for those naming no scheduler while the
+    scheduler policy is not in force (as in the second after an install);
+    with the extender stopped plain vGPU pods are still admitted, while
+    that one is refused (failurePolicy Fail)."""
     with TestNetwork() as network, ControlPlane(
         tmp_path / "control-plane", network=network,
         controllers="*,-endpoints-controller,-endpointslice-controller,-endpointslice-mirroring-controller",
@@ -703,6 +705,34 @@ def test_the_api_server_admits_vgpu_pods_as_the_webhook_does_without_calling_it(
             assert not differ, differ
             # Only the Elastic GPU pod reached the webhook.
             assert mutate_calls(cluster, plain) - before == 1, (before, mutate_calls(cluster, plain), webhook_calls)
+
+            # The API server runs a policy only from its next refresh after
+            # the policy and its binding are created (every second): as
+            # right after an install, the scheduler policy is out of force
+            # while its binding is gone. A vGPU pod naming no scheduler
+            # created then goes to the webhook, not unadmitted to the
+            # default scheduler (whose placement no node agent accepts).
+            binding = json.loads(cluster.kubectl("get", "mutatingadmissionpolicybinding", "admit-vgpu-vgpu-pods",
+                                                 "-o", "json").stdout)
+            cluster.kubectl("delete", "mutatingadmissionpolicybinding", "admit-vgpu-vgpu-pods")
+
+            def by_webhook_again() -> dict | None:
+                before = mutate_calls(cluster, plain)
+                found = admitted(cluster, hami)
+                return found if mutate_calls(cluster, plain) != before else None
+
+            found = wait_for("the webhook admitting a plain vGPU pod while the scheduler policy is out of force",
+                             by_webhook_again, timeout=60, log=extender.log)
+            assert found == by_webhook["hami-style"], found
+            unnamed = [pod for pod in corpus if not {"schedulerName", "nodeName"} & set(pod["spec"])]
+            differ = {pod["metadata"]["name"]: (by_webhook[pod["metadata"]["name"]], admitted(cluster, pod))
+                      for pod in unnamed}
+            differ = {name: pair for name, pair in differ.items() if pair[0] != pair[1]}
+            assert not differ, differ
+            for key in ("uid", "resourceVersion", "creationTimestamp", "generation", "managedFields"):
+                binding["metadata"].pop(key, None)
+            cluster.kubectl("create", "-f", "-", input=json.dumps(binding))
+            wait_for("the API server's own admission in force again", in_process, timeout=60, log=extender.log)
 
             extender.stop()
             alone = {pod["metadata"]["name"]: admitted(cluster, pod) for pod in corpus}

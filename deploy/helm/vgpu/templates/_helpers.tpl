@@ -193,8 +193,25 @@ matchConstraints:
 matchConditions:
   - name: gets-vgpus
     expression: >-
-      object.spec.containers.exists(c, {{ include "vgpu.celContainerGetsVgpus" (list . "c") }})
-      || object.spec.?initContainers.orValue([]).exists(c, {{ include "vgpu.celContainerGetsVgpus" (list . "c") }})
+      {{- include "vgpu.celPodGetsVgpus" . | nindent 6 }}
+{{- end -}}
+
+{{/*
+CEL: whether the pod being created has a container or init container that
+is given vGPUs.
+*/}}
+{{- define "vgpu.celPodGetsVgpus" -}}
+object.spec.containers.exists(c, {{ include "vgpu.celContainerGetsVgpus" (list . "c") }})
+|| object.spec.?initContainers.orValue([]).exists(c, {{ include "vgpu.celContainerGetsVgpus" (list . "c") }})
+{{- end -}}
+
+{{/*
+CEL: whether the pod being created names no node and no scheduler (or the
+default one): the vGPU pods whose scheduler admission sets.
+*/}}
+{{- define "vgpu.celUnscheduled" -}}
+object.spec.?nodeName.orValue('') == ''
+&& object.spec.?schedulerName.orValue('') in ['', 'default-scheduler']
 {{- end -}}
 
 {{/*
