@@ -2,7 +2,7 @@
 
 use crate::admission::mutate::AdmissionPolicy;
 use crate::api::ApiSource;
-use crate::extender::config::Limits;
+use crate::extender::config::{Limits, PlacementConfinement};
 use crate::extender::Config;
 use crate::leader::LeaderConfig;
 use clap::Parser;
@@ -272,6 +272,28 @@ pub struct Cli {
     #[arg(long)]
     pub allow_privileged_vgpu: bool,
 
+    /// Check again at placement what admission enforces on vGPU
+    /// containers, and place no pod that never went through it (created
+    /// before vgpu's admission was in force: before the install, in the
+    /// second after it, while the webhook was off): one whose vGPU
+    /// container is privileged, runs seccomp Unconfined or names no
+    /// seccomp profile. Pods in the namespaces admission skips
+    /// (--admission-skipped-namespace, and those labelled
+    /// vgpu.io/webhook=ignore, which the extender then watches) are
+    /// placed as before. Without --allow-privileged-vgpu only; the chart
+    /// sets it with its webhook on.
+    #[arg(long, conflicts_with = "allow_privileged_vgpu")]
+    pub confine_at_placement: bool,
+
+    /// A namespace admission skips whatever its labels (the chart's
+    /// scheduler.webhook.ignoreNamespaces); repeatable.
+    #[arg(
+        long = "admission-skipped-namespace",
+        value_name = "NAMESPACE",
+        requires = "confine_at_placement"
+    )]
+    pub admission_skipped_namespaces: Vec<String>,
+
     /// A second schedulerName the admission webhook treats as its own
     /// (pods naming it get --scheduler-name), so KubeShare pod specs
     /// (`schedulerName: kubeshare-scheduler`) run unchanged; empty: none.
@@ -338,6 +360,9 @@ impl Cli {
             // The verbs on loopback reach kube-scheduler in the pod only
             // (over --client-ca, certified callers only).
             keep_filtered_pods: self.address.is_loopback(),
+            placement_confinement: self.confine_at_placement.then(|| PlacementConfinement {
+                skipped_namespaces: self.admission_skipped_namespaces.clone(),
+            }),
         }
     }
 

@@ -91,7 +91,14 @@ pub async fn start(
 ) -> Result<Running, StartError> {
     let client = api::make_client(source).await.map_err(StartError::Api)?;
     let state = Arc::new(SharedState::with_unbound_grace(config.unbound_grace));
-    let mut watches = cache::watch::watch_cluster(&client, &state);
+    let mut watches = cache::watch::watch_cluster(
+        &client,
+        &state,
+        config
+            .placement_confinement
+            .as_ref()
+            .map(|confinement| confinement.skipped_namespaces.as_slice()),
+    );
     watches.push(tokio::spawn(cache::expiry::expire_unbound_decisions(
         state.clone(),
     )));

@@ -15,6 +15,9 @@ HAMi's pods do, so the webhook sends them to vgpu's scheduler.
 - It creates a pod naming its node itself (spec.nodeName, which no
   scheduler then checks) with a forged decision for that node's GPU:
   refused.
+- It creates, while admission is not in force (as before the install), a
+  privileged vGPU pod and one with no seccomp profile, naming the vgpu
+  scheduler itself: neither is placed (the extender checks again).
 - The node agent of node-1, with the token its pod has, writes a vGPU
   annotation or a label of a pod on node-2, node-2's Node or node-2's
   Lease: refused; the node agent's account with a token not bound to its
@@ -281,6 +284,66 @@ def test_a_tenant_cannot_create_a_pod_on_a_node_with_a_forged_decision(hostile):
     finally:
         hostile.cc.cluster.kubectl("delete", "pod", "forged-node", "-n", TENANT, "--ignore-not-found",
                                    "--wait=false")
+
+
+def test_a_pod_created_while_admission_was_not_in_force_gets_no_vgpus(hostile):
+    """Admission refuses a privileged vGPU container and gives an
+    unprofiled one RuntimeDefault, but only for pods created while it is
+    in force: not before the install, nor in the second after it before
+    the API server applies new policies. A tenant who creates such pods
+    then, naming the vgpu scheduler itself, still gets no decision: the
+    extender checks again at placement, and says why in the pod's events.
+    Here the policies' bindings are deleted, as before the install."""
+    cluster = hostile.cc.cluster
+    bindings = {kind: [item for item in kubectl_json(cluster, "get", kind, "-l",
+                                                      f"app.kubernetes.io/instance={RELEASE}")["items"]
+                       if item["metadata"]["name"].endswith(("-vgpu-pods", "-vgpu-confinement"))]
+                for kind in ("mutatingadmissionpolicybindings", "validatingadmissionpolicybindings")}
+    assert all(bindings.values()), bindings
+    privileged = vgpu_pod("privileged")
+    privileged["spec"]["schedulerName"] = "vgpu-scheduler"
+    privileged["spec"]["containers"][0]["securityContext"] = {"privileged": True,
+                                                              "seccompProfile": {"type": "RuntimeDefault"}}
+    unprofiled = vgpu_pod("unprofiled")
+    unprofiled["spec"]["schedulerName"] = "vgpu-scheduler"
+
+    def admitted(pod: dict) -> bool:
+        return hostile.kubectl(hostile.tenant, "create", "--dry-run=server", "-f", "-",
+                               input=json.dumps(pod)).returncode == 0
+
+    assert not admitted(privileged), "admission let a privileged vGPU container through"
+    for kind, items in bindings.items():
+        for item in items:
+            cluster.kubectl("delete", kind, item["metadata"]["name"])
+    try:
+        wait_for("the admission policies out of force", lambda: admitted(privileged), timeout=60, log=hostile.cc.logs)
+        for pod in (privileged, unprofiled):
+            created = hostile.kubectl(hostile.tenant, "create", "-f", "-", input=json.dumps(pod))
+            assert created.returncode == 0, created.stderr
+
+        def refusal(name: str) -> str | None:
+            events = kubectl_json(cluster, "get", "events", "-n", TENANT,
+                                  "--field-selector", f"involvedObject.name={name},reason=FailedScheduling")
+            return next((event["message"] for event in events["items"]
+                         if "not admitted by vgpu" in event["message"]), None)
+        why = wait_for("the privileged pod's refusal", lambda: refusal("privileged"), timeout=60, log=hostile.cc.logs)
+        assert "container main asks for vGPUs and is privileged" in why, why
+        why = wait_for("the unprofiled pod's refusal", lambda: refusal("unprofiled"), timeout=60, log=hostile.cc.logs)
+        assert "names no seccomp profile" in why, why
+        for name in ("privileged", "unprofiled"):
+            pod = hostile.pod(name)
+            assert not pod["spec"].get("nodeName"), pod["spec"]
+            assert DECISION not in pod["metadata"].get("annotations", {}), pod["metadata"]
+    finally:
+        for name in ("privileged", "unprofiled"):
+            cluster.kubectl("delete", "pod", name, "-n", TENANT, "--ignore-not-found", "--wait=false")
+        for items in bindings.values():
+            for item in items:
+                for key in ("uid", "resourceVersion", "creationTimestamp", "generation", "managedFields"):
+                    item["metadata"].pop(key, None)
+                cluster.kubectl("create", "-f", "-", input=json.dumps(item))
+        wait_for("the admission policies in force again", lambda: not admitted(privileged), timeout=60,
+                 log=hostile.cc.logs)
 
 
 def test_a_node_agent_cannot_write_a_pod_on_another_node(hostile):

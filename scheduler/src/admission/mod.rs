@@ -8,11 +8,14 @@
 //! - [`look_up`]: the claims a pod names, read from the API.
 //! - [`kubeshare`]: KubeShare's labels turned into vgpu's requests.
 //! - [`seccomp`]: the seccomp profile of containers given vGPUs.
+//! - [`confinement`]: what keeps containers given vGPUs in the shim's
+//!   reach, checked at admission and again at placement.
 //! - [`quota`]: a pod its namespace's quota on vGPU resources cannot take.
 //! - [`mutate`]: the answer to one `AdmissionReview`.
 //! - [`conversion`]: the answer to one `ConversionReview`.
 
 pub mod claims;
+pub mod confinement;
 pub mod conversion;
 pub mod kubeshare;
 pub mod look_up;

@@ -24,12 +24,13 @@
 //! other workloads.
 
 use crate::admission::claims::{claim_patch, ClaimPatchError};
+use crate::admission::confinement::{refused_at_admission, VgpuContainers};
 use crate::admission::kubeshare::kubeshare_patch;
 use crate::admission::look_up::{ClaimAnswers, ClaimLookUpError};
 use crate::admission::patch::resource_patch;
 use crate::admission::quota::{quota_refusal, AdmissionQuota};
 use crate::admission::review::{Review, WebhookReply};
-use crate::admission::seccomp::{runtime_default_patch, unconfined_vgpu_container};
+use crate::admission::seccomp::runtime_default_patch;
 use crate::bounded::read_pod;
 use crate::vocabulary::claims::{claim_uses, ClaimError, ClaimShare, CLAIM_ANNOTATION_PREFIX};
 use crate::vocabulary::kubeshare::KubeShareError;
@@ -156,16 +157,7 @@ pub fn mutate(
         .transpose();
     let refused = match &pod {
         Ok(Some(pod)) if creating && !policy.allow_privileged => {
-            privileged_vgpu_container(pod, names)
-                .map(|container| format!(
-                    "container {container} asks for vGPUs and is privileged: a privileged container sees every GPU of its node and bypasses vgpu's memory cap and compute share; drop `privileged`"
-                ))
-                .or_else(|| {
-                    let claimed = claimed_containers(pod);
-                    unconfined_vgpu_container(pod, |c| is_vgpu_container(c, names, &claimed)).map(|container| format!(
-                        "container {container} asks for vGPUs and runs seccomp Unconfined: it could make a user namespace, mount over /etc/ld.so.preload there and run programs outside vgpu's memory cap and compute share; use RuntimeDefault or a Localhost profile"
-                    ))
-                })
+            refused_at_admission(pod, names).map(|breach| breach.to_string())
         }
         _ => None,
     };
@@ -238,10 +230,8 @@ pub fn mutate(
                 }));
             }
             if !policy.allow_privileged {
-                let claimed = claimed_containers(&pod);
-                patch.extend(runtime_default_patch(&pod, |c| {
-                    is_vgpu_container(c, names, &claimed)
-                }));
+                let given = VgpuContainers::of(&pod, names);
+                patch.extend(runtime_default_patch(&pod, |c| given.contains(c)));
             }
             if !patch.is_empty() {
                 response.patch_type = Some("JSONPatch");
@@ -350,37 +340,6 @@ fn elastic_device_counts(pod: &Pod, names: &ResourceNames) -> Vec<Value> {
         }
     }
     patch
-}
-
-/// The containers an Elastic GPU claim annotation of `pod` names: they are
-/// given vGPUs too.
-fn claimed_containers(pod: &Pod) -> Vec<String> {
-    claim_uses(pod)
-        .map(|uses| uses.into_iter().map(|u| u.container).collect())
-        .unwrap_or_default()
-}
-
-/// Whether `container` is given vGPUs: it asks for them, or a claim names it.
-fn is_vgpu_container(container: &Container, names: &ResourceNames, claimed: &[String]) -> bool {
-    asks_for_vgpu(container, names) || claimed.contains(&container.name)
-}
-
-/// The name of a privileged container of `pod` that asks for vGPUs.
-fn privileged_vgpu_container(pod: &Pod, names: &ResourceNames) -> Option<String> {
-    let spec = pod.spec.as_ref()?;
-    let claimed = claimed_containers(pod);
-    spec.containers
-        .iter()
-        .chain(spec.init_containers.iter().flatten())
-        .find(|container| {
-            let privileged = container
-                .security_context
-                .as_ref()
-                .and_then(|context| context.privileged)
-                .unwrap_or(false);
-            privileged && is_vgpu_container(container, names, &claimed)
-        })
-        .map(|container| container.name.clone())
 }
 
 /// Whether `pod` asks for a vGPU, is not bound yet, and names no scheduler
@@ -852,6 +811,12 @@ mod tests {
         let patch = patch_of(&value["response"]).expect("patched");
         let pod_value = patched(seed, &patch);
         assert_eq!(pod_value["spec"]["schedulerName"], "vgpu-scheduler");
+        // The container the labels go to is a vGPU container: it gets the
+        // runtime's seccomp profile like any other.
+        assert_eq!(
+            pod_value["spec"]["containers"][0]["securityContext"]["seccompProfile"]["type"],
+            "RuntimeDefault"
+        );
         // Opportunistic (no sharedgpu/priority): the chart's class, its
         // value, and no preempting of others.
         assert_eq!(pod_value["spec"]["priorityClassName"], "vgpu-opportunistic");

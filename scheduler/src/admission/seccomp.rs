@@ -66,6 +66,17 @@ pub fn unconfined_vgpu_container(
         .map(|(_, container)| container.name.clone())
 }
 
+/// The name of a container given vGPUs (`is_vgpu`) that runs with no
+/// profile (neither its own nor its pod's).
+pub fn unprofiled_vgpu_container(
+    pod: &Pod,
+    is_vgpu: impl Fn(&Container) -> bool,
+) -> Option<String> {
+    containers(pod)
+        .find(|(_, container)| is_vgpu(container) && effective(pod, container).is_none())
+        .map(|(_, container)| container.name.clone())
+}
+
 /// JSON patch operations giving `RuntimeDefault` to every container given
 /// vGPUs that runs with no profile.
 pub fn runtime_default_patch(pod: &Pod, is_vgpu: impl Fn(&Container) -> bool) -> Vec<Value> {

@@ -5,6 +5,41 @@
 
 use kube::runtime::watcher::Event;
 
+/// Whether a watched kind's first complete list is in, for placements that
+/// wait for it; a kind nobody watches, or whose watch the API server
+/// refuses to this extender, keeps none waiting.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Listing {
+    watched: bool,
+    listed: bool,
+    refused: bool,
+}
+
+impl Listing {
+    /// The kind is watched from now on.
+    pub fn expect(&mut self) {
+        self.watched = true;
+    }
+
+    /// Whether placements may go ahead.
+    pub fn ready(&self) -> bool {
+        !self.watched || self.listed || self.refused
+    }
+
+    /// The API server refused the watch.
+    pub fn refuse(&mut self) {
+        self.refused = true;
+    }
+
+    /// A complete list is in; true the first time.
+    pub fn listed(&mut self) -> bool {
+        let first = !self.listed;
+        self.listed = true;
+        self.refused = false;
+        first
+    }
+}
+
 /// What a refused watch means for a book, logged once while it lasts.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum WatchRefusal {

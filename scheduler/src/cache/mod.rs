@@ -22,7 +22,8 @@
 //! - [`watch`]: the watches that feed the state.
 //! - [`expiry`]: the task that ends unbound decisions' grace.
 //! - [`pods`], [`nodes`], [`gpus`], [`leases`], [`reservations`],
-//!   [`groups`], [`quotas`]: what the state records of each.
+//!   [`groups`], [`quotas`], [`skipped_namespaces`]: what the state
+//!   records of each.
 //! - [`clock`], [`fast_map`]: the clock and map everything uses.
 
 pub mod book;
@@ -38,5 +39,6 @@ pub mod nodes;
 pub mod pods;
 pub mod quotas;
 pub mod reservations;
+pub mod skipped_namespaces;
 pub mod state;
 pub mod watch;

@@ -11,6 +11,7 @@
 //! count never refuses a pod the extender's admits. Several quotas in one
 //! namespace: the smallest limit holds.
 
+use crate::cache::book::Listing;
 use crate::cache::fast_map::FastMap;
 use k8s_openapi::api::core::v1::ResourceQuota;
 use std::collections::BTreeMap;
@@ -43,30 +44,27 @@ pub struct QuotaBook {
     /// many (placement skips every other namespace with one look-up).
     namespaces: FastMap<String, usize>,
     relist: Option<FastMap<String, QuotaLimits>>,
-    /// Watched: placements wait for the first complete list.
-    watched: bool,
-    synced: bool,
-    /// The API server refused the watch (no right to read quotas): none
-    /// are enforced, rather than no pod placed.
-    refused: bool,
+    /// Watched: placements wait for the first complete list. Refused (no
+    /// right to read quotas): none are enforced, rather than no pod placed.
+    listing: Listing,
 }
 
 impl QuotaBook {
     /// The quotas are watched from now on: placements wait for their
     /// first list (or the watch's refusal).
     pub fn expect(&mut self) {
-        self.watched = true;
+        self.listing.expect();
     }
 
     /// Whether placements may go ahead: the quotas are listed, not
     /// watched, or may not be read.
     pub fn ready(&self) -> bool {
-        !self.watched || self.synced || self.refused
+        self.listing.ready()
     }
 
     /// The watch was refused: no quota is enforced until it is listed.
     pub fn refuse(&mut self) {
-        self.refused = true;
+        self.listing.refuse();
     }
 
     /// Starts a complete list.
@@ -105,14 +103,12 @@ impl QuotaBook {
                 self.remove(&key);
             }
         }
-        if !self.synced {
+        if self.listing.listed() {
             tracing::info!(
                 "Kubernetes API: {} namespace(s) with a quota on an extended resource",
                 self.namespaces.len()
             );
         }
-        self.synced = true;
-        self.refused = false;
     }
 
     /// Whether any quota of `namespace` limits an extended resource.

@@ -5,10 +5,11 @@
 
 use crate::api::elastic_gpus;
 use crate::cache::book::{Book, WatchRefusal};
+use crate::cache::skipped_namespaces::skip_selector;
 use crate::cache::state::{ClusterState, SharedState};
 use futures_util::StreamExt;
 use k8s_openapi::api::coordination::v1::Lease;
-use k8s_openapi::api::core::v1::{Node, Pod, ResourceQuota};
+use k8s_openapi::api::core::v1::{Namespace, Node, Pod, ResourceQuota};
 use kube::runtime::watcher::{self, Event, ListSemantic};
 use kube::runtime::WatchStreamExt;
 use kube::{Api, Client};
@@ -17,16 +18,33 @@ use tokio::task::JoinHandle;
 use vgpu_cluster::node_lease::{lease_selector, NODE_LEASE_NAMESPACE};
 
 /// Starts the watches of pods, nodes, the device plugins' node Leases,
-/// ElasticGPUs and ResourceQuotas. Placements wait for the ElasticGPUs'
-/// and the quotas' first lists, unless the API refuses them to this
-/// extender.
-pub fn watch_cluster(client: &Client, state: &Arc<SharedState>) -> Vec<JoinHandle<()>> {
+/// ElasticGPUs and ResourceQuotas, and where placement checks confinement
+/// (`skipped_namespaces`: the namespaces skipped whatever their labels),
+/// of the namespaces labelled to be skipped by admission. Placements wait for the
+/// ElasticGPUs', the quotas' and those namespaces' first lists, unless the
+/// API refuses them to this extender.
+pub fn watch_cluster(
+    client: &Client,
+    state: &Arc<SharedState>,
+    skipped_namespaces: Option<&[String]>,
+) -> Vec<JoinHandle<()>> {
     state.update(|s| {
         s.expect_reservations();
         s.expect_quotas();
+        if let Some(named) = skipped_namespaces {
+            s.expect_skipped_namespaces(named.iter().cloned());
+        }
     });
     let leases = Api::<Lease>::namespaced(client.clone(), NODE_LEASE_NAMESPACE);
-    vec![
+    let mut watches = Vec::with_capacity(6);
+    if skipped_namespaces.is_some() {
+        watches.push(tokio::spawn(watch(
+            Api::<Namespace>::all(client.clone()),
+            watcher::Config::default().labels(&skip_selector()),
+            state.clone(),
+        )));
+    }
+    watches.extend([
         tokio::spawn(watch(
             Api::<Pod>::all(client.clone()),
             watcher::Config::default(),
@@ -52,7 +70,8 @@ pub fn watch_cluster(client: &Client, state: &Arc<SharedState>) -> Vec<JoinHandl
             watcher::Config::default(),
             state.clone(),
         )),
-    ]
+    ]);
+    watches
 }
 
 /// Lists and watches `api` forever, applying every event to the state. A

@@ -32,7 +32,7 @@ use crate::api::{ApiError, KubeApi, PodVersion};
 use crate::cache::clock::now_unix_ms;
 use crate::cache::pods::version_of;
 use crate::extender::reply::Reply;
-use crate::extender::scheduler::{NotServing, Scheduler};
+use crate::extender::scheduler::{NotServing, Scheduler, UnconfinedPod};
 use crate::extender::wire::{ExtenderBindingArgs, ExtenderBindingResult};
 use crate::placement::on_node::{place_on_node, NodeRefusal, OnNode};
 use crate::placement::rules::PodRequestError;
@@ -94,6 +94,8 @@ pub enum BindError {
     NamespaceBusy { namespace: String, wait_ms: u128 },
     #[error(transparent)]
     Refused(#[from] NodeRefusal),
+    #[error(transparent)]
+    Unconfined(#[from] UnconfinedPod),
     #[error(
         "node {node} is still admitting {pending} (its device plugin has not allocated all its GPUs yet; \
          vGPU pods are admitted one per node at a time); kube-scheduler will retry"
@@ -214,6 +216,11 @@ impl Scheduler {
             }
             if !self.state.read().node(node).is_some_and(|n| n.in_api) {
                 return Err(BindError::UnknownNode(node.clone()));
+            }
+            if !request.is_empty() {
+                if let Some(refusal) = self.confinement_refusal(&pod) {
+                    return Err(refusal.into());
+                }
             }
             if request.is_empty() {
                 api.bind(namespace, name, &args.pod_uid, node)

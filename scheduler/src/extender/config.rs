@@ -37,6 +37,21 @@ pub struct Config {
     /// pod under a real pod's UID and version, and the bind would decide
     /// from its requests rather than the pod's.
     pub keep_filtered_pods: bool,
+    /// Placement's own check of vGPU containers' confinement, for pods
+    /// that never went through admission
+    /// ([`crate::admission::confinement`]); `None`: admission's alone.
+    pub placement_confinement: Option<PlacementConfinement>,
+}
+
+/// Placement refuses pods whose vGPU containers are privileged, run
+/// seccomp `Unconfined` or name no profile, except in the namespaces
+/// admission skips.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct PlacementConfinement {
+    /// Skipped whatever their labels (the chart's
+    /// `scheduler.webhook.ignoreNamespaces`); those labelled
+    /// `vgpu.io/webhook=ignore` are watched.
+    pub skipped_namespaces: Vec<String>,
 }
 
 /// The largest body of filter, prioritize, preempt and the webhooks by
@@ -121,6 +136,7 @@ impl Default for Config {
             node_lease_grace: DEFAULT_NODE_LEASE_GRACE,
             limits: Limits::default(),
             keep_filtered_pods: true,
+            placement_confinement: None,
         }
     }
 }

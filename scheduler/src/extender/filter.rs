@@ -168,6 +168,10 @@ impl Scheduler {
         if !self.state.read().synced() {
             return Err(FilterError::NotListed);
         }
+        if let Some(refusal) = self.confinement_refusal(pod) {
+            tracing::info!("filter: {refusal}");
+            return Ok(NodeVerdicts::all_unresolvable(names, &refusal.to_string()));
+        }
         let group = group_of(pod).map_err(|source| FilterError::GroupLabels {
             pod: pod_key(pod),
             source,

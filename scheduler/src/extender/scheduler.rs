@@ -1,6 +1,7 @@
 //! The extender: what its verbs share (configuration, state, API client,
 //! locks, leadership).
 
+use crate::admission::confinement::{unconfined_for_placement, Breach};
 use crate::admission::quota::AdmissionQuota;
 use crate::api::KubeApi;
 use crate::cache::clock::now_unix_ms;
@@ -12,8 +13,9 @@ use crate::extender::reply::Reply;
 use crate::extender::score_cache::ScoreCache;
 use crate::leader::Leadership;
 use crate::placement::quota::{namespace_quota_use, quota_use, NamespaceQuotaUse};
-use crate::placement::rules::Rules;
+use crate::placement::rules::{pod_key, Rules};
 use crate::placement::snapshot::Snapshot;
+use k8s_openapi::api::core::v1::Pod;
 use std::collections::HashMap;
 use std::hash::BuildHasher;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
@@ -29,6 +31,18 @@ pub enum NotServing {
     /// Another replica leads: the words name it.
     #[error("{0}")]
     StandingBy(String),
+}
+
+/// A pod placement refuses: a vGPU container of it is not confined to the
+/// shim's reach ([`crate::admission::confinement`]).
+#[derive(Clone, Debug, Error, PartialEq, Eq)]
+#[error(
+    "pod {pod} was not admitted by vgpu (it was created while vgpu's admission was not in force) \
+     and is not placed: {breach}. Delete it and create it again"
+)]
+pub struct UnconfinedPod {
+    pub pod: String,
+    pub breach: Breach,
 }
 
 /// Async locks by name, made on first use.
@@ -98,6 +112,23 @@ impl Scheduler {
     /// not stopping.
     pub fn leads(&self) -> bool {
         self.check_leading().is_ok()
+    }
+
+    /// Why `pod` may not be placed though it asks for vGPUs, where
+    /// placement checks confinement: a vGPU container admission would have
+    /// refused or given a seccomp profile, in a namespace admission does
+    /// not skip. Such a pod never went through admission.
+    pub(super) fn confinement_refusal(&self, pod: &Pod) -> Option<UnconfinedPod> {
+        self.config.placement_confinement.as_ref()?;
+        let breach = unconfined_for_placement(pod, &self.config.resources)?;
+        let namespace = pod.metadata.namespace.as_deref().unwrap_or("");
+        if self.state.read().skipped_namespaces().skips(namespace) {
+            return None;
+        }
+        Some(UnconfinedPod {
+            pod: pod_key(pod),
+            breach,
+        })
     }
 
     /// Why this replica does not serve the verbs now, if it does not.

@@ -35,13 +35,26 @@ impl<'n> NodeVerdicts<'n> {
     /// change (the pod's group or claim must wait).
     pub fn all_failed(names: impl IntoIterator<Item = &'n str>, why: &str) -> Self {
         Self {
-            failed: names
-                .into_iter()
-                .map(|name| (name.to_string(), why.to_string()))
-                .collect(),
+            failed: each_for(names, why),
             ..Self::default()
         }
     }
+
+    /// Every candidate turned down for one reason no eviction changes.
+    pub fn all_unresolvable(names: impl IntoIterator<Item = &'n str>, why: &str) -> Self {
+        Self {
+            unresolvable: each_for(names, why),
+            ..Self::default()
+        }
+    }
+}
+
+/// Each of `names` with the same reason.
+fn each_for<'n>(names: impl IntoIterator<Item = &'n str>, why: &str) -> BTreeMap<String, String> {
+    names
+        .into_iter()
+        .map(|name| (name.to_string(), why.to_string()))
+        .collect()
 }
 
 /// Sorts `names` for `request` of `pod`.

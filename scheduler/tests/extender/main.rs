@@ -5,6 +5,7 @@
 mod bind_copy;
 mod burst;
 mod claims;
+mod confinement;
 mod elastic_claims;
 mod errors;
 mod groups;

@@ -1,12 +1,14 @@
 //! The cluster as the extender sees it ([`ClusterState`]), and the lock it
 //! is shared under ([`SharedState`]). Each kind the watches bring applies
 //! its own events, in a file of its own (`pod_events`, `node_events`,
-//! `lease_events`, `elastic_gpu_events`, `quota_events`); [`debug`] renders the state for
+//! `lease_events`, `elastic_gpu_events`, `quota_events`,
+//! `namespace_events`); [`debug`] renders the state for
 //! `GET /debug/state`.
 
 pub mod debug;
 mod elastic_gpu_events;
 mod lease_events;
+mod namespace_events;
 mod node_events;
 mod pod_events;
 mod quota_events;
@@ -22,6 +24,7 @@ use crate::cache::pods::PodRecord;
 use crate::cache::pods::DEFAULT_UNBOUND_GRACE;
 use crate::cache::quotas::QuotaBook;
 use crate::cache::reservations::Reservation;
+use crate::cache::skipped_namespaces::SkippedNamespaces;
 use std::borrow::Cow;
 use std::collections::BTreeSet;
 use std::sync::{Arc, RwLock, RwLockReadGuard};
@@ -94,6 +97,9 @@ pub struct ClusterState {
     leases: LeaseBook,
     /// The namespaces' quotas on vGPU resources ([`crate::cache::quotas`]).
     quotas: QuotaBook,
+    /// The namespaces vgpu's admission skips
+    /// ([`crate::cache::skipped_namespaces`]).
+    skipped_namespaces: SkippedNamespaces,
     unbound_grace: UnboundGrace,
     /// When the decisions of pods not bound yet stop holding their nodes,
     /// earliest first: `(deadline in Unix ms, pod UID)`. An entry whose
@@ -198,6 +204,7 @@ impl ClusterState {
             && self.nodes_synced
             && self.leases.synced()
             && self.quotas.ready()
+            && self.skipped_namespaces.ready()
             && self.elastic != ElasticSync::Waiting
     }
 
@@ -285,6 +292,17 @@ impl ClusterState {
     /// ResourceQuotas are watched: placements wait until they are listed.
     pub fn expect_quotas(&mut self) {
         self.quotas.expect();
+    }
+
+    /// The namespaces vgpu's admission skips.
+    pub fn skipped_namespaces(&self) -> &SkippedNamespaces {
+        &self.skipped_namespaces
+    }
+
+    /// The namespaces labelled to be skipped by admission are watched
+    /// (besides the `named` ones): placements wait until they are listed.
+    pub fn expect_skipped_namespaces(&mut self, named: impl IntoIterator<Item = String>) {
+        self.skipped_namespaces.expect(named);
     }
 
     /// What the pods of `namespace` whose decisions count hold, in all,
