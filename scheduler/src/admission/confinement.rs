@@ -26,7 +26,7 @@ pub enum Breach {
     Privileged(String),
     #[error("container {0} asks for vGPUs and runs seccomp Unconfined: it could make a user namespace, mount over /etc/ld.so.preload there and run programs outside vgpu's memory cap and compute share; use RuntimeDefault or a Localhost profile")]
     Unconfined(String),
-    #[error("container {0} asks for vGPUs and names no seccomp profile, nor does its pod: it could make a user namespace, mount over /etc/ld.so.preload there and run programs outside vgpu's memory cap and compute share; vgpu's admission gives such a container RuntimeDefault, so this pod was created while it was not in force")]
+    #[error("container {0} asks for vGPUs and names no seccomp profile, nor does its pod: it could make a user namespace, mount over /etc/ld.so.preload there and run programs outside vgpu's memory cap and compute share; vgpu's admission gives such a container RuntimeDefault")]
     Unprofiled(String),
 }
 
@@ -154,7 +154,12 @@ mod tests {
         assert_eq!(refused_at_admission(&unprofiled, &names), None);
         let breach = unconfined_for_placement(&unprofiled, &names).expect("refused");
         assert_eq!(breach, Breach::Unprofiled("warm".into()));
-        assert!(breach.to_string().contains("not in force"), "{breach}");
+        assert!(
+            breach
+                .to_string()
+                .contains("gives such a container RuntimeDefault"),
+            "{breach}"
+        );
     }
 
     #[test]
