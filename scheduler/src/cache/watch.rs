@@ -18,11 +18,11 @@ use tokio::task::JoinHandle;
 use vgpu_cluster::node_lease::{lease_selector, NODE_LEASE_NAMESPACE};
 
 /// Starts the watches of pods, nodes, the device plugins' node Leases,
-/// ElasticGPUs and ResourceQuotas, and where placement checks confinement
-/// (`skipped_namespaces`: the namespaces skipped whatever their labels),
-/// of the namespaces labelled to be skipped by admission. Placements wait for the
-/// ElasticGPUs', the quotas' and those namespaces' first lists, unless the
-/// API refuses them to this extender.
+/// ElasticGPUs and ResourceQuotas, and, where placement checks
+/// confinement (`skipped_namespaces`: those skipped whatever their
+/// labels), of the namespaces labelled to be skipped by admission.
+/// Placements wait for the ElasticGPUs', the quotas' and those
+/// namespaces' first lists, unless the API refuses them to this extender.
 pub fn watch_cluster(
     client: &Client,
     state: &Arc<SharedState>,
