@@ -92,20 +92,22 @@ fn privileged_vgpu_container(pod: &Pod, given: &VgpuContainers<'_>) -> Option<St
 /// What admission refuses in `pod`: a container given vGPUs that is
 /// privileged, else one that runs `Unconfined`.
 pub fn refused_at_admission(pod: &Pod, names: &ResourceNames) -> Option<Breach> {
-    let given = VgpuContainers::of(pod, names);
-    privileged_vgpu_container(pod, &given)
-        .map(Breach::Privileged)
-        .or_else(|| unconfined_vgpu_container(pod, |c| given.contains(c)).map(Breach::Unconfined))
+    refused_among(pod, &VgpuContainers::of(pod, names))
 }
 
 /// What placement refuses in `pod`: what admission refuses, else a
 /// container given vGPUs that runs with no seccomp profile (admission would
 /// have given it one).
 pub fn unconfined_for_placement(pod: &Pod, names: &ResourceNames) -> Option<Breach> {
-    refused_at_admission(pod, names).or_else(|| {
-        let given = VgpuContainers::of(pod, names);
-        unprofiled_vgpu_container(pod, |c| given.contains(c)).map(Breach::Unprofiled)
-    })
+    let given = VgpuContainers::of(pod, names);
+    refused_among(pod, &given)
+        .or_else(|| unprofiled_vgpu_container(pod, |c| given.contains(c)).map(Breach::Unprofiled))
+}
+
+fn refused_among(pod: &Pod, given: &VgpuContainers<'_>) -> Option<Breach> {
+    privileged_vgpu_container(pod, given)
+        .map(Breach::Privileged)
+        .or_else(|| unconfined_vgpu_container(pod, |c| given.contains(c)).map(Breach::Unconfined))
 }
 
 #[cfg(test)]
