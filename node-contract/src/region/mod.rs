@@ -1,0 +1,60 @@
+//! The per-container region file.
+//!
+//! Every process of a container maps the same file (its path comes from
+//! `CUDA_DEVICE_MEMORY_SHARED_CACHE`), and so does the node monitor. It holds
+//! the container's limits per device, the container's memory use per device,
+//! and one slot per process with that process's share of the use.
+//!
+//! # Invariants and how they are kept
+//!
+//! - **The cap holds across processes.** A reservation checks and raises the
+//!   device total under one process-shared *robust* mutex, before the real
+//!   allocation is made; so the sum of all processes' memory never exceeds
+//!   the cap, however many allocate at once.
+//! - **Nothing is lost when a process dies.** A slot is owned by the process
+//!   holding an open-file-description lock (`F_OFD_SETLK`) on one byte of the
+//!   file (at [`LIVENESS_LOCK_BASE`] + slot index). The kernel drops that lock
+//!   when the process dies, whatever its PID namespace, so any other process
+//!   (or the monitor on the host) that can take the lock knows the owner is
+//!   gone and returns the slot's memory. PID reuse cannot fool this.
+//! - **No lock outlives its holder.** If a process dies inside the mutex, the
+//!   next locker gets `EOWNERDEAD`, recomputes every total from the slots
+//!   (the slots are the source of truth), and carries on.
+//! - **Every field is an atomic** (or the mutex), so other processes writing
+//!   the mapping concurrently never cause a data race in this one, and a
+//!   corrupt value can only produce a wrong number, never undefined behaviour.
+//!
+//! The format is [`layout`]; opening and mapping a file, [`file`]; the
+//! locks, [`lock`]; process slots, [`slots`]; charges against the caps,
+//! [`charge`]; the limits, [`limits`].
+//!
+//! Layout version 1 is fixed-size; the header carries magic, version and size
+//! so a foreign, truncated or older file is refused with a clear error rather
+//! than reinterpreted.
+
+mod charge;
+mod file;
+pub mod layout;
+mod limits;
+mod lock;
+mod slots;
+#[cfg(test)]
+mod tests;
+
+pub use charge::CapExceeded;
+pub use file::{Region, RegionError};
+pub use layout::*;
+pub use limits::{BelowUse, RegionLimits};
+
+/// `CLOCK_MONOTONIC` in nanoseconds, the clock compute budgets use.
+pub fn monotonic_ns() -> u64 {
+    let mut now = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: valid out-pointer.
+    unsafe {
+        libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut now);
+    }
+    now.tv_sec as u64 * 1_000_000_000 + now.tv_nsec as u64
+}
