@@ -13,8 +13,9 @@ use std::path::Path;
 use thiserror::Error;
 use vgpu_cluster::file_error::{io_error, FileError};
 use vgpu_node_contract::figures::has_live_process;
+use vgpu_node_contract::region::limits::granted::{region_limits, DeviceShare, NodeLimits};
 use vgpu_node_contract::region::{Region, RegionError, RegionLimits, MAX_DEVICES, UNCAPPED};
-use vgpu_node_contract::shim_env::{self, share_cap, ShimConfig};
+use vgpu_node_contract::shim_env::{self, ShimConfig};
 
 /// `CUDA_VISIBLE_DEVICES`: the driver's own filter of the GPUs a process sees.
 const ENV_CUDA_VISIBLE_DEVICES: &str = "CUDA_VISIBLE_DEVICES";
@@ -70,17 +71,16 @@ impl From<FileError> for RunError {
 
 /// The limits a run asks for, the same on every GPU.
 pub fn limits_of(args: &RunArgs) -> RegionLimits {
-    let mut limits = RegionLimits {
-        priority: shim_env::DEFAULT_PRIORITY,
-        ..RegionLimits::default()
+    let share = DeviceShare {
+        memory_bytes: args.memory.unwrap_or(UNCAPPED),
+        cores_percent: args.cores.unwrap_or(100),
+        burst_percent: args.burst,
     };
-    for device in 0..MAX_DEVICES {
-        limits.memory_limit[device] = args.memory.unwrap_or(UNCAPPED);
-        limits.sm_limit[device] = share_cap(args.cores.unwrap_or(100));
-        limits.sm_burst[device] = args.burst.unwrap_or(0);
-        limits.swap_limit[device] = args.swap.unwrap_or(0);
-    }
-    limits
+    let node = NodeLimits {
+        swap_limit: args.swap,
+        ..NodeLimits::default()
+    };
+    region_limits([share; MAX_DEVICES], None, &node)
 }
 
 /// Describes the limits of device 0 (all devices have the same in a local

@@ -8,7 +8,6 @@ use crate::run::describe;
 use std::path::{Path, PathBuf};
 use thiserror::Error;
 use vgpu_node_contract::region::{BelowUse, Region, RegionError, MAX_DEVICES};
-use vgpu_node_contract::shim_env::share_cap;
 use vgpu_node_contract::size::human_bytes;
 
 #[derive(Debug, Error)]
@@ -90,20 +89,12 @@ pub fn set(path: &Path, args: &SetArgs) -> Result<String, SetError> {
         if let Some(memory) = args.memory {
             limits.memory_limit[device] = memory;
         }
-        if let Some(cores) = args.cores {
-            limits.sm_limit[device] = share_cap(cores);
-            // A burst at the old share (not lending) follows the share.
-            if args.burst.is_none() && limits.sm_burst[device] < limits.sm_limit[device] {
-                limits.sm_burst[device] = limits.sm_limit[device];
-            }
-        }
-        if let Some(burst) = args.burst {
-            let cores = limits.sm_limit[device];
-            if cores != 0 && burst < cores {
-                return Err(SetError::BurstBelowShare { burst, cores });
-            }
-            limits.sm_burst[device] = burst;
-        }
+        limits
+            .set_share(device, args.cores, args.burst)
+            .map_err(|refused| SetError::BurstBelowShare {
+                burst: refused.burst,
+                cores: refused.cores,
+            })?;
     }
     region.update_limits(&limits)??;
     Ok(describe(&region.limits()))

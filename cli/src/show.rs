@@ -9,8 +9,8 @@ use std::io::Write;
 use std::path::{Path, PathBuf};
 use thiserror::Error;
 use vgpu_node_contract::figures::{read_figures, read_slots};
+use vgpu_node_contract::region::UtilizationPolicy;
 use vgpu_node_contract::region::{Region, RegionError, RegionLimits, SHARE_FULL, SHARE_UNLIMITED};
-use vgpu_node_contract::shim_env::UtilizationPolicy;
 use vgpu_node_contract::size::human_bytes;
 
 #[derive(Debug, Error)]
@@ -186,9 +186,8 @@ fn view_of(region: &Region, path: &Path) -> RegionView {
     let devices = indices
         .into_iter()
         .map(|index| {
-            let record = &layout.devices[index];
             let used = figures.devices.iter().find(|d| d.index == index);
-            let effective = record
+            let effective = region.enforced_limits().devices[index]
                 .sm_effective
                 .load(std::sync::atomic::Ordering::Relaxed);
             DeviceView {

@@ -67,11 +67,9 @@
 //!    (kubelet reports it; its controller replaces it), never a container
 //!    served twice or a later container matched to the wrong record.
 
-use crate::scaling::{MemoryScaling, MemorySplit};
 use serde::{Deserialize, Serialize};
 use thiserror::Error;
-use vgpu_node_contract::region::{RegionLimits, MAX_DEVICES};
-use vgpu_node_contract::shim_env::{share_cap, UtilizationPolicy, DEFAULT_PRIORITY};
+use vgpu_node_contract::region::limits::granted::DeviceShare;
 
 /// Node annotation holding the plugin's [`NodeInventory`].
 pub const NODE_INVENTORY_ANNOTATION: &str = "vgpu.io/node-gpus";
@@ -93,7 +91,7 @@ pub struct InventoryGpu {
     /// The GPU's physical memory.
     pub memory_bytes: u64,
     /// The memory it offers containers when the node scales memory
-    /// ([`crate::scaling`], HAMi's `deviceMemoryScaling`): what the
+    /// (`vgpu_node_contract::region::limits::scaling`, HAMi's `deviceMemoryScaling`): what the
     /// extender counts grants against. Absent (a node without scaling, or
     /// a plugin older than the field): [`Self::memory_bytes`]; an extender
     /// older than the field counts the physical memory, so it never
@@ -155,63 +153,16 @@ pub struct DeviceGrant {
     pub burst_percent: Option<u32>,
 }
 
-/// What a node adds to every container's limits (the device plugin's and
-/// the monitor's settings, from the same chart values).
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct NodeLimits {
-    pub policy: UtilizationPolicy,
-    /// Host memory each device may borrow as swap beyond its grant (none
-    /// when absent).
-    pub swap_limit: Option<u64>,
-    /// How grants are split into device memory and swap.
-    pub memory_scaling: MemoryScaling,
-}
-
-impl NodeLimits {
-    /// What a grant of `grant` bytes comes to on this node: the device
-    /// memory cap, and the swap allowance, which is the grant's part in
-    /// host memory ([`MemoryScaling::split`]) plus the node-wide
-    /// `swap_limit`. The two add up because they are different things: the
-    /// scaled part is memory the extender granted (counted against the
-    /// GPU's offer), the node-wide swap lets every container go beyond its
-    /// grant; so a container can always use its grant plus `swap_limit`,
-    /// scaled or not.
-    pub fn memory(&self, grant: u64) -> MemorySplit {
-        let split = self.memory_scaling.split(grant);
-        MemorySplit {
-            device: split.device,
-            swap: split.swap.saturating_add(self.swap_limit.unwrap_or(0)),
+impl DeviceGrant {
+    /// The grant's memory, share and burst, as the node's limits are made
+    /// from them (`vgpu_node_contract::region::limits::granted`).
+    pub fn share(&self) -> DeviceShare {
+        DeviceShare {
+            memory_bytes: self.memory_bytes,
+            cores_percent: self.cores_percent,
+            burst_percent: self.burst_percent,
         }
     }
-
-    /// Whether containers get `CUDA_OVERSUBSCRIBE` (some swap to use).
-    pub fn oversubscribes(&self) -> bool {
-        self.swap_limit.is_some_and(|bytes| bytes > 0) || self.memory_scaling.oversubscribes()
-    }
-}
-
-/// The region limits a container's grants come to, its devices in the
-/// order given (the order CUDA numbers them in the container): the one
-/// conversion from a decision to what the shim enforces, used by the
-/// device plugin to create the region and by the monitor to restore it.
-pub fn region_limits(
-    grants: &[&DeviceGrant],
-    priority: Option<i32>,
-    node: &NodeLimits,
-) -> RegionLimits {
-    let mut limits = RegionLimits {
-        policy: node.policy as u32,
-        priority: priority.unwrap_or(DEFAULT_PRIORITY),
-        ..RegionLimits::default()
-    };
-    for (i, grant) in grants.iter().take(MAX_DEVICES).enumerate() {
-        let memory = node.memory(grant.memory_bytes);
-        limits.memory_limit[i] = memory.device;
-        limits.sm_limit[i] = share_cap(grant.cores_percent);
-        limits.sm_burst[i] = grant.burst_percent.unwrap_or(0);
-        limits.swap_limit[i] = memory.swap;
-    }
-    limits
 }
 
 /// What one container gets.
@@ -350,74 +301,6 @@ pub fn parse_allocated(text: &str) -> Result<Vec<String>, FormatError> {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn region_limits_follow_the_grants_in_device_order() {
-        let grant = |uuid: &str, memory_bytes, cores_percent, burst_percent| DeviceGrant {
-            uuid: uuid.into(),
-            memory_bytes,
-            cores_percent,
-            burst_percent,
-        };
-        let (a, b) = (
-            grant("GPU-a", 4 << 30, 30, Some(60)),
-            grant("GPU-b", 8 << 30, 100, None),
-        );
-        let node = NodeLimits {
-            policy: UtilizationPolicy::Force,
-            swap_limit: Some(1 << 30),
-            memory_scaling: MemoryScaling::ONE,
-        };
-        let limits = region_limits(&[&b, &a], None, &node);
-        assert_eq!(limits.memory_limit[..3], [8 << 30, 4 << 30, 0]);
-        // A whole GPU is uncapped compute.
-        assert_eq!(limits.sm_limit[..2], [share_cap(100), 30]);
-        assert_eq!(limits.sm_burst[..2], [0, 60]);
-        assert_eq!(limits.swap_limit[..3], [1 << 30, 1 << 30, 0]);
-        assert_eq!(limits.policy, UtilizationPolicy::Force as u32);
-        assert_eq!(limits.priority, DEFAULT_PRIORITY);
-        assert_eq!(
-            region_limits(&[&a], Some(-2), &NodeLimits::default()).priority,
-            -2
-        );
-    }
-
-    #[test]
-    fn scaled_grants_are_split_into_device_memory_and_swap() {
-        const GIB: u64 = 1 << 30;
-        let grant = |uuid: &str, memory_bytes| DeviceGrant {
-            uuid: uuid.into(),
-            memory_bytes,
-            cores_percent: 50,
-            burst_percent: None,
-        };
-        let two: MemoryScaling = "2".parse().expect("2");
-        let scaled = NodeLimits {
-            memory_scaling: two,
-            ..NodeLimits::default()
-        };
-        assert!(scaled.oversubscribes());
-        assert!(!NodeLimits::default().oversubscribes());
-        // Two pods of 24 GiB on one 24 GiB card at scaling 2: each gets 12
-        // GiB on the device and 12 GiB of swap.
-        let whole_card = grant("GPU-a", 24 * GIB);
-        let limits = region_limits(&[&whole_card], None, &scaled);
-        assert_eq!(limits.memory_limit[..2], [12 * GIB, 0]);
-        assert_eq!(limits.swap_limit[..2], [12 * GIB, 0]);
-        // The node-wide swap comes on top of the scaled part.
-        let both = NodeLimits {
-            swap_limit: Some(GIB),
-            ..scaled
-        };
-        let other = grant("GPU-b", 3 * GIB);
-        let limits = region_limits(&[&whole_card, &other], None, &both);
-        assert_eq!(limits.memory_limit[..2], [12 * GIB, 3 * GIB / 2]);
-        assert_eq!(limits.swap_limit[..2], [13 * GIB, 3 * GIB / 2 + GIB]);
-        // An uncapped grant stays uncapped, with the node-wide swap only.
-        let uncapped = grant("GPU-c", 0);
-        let limits = region_limits(&[&uncapped], None, &both);
-        assert_eq!((limits.memory_limit[0], limits.swap_limit[0]), (0, GIB));
-    }
 
     #[test]
     fn admission_ends_when_the_phase_moves_or_statuses_appear() {

@@ -17,8 +17,6 @@
 //! - [`report`]: errors written as one message for Kubernetes components;
 //!   [`events`]: the Event they record on a pod.
 //! - [`file_error`]: an I/O failure told by its file and operation.
-//! - [`scaling`]: device memory scaling (HAMi's `deviceMemoryScaling`):
-//!   what a GPU offers, and how a grant splits into device memory and swap.
 
 pub mod client;
 pub mod cordon;
@@ -31,4 +29,3 @@ pub mod report;
 pub mod requests;
 pub mod resize;
 pub mod resources;
-pub mod scaling;

@@ -350,9 +350,9 @@ mod tests {
     };
     use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
     use std::collections::BTreeMap;
-    use vgpu_cluster::scaling::MemoryScaling;
+    use vgpu_node_contract::region::limits::scaling::MemoryScaling;
     use vgpu_node_contract::region::Region;
-    use vgpu_node_contract::shim_env::UtilizationPolicy;
+    use vgpu_node_contract::region::UtilizationPolicy;
 
     const UID: &str = "0b1c-22";
 
@@ -486,13 +486,19 @@ mod tests {
         assert_eq!(record.grants.len(), 1);
         assert_eq!(record.grants[0].uuid, "GPU-0");
         assert_eq!(record.grants[0].cores_percent, 30);
-        let region_dir = region_dir.display().to_string();
+        let region_file = region_dir.join("region.cache").display().to_string();
+        let grant = region_dir.join("grant").display().to_string();
         let preload = base.join("ld.so.preload").display().to_string();
         assert_eq!(
             mounts,
             vec![
                 ("/opt/vgpu/libvgpu.so", "/usr/local/vgpu/libvgpu.so", true),
-                (region_dir.as_str(), "/usr/local/vgpu/container", false),
+                (
+                    region_file.as_str(),
+                    "/usr/local/vgpu/container/region.cache",
+                    false
+                ),
+                (grant.as_str(), "/usr/local/vgpu/grant", true),
                 (preload.as_str(), "/etc/ld.so.preload", true),
             ]
         );

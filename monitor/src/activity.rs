@@ -6,8 +6,8 @@
 use crate::discovery::DeviceFigures;
 use std::collections::VecDeque;
 use std::time::Duration;
+use vgpu_node_contract::region::UtilizationPolicy;
 use vgpu_node_contract::region::SHARE_FULL;
-use vgpu_node_contract::shim_env::UtilizationPolicy;
 
 /// Most utilization samples kept per container device.
 const MAX_HISTORY: usize = 1024;

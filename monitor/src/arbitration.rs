@@ -46,8 +46,8 @@
 //!    instead of 30 and 66.7. Nothing changes while no container is short.
 
 use std::cmp::Ordering;
+use vgpu_node_contract::region::UtilizationPolicy;
 use vgpu_node_contract::region::{SHARE_FULL, SHARE_UNLIMITED};
-use vgpu_node_contract::shim_env::UtilizationPolicy;
 
 /// Largest share lending may grant (see rule 3).
 pub const MAX_LENT_SHARE: u32 = SHARE_FULL - 1;

@@ -21,9 +21,11 @@ use crate::names::{ApiState, PodDirectory, PodRecord};
 use crate::reported::Reported;
 use crate::unenforced::Unenforced;
 use std::collections::HashMap;
-use vgpu_cluster::decision::{region_limits, DeviceGrant};
+use vgpu_cluster::decision::DeviceGrant;
+use vgpu_node_contract::region::limits::granted::{device_order, region_limits};
+use vgpu_node_contract::region::UtilizationPolicy;
+use vgpu_node_contract::region::DEFAULT_PRIORITY;
 use vgpu_node_contract::region::{RegionLimits, SHARE_FULL};
-use vgpu_node_contract::shim_env::{UtilizationPolicy, DEFAULT_PRIORITY};
 use vgpu_nvml_host::GpuSample;
 
 /// What is remembered of each container device between passes, by
@@ -269,9 +271,9 @@ pub fn assess_region(
     // decision granted is put back if it was changed from inside.
     if let Some(grants) = granted.filter(|_| config.restore) {
         let mut ordered: Vec<&DeviceGrant> = grants.iter().collect();
-        // Devices are numbered in NVML (PCI) order, as the device plugin
-        // numbered them; without NVML, the decision's order.
-        ordered.sort_by_key(|g| {
+        // Devices are numbered as the device plugin numbered them; without
+        // NVML, in the decision's order.
+        device_order(&mut ordered, |g| {
             context
                 .gpus
                 .iter()
@@ -283,7 +285,7 @@ pub fn assess_region(
             .and_then(|p| p.priorities.get(&region.container).copied());
         out.restores.push(Restore {
             key: region.key.clone(),
-            limits: region_limits(&ordered, priority, &config.node),
+            limits: region_limits(ordered.iter().map(|g| g.share()), priority, &config.node),
             decided_unix_ms: pod.as_ref().and_then(|p| p.decided_unix_ms),
             pod,
         });

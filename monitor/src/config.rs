@@ -3,7 +3,7 @@
 use crate::discovery::DiscoveryConfig;
 use std::path::PathBuf;
 use std::time::Duration;
-use vgpu_cluster::decision::NodeLimits;
+use vgpu_node_contract::region::limits::granted::NodeLimits;
 
 /// What the monitor does, independent of how it was configured.
 #[derive(Clone, Debug)]

@@ -262,8 +262,17 @@ impl Monitor {
             let Some(region) = self.discovery.get(&restore.key) else {
                 continue;
             };
-            if !region.region().restore_limits(&restore.limits) {
-                continue;
+            match region.region().restore_limits(&restore.limits) {
+                Ok(true) => {}
+                Ok(false) => continue,
+                Err(error) => {
+                    tracing::warn!(
+                        error = &error as &dyn std::error::Error,
+                        "container {}: its limits cannot be restored",
+                        restore.key
+                    );
+                    continue;
+                }
             }
             if resized {
                 // The decision changed (a resize the extender applied), not
@@ -422,7 +431,10 @@ impl Monitor {
                 let Some(region) = self.discovery.get(&s.key) else {
                     continue;
                 };
-                let record = &region.region().layout().devices[s.device];
+                let Ok(limits) = region.region().writable_limits() else {
+                    continue;
+                };
+                let record = &limits.devices[s.device];
                 let current = record.sm_effective.load(Ordering::Acquire);
                 if current != target {
                     record.sm_effective.store(target, Ordering::Release);
@@ -499,7 +511,10 @@ impl Monitor {
             let Some(region) = self.discovery.get(key) else {
                 continue;
             };
-            let record = &region.region().layout().devices[*device];
+            let Ok(limits) = region.region().writable_limits() else {
+                continue;
+            };
+            let record = &limits.devices[*device];
             let share = record.sm_limit.load(Ordering::Relaxed);
             let configured = if share > 0 && share < 100 {
                 share * (SHARE_FULL / 100)

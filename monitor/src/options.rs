@@ -8,11 +8,11 @@ use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::time::Duration;
 use thiserror::Error;
-use vgpu_cluster::decision::NodeLimits;
 use vgpu_cluster::requests::{RequestDefaultFlags, RequestRules};
 use vgpu_cluster::resources::ShareResourceFlags;
-use vgpu_cluster::scaling::MemoryScaling;
-use vgpu_node_contract::shim_env::UtilizationPolicy;
+use vgpu_node_contract::region::limits::granted::NodeLimits;
+use vgpu_node_contract::region::limits::scaling::MemoryScaling;
+use vgpu_node_contract::region::UtilizationPolicy;
 use vgpu_node_contract::size::{parse_size, SizeError};
 
 /// A `--core-policy` that names none.

@@ -395,7 +395,7 @@ fn decisions_follow_the_counters_and_shares_are_restored_on_shutdown() {
     let low = make("u-low_c", 60, 1);
     let uncapped = make("u-free_c", 0, 2);
     let effective = |region: &vgpu_node_contract::region::Region| {
-        region.layout().devices[0]
+        region.layout().limits.devices[0]
             .sm_effective
             .load(Ordering::Acquire)
     };

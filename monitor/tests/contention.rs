@@ -111,7 +111,7 @@ impl Pair {
     /// The effective share (basis points) in container `index`'s region.
     fn effective(&self, index: usize) -> u32 {
         let region = Region::open_existing(&self.regions[index]).expect("region");
-        region.layout().devices[0]
+        region.layout().limits.devices[0]
             .sm_effective
             .load(std::sync::atomic::Ordering::Acquire)
     }

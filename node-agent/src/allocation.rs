@@ -1,8 +1,13 @@
 //! What the workloads a region holds get: their environment (the shim's
 //! configuration, HAMi-core's variable names), their mounts (the shim, an
-//! `ld.so.preload` naming it, the region's directory), and, on the host,
-//! that directory with the region file already created with the limits,
-//! so that their processes only attach to it.
+//! `ld.so.preload` naming it, the region file, and the node's grant, read
+//! only, at the one path the shim looks for it), and, on the host, the
+//! region's directory with the region and the grant already created with
+//! the limits, so that their processes only attach to them.
+//!
+//! The containers get the two files alone, never the directory holding
+//! them: a container could otherwise replace or rewrite its grant through
+//! the directory, or fill the node's disk there.
 //!
 //! The device plugin plans one region per container (from the scheduler's
 //! decision), the DRA driver one per claim, shared by the claim's
@@ -14,11 +19,15 @@ use std::fmt;
 use std::os::unix::fs::PermissionsExt;
 use std::path::PathBuf;
 use thiserror::Error;
-use vgpu_cluster::decision::{region_limits, DeviceGrant, InventoryGpu, NodeLimits};
+use vgpu_cluster::decision::{DeviceGrant, InventoryGpu};
 use vgpu_cluster::file_error::{io_error, FileError};
-use vgpu_cluster::scaling::MemoryScaling;
-use vgpu_node_contract::region::{Region, RegionLimits, MAX_DEVICES};
-use vgpu_node_contract::shim_env::{ShimConfig, UtilizationPolicy, DEFAULT_CONTEXT_RESERVE};
+use vgpu_node_contract::region::grant_file::{GRANT_CONTAINER_PATH, GRANT_FILE};
+use vgpu_node_contract::region::limits::granted::{device_order, region_limits, NodeLimits};
+use vgpu_node_contract::region::limits::scaling::MemoryScaling;
+use vgpu_node_contract::region::{
+    Grant, GrantError, GrantSettings, Region, RegionLimits, UtilizationPolicy, MAX_DEVICES,
+};
+use vgpu_node_contract::shim_env::{ShimConfig, DEFAULT_CONTEXT_RESERVE};
 
 /// The GPUs a container may see (NVIDIA container runtime).
 pub const ENV_VISIBLE_DEVICES: &str = "NVIDIA_VISIBLE_DEVICES";
@@ -122,6 +131,8 @@ pub enum AllocationError {
     Region(#[from] vgpu_node_contract::region::RegionError),
     #[error("region {path} already exists with other limits; refusing to change the limits of a running container")]
     RegionMismatch { path: PathBuf },
+    #[error(transparent)]
+    Grant(#[from] GrantError),
 }
 
 /// A bind mount into the containers, in neither kubelet's nor CDI's words
@@ -141,6 +152,10 @@ pub struct RegionPlan {
     pub host_dir: PathBuf,
     /// The region file on the host.
     pub region_host: PathBuf,
+    /// The node's grant on the host, beside the region.
+    pub grant_host: PathBuf,
+    /// What the grant says besides the limits.
+    pub grant: GrantSettings,
     /// The limits written into the region (what the shim reads back from
     /// [`Self::envs`]).
     pub limits: RegionLimits,
@@ -223,11 +238,12 @@ pub fn plan(
         }
         ordered.push((gpu.index, grant));
     }
-    ordered.sort_by_key(|(index, _)| *index);
+    device_order(&mut ordered, |(index, _)| Some(*index));
 
     let host_dir = settings.containers_dir.join(grants.dir_name);
     let region_host = host_dir.join(&settings.region_file);
     let region_container = settings.container_dir.join(&settings.region_file);
+    let grant_host = host_dir.join(GRANT_FILE);
 
     // The shim's configuration, typed: the grants' bytes and percents go
     // straight into the region's limits, and the environment is written
@@ -241,8 +257,11 @@ pub fn plan(
         measure_contexts: settings.context_reserve.is_none(),
         ..ShimConfig::default()
     };
-    let in_order: Vec<&DeviceGrant> = ordered.iter().map(|(_, grant)| *grant).collect();
-    config.limits = region_limits(&in_order, grants.priority, &node);
+    config.limits = region_limits(
+        ordered.iter().map(|(_, grant)| grant.share()),
+        grants.priority,
+        &node,
+    );
 
     let mut envs: BTreeMap<String, String> = config.to_env(ordered.len()).into_iter().collect();
     let uuids: Vec<&str> = ordered.iter().map(|(_, g)| g.uuid.as_str()).collect();
@@ -256,9 +275,14 @@ pub fn plan(
             read_only: true,
         },
         Mount {
-            host_path: host_dir.clone(),
-            container_path: settings.container_dir.clone(),
+            host_path: region_host.clone(),
+            container_path: region_container.clone(),
             read_only: false,
+        },
+        Mount {
+            host_path: grant_host.clone(),
+            container_path: PathBuf::from(GRANT_CONTAINER_PATH),
+            read_only: true,
         },
     ];
     if let Some(preload) = &settings.preload_host {
@@ -269,19 +293,27 @@ pub fn plan(
         });
     }
 
+    let grant = GrantSettings {
+        region_path: config.region_path.clone(),
+        context_reserve: config.context_reserve,
+        measure_contexts: config.measure_contexts,
+        oversubscribe: config.oversubscribe,
+    };
     Ok(RegionPlan {
         holder: holder.clone(),
         host_dir,
         region_host,
+        grant_host,
+        grant,
         limits: config.limits,
         envs,
         mounts,
     })
 }
 
-/// Creates the region's directory and its region on the host.
-/// Idempotent: a region already there with the same limits (an earlier
-/// attempt at the same holder) is kept.
+/// Creates the region's directory, its region and its grant on the host.
+/// Idempotent: a region and grant already there with the same limits (an
+/// earlier attempt at the same holder) are kept.
 pub fn prepare(plan: &RegionPlan) -> Result<(), AllocationError> {
     std::fs::create_dir_all(&plan.host_dir)
         .map_err(io_error(&plan.host_dir, "create directory"))?;
@@ -298,7 +330,13 @@ pub fn prepare(plan: &RegionPlan) -> Result<(), AllocationError> {
     // read-write and take their liveness locks on it.
     std::fs::set_permissions(&plan.region_host, std::fs::Permissions::from_mode(0o666))
         .map_err(io_error(&plan.region_host, "chmod"))?;
-    Ok(())
+    match Grant::create(&plan.grant_host, &plan.grant, &plan.limits) {
+        Ok(_) => Ok(()),
+        Err(GrantError::Mismatch { .. }) => Err(AllocationError::RegionMismatch {
+            path: plan.grant_host.clone(),
+        }),
+        Err(error) => Err(error.into()),
+    }
 }
 
 /// Writes the host's `ld.so.preload` (one line: the shim's path in
@@ -446,9 +484,14 @@ mod tests {
                     true
                 ),
                 (
-                    Path::new("/usr/local/vgpu/container"),
-                    Path::new("/base/containers/uid-1_main"),
+                    Path::new("/usr/local/vgpu/container/region.cache"),
+                    Path::new("/base/containers/uid-1_main/region.cache"),
                     false
+                ),
+                (
+                    Path::new("/usr/local/vgpu/grant"),
+                    Path::new("/base/containers/uid-1_main/grant"),
+                    true
                 ),
                 (
                     Path::new("/etc/ld.so.preload"),
@@ -492,7 +535,7 @@ mod tests {
         assert_eq!(env("CUDA_TASK_PRIORITY"), None);
         assert_eq!(plan.limits.swap_limit[0], 8 << 30);
         assert_eq!(plan.limits.policy, UtilizationPolicy::Force as u32);
-        assert_eq!(plan.mounts.len(), 2);
+        assert_eq!(plan.mounts.len(), 3, "no preload mount");
     }
 
     #[test]
@@ -633,6 +676,19 @@ mod tests {
         prepare(&plan).expect("prepare again");
         let region = Region::open_existing(&plan.region_host).expect("region");
         assert_eq!(region.limits(), plan.limits.as_stored());
+        // The grant says the same, and is the node's alone to write.
+        let grant = Grant::open_read_only(&plan.grant_host).expect("grant");
+        assert_eq!(grant.limits().load(), plan.limits.as_stored());
+        assert_eq!(grant.settings().expect("settings"), plan.grant);
+        assert_eq!(
+            grant.settings().expect("settings").region_path,
+            "/usr/local/vgpu/container/region.cache"
+        );
+        let grant_mode = std::fs::metadata(&plan.grant_host)
+            .expect("metadata")
+            .permissions()
+            .mode();
+        assert_eq!(grant_mode & 0o777, 0o644);
         assert_eq!(region.limits().sm_limit[0], 25);
         assert_eq!(region.limits().priority, 2);
         assert_eq!(region.device_limit(0), 1 << 30);

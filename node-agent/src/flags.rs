@@ -8,8 +8,8 @@ use clap::{Args, ValueEnum};
 use std::path::PathBuf;
 use std::time::Duration;
 use vgpu_cluster::client::ApiSource;
-use vgpu_cluster::scaling::MemoryScaling;
-use vgpu_node_contract::shim_env::UtilizationPolicy;
+use vgpu_node_contract::region::limits::scaling::MemoryScaling;
+use vgpu_node_contract::region::UtilizationPolicy;
 use vgpu_node_contract::size::{parse_size, SizeError};
 
 /// `GPU_CORE_UTILIZATION_POLICY` written into containers.

@@ -3,7 +3,7 @@
 //! driver's ResourceSlice, `vgpu doctor`'s view).
 
 use vgpu_cluster::decision::InventoryGpu;
-use vgpu_cluster::scaling::MemoryScaling;
+use vgpu_node_contract::region::limits::scaling::MemoryScaling;
 use vgpu_nvml_host::GpuFacts;
 
 /// The inventory entries for the GPUs NVML describes, each shared by at

@@ -80,28 +80,30 @@ pub fn read_figures(region: &Region) -> RegionFigures {
     }
     pids.sort_unstable();
     pids.dedup();
+    let enforced = region.enforced_limits();
     let devices = layout
         .devices
         .iter()
+        .zip(&enforced.devices)
         .enumerate()
-        .filter_map(|(index, record)| {
+        .filter_map(|(index, (record, limits))| {
             let uuid = region.device_uuid(index).filter(|u| valid_uuid(u))?;
             let bucket = &record.compute;
             Some(DeviceFigures {
                 index,
                 uuid,
                 memory_used: record.used.load(Ordering::Relaxed),
-                memory_limit: record.memory_limit.load(Ordering::Relaxed),
+                memory_limit: limits.memory_limit.load(Ordering::Relaxed),
                 swap_used: record.swap_used.load(Ordering::Relaxed),
-                swap_limit: record.swap_limit.load(Ordering::Relaxed),
+                swap_limit: limits.swap_limit.load(Ordering::Relaxed),
                 peak_used: record.peak_used.load(Ordering::Relaxed),
                 oom_events: record.oom_events.load(Ordering::Relaxed),
                 context: context[index],
                 module: module[index],
                 data: data[index],
-                sm_limit: record.sm_limit.load(Ordering::Relaxed),
-                sm_burst: record.sm_burst.load(Ordering::Relaxed),
-                sm_effective: record.sm_effective.load(Ordering::Relaxed),
+                sm_limit: limits.sm_limit.load(Ordering::Relaxed),
+                sm_burst: limits.sm_burst.load(Ordering::Relaxed),
+                sm_effective: limits.sm_effective.load(Ordering::Relaxed),
                 granted_ns: bucket.granted_ns(),
                 throttled_ns: bucket.throttled_ns.load(Ordering::Relaxed),
                 launches: bucket.launches.load(Ordering::Relaxed),
@@ -110,8 +112,8 @@ pub fn read_figures(region: &Region) -> RegionFigures {
         })
         .collect();
     RegionFigures {
-        policy: layout.header.policy.load(Ordering::Relaxed),
-        priority: layout.header.priority.load(Ordering::Relaxed),
+        policy: enforced.policy.load(Ordering::Relaxed),
+        priority: enforced.priority.load(Ordering::Relaxed),
         devices,
         active_slots,
         pids,

@@ -7,8 +7,20 @@
 //! [`ShimConfig::from_lookup`]. Both sides hold the limits in the region's
 //! own encoding ([`RegionLimits`], where [`UNCAPPED`] means no cap), so the
 //! region the plugin creates and the one the shim opens can never disagree.
+//!
+//! Where a node set the container up, the environment is not what binds
+//! it: the node's grant is ([`crate::region::grant_file`]), and
+//! [`ShimConfig::in_node`] reads the environment only for what may lower
+//! the grant's caps and shares for one process, never raise, move or lift
+//! them. Where no node did (a workstation: `vgpu run`, or HAMi-core's
+//! variables alone), the environment is the configuration, as here.
 
-use crate::region::{RegionLimits, MAX_DEVICES, UNCAPPED, UNCAPPED_SHARE};
+use crate::region::grant_file::GrantSettings;
+use crate::region::limits::granted::share_cap;
+use crate::region::{
+    lower_cap, RegionLimits, UtilizationPolicy, DEFAULT_PRIORITY, MAX_DEVICES, UNCAPPED,
+    UNCAPPED_SHARE,
+};
 use crate::size::{format_size, parse_percent, parse_size, SizeError};
 use thiserror::Error;
 
@@ -50,65 +62,8 @@ pub const DEFAULT_REGION_PATH: &str = "/tmp/cudevshr.cache";
 /// devices with more multiprocessors; what it holds is measured where the
 /// driver's NVML can say, and this is charged until then.
 pub const DEFAULT_CONTEXT_RESERVE: u64 = 256 << 20;
-/// Priority when `CUDA_TASK_PRIORITY` is unset.
-pub const DEFAULT_PRIORITY: i32 = 1;
 /// Log level when `LIBCUDA_LOG_LEVEL` is unset (warnings).
 pub const DEFAULT_LOG_LEVEL: u8 = 1;
-
-/// The stored form of a compute share of `percent`: a whole device (or
-/// more) is no cap at all, and so is 0.
-pub fn share_cap(percent: u32) -> u32 {
-    if percent >= 100 {
-        UNCAPPED_SHARE
-    } else {
-        percent
-    }
-}
-
-/// How the compute share is applied.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-#[repr(u32)]
-pub enum UtilizationPolicy {
-    /// The share the node monitor grants (the configured share without one).
-    #[default]
-    Default = 0,
-    /// The configured share is a hard cap.
-    Force = 1,
-    /// No compute cap.
-    Disable = 2,
-}
-
-impl UtilizationPolicy {
-    /// Decodes the value stored in a region.
-    pub fn from_u32(value: u32) -> Option<Self> {
-        match value {
-            0 => Some(Self::Default),
-            1 => Some(Self::Force),
-            2 => Some(Self::Disable),
-            _ => None,
-        }
-    }
-
-    /// The value of `GPU_CORE_UTILIZATION_POLICY` that selects this policy.
-    pub fn name(self) -> &'static str {
-        match self {
-            Self::Default => "default",
-            Self::Force => "force",
-            Self::Disable => "disable",
-        }
-    }
-
-    /// Reads a policy name (any case; empty means the default).
-    pub fn parse(text: &str) -> Option<Self> {
-        let text = text.trim();
-        if text.is_empty() {
-            return Some(Self::Default);
-        }
-        [Self::Default, Self::Force, Self::Disable]
-            .into_iter()
-            .find(|policy| text.eq_ignore_ascii_case(policy.name()))
-    }
-}
 
 /// A variable that could not be used. The shim fails closed on any of these.
 #[derive(Debug, Error, PartialEq, Eq)]
@@ -148,6 +103,14 @@ pub struct ShimConfig {
     pub context_reserve: u64,
     /// Whether the shim measures what a context holds (no reserve was set).
     pub measure_contexts: bool,
+    /// Caps this process's own environment sets below its node's grant,
+    /// which apply to it on top of the grant's ([`UNCAPPED`]: none).
+    /// Always none where no node set the container up: the environment's
+    /// caps are then the limits themselves.
+    pub memory_ceiling: [u64; MAX_DEVICES],
+    /// Compute shares in percent the environment sets below the grant's,
+    /// likewise ([`UNCAPPED_SHARE`]: none).
+    pub share_ceiling: [u32; MAX_DEVICES],
 }
 
 impl Default for ShimConfig {
@@ -164,6 +127,8 @@ impl Default for ShimConfig {
             log_level: DEFAULT_LOG_LEVEL,
             context_reserve: DEFAULT_CONTEXT_RESERVE,
             measure_contexts: true,
+            memory_ceiling: [UNCAPPED; MAX_DEVICES],
+            share_ceiling: [UNCAPPED_SHARE; MAX_DEVICES],
         }
     }
 }
@@ -183,7 +148,110 @@ impl ShimConfig {
 
     /// The compute policy (valid by construction).
     pub fn policy(&self) -> UtilizationPolicy {
-        UtilizationPolicy::from_u32(self.limits.policy).unwrap_or_default()
+        self.limits.utilization_policy()
+    }
+
+    /// The configuration of a process in a container a node set up: the
+    /// grant's limits (`granted`) and settings, with the environment read
+    /// through `get` only where it lowers a cap or a share for this
+    /// process, and for the log level. Returns the configuration and one
+    /// line for each variable that asked for more than the grant, or for
+    /// what only the node chooses, and was therefore not followed.
+    ///
+    /// A malformed variable is still an error (the shim fails closed), so
+    /// that a mistake is seen rather than silently ignored.
+    pub fn in_node(
+        settings: &GrantSettings,
+        granted: &RegionLimits,
+        get: impl Fn(&str) -> Option<String>,
+    ) -> Result<(Self, Vec<String>), ConfigError> {
+        let asked = Self::from_lookup(&get)?;
+        let mut ignored = Vec::new();
+        let mut config = Self {
+            limits: granted.as_stored(),
+            region_path: settings.region_path.clone(),
+            region_path_set: true,
+            oversubscribe: settings.oversubscribe,
+            log_level: asked.log_level,
+            context_reserve: settings.context_reserve,
+            measure_contexts: settings.measure_contexts,
+            ..Self::default()
+        };
+        for device in 0..MAX_DEVICES {
+            let (want, grant) = (
+                asked.limits.memory_limit[device],
+                granted.memory_limit[device],
+            );
+            if want != UNCAPPED {
+                if lower_cap(grant, want) == want && want != grant {
+                    config.memory_ceiling[device] = want;
+                } else if want != grant {
+                    ignored.push(format!(
+                        "a memory cap of {want} bytes on device {device} is above the node's grant of {grant} bytes"
+                    ));
+                }
+            }
+            let (want, grant) = (asked.limits.sm_limit[device], granted.sm_limit[device]);
+            if want != UNCAPPED_SHARE {
+                if grant == UNCAPPED_SHARE || want < grant {
+                    config.share_ceiling[device] = want;
+                } else if want != grant {
+                    ignored.push(format!(
+                        "a compute share of {want} % on device {device} is above the node's grant of {grant} %"
+                    ));
+                }
+            }
+        }
+        let set = |name: &str| get(name).is_some();
+        if set(ENV_REGION_PATH) && asked.region_path != settings.region_path {
+            ignored.push(format!(
+                "{ENV_REGION_PATH}={}: the region is the one the node made, {}",
+                asked.region_path, settings.region_path
+            ));
+        }
+        if set(ENV_UTILIZATION_POLICY) && asked.policy() != config.policy() {
+            ignored.push(format!(
+                "{ENV_UTILIZATION_POLICY}={}: the node's policy is {}",
+                asked.policy().name(),
+                config.policy().name()
+            ));
+        }
+        if set(ENV_TASK_PRIORITY) && asked.limits.priority != granted.priority {
+            ignored.push(format!(
+                "{ENV_TASK_PRIORITY}={}: the node's priority is {}",
+                asked.limits.priority, granted.priority
+            ));
+        }
+        if !asked.measure_contexts && asked.context_reserve != settings.context_reserve {
+            ignored.push(format!(
+                "{ENV_CONTEXT_RESERVE}: what a context is charged is the node's to say"
+            ));
+        }
+        match get(ENV_OVERSUBSCRIBE) {
+            Some(_) if !asked.oversubscribe => config.oversubscribe = false,
+            Some(_) if !settings.oversubscribe => ignored.push(format!(
+                "{ENV_OVERSUBSCRIBE}: the node lends this container no host memory"
+            )),
+            _ => {}
+        }
+        let family_set =
+            |var: &str| set(var) || (0..MAX_DEVICES).any(|device| set(&format!("{var}_{device}")));
+        let differs = [
+            (
+                ENV_SWAP_LIMIT,
+                asked.limits.swap_limit != granted.swap_limit,
+            ),
+            (
+                ENV_SM_BURST_LIMIT,
+                asked.limits.as_stored().sm_burst != granted.as_stored().sm_burst,
+            ),
+        ];
+        for (var, differs) in differs {
+            if differs && family_set(var) {
+                ignored.push(format!("{var}: the node's grant sets it"));
+            }
+        }
+        Ok((config, ignored))
     }
 
     /// Reads the configuration through `get` (the process environment in the
@@ -507,5 +575,112 @@ mod tests {
         let env: HashMap<String, String> = uncapped.to_env(2).into_iter().collect();
         let read = ShimConfig::from_lookup(|name| env.get(name).cloned()).expect("valid");
         assert_eq!(read, uncapped);
+    }
+
+    fn node_settings() -> GrantSettings {
+        GrantSettings {
+            region_path: "/usr/local/vgpu/container/region.cache".into(),
+            context_reserve: 256 << 20,
+            measure_contexts: true,
+            oversubscribe: false,
+        }
+    }
+
+    fn in_node(vars: &[(&str, &str)], granted: &RegionLimits) -> (ShimConfig, Vec<String>) {
+        let map: HashMap<String, String> = vars
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect();
+        ShimConfig::in_node(&node_settings(), granted, |name| map.get(name).cloned())
+            .expect("valid")
+    }
+
+    fn granted() -> RegionLimits {
+        let mut limits = RegionLimits {
+            priority: DEFAULT_PRIORITY,
+            ..RegionLimits::default()
+        };
+        limits.memory_limit[0] = 1 << 30;
+        limits.sm_limit[0] = 30;
+        limits
+    }
+
+    #[test]
+    fn in_a_node_container_nothing_in_the_environment_raises_moves_or_lifts_a_limit() {
+        let (config, ignored) = in_node(
+            &[
+                ("CUDA_DEVICE_MEMORY_LIMIT", "6g"),
+                ("CUDA_DEVICE_SM_LIMIT", "90"),
+                ("CUDA_DEVICE_MEMORY_SHARED_CACHE", "/tmp/mine"),
+                ("GPU_CORE_UTILIZATION_POLICY", "disable"),
+                ("VGPU_CONTEXT_RESERVE", "0"),
+                ("CUDA_TASK_PRIORITY", "0"),
+                ("CUDA_OVERSUBSCRIBE", "true"),
+                ("VGPU_SWAP_LIMIT", "64g"),
+            ],
+            &granted(),
+        );
+        assert_eq!(config.limits, granted().as_stored());
+        assert_eq!(config.region_path, node_settings().region_path);
+        assert_eq!(config.policy(), UtilizationPolicy::Default);
+        assert_eq!(config.context_reserve, 256 << 20);
+        assert!(config.measure_contexts);
+        assert!(!config.oversubscribe);
+        assert_eq!(config.memory_ceiling[0], UNCAPPED, "6g is above the grant");
+        assert_eq!(config.share_ceiling[0], UNCAPPED_SHARE);
+        // Device 1 is uncapped by the grant: the environment's cap lowers it.
+        assert_eq!(config.memory_ceiling[1], 6 << 30);
+        assert_eq!(config.share_ceiling[1], 90);
+        let said = ignored.join("\n");
+        for what in [
+            "above the node's grant of 1073741824 bytes",
+            "above the node's grant of 30 %",
+            "CUDA_DEVICE_MEMORY_SHARED_CACHE=/tmp/mine",
+            "GPU_CORE_UTILIZATION_POLICY=disable",
+            "VGPU_CONTEXT_RESERVE",
+            "CUDA_TASK_PRIORITY=0",
+            "CUDA_OVERSUBSCRIBE",
+        ] {
+            assert!(said.contains(what), "{said:?} should say {what}");
+        }
+    }
+
+    #[test]
+    fn in_a_node_container_the_environment_may_lower_a_cap_and_a_share() {
+        let (config, ignored) = in_node(
+            &[
+                ("CUDA_DEVICE_MEMORY_LIMIT_0", "512m"),
+                ("CUDA_DEVICE_SM_LIMIT_0", "10"),
+                ("LIBCUDA_LOG_LEVEL", "3"),
+            ],
+            &granted(),
+        );
+        assert!(ignored.is_empty(), "{ignored:?}");
+        assert_eq!(config.memory_ceiling[0], 512 << 20);
+        assert_eq!(config.share_ceiling[0], 10);
+        assert_eq!(config.log_level, 3);
+        assert_eq!(config.limits.memory_limit[0], 1 << 30, "the grant is kept");
+        // What the plugin writes is the grant itself: no ceiling, nothing said.
+        let (config, ignored) = in_node(
+            &[
+                ("CUDA_DEVICE_MEMORY_LIMIT_0", "1024m"),
+                ("CUDA_DEVICE_SM_LIMIT_0", "30"),
+                (
+                    "CUDA_DEVICE_MEMORY_SHARED_CACHE",
+                    "/usr/local/vgpu/container/region.cache",
+                ),
+                ("GPU_CORE_UTILIZATION_POLICY", "default"),
+            ],
+            &granted(),
+        );
+        assert!(ignored.is_empty(), "{ignored:?}");
+        assert_eq!(config.memory_ceiling[0], UNCAPPED);
+        assert_eq!(config.share_ceiling[0], UNCAPPED_SHARE);
+        // A malformed value is still an error: the shim fails closed.
+        let map = HashMap::from([("CUDA_DEVICE_MEMORY_LIMIT".to_string(), "lots".to_string())]);
+        assert!(
+            ShimConfig::in_node(&node_settings(), &granted(), |name| map.get(name).cloned())
+                .is_err()
+        );
     }
 }

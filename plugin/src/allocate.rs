@@ -49,8 +49,8 @@ pub fn response(plan: &RegionPlan) -> api::ContainerAllocateResponse {
 mod tests {
     use super::*;
     use vgpu_cluster::decision::DeviceGrant;
-    use vgpu_cluster::scaling::MemoryScaling;
-    use vgpu_node_contract::shim_env::UtilizationPolicy;
+    use vgpu_node_contract::region::limits::scaling::MemoryScaling;
+    use vgpu_node_contract::region::UtilizationPolicy;
 
     fn settings() -> Settings {
         Settings {
@@ -117,9 +117,16 @@ mod tests {
             vec![
                 ("/usr/local/vgpu/libvgpu.so", "/opt/vgpu/libvgpu.so", true),
                 (
-                    "/usr/local/vgpu/container",
-                    "/base/containers/uid-1_main",
+                    "/usr/local/vgpu/container/region.cache",
+                    "/base/containers/uid-1_main/region.cache",
                     false
+                ),
+                // The node's grant, read-only, at the one path the shim
+                // looks for it.
+                (
+                    "/usr/local/vgpu/grant",
+                    "/base/containers/uid-1_main/grant",
+                    true
                 ),
                 ("/etc/ld.so.preload", "/base/ld.so.preload", true),
             ]

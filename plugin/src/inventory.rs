@@ -159,8 +159,8 @@ pub async fn publish(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use vgpu_cluster::scaling::MemoryScaling;
     use vgpu_node_agent::inventory::inventory_gpus;
+    use vgpu_node_contract::region::limits::scaling::MemoryScaling;
     use vgpu_nvml_host::GpuFacts;
 
     fn gpu(index: u32, mib: u64, split_count: u32) -> InventoryGpu {

@@ -138,9 +138,9 @@ impl Options {
 mod tests {
     use super::*;
     use clap::CommandFactory;
-    use vgpu_cluster::scaling::MemoryScaling;
     use vgpu_node_agent::health::DEFAULT_IGNORED_XIDS;
-    use vgpu_node_contract::shim_env::UtilizationPolicy;
+    use vgpu_node_contract::region::limits::scaling::MemoryScaling;
+    use vgpu_node_contract::region::UtilizationPolicy;
 
     #[test]
     fn defaults_and_help() {

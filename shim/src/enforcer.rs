@@ -4,6 +4,16 @@
 //! State is built once, on the first hooked call, so processes of the
 //! container that never touch the GPU (shells, package managers) never open
 //! the region. The environment is read only then.
+//!
+//! Where does a process's configuration come from? A container a node set
+//! up has the node's grant mounted read-only at
+//! [`GRANT_CONTAINER_PATH`]: its limits, its region and what each context
+//! is charged come from there, and the environment may only lower a cap or
+//! a share for the process ([`ShimConfig::in_node`]). A grant that is
+//! there but cannot be read fails closed, so no process of such a
+//! container runs without its limits. Where there is no grant (a
+//! workstation: `vgpu run`, or HAMi-core's variables alone) the
+//! environment is the configuration.
 
 use crate::context_size;
 use crate::driver::cuda as real;
@@ -14,7 +24,8 @@ use std::ffi::CString;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering};
 use std::sync::OnceLock;
 use vgpu_cuda_abi::cuda::*;
-use vgpu_node_contract::region::{MemoryKind, Region, MAX_DEVICES};
+use vgpu_node_contract::region::grant_file::GRANT_CONTAINER_PATH;
+use vgpu_node_contract::region::{Grant, GrantError, MemoryKind, Region, MAX_DEVICES};
 use vgpu_node_contract::shim_env::ShimConfig;
 use vgpu_node_contract::size::human_bytes;
 
@@ -82,11 +93,54 @@ fn build_mode() -> Mode {
             return Mode::FailClosed;
         }
     };
-    if !config.enforces_anything() {
-        tracing::debug!("no limits configured; forwarding calls unchanged");
-        return Mode::Passthrough;
+    let grant = match Grant::open_read_only(std::path::Path::new(GRANT_CONTAINER_PATH)) {
+        Ok(grant) => Some(grant),
+        Err(GrantError::Io { source, .. }) if source.kind() == std::io::ErrorKind::NotFound => None,
+        Err(error) => {
+            tracing::error!(
+                error = &error as &dyn std::error::Error,
+                "this container's grant from its node cannot be read, GPU calls will fail"
+            );
+            return Mode::FailClosed;
+        }
+    };
+    let Some(grant) = grant else {
+        if !config.enforces_anything() {
+            tracing::debug!("no limits configured; forwarding calls unchanged");
+            return Mode::Passthrough;
+        }
+        return enforce(config, None);
+    };
+    let settings = match grant.settings() {
+        Ok(settings) => settings,
+        Err(error) => {
+            tracing::error!(
+                error = &error as &dyn std::error::Error,
+                "this container's grant from its node cannot be read, GPU calls will fail"
+            );
+            return Mode::FailClosed;
+        }
+    };
+    let granted = grant.limits().load();
+    match ShimConfig::in_node(&settings, &granted, |name| std::env::var(name).ok()) {
+        Ok((config, ignored)) => {
+            for what in ignored {
+                tracing::warn!("not followed: {what}; the node's grant applies");
+            }
+            enforce(config, Some(grant))
+        }
+        Err(error) => {
+            tracing::error!(
+                error = &error as &dyn std::error::Error,
+                "invalid configuration, GPU calls will fail until it is fixed"
+            );
+            Mode::FailClosed
+        }
     }
-    match Enforcer::new(config) {
+}
+
+fn enforce(config: ShimConfig, grant: Option<Grant>) -> Mode {
+    match Enforcer::new(config, grant) {
         Ok(enforcer) => Mode::Enforce(enforcer),
         Err(error) => {
             tracing::error!(
@@ -123,17 +177,28 @@ pub struct Enforcer {
 }
 
 impl Enforcer {
-    fn new(config: ShimConfig) -> Result<Self, vgpu_node_contract::region::RegionError> {
+    fn new(
+        config: ShimConfig,
+        grant: Option<Grant>,
+    ) -> Result<Self, vgpu_node_contract::region::RegionError> {
         let limits = config.limits;
         let path = std::path::Path::new(&config.region_path);
-        let region = Region::open_or_create(path, &limits)?;
-        let stored = region.limits();
-        if stored.memory_limit != limits.memory_limit || stored.sm_limit != limits.sm_limit {
-            tracing::warn!(
-                region = %config.region_path,
-                "limits in the environment differ from the container region's; the region's apply"
-            );
-        }
+        let region = match grant {
+            // The node made the region: a process only attaches to it.
+            Some(grant) => Region::open_existing(path)?.with_grant(grant),
+            None => {
+                let region = Region::open_or_create(path, &limits)?;
+                let stored = region.limits();
+                if stored.memory_limit != limits.memory_limit || stored.sm_limit != limits.sm_limit
+                {
+                    tracing::warn!(
+                        region = %config.region_path,
+                        "limits in the environment differ from the container region's; the region's apply"
+                    );
+                }
+                region
+            }
+        };
         let region_path = CString::new(config.region_path.clone()).map_err(|_| {
             vgpu_node_contract::region::RegionError::Corrupt {
                 path: path.to_path_buf(),
@@ -146,14 +211,16 @@ impl Enforcer {
             libc::pthread_atfork(Some(fork_prepare), Some(fork_parent), Some(fork_child));
         }
         tracing::debug!(region = %config.region_path, "enforcing limits");
-        let policy = config.policy();
+        // Where a node granted the limits, the policy is the grant's.
+        let policy = region.limits().utilization_policy();
+        let limiter = Limiter::new(policy, &config.share_ceiling);
         Ok(Self {
             config,
             region,
             region_path,
             slot: AtomicUsize::new(NO_SLOT),
             table: AllocationTable::new(),
-            limiter: Limiter::new(policy),
+            limiter,
             primary_retains: Default::default(),
             primary_contexts: Default::default(),
             context_bytes: Default::default(),
@@ -258,7 +325,13 @@ impl Enforcer {
         let attempt = |enforcer: &Self| {
             enforcer
                 .region
-                .reserve(slot, device, kind, bytes)
+                .reserve_under(
+                    slot,
+                    device,
+                    kind,
+                    bytes,
+                    enforcer.config.memory_ceiling[device],
+                )
                 .map_err(|error| {
                     tracing::error!(
                         error = &error as &dyn std::error::Error,

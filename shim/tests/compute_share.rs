@@ -419,7 +419,7 @@ fn a_new_effective_share_takes_hold_within_a_second() {
     let reference_changed = reference.read(0);
     // What the node monitor does: write a new effective share (basis points).
     let region = Region::open_existing(&sandbox.region).expect("region");
-    region.layout().devices[0]
+    region.layout().limits.devices[0]
         .sm_effective
         .store(2_000, Ordering::Release);
     wait_until(changed.at_ns + 1_000_000_000);
@@ -463,7 +463,7 @@ fn policies_force_and_disable() {
     let mut reference = Reference::start(&[], "burst", "k1ms", 3.5, 1);
     let workload = Workload::start(&forced, "burst", "k1ms", 3.5, 1);
     let region = Region::open_existing(&forced.region).expect("region");
-    region.layout().devices[0]
+    region.layout().limits.devices[0]
         .sm_effective
         .store(9_000, Ordering::Release);
     let start = meter.read(0, workload.pid());

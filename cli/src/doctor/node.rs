@@ -12,10 +12,10 @@ use std::os::unix::ffi::OsStrExt;
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 use vgpu_cluster::decision::InventoryGpu;
-use vgpu_cluster::scaling::MemoryScaling;
 use vgpu_dra::slice::{node_facts, resource_slice, slice_name};
 use vgpu_node_agent::health::{self, HealthEvent, HealthTracker, Signal, DEFAULT_IGNORED_XIDS};
 use vgpu_node_agent::inventory::inventory_gpus;
+use vgpu_node_contract::region::limits::scaling::MemoryScaling;
 use vgpu_nvml_host::{GpuFacts, Nvml};
 
 /// The driver as NVML reports it.

@@ -20,10 +20,11 @@ use vgpu_cluster::requests::RequestRules;
 use vgpu_monitor::daemon::{Monitor, MonitorConfig};
 use vgpu_monitor::metrics::Snapshot;
 use vgpu_monitor::names::PodDirectory;
+use vgpu_node_contract::region::UtilizationPolicy;
+use vgpu_node_contract::region::DEFAULT_PRIORITY;
 use vgpu_node_contract::region::{
     Region, RegionLimits, MAX_DEVICES, MAX_SLOTS, REGION_BYTES, SHARE_FULL,
 };
-use vgpu_node_contract::shim_env::{UtilizationPolicy, DEFAULT_PRIORITY};
 
 const GOOD: &str = "u-good_c";
 
@@ -191,9 +192,9 @@ fn every_field_at_its_extreme_is_clamped() {
                 .store(u64::MAX, std::sync::atomic::Ordering::Relaxed);
         }
     }
-    for device in &layout.devices {
+    for (device, limits) in layout.devices.iter().zip(&layout.limits.devices) {
         for word in [
-            &device.memory_limit,
+            &limits.memory_limit,
             &device.used,
             &device.swap_used,
             &device.peak_used,
@@ -209,15 +210,15 @@ fn every_field_at_its_extreme_is_clamped() {
             .compute
             .tokens
             .store(i64::MIN, std::sync::atomic::Ordering::Relaxed);
-        device
+        limits
             .sm_limit
             .store(u32::MAX, std::sync::atomic::Ordering::Relaxed);
-        device
+        limits
             .sm_burst
             .store(u32::MAX, std::sync::atomic::Ordering::Relaxed);
     }
     layout
-        .header
+        .limits
         .priority
         .store(i32::MIN, std::sync::atomic::Ordering::Relaxed);
     let mut monitor = monitor(&host);
@@ -437,7 +438,7 @@ fn a_priority_and_policy_forged_in_a_region_take_no_share_from_a_neighbour() {
     };
     let mut monitor = Monitor::new(config, directory);
     let effective = |region: &Region| {
-        region.layout().devices[0]
+        region.layout().limits.devices[0]
             .sm_effective
             .load(Ordering::Relaxed)
     };
@@ -446,10 +447,9 @@ fn a_priority_and_policy_forged_in_a_region_take_no_share_from_a_neighbour() {
         // Between every two passes the attacker writes the most important
         // priority and another policy into its region and keeps launching,
         // as does its neighbour.
-        let header = &attacker.layout().header;
-        header.priority.store(i32::MIN, Ordering::Relaxed);
-        header
-            .policy
+        let own = &attacker.layout().limits;
+        own.priority.store(i32::MIN, Ordering::Relaxed);
+        own.policy
             .store(UtilizationPolicy::Force as u32, Ordering::Relaxed);
         launch(&attacker);
         launch(&victim);
@@ -564,7 +564,7 @@ fn a_monitor_killed_while_it_paused_containers_gives_their_shares_back_on_its_fi
         region.set_device_uuid(0, "GPU-shared");
     }
     fn effective(region: &Region) -> &std::sync::atomic::AtomicU32 {
-        &region.layout().devices[0].sm_effective
+        &region.layout().limits.devices[0].sm_effective
     }
     effective(&paused).store(0, Ordering::Relaxed);
     effective(&lent).store(90 * SHARE_FULL / 100, Ordering::Relaxed);
@@ -601,7 +601,7 @@ fn a_dra_claims_region_changed_from_inside_gets_its_recorded_grant_back() {
     let mut lifted = granted;
     lifted.memory_limit[0] = 0;
     lifted.sm_limit[0] = 100;
-    region.restore_limits(&lifted);
+    region.restore_limits(&lifted).expect("writable");
     assert_eq!(region.limits().sm_limit[0], 100);
     let config = MonitorConfig {
         cleanup_grace: None,
@@ -638,7 +638,7 @@ fn a_decision_rewritten_past_the_admission_policy_restores_only_what_the_pod_ask
     let mut lifted = granted;
     lifted.memory_limit[0] = 0;
     lifted.sm_limit[0] = 100;
-    region.restore_limits(&lifted);
+    region.restore_limits(&lifted).expect("writable");
     let config = MonitorConfig {
         cleanup_grace: None,
         ..MonitorConfig::for_root(host.root.clone())

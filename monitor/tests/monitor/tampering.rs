@@ -6,8 +6,8 @@
 use crate::common::*;
 use std::sync::atomic::Ordering;
 use std::time::Duration;
+use vgpu_node_contract::region::UtilizationPolicy;
 use vgpu_node_contract::region::{MemoryKind, RegionLimits, SHARE_UNLIMITED};
-use vgpu_node_contract::shim_env::UtilizationPolicy;
 
 const NODE: &str = "gpu-node-5";
 /// The pod of the test without an API server (no pod to name it).
@@ -65,7 +65,7 @@ fn limits_changed_from_inside_are_restored_and_the_memory_over_the_cap_reported(
     let (uid, region) = granted_region(&host, &api, "team-c", "tuner-0", &granted);
 
     // From inside: the cap raised to 64 GiB, no compute cap, 6 GiB taken.
-    let device = &region.layout().devices[0];
+    let device = &region.layout().limits.devices[0];
     device.memory_limit.store(64 * GIB, Ordering::Relaxed);
     device.sm_limit.store(0, Ordering::Relaxed);
     device.sm_burst.store(100, Ordering::Relaxed);
@@ -74,7 +74,7 @@ fn limits_changed_from_inside_are_restored_and_the_memory_over_the_cap_reported(
         .store(SHARE_UNLIMITED, Ordering::Relaxed);
     region
         .layout()
-        .header
+        .limits
         .policy
         .store(UtilizationPolicy::Disable as u32, Ordering::Relaxed);
     let slot = charge(&region, 0, 0, 0, 6 * GIB);
@@ -177,7 +177,7 @@ fn without_a_decision_nothing_is_restored() {
     limits.memory_limit[0] = 4 * GIB;
     let region = host.create_region(&format!("{UID}_main"), &limits);
     region.set_device_uuid(0, "GPU-k8s");
-    region.layout().devices[0]
+    region.layout().limits.devices[0]
         .memory_limit
         .store(8 * GIB, Ordering::Relaxed);
     let monitor = MonitorProcess::start(
@@ -213,7 +213,7 @@ fn on_a_scaled_node_the_cap_restored_is_the_grants_device_part() {
 
     // From inside: the whole grant moved onto the device, no swap, and
     // 3 GiB taken there.
-    let device = &region.layout().devices[0];
+    let device = &region.layout().limits.devices[0];
     device.memory_limit.store(4 * GIB, Ordering::Relaxed);
     device.swap_limit.store(0, Ordering::Relaxed);
     charge(&region, 0, 0, 0, 3 * GIB);
@@ -290,7 +290,7 @@ fn a_resized_decision_becomes_the_regions_limits_and_frees_nothing() {
     );
     api.set_annotations("team-r", "server-0", resized);
 
-    let device = &region.layout().devices[0];
+    let device = &region.layout().limits.devices[0];
     wait_for(Duration::from_secs(10), || {
         (device.memory_limit.load(Ordering::Relaxed) == 2 * GIB
             && device.sm_limit.load(Ordering::Relaxed) == 10)

@@ -1,6 +1,6 @@
 //! Charging and returning device memory and swap against the caps.
 
-use super::layout::MemoryKind;
+use super::layout::{MemoryKind, UNCAPPED};
 use super::{Region, RegionError};
 use std::sync::atomic::Ordering;
 use thiserror::Error;
@@ -24,14 +24,29 @@ impl Region {
         kind: MemoryKind,
         bytes: u64,
     ) -> Result<Result<(), CapExceeded>, RegionError> {
+        self.reserve_under(slot, device, kind, bytes, UNCAPPED)
+    }
+
+    /// [`Region::reserve`] under a cap of `ceiling` bytes too, where that is
+    /// lower than the enforced one ([`UNCAPPED`]: none): a process's own
+    /// environment may lower its container's cap for it, never raise it.
+    pub fn reserve_under(
+        &self,
+        slot: usize,
+        device: usize,
+        kind: MemoryKind,
+        bytes: u64,
+        ceiling: u64,
+    ) -> Result<Result<(), CapExceeded>, RegionError> {
         let layout = self.layout();
         let record = &layout.devices[device];
+        let limits = &self.enforced_limits().devices[device];
         let counter = layout.slots[slot].devices[device].counter(kind);
         self.with_lock(|| {
             let used = record.used.load(Ordering::Relaxed);
-            let limit = record.memory_limit.load(Ordering::Relaxed);
+            let limit = lower_cap(limits.memory_limit.load(Ordering::Relaxed), ceiling);
             let new_used = used.saturating_add(bytes);
-            if limit > 0 && new_used > limit {
+            if limit != UNCAPPED && new_used > limit {
                 record.oom_events.fetch_add(1, Ordering::Relaxed);
                 return Err(CapExceeded {
                     limit,
@@ -81,10 +96,11 @@ impl Region {
     ) -> Result<Result<(), CapExceeded>, RegionError> {
         let layout = self.layout();
         let record = &layout.devices[device];
+        let limits = &self.enforced_limits().devices[device];
         let counter = &layout.slots[slot].devices[device].swap;
         self.with_lock(|| {
             let used = record.swap_used.load(Ordering::Relaxed);
-            let limit = record.swap_limit.load(Ordering::Relaxed);
+            let limit = limits.swap_limit.load(Ordering::Relaxed);
             let new_used = used.saturating_add(bytes);
             if new_used > limit {
                 record.oom_events.fetch_add(1, Ordering::Relaxed);
@@ -132,7 +148,7 @@ impl Region {
 
     /// Swap allowance of `device` (0 = none).
     pub fn device_swap_limit(&self, device: usize) -> u64 {
-        self.layout().devices[device]
+        self.enforced_limits().devices[device]
             .swap_limit
             .load(Ordering::Relaxed)
     }
@@ -171,8 +187,17 @@ impl Region {
 
     /// Memory cap of `device` (0 = uncapped).
     pub fn device_limit(&self, device: usize) -> u64 {
-        self.layout().devices[device]
+        self.enforced_limits().devices[device]
             .memory_limit
             .load(Ordering::Relaxed)
+    }
+}
+
+/// The lower of two memory caps, where [`UNCAPPED`] is no cap at all.
+pub fn lower_cap(cap: u64, other: u64) -> u64 {
+    match (cap, other) {
+        (UNCAPPED, other) => other,
+        (cap, UNCAPPED) => cap,
+        (cap, other) => cap.min(other),
     }
 }

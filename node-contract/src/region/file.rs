@@ -1,5 +1,6 @@
 //! Opening, creating, mapping and checking a region file.
 
+use super::grant_file::{Grant, GrantError};
 use super::layout::*;
 use super::limits::RegionLimits;
 use super::monotonic_ns;
@@ -42,6 +43,8 @@ pub enum RegionError {
     SlotsExhausted { path: PathBuf },
     #[error("region {path}: its shared mutex stayed held past the wait (by its container, or by someone who means to block its readers)")]
     Busy { path: PathBuf },
+    #[error(transparent)]
+    Grant(#[from] GrantError),
     #[error("region {path}: shared mutex: {what} (error {code})")]
     Mutex {
         path: PathBuf,
@@ -57,6 +60,9 @@ pub struct Region {
     /// Replaced in a forked child, which must not share its parent's.
     pub(super) fd: AtomicI32,
     pub(super) path: PathBuf,
+    /// The node's grant, whose limits are the ones enforced, where the
+    /// region belongs to a container a node set up.
+    grant: Option<Grant>,
 }
 
 // SAFETY: the mapping is shared memory made only of atomics and a
@@ -270,8 +276,6 @@ impl Region {
             .device_count
             .store(MAX_DEVICES as u32, Ordering::Relaxed);
         header.slot_count.store(MAX_SLOTS as u32, Ordering::Relaxed);
-        header.policy.store(limits.policy, Ordering::Relaxed);
-        header.priority.store(limits.priority, Ordering::Relaxed);
         let now_ms = std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
             .map(|d| d.as_millis() as u64)
@@ -281,16 +285,14 @@ impl Region {
         // first launch is credited (up to the bucket's capacity) rather than
         // lost, as it would be if the clock only started at a first refill.
         let now_monotonic = monotonic_ns();
-        for (index, device) in layout.devices.iter().enumerate() {
+        for device in &layout.devices {
             device
                 .compute
                 .refilled_at
                 .store(now_monotonic, Ordering::Relaxed);
-            device
-                .sm_effective
-                .store(limits.initial_effective(index), Ordering::Relaxed);
         }
-        self.store_limits(limits);
+        layout.limits.store(limits);
+        layout.limits.start_effective(limits);
         header.ready.store(1, Ordering::Release);
         Ok(())
     }
@@ -320,6 +322,7 @@ impl Region {
             base,
             fd: AtomicI32::new(file.into_raw_fd()),
             path: path.to_path_buf(),
+            grant: None,
         })
     }
 
@@ -390,6 +393,39 @@ impl Region {
     /// The file this region maps.
     pub fn path(&self) -> &Path {
         &self.path
+    }
+
+    /// Makes `grant`'s limits the ones this region enforces: a region of a
+    /// container a node set up, whose own copy of the limits the container
+    /// can write.
+    pub fn with_grant(mut self, grant: Grant) -> Self {
+        self.grant = Some(grant);
+        self
+    }
+
+    /// The node's grant, when one is attached.
+    pub fn grant(&self) -> Option<&Grant> {
+        self.grant.as_ref()
+    }
+
+    /// The limits enforced: the grant's where one is attached, else the
+    /// region's own.
+    #[inline(always)]
+    pub fn enforced_limits(&self) -> &Limits {
+        match &self.grant {
+            Some(grant) => grant.limits(),
+            None => &self.layout().limits,
+        }
+    }
+
+    /// The enforced limits, to change them (the node monitor's effective
+    /// shares): refused where they are a grant mapped read-only (in the
+    /// container it limits).
+    pub fn writable_limits(&self) -> Result<&Limits, RegionError> {
+        match &self.grant {
+            Some(grant) => Ok(grant.writable_limits()?),
+            None => Ok(&self.layout().limits),
+        }
     }
 
     /// Records the device's UUID (as the shim learns it from the driver).

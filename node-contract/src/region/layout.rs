@@ -12,7 +12,7 @@ pub const MAX_SLOTS: usize = 1024;
 /// `b"VGPUREGN"` read as a little-endian u64.
 pub const MAGIC: u64 = u64::from_le_bytes(*b"VGPUREGN");
 /// Bumped on any incompatible layout change.
-pub const LAYOUT_VERSION: u32 = 1;
+pub const LAYOUT_VERSION: u32 = 2;
 /// Offset of the first slot's liveness byte. Locks may lie beyond the end of
 /// the file; this keeps them clear of the data.
 pub const LIVENESS_LOCK_BASE: i64 = 1 << 40;
@@ -20,7 +20,7 @@ pub const LIVENESS_LOCK_BASE: i64 = 1 << 40;
 pub(super) const STATE_FREE: u32 = 0;
 pub(super) const STATE_ACTIVE: u32 = 1;
 
-/// Region header: identifies the file and the container-wide settings.
+/// Region header: identifies the file.
 #[repr(C)]
 pub struct Header {
     pub magic: AtomicU64,
@@ -31,9 +31,6 @@ pub struct Header {
     pub ready: AtomicU32,
     pub device_count: AtomicU32,
     pub slot_count: AtomicU32,
-    /// [`crate::shim_env::UtilizationPolicy`] as u32.
-    pub policy: AtomicU32,
-    pub priority: AtomicI32,
     pub reserved0: AtomicU32,
     pub created_unix_ms: AtomicU64,
 }
@@ -44,21 +41,32 @@ pub struct SharedMutex {
     pub(super) raw: UnsafeCell<libc::pthread_mutex_t>,
 }
 
-/// Per-device limits and container-wide use.
+/// A container's limits, container-wide and per device.
+///
+/// A region holds one copy, which its creator writes: on a workstation
+/// (`vgpu run`, or HAMi-core's variables alone) that copy is what the shim
+/// enforces. In a container a node set up, the node's grant file
+/// ([`super::grant`]) holds the copy that is enforced, in a file the
+/// container can only read; the region's own copy then only tells the
+/// container what it was granted, and the node monitor puts it back if a
+/// process of the container rewrites it.
 #[repr(C)]
-pub struct DeviceRecord {
-    /// Device UUID as text (`GPU-...`), NUL padded; written by the shim.
-    pub uuid: [AtomicU64; 6],
+pub struct Limits {
+    /// [`crate::region::UtilizationPolicy`] as u32.
+    pub policy: AtomicU32,
+    /// Lower is more important.
+    pub priority: AtomicI32,
+    pub reserved: [AtomicU64; 3],
+    pub devices: [DeviceLimits; MAX_DEVICES],
+}
+
+/// One device's limits.
+#[repr(C)]
+pub struct DeviceLimits {
     /// Memory cap in bytes; 0 means uncapped.
     pub memory_limit: AtomicU64,
     /// Host-memory swap allowance in bytes; 0 means none.
     pub swap_limit: AtomicU64,
-    /// Device memory held by the container: contexts, modules and data.
-    pub used: AtomicU64,
-    pub swap_used: AtomicU64,
-    pub peak_used: AtomicU64,
-    /// Allocations refused because of the cap.
-    pub oom_events: AtomicU64,
     /// Configured compute share in percent; 0 means uncapped.
     pub sm_limit: AtomicU32,
     /// Share in percent the container may burst to when the device has idle
@@ -69,6 +77,19 @@ pub struct DeviceRecord {
     /// changes it while programs run and the shim follows.
     pub sm_effective: AtomicU32,
     pub reserved0: AtomicU32,
+}
+
+/// A container's use of one device.
+#[repr(C)]
+pub struct DeviceRecord {
+    /// Device UUID as text (`GPU-...`), NUL padded; written by the shim.
+    pub uuid: [AtomicU64; 6],
+    /// Device memory held by the container: contexts, modules and data.
+    pub used: AtomicU64,
+    pub swap_used: AtomicU64,
+    pub peak_used: AtomicU64,
+    /// Allocations refused because of the cap.
+    pub oom_events: AtomicU64,
     /// The container's token bucket for this device.
     pub compute: ComputeBucket,
 }
@@ -218,11 +239,12 @@ pub struct RegionLayout {
     pub header: Header,
     pub lock: SharedMutex,
     pub active: ActiveSlots,
+    pub limits: Limits,
     pub devices: [DeviceRecord; MAX_DEVICES],
     pub slots: [ProcessSlot; MAX_SLOTS],
 }
 
-/// Size of a version-1 region file.
+/// Size of a region file of this layout.
 pub const REGION_BYTES: usize = std::mem::size_of::<RegionLayout>();
 
 /// What device memory a reservation is for.

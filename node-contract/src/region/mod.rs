@@ -24,27 +24,35 @@
 //!   the mapping concurrently never cause a data race in this one, and a
 //!   corrupt value can only produce a wrong number, never undefined behaviour.
 //!
+//! - **The limits hold whatever the container writes.** In a container a
+//!   node set up, the limits enforced are the node's grant
+//!   ([`grant_file`]), a file the container can only read; the region's
+//!   own copy of them only tells the container what it was granted.
+//!
 //! The format is [`layout`]; opening and mapping a file, [`file`]; the
 //! locks, [`lock`]; process slots, [`slots`]; charges against the caps,
-//! [`charge`]; the limits, [`limits`].
+//! [`charge`]; the limits and the one conversion from a grant to them,
+//! [`limits`]; the node's grant, [`grant_file`].
 //!
-//! Layout version 1 is fixed-size; the header carries magic, version and size
+//! The layout is fixed-size; the header carries magic, version and size
 //! so a foreign, truncated or older file is refused with a clear error rather
 //! than reinterpreted.
 
 mod charge;
 mod file;
+pub mod grant_file;
 pub mod layout;
-mod limits;
+pub mod limits;
 mod lock;
 mod slots;
 #[cfg(test)]
 mod tests;
 
-pub use charge::CapExceeded;
+pub use charge::{lower_cap, CapExceeded};
 pub use file::{Region, RegionError};
+pub use grant_file::{Grant, GrantError, GrantSettings};
 pub use layout::*;
-pub use limits::{BelowUse, RegionLimits};
+pub use limits::{BelowUse, RegionLimits, UtilizationPolicy, DEFAULT_PRIORITY};
 
 /// `CLOCK_MONOTONIC` in nanoseconds, the clock compute budgets use.
 pub fn monotonic_ns() -> u64 {

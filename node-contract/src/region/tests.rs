@@ -22,20 +22,21 @@ fn limits_changed_from_inside_are_restored_and_reported() {
     granted.sm_burst[0] = 50;
     granted.priority = 3;
     let region = Region::open_or_create(&path, &granted).expect("create");
-    assert!(!region.restore_limits(&granted), "nothing to restore");
-    let device = &region.layout().devices[0];
+    let restore = |region: &Region| region.restore_limits(&granted).expect("writable");
+    assert!(!restore(&region), "nothing to restore");
+    let device = &region.layout().limits.devices[0];
     // Lent up to the burst by the monitor: allowed.
     device.sm_effective.store(5000, Ordering::Relaxed);
-    assert!(!region.restore_limits(&granted));
+    assert!(!restore(&region));
     // Raised from inside.
     device.memory_limit.store(64 << 30, Ordering::Relaxed);
-    region.layout().header.policy.store(2, Ordering::Relaxed);
-    assert!(region.restore_limits(&granted));
+    region.layout().limits.policy.store(2, Ordering::Relaxed);
+    assert!(restore(&region));
     assert_eq!(region.limits(), granted.as_stored());
     device
         .sm_effective
         .store(SHARE_UNLIMITED, Ordering::Relaxed);
-    assert!(region.restore_limits(&granted));
+    assert!(restore(&region));
     assert_eq!(device.sm_effective.load(Ordering::Relaxed), 3000);
     let _ = std::fs::remove_file(&path);
 }
@@ -43,9 +44,10 @@ fn limits_changed_from_inside_are_restored_and_reported() {
 #[test]
 fn layout_size_is_stable() {
     // A change here is a layout change: bump LAYOUT_VERSION.
-    assert_eq!(std::mem::size_of::<Header>(), 56);
+    assert_eq!(std::mem::size_of::<Header>(), 48);
     assert_eq!(std::mem::size_of::<SharedMutex>(), 64);
-    assert_eq!(std::mem::size_of::<DeviceRecord>(), 240);
+    assert_eq!(std::mem::size_of::<Limits>(), 32 + 32 * MAX_DEVICES);
+    assert_eq!(std::mem::size_of::<DeviceRecord>(), 208);
     assert_eq!(std::mem::size_of::<ProcessSlot>(), 24 + 32 * MAX_DEVICES);
 }
 
@@ -318,10 +320,102 @@ fn limits_updated_while_running_refuse_a_cap_below_use() {
     lower.memory_limit[0] = 600;
     region.update_limits(&lower).expect("io").expect("at use");
     assert_eq!(region.limits(), lower.as_stored());
-    let device = &region.layout().devices[0];
+    let device = &region.layout().limits.devices[0];
     assert_eq!(device.sm_effective.load(Ordering::Relaxed), 2000);
     lower.sm_limit[0] = 0;
     region.update_limits(&lower).expect("io").expect("uncapped");
     assert_eq!(device.sm_effective.load(Ordering::Relaxed), SHARE_UNLIMITED);
+    let _ = std::fs::remove_file(&path);
+}
+
+fn grant_beside(region_path: &std::path::Path, limits: &RegionLimits) -> Grant {
+    let path = region_path.with_extension("grant");
+    let _ = std::fs::remove_file(&path);
+    let settings = GrantSettings {
+        region_path: "/usr/local/vgpu/container/region.cache".into(),
+        context_reserve: 0,
+        measure_contexts: false,
+        oversubscribe: false,
+    };
+    Grant::create(&path, &settings, limits).expect("grant")
+}
+
+#[test]
+fn with_a_grant_the_regions_own_limits_bind_nothing() {
+    let path = temp_path("granted");
+    let granted = limits(1000);
+    let grant = grant_beside(&path, &granted);
+    let grant_path = grant.path().to_path_buf();
+    drop(grant);
+    let region = Region::open_or_create(&path, &granted)
+        .expect("create")
+        .with_grant(Grant::open_read_only(&grant_path).expect("read-only"));
+    let slot = region.claim_slot(7, 0).expect("slot");
+    // The container lifts its own copy: the grant still holds.
+    let own = &region.layout().limits;
+    own.devices[0]
+        .memory_limit
+        .store(UNCAPPED, Ordering::Relaxed);
+    own.devices[0]
+        .sm_effective
+        .store(SHARE_UNLIMITED, Ordering::Relaxed);
+    assert_eq!(
+        region.reserve(slot, 0, MemoryKind::Data, 1001).expect("io"),
+        Err(CapExceeded {
+            limit: 1000,
+            used: 0,
+            requested: 1001
+        })
+    );
+    assert_eq!(region.limits(), granted.as_stored());
+    assert_eq!(region.device_limit(0), 1000);
+    // Mapped read-only, the grant cannot be changed through the region.
+    assert!(matches!(
+        region.update_limits(&limits(5000)),
+        Err(RegionError::Grant(GrantError::ReadOnly { .. }))
+    ));
+    // The node, with the grant writable, puts the copy back and resizes.
+    let node = Region::open_existing(&path)
+        .expect("open")
+        .with_grant(Grant::open_writable(&grant_path).expect("writable"));
+    assert!(node.restore_limits(&granted).expect("writable"));
+    assert_eq!(own.load(), granted.as_stored(), "the copy is restored");
+    assert!(!node.restore_limits(&granted).expect("writable"));
+    node.update_limits(&limits(2000))
+        .expect("io")
+        .expect("above use");
+    assert_eq!(
+        region.device_limit(0),
+        2000,
+        "the container sees the resize"
+    );
+    region
+        .reserve(slot, 0, MemoryKind::Data, 1500)
+        .expect("io")
+        .expect("within the new cap");
+    let _ = std::fs::remove_file(&path);
+    let _ = std::fs::remove_file(&grant_path);
+}
+
+#[test]
+fn a_ceiling_lowers_the_cap_and_never_raises_it() {
+    let path = temp_path("ceiling");
+    let region = Region::open_or_create(&path, &limits(1000)).expect("create");
+    let slot = region.claim_slot(8, 0).expect("slot");
+    let refused = region
+        .reserve_under(slot, 0, MemoryKind::Data, 600, 500)
+        .expect("io");
+    assert_eq!(refused.map_err(|e| e.limit), Err(500));
+    let refused = region
+        .reserve_under(slot, 0, MemoryKind::Data, 1200, 5000)
+        .expect("io");
+    assert_eq!(refused.map_err(|e| e.limit), Err(1000));
+    region
+        .reserve_under(slot, 0, MemoryKind::Data, 400, 500)
+        .expect("io")
+        .expect("under both");
+    assert_eq!(lower_cap(UNCAPPED, 7), 7);
+    assert_eq!(lower_cap(7, UNCAPPED), 7);
+    assert_eq!(lower_cap(UNCAPPED, UNCAPPED), UNCAPPED);
     let _ = std::fs::remove_file(&path);
 }

@@ -19,8 +19,10 @@ use std::time::Duration;
 use vgpu_cluster::decision::{ContainerDecision, Decision, DeviceGrant, InventoryGpu};
 use vgpu_device_plugin::api::v1beta1 as api;
 use vgpu_device_plugin::devices::parse_device_id;
+use vgpu_node_contract::region::limits::granted::share_cap;
 use vgpu_node_contract::region::Region;
-use vgpu_node_contract::shim_env::{share_cap, ShimConfig, DEFAULT_PRIORITY};
+use vgpu_node_contract::region::DEFAULT_PRIORITY;
+use vgpu_node_contract::shim_env::ShimConfig;
 use vgpu_node_contract::size::format_size;
 
 const NODES: usize = 5;

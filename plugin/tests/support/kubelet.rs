@@ -363,7 +363,7 @@ pub fn in_process_config(
             library_host: dir.join("libvgpu.so"),
             library_container: "/usr/local/vgpu/libvgpu.so".into(),
             preload_host: Some(dir.join("ld.so.preload")),
-            policy: vgpu_node_contract::shim_env::UtilizationPolicy::Default,
+            policy: vgpu_node_contract::region::UtilizationPolicy::Default,
             swap_limit: None,
             memory_scaling: Default::default(),
             context_reserve: None,

@@ -4,6 +4,7 @@ use crate::placement::fit::packing::Scratch;
 use crate::placement::snapshot::Snapshot;
 use vgpu_cluster::decision::{ContainerDecision, Decision, DeviceGrant, FORMAT_VERSION};
 use vgpu_cluster::requests::PodRequest;
+use vgpu_node_contract::region::limits::granted::device_order;
 
 impl Snapshot<'_> {
     /// The decision the grants of the last placement in `scratch` (of
@@ -25,7 +26,7 @@ impl Snapshot<'_> {
                     .iter()
                     .filter(|g| g.container == index)
                     .collect();
-                grants.sort_by_key(|g| gpus.gpus.get(g.gpu).map(|info| info.index));
+                device_order(&mut grants, |g| gpus.gpus.get(g.gpu).map(|info| info.index));
                 ContainerDecision {
                     name: container.name.clone(),
                     init: container.kind.is_init(),

@@ -10,8 +10,8 @@
 
 use std::sync::atomic::Ordering;
 use std::time::Duration;
-use vgpu_node_contract::region::{ComputeBucket, DeviceRecord, SHARE_FULL, SHARE_UNLIMITED};
-use vgpu_node_contract::shim_env::UtilizationPolicy;
+use vgpu_node_contract::region::UtilizationPolicy;
+use vgpu_node_contract::region::{ComputeBucket, DeviceLimits, SHARE_FULL, SHARE_UNLIMITED};
 
 /// Tokens may accumulate for at most this long of the granted share while
 /// the container is idle: enough to absorb sleep overshoot, small enough
@@ -23,18 +23,25 @@ const MAX_SLEEP: Duration = Duration::from_millis(20);
 const MIN_SLEEP: Duration = Duration::from_micros(20);
 
 /// The share that applies now, in basis points; `None` when uncapped.
+/// `ceiling` (basis points, [`SHARE_UNLIMITED`]: none) is the process's
+/// own lower share, which applies on top of the container's.
 #[inline(always)]
-pub fn share(record: &DeviceRecord, policy: UtilizationPolicy) -> Option<u32> {
-    match policy {
+pub fn share(limits: &DeviceLimits, policy: UtilizationPolicy, ceiling: u32) -> Option<u32> {
+    let container = match policy {
         UtilizationPolicy::Disable => None,
         UtilizationPolicy::Force => {
-            let percent = record.sm_limit.load(Ordering::Relaxed);
+            let percent = limits.sm_limit.load(Ordering::Relaxed);
             (percent > 0 && percent < 100).then_some(percent * (SHARE_FULL / 100))
         }
         UtilizationPolicy::Default => {
-            let share = record.sm_effective.load(Ordering::Relaxed);
+            let share = limits.sm_effective.load(Ordering::Relaxed);
             (share != SHARE_UNLIMITED && share < SHARE_FULL).then_some(share)
         }
+    };
+    match container {
+        Some(share) => Some(share.min(ceiling)),
+        None if ceiling < SHARE_FULL => Some(ceiling),
+        None => None,
     }
 }
 
@@ -81,14 +88,19 @@ fn credit(bucket: &ComputeBucket, share: u32, now: u64) {
 
 /// Admits a launch that will occupy the device for `charge_ns`, sleeping
 /// while the container is in debt. Returns how long it waited.
-pub fn spend(record: &DeviceRecord, policy: UtilizationPolicy, charge_ns: u64) -> Duration {
-    let bucket = &record.compute;
+pub fn spend(
+    bucket: &ComputeBucket,
+    limits: &DeviceLimits,
+    policy: UtilizationPolicy,
+    ceiling: u32,
+    charge_ns: u64,
+) -> Duration {
     let mut waited = Duration::ZERO;
     loop {
         if bucket.tokens.load(Ordering::Acquire) >= 0 {
             break;
         }
-        let Some(share) = share(record, policy) else {
+        let Some(share) = share(limits, policy, ceiling) else {
             // The cap was lifted while we waited.
             break;
         };
@@ -127,15 +139,14 @@ pub fn spend(record: &DeviceRecord, policy: UtilizationPolicy, charge_ns: u64) -
 
 /// Adds `delta_ns` to what the container has been charged (negative
 /// refunds): a measured kernel time replacing an estimate.
-pub fn correct(record: &DeviceRecord, delta_ns: i64) {
-    record.compute.tokens.fetch_sub(delta_ns, Ordering::AcqRel);
+pub fn correct(bucket: &ComputeBucket, delta_ns: i64) {
+    bucket.tokens.fetch_sub(delta_ns, Ordering::AcqRel);
 }
 
 /// Gives back the charge of a launch the driver refused.
-pub fn refund(record: &DeviceRecord, charge_ns: u64) {
-    correct(record, -(charge_ns.min(i64::MAX as u64) as i64));
-    let _ = record
-        .compute
+pub fn refund(bucket: &ComputeBucket, charge_ns: u64) {
+    correct(bucket, -(charge_ns.min(i64::MAX as u64) as i64));
+    let _ = bucket
         .launches
         .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| {
             Some(n.saturating_sub(1))
@@ -146,37 +157,67 @@ pub fn refund(record: &DeviceRecord, charge_ns: u64) {
 mod tests {
     use super::*;
 
-    fn record(share_percent: u32) -> Box<DeviceRecord> {
-        // SAFETY: DeviceRecord is all atomics; zero is a valid value of each.
-        let record: Box<DeviceRecord> = unsafe { Box::new(std::mem::zeroed()) };
-        record.sm_limit.store(share_percent, Ordering::Relaxed);
-        record
+    const NONE: u32 = SHARE_UNLIMITED;
+
+    struct Record {
+        bucket: Box<ComputeBucket>,
+        limits: Box<DeviceLimits>,
+    }
+
+    fn record(share_percent: u32) -> Record {
+        // SAFETY: both are all atomics; zero is a valid value of each.
+        let (bucket, limits): (Box<ComputeBucket>, Box<DeviceLimits>) =
+            unsafe { (Box::new(std::mem::zeroed()), Box::new(std::mem::zeroed())) };
+        limits.sm_limit.store(share_percent, Ordering::Relaxed);
+        limits
             .sm_effective
             .store(share_percent * 100, Ordering::Relaxed);
-        record
+        Record { bucket, limits }
+    }
+
+    fn spend_default(r: &Record, charge_ns: u64) -> Duration {
+        spend(
+            &r.bucket,
+            &r.limits,
+            UtilizationPolicy::Default,
+            NONE,
+            charge_ns,
+        )
     }
 
     #[test]
     fn shares_by_policy() {
         let r = record(30);
-        assert_eq!(share(&r, UtilizationPolicy::Default), Some(3000));
-        assert_eq!(share(&r, UtilizationPolicy::Force), Some(3000));
-        assert_eq!(share(&r, UtilizationPolicy::Disable), None);
-        r.sm_effective.store(SHARE_UNLIMITED, Ordering::Relaxed);
-        assert_eq!(share(&r, UtilizationPolicy::Default), None);
+        let l = &r.limits;
+        assert_eq!(share(l, UtilizationPolicy::Default, NONE), Some(3000));
+        assert_eq!(share(l, UtilizationPolicy::Force, NONE), Some(3000));
+        assert_eq!(share(l, UtilizationPolicy::Disable, NONE), None);
+        l.sm_effective.store(SHARE_UNLIMITED, Ordering::Relaxed);
+        assert_eq!(share(l, UtilizationPolicy::Default, NONE), None);
         assert_eq!(
-            share(&r, UtilizationPolicy::Force),
+            share(l, UtilizationPolicy::Force, NONE),
             Some(3000),
             "force ignores the monitor"
         );
-        r.sm_effective.store(0, Ordering::Relaxed);
-        assert_eq!(share(&r, UtilizationPolicy::Default), Some(0), "paused");
+        l.sm_effective.store(0, Ordering::Relaxed);
+        assert_eq!(
+            share(l, UtilizationPolicy::Default, NONE),
+            Some(0),
+            "paused"
+        );
+        // A process's own lower share applies on top, never above.
+        l.sm_effective.store(3000, Ordering::Relaxed);
+        assert_eq!(share(l, UtilizationPolicy::Default, 1000), Some(1000));
+        assert_eq!(share(l, UtilizationPolicy::Default, 9000), Some(3000));
+        l.sm_effective.store(SHARE_UNLIMITED, Ordering::Relaxed);
+        assert_eq!(share(l, UtilizationPolicy::Default, 1000), Some(1000));
+        assert_eq!(share(l, UtilizationPolicy::Disable, 1000), Some(1000));
     }
 
     #[test]
     fn credit_respects_share_and_capacity() {
         let r = record(50);
-        let bucket = &r.compute;
+        let bucket = &r.bucket;
         bucket.tokens.store(-10_000_000, Ordering::Relaxed);
         credit(bucket, 5000, 1_000); // starts the clock
         assert_eq!(bucket.tokens.load(Ordering::Relaxed), -10_000_000);
@@ -198,33 +239,30 @@ mod tests {
     fn launches_wait_for_the_debt_to_be_paid() {
         let r = record(50);
         // Tokens in hand: no wait, and the charge becomes debt.
-        assert_eq!(
-            spend(&r, UtilizationPolicy::Default, 2_000_000),
-            Duration::ZERO
-        );
-        assert_eq!(r.compute.tokens.load(Ordering::Relaxed), -2_000_000);
+        assert_eq!(spend_default(&r, 2_000_000), Duration::ZERO);
+        assert_eq!(r.bucket.tokens.load(Ordering::Relaxed), -2_000_000);
         let started = std::time::Instant::now();
-        spend(&r, UtilizationPolicy::Default, 1_000);
+        spend_default(&r, 1_000);
         // 2 ms of debt at a 50 % share takes 4 ms of wall time to pay.
         assert!(
             started.elapsed() >= Duration::from_millis(4),
             "{:?}",
             started.elapsed()
         );
-        assert_eq!(r.compute.launches.load(Ordering::Relaxed), 2);
-        assert!(r.compute.throttled_ns.load(Ordering::Relaxed) >= 4_000_000);
+        assert_eq!(r.bucket.launches.load(Ordering::Relaxed), 2);
+        assert!(r.bucket.throttled_ns.load(Ordering::Relaxed) >= 4_000_000);
     }
 
     #[test]
     fn corrections_and_refunds_move_tokens_and_counters() {
         let r = record(50);
-        spend(&r, UtilizationPolicy::Default, 1_000);
-        correct(&r, 500);
-        assert_eq!(r.compute.tokens.load(Ordering::Relaxed), -1_500);
-        assert_eq!(r.compute.granted_ns(), 1_500);
-        refund(&r, 1_500);
-        assert_eq!(r.compute.tokens.load(Ordering::Relaxed), 0);
-        assert_eq!(r.compute.granted_ns(), 0);
-        assert_eq!(r.compute.launches.load(Ordering::Relaxed), 0);
+        spend_default(&r, 1_000);
+        correct(&r.bucket, 500);
+        assert_eq!(r.bucket.tokens.load(Ordering::Relaxed), -1_500);
+        assert_eq!(r.bucket.granted_ns(), 1_500);
+        refund(&r.bucket, 1_500);
+        assert_eq!(r.bucket.tokens.load(Ordering::Relaxed), 0);
+        assert_eq!(r.bucket.granted_ns(), 0);
+        assert_eq!(r.bucket.launches.load(Ordering::Relaxed), 0);
     }
 }

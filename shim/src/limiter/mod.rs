@@ -24,8 +24,9 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 use vgpu_cuda_abi::cuda::*;
-use vgpu_node_contract::region::{Region, MAX_DEVICES};
-use vgpu_node_contract::shim_env::UtilizationPolicy;
+use vgpu_node_contract::region::{
+    Region, UtilizationPolicy, MAX_DEVICES, SHARE_FULL, SHARE_UNLIMITED, UNCAPPED_SHARE,
+};
 
 /// Longest wait for the first timing of a kernel group.
 const FIRST_SAMPLE_WAIT: Duration = Duration::from_secs(2);
@@ -40,6 +41,13 @@ pub struct Admission {
 
 pub struct Limiter {
     policy: UtilizationPolicy,
+    /// This process's own lower share per device, in basis points
+    /// ([`SHARE_UNLIMITED`]: none), which applies on top of its
+    /// container's.
+    ceilings: [u32; MAX_DEVICES],
+    /// Whether any device has such a share (else a `Disable` policy
+    /// limits nothing at all).
+    any_ceiling: bool,
     /// Built on the first limited launch: most processes of a container
     /// never launch a kernel, and the table is a few hundred KiB.
     kernel_table: OnceLock<KernelTable>,
@@ -51,9 +59,17 @@ pub struct Limiter {
 }
 
 impl Limiter {
-    pub fn new(policy: UtilizationPolicy) -> Self {
+    /// A limiter applying `policy`, and `share_ceiling` (percent per
+    /// device, [`UNCAPPED_SHARE`]: none) on top of the container's shares.
+    pub fn new(policy: UtilizationPolicy, share_ceiling: &[u32; MAX_DEVICES]) -> Self {
+        let ceilings = share_ceiling.map(|percent| match percent {
+            UNCAPPED_SHARE => SHARE_UNLIMITED,
+            percent => percent.saturating_mul(SHARE_FULL / 100),
+        });
         Self {
             policy,
+            ceilings,
+            any_ceiling: ceilings.iter().any(|ceiling| *ceiling < SHARE_FULL),
             kernel_table: OnceLock::new(),
             sampler: Sampler::new(),
             captures: AtomicUsize::new(0),
@@ -109,19 +125,21 @@ impl Limiter {
         stream: CUstream,
         flavour: Flavour,
     ) -> Option<Admission> {
-        if self.policy == UtilizationPolicy::Disable {
+        if self.policy == UtilizationPolicy::Disable && !self.any_ceiling {
             return None;
         }
         let device = self.launch_device()?;
         let record = &region.layout().devices[device];
-        bucket::share(record, self.policy)?;
+        let limits = &region.enforced_limits().devices[device];
+        let ceiling = self.ceilings[device];
+        bucket::share(limits, self.policy, ceiling)?;
         if self.capturing_anywhere() && stream_is_capturing(stream, flavour) {
             return None;
         }
         let Some((index, entry)) = self.kernels().entry(&key) else {
             // Table full around this key: charge a typical launch, untimed.
             let charge = self.kernels().typical();
-            bucket::spend(record, self.policy, charge);
+            bucket::spend(&record.compute, limits, self.policy, ceiling, charge);
             return Some(Admission {
                 device,
                 charge,
@@ -141,7 +159,7 @@ impl Limiter {
             price
         };
         let due = entry.charge(charge);
-        bucket::spend(record, self.policy, charge);
+        bucket::spend(&record.compute, limits, self.policy, ceiling, charge);
         let capturing = self.capturing_anywhere();
         // Before a timed launch's start event, so that nothing of the
         // host's comes between the event and the launch.
@@ -193,7 +211,10 @@ impl Limiter {
             }
         }
         if !launched {
-            bucket::refund(&region.layout().devices[admission.device], admission.charge);
+            bucket::refund(
+                &region.layout().devices[admission.device].compute,
+                admission.charge,
+            );
             if let Some(stats) = admission.entry.and_then(|e| self.kernels().get(e)) {
                 stats.uncharge(admission.charge);
             }
@@ -204,18 +225,21 @@ impl Limiter {
     /// streams the shim cannot time, such as multi-device cooperative
     /// launches).
     pub fn charge_untimed(&self, region: &Region, device: usize, key: LaunchKey) {
-        if self.policy == UtilizationPolicy::Disable || device >= MAX_DEVICES {
+        if (self.policy == UtilizationPolicy::Disable && !self.any_ceiling) || device >= MAX_DEVICES
+        {
             return;
         }
         let record = &region.layout().devices[device];
-        if bucket::share(record, self.policy).is_none() {
+        let limits = &region.enforced_limits().devices[device];
+        let ceiling = self.ceilings[device];
+        if bucket::share(limits, self.policy, ceiling).is_none() {
             return;
         }
         let charge = match self.kernels().entry(&key) {
             Some((_, entry)) if entry.price() > 0 => entry.price(),
             _ => self.kernels().typical(),
         };
-        bucket::spend(record, self.policy, charge);
+        bucket::spend(&record.compute, limits, self.policy, ceiling, charge);
     }
 
     fn wait_for_first_sample(&self, region: &Region, index: usize) -> u64 {
@@ -252,7 +276,7 @@ impl Limiter {
                     "kernel timed"
                 );
                 if correction != 0 {
-                    bucket::correct(&region.layout().devices[device], correction);
+                    bucket::correct(&region.layout().devices[device].compute, correction);
                 }
             }
             Outcome::Lost => {

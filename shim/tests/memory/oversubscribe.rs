@@ -159,7 +159,9 @@ fn the_swap_allowance_holds_across_processes_and_comes_back_after_a_kill() {
 /// bytes of one GPU on a node at device memory scaling `scaling`: the
 /// same conversion (`region_limits`) and the same writer (`to_env`).
 fn scaled_grant_env(scaling: &str, grant: u64) -> Vec<(String, String)> {
-    use vgpu_cluster::decision::{region_limits, DeviceGrant, NodeLimits};
+    use vgpu_cluster::decision::DeviceGrant;
+    use vgpu_node_contract::region::limits::granted::region_limits;
+    use vgpu_node_contract::region::limits::granted::NodeLimits;
     use vgpu_node_contract::shim_env::ShimConfig;
     let node = NodeLimits {
         memory_scaling: scaling.parse().expect("scaling"),
@@ -173,7 +175,7 @@ fn scaled_grant_env(scaling: &str, grant: u64) -> Vec<(String, String)> {
     };
     let config = ShimConfig {
         oversubscribe: node.oversubscribes(),
-        limits: region_limits(&[&grant], None, &node),
+        limits: region_limits([grant.share()], None, &node),
         // The sandbox charges contexts nothing (VGPU_CONTEXT_RESERVE=0),
         // so the whole grant is the workload's.
         measure_contexts: true,

@@ -28,8 +28,9 @@ use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
+use vgpu_node_contract::region::UtilizationPolicy;
 use vgpu_node_contract::region::{MemoryKind, Region, RegionLayout, SHARE_FULL, UNCAPPED};
-use vgpu_node_contract::shim_env::{UtilizationPolicy, ENV_REGION_PATH};
+use vgpu_node_contract::shim_env::ENV_REGION_PATH;
 
 struct Options {
     region: Option<PathBuf>,
@@ -113,9 +114,9 @@ fn run(options: Options) -> Result<(), String> {
     let started = Instant::now();
     let mut times = 0u64;
     while started.elapsed() < options.arbitration_for {
-        layout.header.priority.store(i32::MIN, Ordering::Relaxed);
+        layout.limits.priority.store(i32::MIN, Ordering::Relaxed);
         layout
-            .header
+            .limits
             .policy
             .store(UtilizationPolicy::Force as u32, Ordering::Relaxed);
         for device in &layout.devices {
@@ -129,7 +130,7 @@ fn run(options: Options) -> Result<(), String> {
         std::thread::sleep(options.every);
     }
     if options.lift {
-        for device in &layout.devices {
+        for device in &layout.limits.devices {
             device.memory_limit.store(UNCAPPED, Ordering::Relaxed);
             device.sm_limit.store(100, Ordering::Relaxed);
             device.sm_effective.store(SHARE_FULL, Ordering::Relaxed);
