@@ -118,6 +118,19 @@ impl AccuracyCase {
     }
 }
 
+/// The pattern name of a case run with launches that block
+/// (`CUDA_LAUNCH_BLOCKING=1`): a panel of its own in the grid and plot.
+pub fn blocking_pattern(pattern: &str) -> String {
+    format!("{pattern}{BLOCKING_SUFFIX}")
+}
+
+const BLOCKING_SUFFIX: &str = " (blocking)";
+
+/// How much further from its limit a blocking case may be than its
+/// ordinary twin before it counts as worse (the run-to-run noise of one
+/// case on a quiet 2-core machine).
+pub const BLOCKING_WORSE_POINTS: f64 = 0.5;
+
 /// A kernel's name without the `k` the workload program takes (`k20us`
 /// reads `20us`).
 fn kernel_label(kernel: &str) -> &str {
@@ -213,6 +226,51 @@ impl AccuracyResults {
             out.push('\n');
             out.push_str(&self.tenant_table());
         }
+        out
+    }
+
+    /// Each case run with ordinary launches beside the same case with
+    /// blocking ones ([`blocking_pattern`]): how far each was from its
+    /// limit, and how many of the blocking cases were further.
+    pub fn blocking_table(&self) -> String {
+        let mut out = String::from(
+            "| limit | pattern | kernel | ordinary | blocking | error ordinary | error blocking |\n",
+        );
+        out.push_str("|---:|---|---|---:|---:|---:|---:|\n");
+        let (mut pairs, mut worse) = (0, 0);
+        for ordinary in self
+            .cases
+            .iter()
+            .filter(|case| !case.pattern.ends_with(BLOCKING_SUFFIX))
+        {
+            let twin = blocking_pattern(&ordinary.pattern);
+            let Some(blocking) = self.cases.iter().find(|case| {
+                case.pattern == twin
+                    && case.limit == ordinary.limit
+                    && case.kernel == ordinary.kernel
+            }) else {
+                continue;
+            };
+            pairs += 1;
+            if blocking.error().abs() > ordinary.error().abs() + BLOCKING_WORSE_POINTS {
+                worse += 1;
+            }
+            let _ = writeln!(
+                out,
+                "| {} % | {} | {} | {:.2} % | {:.2} % | {:+.2} | {:+.2} |",
+                ordinary.limit,
+                ordinary.pattern,
+                ordinary.kernel,
+                ordinary.achieved,
+                blocking.achieved,
+                ordinary.error(),
+                blocking.error()
+            );
+        }
+        let _ = writeln!(
+            out,
+            "\n{worse} of {pairs} cases with blocking launches further from their limit than with ordinary ones by more than {BLOCKING_WORSE_POINTS} points"
+        );
         out
     }
 
@@ -610,5 +668,24 @@ mod tests {
         let mut results = known();
         results.cases.clear();
         assert!(matches!(results.plot_svg(), Err(PlotError::NoData(_))));
+    }
+
+    #[test]
+    fn blocking_cases_are_set_beside_their_ordinary_twins_and_counted_when_further() {
+        let mut results = known();
+        results.cases = vec![
+            case(30, "burst", "k1ms", 29.9),
+            case(30, &blocking_pattern("burst"), "k1ms", 29.8),
+            case(30, "sync", "k20us", 29.9),
+            case(30, &blocking_pattern("sync"), "k20us", 28.0),
+            case(30, "graph", "k1ms", 30.0),
+        ];
+        let table = results.blocking_table();
+        assert!(table.contains("| 30 % | burst | k1ms | 29.90 % | 29.80 % | -0.10 | -0.20 |"));
+        assert!(table.contains("| 30 % | sync | k20us | 29.90 % | 28.00 % | -0.10 | -2.00 |"));
+        assert!(!table.contains("| graph |"), "no twin, no row");
+        assert!(table.contains("1 of 2 cases with blocking launches further"));
+        // The grid shows a blocking pattern as a panel of its own.
+        assert!(results.patterns().contains(&"sync (blocking)"));
     }
 }

@@ -316,6 +316,48 @@ fn launch_calls_held_up_after_their_kernel_left_do_not_make_it_look_free() {
     );
 }
 
+/// Launches that return only once their work has finished, as every launch
+/// does under `CUDA_LAUNCH_BLOCKING=1` (the simulated GPU honours it as the
+/// driver does). Their calls hold their kernels' whole run, and the fastest
+/// "call" taken off every timing was a whole kernel: a loop of 1 ms kernels
+/// got 99 % of the device at a 30 % share. (A blocking launch is charged
+/// its call's host time as well as its kernel, over and never under: what
+/// that costs a container of 20 us kernels is in `vgpu-accuracy
+/// --launch-blocking`'s grid.)
+#[test]
+fn launches_that_finish_inside_their_call_are_charged_their_kernels() {
+    let _machine = among_others();
+    const BLOCKING: [(&str, &str); 1] = [("CUDA_LAUNCH_BLOCKING", "1")];
+    let cases: [Case; 4] = [
+        (30, "burst", "k1ms", &BLOCKING),
+        (30, "sync", "k1ms", &BLOCKING),
+        (30, "graph", "k1ms", &BLOCKING),
+        (60, "streams", "k30ms", &BLOCKING),
+    ];
+    let results: Vec<_> = std::thread::scope(|scope| {
+        let handles: Vec<_> = cases
+            .iter()
+            .map(|(limit, pattern, kernel, env)| {
+                scope.spawn(move || {
+                    measure_single_in(env, *limit, pattern, kernel, Duration::from_secs(3))
+                })
+            })
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| h.join().expect("case thread"))
+            .collect()
+    });
+    for ((limit, pattern, kernel, _), result) in cases.iter().zip(results) {
+        let what = format!("limit {limit}, {pattern}, {kernel}, CUDA_LAUNCH_BLOCKING=1");
+        eprintln!(
+            "{what}: {:.2} % (uncapped beside it {:.2} %)",
+            result.steady, result.uncapped
+        );
+        assert_near(&what, result.steady, f64::from(*limit), result.uncapped);
+    }
+}
+
 #[test]
 fn kernels_whose_time_varies_are_charged_their_mean_in_every_pattern() {
     let _machine = alone();

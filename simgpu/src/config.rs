@@ -21,6 +21,7 @@
 //! | `SIMGPU_KERNELS` | durations that replace what module images declare, by kernel name: `k1ms=200us,k30ms=5ms` | none |
 //! | `SIMGPU_SWITCH_COST` | wall timing only: device time spent, and given to no process, each time the device passes from one process's work to another's, as a GPU spends it saving one context and loading the next (a duration up to 1s: `60us`) | `0ns` |
 //! | `SIMGPU_LATE_RETURNS` | launch calls that return late, as a call whose thread is preempted just after its kernel reached the device does: `3ms@2-6` holds the 2nd to 6th kernel launch calls of each process for 3 ms after their work was handed over (a duration up to 1s, calls counted from 1) | none |
+//! | `CUDA_LAUNCH_BLOCKING` | `1`: every kernel and graph launch returns only once its work has finished, as NVIDIA's driver does with the same variable | `0` |
 //! | `SIMGPU_KERNEL_JITTER` | how much a kernel's time varies from run to run, as a GPU's does with its clocks: each kernel runs its duration times a factor drawn uniformly from 1 ± this (`5%`, below 100 %) | `0%` |
 //!
 //! The topology variables are described in [`crate::topology`].
@@ -90,6 +91,9 @@ pub struct Config {
     pub switch_cost_ns: u64,
     /// Launch calls held up after handing their kernel over.
     pub late_returns: Option<LateReturns>,
+    /// Launch calls return only once their work has finished
+    /// (`CUDA_LAUNCH_BLOCKING=1`).
+    pub launch_blocking: bool,
 }
 
 /// Launch calls `first..=last` of a process (counted from 1) return
@@ -401,6 +405,15 @@ pub fn from_env(var: impl Fn(&str) -> Option<String>) -> Result<Config, String> 
         })?),
         None => None,
     };
+    let launch_blocking = match var("CUDA_LAUNCH_BLOCKING").as_deref().map(str::trim) {
+        None | Some("") | Some("0") => false,
+        Some("1") => true,
+        Some(other) => {
+            return Err(format!(
+                "bad CUDA_LAUNCH_BLOCKING={other:?}: expected 0 or 1"
+            ))
+        }
+    };
     let kernel_jitter = match var("SIMGPU_KERNEL_JITTER") {
         Some(v) => parse_fraction(&v).ok_or_else(|| {
             format!("bad SIMGPU_KERNEL_JITTER={v:?}: expected a percentage below 100 (5%)")
@@ -428,6 +441,7 @@ pub fn from_env(var: impl Fn(&str) -> Option<String>) -> Result<Config, String> 
         kernel_jitter,
         switch_cost_ns,
         late_returns,
+        launch_blocking,
     })
 }
 

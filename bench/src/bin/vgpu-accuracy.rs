@@ -13,6 +13,11 @@
 //! (`--jitter`, 5 % either way unless given) and every launch costs host
 //! time (`--launch-overhead`, simgpu's 4 us unless given).
 //!
+//! `--compare-blocking` runs every case twice, side by side: with ordinary
+//! launches and with launches that return only once their work has
+//! finished (`CUDA_LAUNCH_BLOCKING=1`, which the simulated GPU honours as
+//! the driver does), and prints how far each held its limit.
+//!
 //! `cargo build --release && cargo run --release -p vgpu-bench --bin vgpu-accuracy`
 //! (`--save FILE` keeps the results as JSON, `--plot FILE` draws them as
 //! SVG; `vgpu-plot` draws saved results again).
@@ -21,6 +26,7 @@ use anyhow::{bail, Context, Result};
 use std::path::PathBuf;
 use std::sync::Mutex;
 use std::time::Duration;
+use vgpu_bench::accuracy::blocking_pattern;
 use vgpu_bench::{AccuracyCase, AccuracyResults, RunInfo, SavedResults, SimulatedGpu, TenantCase};
 use vgpu_testkit::compute::{process_share, wait_until, BusyMeter, Reading, Workload};
 use vgpu_testkit::Sandbox;
@@ -49,6 +55,7 @@ struct Options {
     timing: String,
     jitter_percent: Option<f64>,
     launch_overhead_us: Option<f64>,
+    compare_blocking: bool,
     save: Option<PathBuf>,
     plot: Option<PathBuf>,
 }
@@ -90,6 +97,7 @@ fn parse_options() -> Result<Options> {
         timing: "timeline".into(),
         jitter_percent: None,
         launch_overhead_us: None,
+        compare_blocking: false,
         save: None,
         plot: None,
     };
@@ -141,6 +149,7 @@ fn parse_options() -> Result<Options> {
                 options.patterns = vec!["burst".into(), "graph".into()];
                 options.kernels = vec!["k1ms".into()];
             }
+            "--compare-blocking" => options.compare_blocking = true,
             "--save" => options.save = Some(PathBuf::from(value()?)),
             "--plot" => options.plot = Some(PathBuf::from(value()?)),
             "-h" | "--help" => {
@@ -160,6 +169,8 @@ fn parse_options() -> Result<Options> {
                      --jitter PERCENT   each kernel run varies by up to this either way\n                     \
                      (default 5 with wall timing, 0 with timeline)\n  \
                      --launch-overhead Nus  host time a launch costs (default: simgpu's, 4us with wall)\n  \
+                     --compare-blocking each case also with CUDA_LAUNCH_BLOCKING=1 (launches\n                     \
+                     that return once their work finished), side by side\n  \
                      --quick            4 cases (25 and 75 %, burst and graph, k1ms), 2 s each\n  \
                      --save FILE        write the results as JSON (vgpu-plot draws them again)\n  \
                      --plot FILE        draw achieved against target as SVG\n\n\
@@ -351,23 +362,36 @@ fn main() -> Result<()> {
     let options = parse_options()?;
     let (gpu, env) = simulated_gpu(&options);
     let mut cases = Vec::new();
+    let variants: &[bool] = if options.compare_blocking {
+        &[false, true]
+    } else {
+        &[false]
+    };
     for &limit in &options.limits {
         for pattern in &options.patterns {
             for kernel in &options.kernels {
-                cases.push((limit, pattern.clone(), kernel.clone()));
+                for &blocking in variants {
+                    cases.push((limit, pattern.clone(), kernel.clone(), blocking));
+                }
             }
         }
     }
+    let blocking_env: Vec<(String, String)> = env
+        .iter()
+        .cloned()
+        .chain([("CUDA_LAUNCH_BLOCKING".to_string(), "1".to_string())])
+        .collect();
     let queue = Mutex::new(cases.clone().into_iter().enumerate());
     let results = Mutex::new(vec![None; cases.len()]);
     std::thread::scope(|scope| {
         for _ in 0..options.jobs {
             scope.spawn(|| loop {
                 let next = queue.lock().map(|mut q| q.next()).ok().flatten();
-                let Some((index, (limit, pattern, kernel))) = next else {
+                let Some((index, (limit, pattern, kernel, blocking))) = next else {
                     break;
                 };
-                let result = measure_single(&env, limit, &pattern, &kernel, options.window);
+                let env = if blocking { &blocking_env } else { &env };
+                let result = measure_single(env, limit, &pattern, &kernel, options.window);
                 if let Ok(mut results) = results.lock() {
                     results[index] = Some(result);
                 }
@@ -380,11 +404,15 @@ fn main() -> Result<()> {
     let cases = cases
         .into_iter()
         .zip(results)
-        .map(|((limit, pattern, kernel), result)| {
+        .map(|((limit, pattern, kernel, blocking), result)| {
             let result = result.context("a case did not finish")?;
             Ok(AccuracyCase {
                 limit,
-                pattern,
+                pattern: if blocking {
+                    blocking_pattern(&pattern)
+                } else {
+                    pattern
+                },
                 kernel,
                 achieved: result.steady,
                 first_second: result.first_second,
@@ -422,6 +450,10 @@ fn main() -> Result<()> {
         options.window.as_secs_f64()
     );
     print!("{}", results.tables());
+    if options.compare_blocking {
+        println!();
+        print!("{}", results.blocking_table());
+    }
     let saved = SavedResults::Accuracy(results);
     if let Some(path) = &options.save {
         saved.save(path)?;

@@ -50,6 +50,14 @@ const MAX_HOST_GAP_NS: u64 = 50_000;
 /// microsecond, which held for the window's 64 samples. The fastest of
 /// eight calls is held up only if all eight were; until then no call's time
 /// is taken off (a timing over, never under).
+///
+/// Only a call whose work was still running when it returned counts: one
+/// whose stream was idle by then may have held the kernel's whole run (a
+/// launch that blocks, as every launch does under `CUDA_LAUNCH_BLOCKING=1`,
+/// or a thread preempted in the call). Counting such calls made the fastest
+/// "call" a whole kernel, and taking that off every timing priced kernels
+/// that finish inside their call at nothing: a process that set one
+/// variable ran far above its share.
 const TRUSTED_LAUNCH_CALLS: u64 = 8;
 
 /// A timed launch in flight.
@@ -80,10 +88,20 @@ pub struct Sample {
     /// the event before it would put the wait into the gap, and an event
     /// becomes visible microseconds after the device stamped it.)
     start_seen_at: Option<u64>,
+    /// No capture was in progress when the launch was admitted, so its
+    /// stream may be queried.
+    may_query: bool,
     /// When the start event's record call returned.
     recorded_at: u64,
     launched_at: u64,
     returned_at: u64,
+    /// The launch's work had finished when its call returned (a launch
+    /// that blocks): the end event, recorded on an idle stream, is then
+    /// stamped when it is recorded, and the host's time from the return to
+    /// that record (`end_recorded_at`) is not kernel time either.
+    done_in_call: bool,
+    /// When the end event's record was made.
+    end_recorded_at: u64,
 }
 
 impl Sample {
@@ -103,7 +121,14 @@ impl Sample {
         let before_launch = self.launched_at.saturating_sub(self.recorded_at);
         if self.idle_stream && self.start_seen_at.is_some() && before_launch <= MAX_HOST_GAP_NS {
             let launch = self.launch_call_ns().min(fastest_launch_ns);
-            elapsed_ns.saturating_sub(before_launch + launch)
+            let after_call = if self.done_in_call {
+                self.end_recorded_at
+                    .saturating_sub(self.returned_at)
+                    .min(MAX_HOST_GAP_NS)
+            } else {
+                0
+            };
+            elapsed_ns.saturating_sub(before_launch + launch + after_call)
         } else {
             elapsed_ns
         }
@@ -270,7 +295,8 @@ impl Sampler {
             self.give_back(context, start);
             return None;
         };
-        let idle_stream = stream_idle(stream, flavour);
+        // No stream is queried while a capture is in progress anywhere.
+        let idle_stream = may_query && stream_idle(stream, flavour);
         if !record(start, stream, flavour) {
             self.give_back(context, start);
             self.give_back(context, end);
@@ -283,11 +309,14 @@ impl Sampler {
             context,
             start,
             end,
-            idle_stream: idle_stream && may_query,
+            idle_stream,
+            may_query,
             start_seen_at: None,
             recorded_at,
             launched_at: recorded_at,
             returned_at: recorded_at,
+            done_in_call: false,
+            end_recorded_at: recorded_at,
         })
     }
 
@@ -301,12 +330,18 @@ impl Sampler {
         launched: bool,
     ) -> bool {
         sample.returned_at = super::bucket::monotonic_ns();
+        // Whether the launch's work was still running when its call
+        // returned (asked before anything else is queued on the stream):
+        // only then is the call's time the call's alone.
+        let running_after_call = launched && sample.may_query && !stream_idle(stream, flavour);
         if launched && sample.idle_stream {
             sample.start_seen_at = seen_complete(sample.start);
         }
-        if launched {
+        if running_after_call {
             self.note_launch_call(sample.launch_call_ns());
         }
+        sample.done_in_call = launched && sample.may_query && !running_after_call;
+        sample.end_recorded_at = super::bucket::monotonic_ns();
         if !launched || !record(sample.end, stream, flavour) {
             self.give_back(sample.context, sample.start);
             self.give_back(sample.context, sample.end);
@@ -425,10 +460,13 @@ mod tests {
             start: std::ptr::null_mut(),
             end: std::ptr::null_mut(),
             idle_stream,
+            may_query: true,
             start_seen_at: seen.then_some(returned_at + 500),
             recorded_at,
             launched_at: recorded_at + launched_after,
             returned_at,
+            done_in_call: false,
+            end_recorded_at: returned_at,
         }
     }
 
@@ -513,5 +551,25 @@ mod tests {
         );
         // Never below zero.
         assert_eq!(sample(true, true, 9_000, 4_000).kernel_ns(5_000, 4_000), 0);
+    }
+
+    #[test]
+    fn a_kernel_that_finished_inside_its_call_is_priced_at_the_call_not_at_nothing() {
+        // Every call blocked for its 1 ms kernel, so `finish` noted none of
+        // them: no call's time is known, and none is taken off.
+        let mut blocked = sample(true, true, 1_000, 1_004_000);
+        blocked.done_in_call = true;
+        blocked.end_recorded_at = blocked.returned_at + 3_000;
+        // Record, 1 us, a 1.004 ms call holding the kernel, 3 us of the
+        // shim's own before the end record: the kernel and the call, never
+        // less.
+        assert_eq!(blocked.kernel_ns(1_008_000, 0), 1_004_000);
+        // A long gap after the call (a preempted thread) is not taken off
+        // beyond the bound.
+        blocked.end_recorded_at = blocked.returned_at + 400_000;
+        assert_eq!(
+            blocked.kernel_ns(1_405_000, 0),
+            1_405_000 - 1_000 - MAX_HOST_GAP_NS
+        );
     }
 }

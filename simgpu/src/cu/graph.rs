@@ -582,7 +582,8 @@ fn graph_launch(exec: CUgraphExec, stream: CUstream) -> Result<(), CUresult> {
         ops
     };
     if driver::wall_timing() {
-        return wall_graph_launch(stream, &ops);
+        wall_graph_launch(stream, &ops)?;
+        return super::stream::finish_if_blocking(stream);
     }
     for op in &ops {
         if let NodeOp::Kernel(k) = op {
@@ -615,7 +616,7 @@ fn graph_launch(exec: CUgraphExec, stream: CUstream) -> Result<(), CUresult> {
             }
         }
     }
-    Ok(())
+    super::stream::finish_if_blocking(stream)
 }
 
 /// Wall timing: a graph's kernels, event records and cross-device waits

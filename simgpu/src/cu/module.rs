@@ -377,7 +377,9 @@ fn launch(
     let cfg = check_init()?;
     let node = kernel_node(func, grid, block, shared_mem, kernel_params, extra, stream)?;
     spend_launch_overhead(cfg.launch_overhead_ns);
-    enqueue(stream, &node, 0)?;
+    if enqueue(stream, &node, 0)?.is_some() {
+        super::stream::finish_if_blocking(stream)?;
+    }
     if let Some(late) = cfg.late_returns {
         return_late(&late);
     }
@@ -654,7 +656,11 @@ cuda_fn! {
         }
         spend_launch_overhead(cfg.launch_overhead_ns);
         if driver::wall_timing() {
-            return wall_multi_device(&entries, &nodes, &devices, flags);
+            wall_multi_device(&entries, &nodes, &devices, flags)?;
+            for e in &entries {
+                super::stream::finish_if_blocking(e.h_stream)?;
+            }
+            return Ok(());
         }
         if flags & CUDA_COOPERATIVE_LAUNCH_MULTI_DEVICE_NO_PRE_LAUNCH_SYNC != 0 {
             ready = 0;
@@ -673,6 +679,9 @@ cuda_fn! {
                     t.last_end = t.last_end.max(done);
                 }
             }
+        }
+        for e in &entries {
+            super::stream::finish_if_blocking(e.h_stream)?;
         }
         Ok(())
     }

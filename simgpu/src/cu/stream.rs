@@ -106,6 +106,16 @@ fn stream_end(stream: CUstream) -> Result<(u64, usize), CUresult> {
     Ok((end, device))
 }
 
+/// Waits for `stream`'s work when launches block (`CUDA_LAUNCH_BLOCKING=1`):
+/// called by every launch after its work was queued, never on a capturing
+/// stream (its work does not run).
+pub(crate) fn finish_if_blocking(stream: CUstream) -> Result<(), CUresult> {
+    match crate::config::get() {
+        Ok(cfg) if cfg.launch_blocking => synchronize(stream),
+        _ => Ok(()),
+    }
+}
+
 fn synchronize(stream: CUstream) -> Result<(), CUresult> {
     let (end, device) = stream_end(stream)?;
     if driver::wall_timing() {
