@@ -19,7 +19,7 @@ use crate::events::{EventRecorder, PodRef};
 use crate::metrics::{ContainerDevice, ContainerSummary};
 use crate::names::{ApiState, PodDirectory, PodRecord};
 use crate::reported::Reported;
-use crate::unenforced::Unenforced;
+use crate::unenforced::{ProcessUse, Unenforced};
 use std::collections::HashMap;
 use vgpu_cluster::decision::DeviceGrant;
 use vgpu_node_contract::region::limits::granted::{device_order, region_limits};
@@ -45,6 +45,8 @@ pub struct Seen {
 pub struct Restore {
     pub key: String,
     pub limits: RegionLimits,
+    /// The UUIDs of the GPUs granted, in the limits' device order.
+    pub uuids: Vec<String>,
     /// When the decision granting them was made (none for a DRA claim's).
     pub decided_unix_ms: Option<u64>,
     /// The pod the API named, for an Event.
@@ -63,6 +65,8 @@ pub struct Assessment {
     pub restores: Vec<Restore>,
     /// GPU processes no region accounts for.
     pub unenforced: Vec<Unenforced>,
+    /// Every GPU process, with its owner.
+    pub uses: Vec<ProcessUse>,
 }
 
 /// What a pass knows before it reads the regions.
@@ -286,6 +290,7 @@ pub fn assess_region(
         out.restores.push(Restore {
             key: region.key.clone(),
             limits: region_limits(ordered.iter().map(|g| g.share()), priority, &config.node),
+            uuids: ordered.iter().map(|g| g.uuid.clone()).collect(),
             decided_unix_ms: pod.as_ref().and_then(|p| p.decided_unix_ms),
             pod,
         });

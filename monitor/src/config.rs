@@ -1,5 +1,6 @@
 //! What the monitor does, as the binary's options or a test set it.
 
+use crate::backstop::MemoryRule;
 use crate::discovery::DiscoveryConfig;
 use std::path::PathBuf;
 use std::time::Duration;
@@ -30,6 +31,9 @@ pub struct MonitorConfig {
     /// Restore the limits a region's decision granted when they were
     /// changed from inside.
     pub restore: bool,
+    /// When a container's processes hold more of a GPU than it was
+    /// granted, as NVML counts it, and what is done.
+    pub memory_rule: MemoryRule,
 }
 
 impl MonitorConfig {
@@ -50,6 +54,7 @@ impl MonitorConfig {
             nvml: None,
             node: NodeLimits::default(),
             restore: true,
+            memory_rule: MemoryRule::default(),
         }
     }
 }

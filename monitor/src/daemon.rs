@@ -1,26 +1,31 @@
 //! The monitor's pass, in four stages: collect (rescan the containers
 //! folder, sample the GPUs), assess each region ([`crate::assess`]) and
 //! find GPU processes no region accounts for, act (put back limits
-//! changed from inside, decide and write effective shares, clean up), and
-//! publish a snapshot for `/metrics`.
+//! changed from inside, hold every container to its memory cap from NVML's
+//! accounting ([`crate::backstop`]), decide and write effective shares,
+//! clean up), and publish a snapshot for `/metrics`.
 
 use crate::arbitration::{arbitrate, Contender};
 use crate::assess::{
     assess_region, process_util_by_uuid, record_event, record_normal_event, Assessment,
     PassContext, Seen, Tracks,
 };
+use crate::backstop::signal::{signal_owned, SignalError};
+use crate::backstop::{granted_caps, Breach, MemoryBackstop, OverCapAction};
 use crate::cleanup::{self, Janitor, Reaper, Verdict};
 use crate::discovery::Discovery;
 use crate::events::{EventRecorder, PodRef};
+use crate::host_proc::HostProc;
 use crate::metrics::{ContainerDevice, Snapshot};
 use crate::names::{ApiState, PodDirectory, Presence};
+use crate::owners::{Owner, Owners};
 use crate::reported::{ProcessId, Reported};
-use crate::unenforced::{self, Container, HostProc};
+use crate::unenforced::{self, Container};
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
-use vgpu_node_contract::region::{monotonic_ns, SHARE_FULL, SHARE_UNLIMITED};
+use vgpu_node_contract::region::{monotonic_ns, MAX_DEVICES, SHARE_FULL, SHARE_UNLIMITED};
 use vgpu_nvml_host::{GpuSample, Sampler};
 
 pub use crate::config::MonitorConfig;
@@ -58,6 +63,11 @@ pub struct Monitor {
     generation: u64,
     /// Effective-share writes so far.
     pub writes: u64,
+    memory_backstop: MemoryBackstop,
+    /// Processes killed for a container's cap, by region key.
+    over_cap_kills: HashMap<String, u64>,
+    /// Processes that could not be signalled (each reported once).
+    signal_failures: HashSet<u32>,
 }
 
 impl Monitor {
@@ -78,6 +88,7 @@ impl Monitor {
             },
         };
         let shared = Arc::new(Shared::new(config.hami_names, config.interval));
+        let memory_rule = config.memory_rule;
         Self {
             discovery: Discovery::new(config.discovery.clone()),
             reaper: Reaper::new(config.cleanup_grace.unwrap_or(Duration::MAX)),
@@ -94,6 +105,9 @@ impl Monitor {
             sweeps: 0,
             generation: 0,
             writes: 0,
+            memory_backstop: MemoryBackstop::new(memory_rule),
+            over_cap_kills: HashMap::new(),
+            signal_failures: HashSet::new(),
         }
     }
 
@@ -186,7 +200,22 @@ impl Monitor {
                 &mut assessment,
             );
         }
-        assessment.unenforced = self.find_unenforced(&collected.gpus);
+        let census = self.find_unenforced(&collected.gpus);
+        assessment.unenforced = census.unenforced;
+        assessment.uses = census.uses;
+        for process in &assessment.uses {
+            let Owner::Region(key) = &process.owner else {
+                continue;
+            };
+            if let Some(summary) = assessment
+                .container_index
+                .get(key)
+                .and_then(|&index| assessment.containers.get_mut(index))
+            {
+                summary.gpu_memory_bytes =
+                    summary.gpu_memory_bytes.saturating_add(process.used_bytes);
+            }
+        }
         for process in &assessment.unenforced {
             let summary = process
                 .container
@@ -208,6 +237,7 @@ impl Monitor {
     /// longer there.
     fn act(&mut self, collected: &Collected, assessment: &mut Assessment) {
         self.restore_limits(assessment);
+        self.hold_memory(collected, assessment);
         if self.config.arbitration {
             // The contention rule weighs what the containers achieved
             // against how busy NVML saw each GPU.
@@ -325,9 +355,107 @@ impl Monitor {
         self.reaper.retain(&live_keys);
     }
 
+    /// Holds every container to the memory its node granted, from what
+    /// NVML says its processes hold ([`crate::backstop::memory`]): a
+    /// breach kills the process that took the container there (or is
+    /// reported), logged, counted and recorded as a Warning Event.
+    fn hold_memory(&mut self, collected: &Collected, assessment: &mut Assessment) {
+        let (caps, pod_of) = granted_caps(self.discovery.regions(), &assessment.restores);
+        let breaches =
+            self.memory_backstop
+                .judge(&assessment.uses, &caps, &pod_of, collected.started);
+        if !breaches.is_empty() {
+            let owners = Owners::new(
+                self.discovery
+                    .regions()
+                    .map(|r| (r.key.as_str(), r.pod_uid.as_deref())),
+            );
+            for breach in breaches {
+                self.act_on_breach(&breach, &owners, &pod_of, collected.started);
+            }
+        }
+        for (key, &index) in &assessment.container_index {
+            if let Some(summary) = assessment.containers.get_mut(index) {
+                summary.over_cap_kills = self.over_cap_kills.get(key).copied().unwrap_or(0);
+            }
+        }
+    }
+
+    fn act_on_breach(
+        &mut self,
+        breach: &Breach,
+        owners: &Owners,
+        pod_of: &HashMap<String, String>,
+        now: Instant,
+    ) {
+        let key = match &breach.owner {
+            Owner::Region(key) => Some(key.as_str()),
+            Owner::Pod(uid) => pod_of
+                .iter()
+                .find(|(_, pod)| *pod == uid)
+                .map(|(key, _)| key.as_str()),
+            Owner::Unknown => None,
+        };
+        let whose = match (&breach.owner, key) {
+            (Owner::Region(key), _) => format!("container {key}"),
+            (Owner::Pod(uid), _) => format!("pod {uid}"),
+            (Owner::Unknown, _) => "a process of no pod".to_string(),
+        };
+        let over = format!(
+            "{whose} holds {} MiB of GPU {} as the driver counts it, over its cap of {} MiB (and {} MiB for its processes' contexts)",
+            breach.used_bytes >> 20,
+            breach.gpu_uuid,
+            breach.cap_bytes >> 20,
+            (breach.allowed_bytes - breach.cap_bytes) >> 20,
+        );
+        let (reason, message) = match (breach.action, breach.victim) {
+            (OverCapAction::Kill, Some(victim)) => {
+                let proc = &self.host_proc;
+                let still_owned = |pid| owners.owner_of(pid, proc) == breach.owner;
+                match signal_owned(victim.pid, still_owned, libc::SIGKILL) {
+                    Ok(()) => {
+                        self.memory_backstop.signalled(victim.pid, now);
+                        if let Some(key) = key {
+                            *self.over_cap_kills.entry(key.to_string()).or_insert(0) += 1;
+                        }
+                        (
+                            "GPUMemoryOverCapKilled",
+                            format!(
+                                "{over}: process {} killed (it held {} MiB, of which the vgpu shim charged {} MiB)",
+                                victim.pid,
+                                victim.used_bytes >> 20,
+                                victim.charged_bytes >> 20
+                            ),
+                        )
+                    }
+                    Err(SignalError::Gone { .. }) => return,
+                    // Told once per process: the breach stands every pass.
+                    Err(_) if !self.signal_failures.insert(victim.pid) => return,
+                    Err(error) => (
+                        "GPUMemoryOverCap",
+                        format!(
+                            "{over}: process {} could not be killed: {error}",
+                            victim.pid
+                        ),
+                    ),
+                }
+            }
+            _ => ("GPUMemoryOverCap", format!("{over}: reported only")),
+        };
+        tracing::warn!("{message}");
+        let region = key.and_then(|key| self.discovery.get(key));
+        if let Some(region) = region {
+            let pod = region
+                .pod_uid
+                .as_deref()
+                .and_then(|uid| self.pods.lookup(uid));
+            record_event(self.events.as_ref(), &pod, region, reason, message);
+        }
+    }
+
     /// GPU processes no live slot accounts for; each new one is logged
     /// once and, when its pod is known, recorded as an Event on it.
-    fn find_unenforced(&mut self, gpus: &[GpuSample]) -> Vec<unenforced::Unenforced> {
+    fn find_unenforced(&mut self, gpus: &[GpuSample]) -> unenforced::Census {
         let census = {
             let containers: Vec<Container> = self
                 .discovery
@@ -337,9 +465,21 @@ impl Monitor {
                     pod_uid: r.pod_uid.as_deref(),
                     region: r.region(),
                     file: (r.identity.device, r.identity.inode),
+                    uuids: if r.grant_uuids.is_empty() {
+                        (0..MAX_DEVICES)
+                            .map_while(|device| r.region().device_uuid(device))
+                            .collect()
+                    } else {
+                        r.grant_uuids.clone()
+                    },
                 })
                 .collect();
-            unenforced::census(gpus, &containers, &self.host_proc)
+            unenforced::census(
+                gpus,
+                &containers,
+                &self.host_proc,
+                self.config.memory_rule.margin_per_process,
+            )
         };
         if census.host_pids_recorded > 0 {
             tracing::debug!(
@@ -395,7 +535,7 @@ impl Monitor {
             }
         }
         self.reported.keep_unenforced(&current);
-        census.unenforced
+        census
     }
 
     fn sample_gpus(&mut self) -> Vec<GpuSample> {

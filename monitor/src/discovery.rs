@@ -23,7 +23,8 @@ use thiserror::Error;
 use vgpu_node_contract::claim_owner::{
     self, ClaimOwner, ClaimRecordError, CLAIM_DIR_PREFIX, CLAIM_OWNER_FILE,
 };
-use vgpu_node_contract::region::{Region, RegionError, REGION_BYTES};
+use vgpu_node_contract::region::grant_file::GRANT_FILE;
+use vgpu_node_contract::region::{Grant, GrantError, Region, RegionError, REGION_BYTES};
 
 /// How long a file that could not be used is left alone if it does not change.
 pub const REJECT_RETRY: Duration = Duration::from_secs(60);
@@ -140,6 +141,10 @@ pub struct ContainerRegion {
     pub path: PathBuf,
     pub identity: FileIdentity,
     pub opened_at: Instant,
+    /// The UUIDs of the GPUs the node's grant names, in the region's
+    /// device order (empty: the region has no grant, as a workstation's or
+    /// an older node agent's).
+    pub grant_uuids: Vec<String>,
     // Field order matters: the guard must be unregistered before the
     // region is unmapped.
     guard: Guarded,
@@ -324,6 +329,7 @@ impl Discovery {
             }
             match open_region(&path) {
                 Ok((region, guard, identity)) => {
+                    let (region, grant_uuids) = attach_grant(region, &dir);
                     let (pod_uid, container) = split_key(&name);
                     let claim = claim_owner(&self.config.root, &name, &dir);
                     tracing::info!("region {name} opened ({})", path.display());
@@ -340,6 +346,7 @@ impl Discovery {
                             path,
                             identity,
                             opened_at: now,
+                            grant_uuids,
                             guard,
                             region: Arc::new(region),
                         },
@@ -424,6 +431,35 @@ fn identity_of(path: &Path) -> std::io::Result<FileIdentity> {
         size: meta.size(),
         modified_ns: i128::from(meta.mtime()) * 1_000_000_000 + i128::from(meta.mtime_nsec()),
     })
+}
+
+/// Attaches the node's grant beside the region, when there is one: its
+/// limits are then the region's, and the monitor writes its effective
+/// shares there. Returns the grant's device UUIDs (empty without a grant).
+fn attach_grant(region: Region, dir: &Path) -> (Region, Vec<String>) {
+    let path = dir.join(GRANT_FILE);
+    match Grant::open_writable(&path) {
+        Ok(grant) => match grant.settings() {
+            Ok(settings) => (region.with_grant(grant), settings.device_uuids),
+            Err(error) => {
+                tracing::warn!(
+                    error = &error as &dyn std::error::Error,
+                    "the region's own limits are read instead"
+                );
+                (region, Vec::new())
+            }
+        },
+        Err(GrantError::Io { source, .. }) if source.kind() == std::io::ErrorKind::NotFound => {
+            (region, Vec::new())
+        }
+        Err(error) => {
+            tracing::warn!(
+                error = &error as &dyn std::error::Error,
+                "the region's own limits are read instead"
+            );
+            (region, Vec::new())
+        }
+    }
 }
 
 /// Opens a region without following a symlink in its last component: the

@@ -9,7 +9,11 @@
 //! - [`arbitration`]: the effective-share rule, a pure function.
 //! - [`cleanup`]: dead process slots and regions of deleted pods.
 //! - [`metrics`]: the Prometheus exposition.
+//! - [`host_proc`]: what the host's `/proc` says of a process;
+//!   [`owners`]: which container a GPU process belongs to, from that.
 //! - [`unenforced`]: GPU processes no container's shim accounts for.
+//! - [`backstop`]: caps held from the driver's own accounting, whatever a
+//!   container's processes loaded.
 //! - [`events`]: Kubernetes Events on pods.
 //! - [`daemon`]: the pass that ties them together, in stages: collect,
 //!   assess each region ([`assess`], remembering each container device in
@@ -20,15 +24,18 @@
 pub mod activity;
 pub mod arbitration;
 pub mod assess;
+pub mod backstop;
 pub mod cleanup;
 pub mod config;
 pub mod daemon;
 pub mod discovery;
 pub mod events;
 pub mod guard;
+pub mod host_proc;
 pub mod metrics;
 pub mod names;
 pub mod options;
+pub mod owners;
 pub mod reported;
 pub mod server;
 pub mod shared;

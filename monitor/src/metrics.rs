@@ -28,7 +28,9 @@
 //! | `vgpu_container_priority` | gauge | priority in force (lower is more important) |
 //! | `vgpu_container_processes` | gauge | process slots in use (per container, device labels absent) |
 //! | `vgpu_container_limits_restored_total` | counter | times its region's limits were changed from inside and restored (per container) |
-//! | `vgpu_container_unenforced_processes`, `_memory_bytes` | gauge | processes of the container on a GPU without the shim, and their memory (per container) |
+//! | `vgpu_container_unenforced_processes`, `_memory_bytes` | gauge | processes of the container on a GPU holding more than the shim charged them (without the shim, or past it), and their memory (per container) |
+//! | `vgpu_container_gpu_memory_bytes` | gauge | device memory its processes hold as the driver counts it (NVML), shim or not (per container) |
+//! | `vgpu_container_over_cap_kills_total` | counter | its processes the backstop killed for holding more than its cap (per container) |
 //!
 //! Achieved utilization is the device time the container's launches were
 //! *granted* (the shim's token bucket charges each launch its measured
@@ -86,6 +88,12 @@ pub struct ContainerSummary {
     /// Times the monitor restored the region's limits after they were
     /// changed from inside.
     pub limits_restored: u64,
+    /// Device memory its processes hold, as the driver counts it (NVML),
+    /// shim or not.
+    pub gpu_memory_bytes: u64,
+    /// Processes of the container the backstop killed for holding more
+    /// than the container's cap.
+    pub over_cap_kills: u64,
 }
 
 /// Everything one pass of the monitor learnt.
@@ -349,6 +357,20 @@ pub fn render(snapshot: &Snapshot, hami_names: bool) -> Vec<u8> {
         Gauge,
         &container_pool,
         |i| Some(snapshot.containers[i].unenforced_bytes as f64),
+    );
+    w.family(
+        "vgpu_container_gpu_memory_bytes",
+        "Device memory the container's processes hold as the driver counts it (NVML), shim or not.",
+        Gauge,
+        &container_pool,
+        |i| Some(snapshot.containers[i].gpu_memory_bytes as f64),
+    );
+    w.family(
+        "vgpu_container_over_cap_kills_total",
+        "Processes of the container killed for holding more device memory than its cap.",
+        Counter,
+        &container_pool,
+        |i| Some(snapshot.containers[i].over_cap_kills as f64),
     );
 
     // Per physical GPU.
@@ -712,6 +734,8 @@ mod tests {
                 unenforced_processes: 1,
                 unenforced_bytes: 512,
                 limits_restored: 3,
+                gpu_memory_bytes: 1536,
+                over_cap_kills: 2,
             }],
             gpus: vec![GpuSample {
                 index: 0,
@@ -740,6 +764,8 @@ mod tests {
             r#"vgpu_gpu_containers{device_index="0",device_uuid="GPU-a",model="Sim"} 1"#.to_string(),
             r#"vgpu_container_unenforced_processes{namespace="ns",pod="p",container="c"} 1"#.to_string(),
             r#"vgpu_container_limits_restored_total{namespace="ns",pod="p",container="c"} 3"#.to_string(),
+            r#"vgpu_container_gpu_memory_bytes{namespace="ns",pod="p",container="c"} 1536"#.to_string(),
+            r#"vgpu_container_over_cap_kills_total{namespace="ns",pod="p",container="c"} 2"#.to_string(),
             format!("vgpu_container_memory_over_cap_bytes{labels} 77"),
             r#"vgpu_container_unenforced_memory_bytes{namespace="ns",pod="p",container="c"} 512"#.to_string(),
             r#"vgpu_gpu_unenforced_processes{device_index="0",device_uuid="GPU-a",model="Sim"} 0"#.to_string(),

@@ -1,5 +1,6 @@
 //! Command-line options of `vgpu-monitor`.
 
+use crate::backstop::{MemoryRule, OverCapAction};
 use crate::config::MonitorConfig;
 use crate::discovery::DiscoveryConfig;
 use crate::names::ApiSource;
@@ -102,6 +103,20 @@ pub struct Options {
     #[arg(long)]
     pub no_restore: bool,
 
+    /// What is done when a container's processes hold more of a GPU than
+    /// its grant, as the driver counts it (NVML), for three passes in a
+    /// row, shim or not: `kill` the process that took it there (the one
+    /// holding most beyond what the shim charged it), or only `report` it
+    /// (log, metric and Warning Event either way).
+    #[arg(long, default_value = "kill", value_name = "ACTION")]
+    pub over_cap_action: OverCapAction,
+
+    /// What each process of a container may hold beyond the container's
+    /// cap before the over-cap action is taken: what the driver counts
+    /// that is no allocation the shim charges (a context's own memory).
+    #[arg(long, default_value = "256Mi", value_name = "SIZE", value_parser = size)]
+    pub over_cap_margin: u64,
+
     /// The extended resource the GPUs are advertised as (give the device
     /// plugin's `--resource-name`). With the flags below: how pods'
     /// requests are read, as the scheduler extender reads them; a decision
@@ -178,6 +193,11 @@ impl Options {
                 memory_scaling: self.device_memory_scaling,
             },
             restore: !self.no_restore,
+            memory_rule: MemoryRule {
+                margin_per_process: self.over_cap_margin,
+                action: self.over_cap_action,
+                ..MemoryRule::default()
+            },
         }
     }
 

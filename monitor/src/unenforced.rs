@@ -1,25 +1,29 @@
-//! Processes on a GPU that no container's shim accounts for.
+//! Every process on a GPU, with who it belongs to and whether the shim
+//! accounts for what it holds.
 //!
-//! Every process running under the shim holds a live slot in its
-//! container's region, which records its PID and its host PID (as far as
-//! the process's own `/proc` shows it). NVML lists every process with a
-//! context on a GPU by host PID. A process that NVML lists and no live slot
-//! accounts for runs without the shim: the preload did not happen (a mount
-//! that failed, a wrong path, a static binary, a tenant who unset it), so no
-//! cap and no share holds it. The loader only prints "cannot be preloaded
-//! ... ignored" into the program's own stderr; this is how the operator
-//! hears of it.
+//! NVML lists every process with a context on a GPU by host PID, with the
+//! device memory the driver gives it. Who it belongs to comes from what
+//! the node keeps ([`crate::owners`]), never from a region. A process is
+//! *unenforced* when what NVML says it holds on a GPU is more than the
+//! shim charged to it in its container's region, by more than what a
+//! context holds outside any allocation (the backstop's margin): it runs
+//! without the shim (the preload did not happen: a failed mount, a static
+//! binary, a program that finds the driver's entry points itself), or with
+//! a slot it wrote itself. A slot a process forged can only claim memory it
+//! holds; it never makes a process look charged for more than it was. The
+//! loader only prints "cannot be preloaded ... ignored" into the program's
+//! own stderr; this is how the operator hears of it.
 //!
 //! A shim process inside a container that mounted its own `/proc` sees only
 //! its container's PID; the monitor (in the host's PID namespace) finds such
 //! a process by the region file it maps and records its host PID in the
-//! slot, so it counts as accounted and the shim's NVML process list works.
+//! slot, so the shim's NVML process list works.
 
+use crate::host_proc::HostProc;
+use crate::owners::{Owner, Owners};
 use std::collections::HashSet;
-use std::path::PathBuf;
 use std::sync::atomic::Ordering;
-use vgpu_node_contract::process::nspid;
-use vgpu_node_contract::region::{Region, MAX_SLOTS};
+use vgpu_node_contract::region::{Region, MAX_DEVICES, MAX_SLOTS};
 use vgpu_nvml_host::GpuSample;
 
 /// A container region as the census needs it.
@@ -30,6 +34,9 @@ pub struct Container<'a> {
     pub region: &'a Region,
     /// The region file's device and inode, to recognise processes that map it.
     pub file: (u64, u64),
+    /// The UUID of each of the region's devices, in its order: the node's
+    /// grant's where there is one.
+    pub uuids: Vec<String>,
 }
 
 /// A process using a GPU without the shim.
@@ -44,194 +51,160 @@ pub struct Unenforced {
     pub container: Option<String>,
 }
 
+/// One process's memory on one GPU, with its owner.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ProcessUse {
+    pub gpu_uuid: String,
+    /// Host PID.
+    pub pid: u32,
+    pub owner: Owner,
+    /// What NVML says it holds.
+    pub used_bytes: u64,
+    /// What its container's shim charged to it on that GPU (0: none).
+    pub charged_bytes: u64,
+}
+
 /// What one pass found.
 #[derive(Debug, Default)]
 pub struct Census {
     pub unenforced: Vec<Unenforced>,
+    /// Every GPU process NVML lists.
+    pub uses: Vec<ProcessUse>,
     /// Slots whose host PID the monitor recorded in this pass.
     pub host_pids_recorded: usize,
 }
 
-/// Reads `/proc` (the host's, with `hostPID`) for the facts the census needs.
-pub struct HostProc {
-    root: PathBuf,
+/// A live slot of a container.
+struct Slot {
+    container: usize,
+    index: usize,
+    /// PID inside the container.
+    pid: u32,
+    /// PID NVML knows it by, as the slot says.
+    nvml_pid: u32,
 }
 
-impl Default for HostProc {
-    fn default() -> Self {
-        Self::new("/proc")
-    }
-}
-
-impl HostProc {
-    pub fn new(root: impl Into<PathBuf>) -> Self {
-        Self { root: root.into() }
-    }
-
-    /// The process's PIDs, outermost namespace first.
-    fn nspid(&self, pid: u32) -> Option<Vec<u32>> {
-        let status = std::fs::read_to_string(self.root.join(format!("{pid}/status"))).ok()?;
-        nspid(&status)
-    }
-
-    /// The PID namespace's identity (`pid:[inode]`).
-    fn pid_namespace(&self, pid: u32) -> Option<PathBuf> {
-        std::fs::read_link(self.root.join(format!("{pid}/ns/pid"))).ok()
-    }
-
-    /// The pod UID in the process's cgroup path (kubelet's layout, either
-    /// cgroup driver: `pod<uid>` with dashes or underscores).
-    fn pod_uid(&self, pid: u32) -> Option<String> {
-        let cgroup = std::fs::read_to_string(self.root.join(format!("{pid}/cgroup"))).ok()?;
-        pod_uid_in_cgroup(&cgroup)
-    }
-
-    /// `(device, inode)` of every file the process maps.
-    fn mapped_files(&self, pid: u32) -> HashSet<(u64, u64)> {
-        std::fs::read_to_string(self.root.join(format!("{pid}/maps")))
-            .map(|maps| maps.lines().filter_map(mapped_file).collect())
-            .unwrap_or_default()
-    }
-}
-
-/// `(device, inode)` of the file a `/proc/<pid>/maps` line maps.
-fn mapped_file(line: &str) -> Option<(u64, u64)> {
-    let mut fields = line.split_whitespace();
-    let device = fields.nth(3)?;
-    let inode: u64 = fields.next()?.parse().ok()?;
-    let (major, minor) = device.split_once(':')?;
-    let (major, minor) = (
-        u64::from_str_radix(major, 16).ok()?,
-        u64::from_str_radix(minor, 16).ok()?,
-    );
-    (inode != 0).then_some((libc::makedev(major as u32, minor as u32), inode))
-}
-
-/// The pod UID kubelet puts in a container's cgroup path, if any.
-pub fn pod_uid_in_cgroup(cgroup: &str) -> Option<String> {
-    cgroup.lines().find_map(|line| {
-        let path = line.splitn(3, ':').nth(2)?;
-        path.split('/').find_map(|part| {
-            let rest = part.strip_prefix("kubepods-").map_or(part, |p| p);
-            let at = rest.find("pod")?;
-            let uid = rest[at + 3..].trim_end_matches(".slice");
-            let uid = uid.replace('_', "-");
-            let shaped = uid.len() == 36 && uid.chars().all(|c| c.is_ascii_hexdigit() || c == '-');
-            shaped.then_some(uid)
-        })
-    })
-}
-
-/// Compares the GPUs' processes with the containers' live slots.
-pub fn census(gpus: &[GpuSample], containers: &[Container], proc: &HostProc) -> Census {
-    // (container, slot index, PID in the container, PID NVML knows it by)
+/// Compares the GPUs' processes with what the containers' shims charged.
+/// `margin` is what a process may hold beyond its charge (a context's
+/// memory outside any allocation).
+pub fn census(
+    gpus: &[GpuSample],
+    containers: &[Container],
+    proc: &HostProc,
+    margin: u64,
+) -> Census {
+    let owners = Owners::new(containers.iter().map(|c| (c.key, c.pod_uid)));
     let mut slots = Vec::new();
     for (c, container) in containers.iter().enumerate() {
         let layout = container.region.layout();
         for index in container.region.active_slots().take(MAX_SLOTS) {
             let slot = &layout.slots[index];
-            slots.push((c, index, slot.pid.load(Ordering::Relaxed), slot.nvml_pid()));
+            slots.push(Slot {
+                container: c,
+                index,
+                pid: slot.pid.load(Ordering::Relaxed),
+                nvml_pid: slot.nvml_pid(),
+            });
         }
     }
-    let mut accounted: HashSet<u32> = slots.iter().map(|s| s.3).collect();
     let mut census = Census::default();
+    let mut recorded: HashSet<u32> = HashSet::new();
     for gpu in gpus {
         for process in &gpu.compute_processes {
-            if accounted.contains(&process.pid) {
-                continue;
-            }
-            // Which region does it map? Only a shim process maps one.
-            let files = proc.mapped_files(process.pid);
-            let mapped = containers
-                .iter()
-                .enumerate()
-                .find(|(_, container)| files.contains(&container.file));
-            if let Some((c, _)) = mapped {
-                let inner = proc.nspid(process.pid).and_then(|l| l.last().copied());
-                let slot = slots
-                    .iter()
-                    .find(|s| s.0 == c && Some(s.2) == inner && s.3 != process.pid);
-                if let Some(&(_, index, _, _)) = slot {
-                    containers[c].region.layout().slots[index]
-                        .host_pid
-                        .store(process.pid, Ordering::Relaxed);
-                    census.host_pids_recorded += 1;
-                    accounted.insert(process.pid);
-                    continue;
+            let mut owner = owners.owner_of(process.pid, proc);
+            if owner == Owner::Unknown {
+                // A process of no pod (the host's: on a workstation, `vgpu
+                // run`'s) belongs to the region it maps, if any.
+                let files = proc.mapped_files(process.pid);
+                if let Some(mapped) = containers.iter().find(|c| files.contains(&c.file)) {
+                    owner = Owner::Region(mapped.key.to_string());
                 }
             }
-            let container = mapped
-                .map(|(c, _)| c)
-                .or_else(|| attribute(process.pid, containers, &slots, proc));
-            census.unenforced.push(Unenforced {
+            let own = match &owner {
+                Owner::Region(key) => containers.iter().position(|c| c.key == key),
+                _ => None,
+            };
+            if let Some(c) = own {
+                if !recorded.contains(&process.pid) {
+                    if let Some(slot) =
+                        record_host_pid(process.pid, c, &containers[c], &slots, proc)
+                    {
+                        slots[slot].nvml_pid = process.pid;
+                        recorded.insert(process.pid);
+                        census.host_pids_recorded += 1;
+                    }
+                }
+            }
+            let used = process.used_bytes.unwrap_or(0);
+            let has_slot = own.is_some_and(|c| {
+                slots
+                    .iter()
+                    .any(|s| s.container == c && s.nvml_pid == process.pid)
+            });
+            let charged = own.map_or(0, |c| {
+                charged_to(process.pid, &containers[c], c, &slots, &gpu.uuid)
+            });
+            if !has_slot || used > charged.saturating_add(margin) {
+                census.unenforced.push(Unenforced {
+                    gpu_uuid: gpu.uuid.clone(),
+                    pid: process.pid,
+                    used_bytes: used,
+                    container: own.map(|c| containers[c].key.to_string()),
+                });
+            }
+            census.uses.push(ProcessUse {
                 gpu_uuid: gpu.uuid.clone(),
                 pid: process.pid,
-                used_bytes: process.used_bytes.unwrap_or(0),
-                container: container.map(|c| containers[c].key.to_string()),
+                owner,
+                used_bytes: used,
+                charged_bytes: charged,
             });
         }
     }
     census
 }
 
-/// The container an unaccounted process belongs to: its pod (from its
-/// cgroup) when that pod has one container with a region, else the
-/// container whose shim processes share its PID namespace.
-fn attribute(
-    pid: u32,
-    containers: &[Container],
-    slots: &[(usize, usize, u32, u32)],
-    proc: &HostProc,
-) -> Option<usize> {
-    if let Some(pod) = proc.pod_uid(pid) {
-        let of_pod: Vec<usize> = (0..containers.len())
-            .filter(|&c| containers[c].pod_uid == Some(pod.as_str()))
-            .collect();
-        if let [only] = of_pod[..] {
-            return Some(only);
-        }
-    }
-    let namespace = proc.pid_namespace(pid)?;
-    // The host's own namespace says nothing: every host process shares it.
-    if proc.pid_namespace(1).as_ref() == Some(&namespace) {
-        return None;
-    }
+/// What the slots of `container` naming `pid` charged on the GPU `uuid`.
+fn charged_to(pid: u32, container: &Container, c: usize, slots: &[Slot], uuid: &str) -> u64 {
+    let Some(device) = container
+        .uuids
+        .iter()
+        .position(|u| u == uuid)
+        .filter(|d| *d < MAX_DEVICES)
+    else {
+        return 0;
+    };
+    let layout = container.region.layout();
     slots
         .iter()
-        .find(|s| proc.pid_namespace(s.3).as_ref() == Some(&namespace))
-        .map(|s| s.0)
+        .filter(|s| s.container == c && s.nvml_pid == pid)
+        .map(|s| layout.slots[s.index].devices[device].device_bytes())
+        .fold(0u64, u64::saturating_add)
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn pod_uids_come_from_either_cgroup_driver() {
-        let systemd = "0::/kubepods.slice/kubepods-burstable.slice/kubepods-burstable-pod6f1c0a52_4b7e_4d5e_9b1a_0c2d3e4f5a6b.slice/cri-containerd-abc.scope\n";
-        let cgroupfs =
-            "12:memory:/kubepods/besteffort/pod0a9b8c7d-6e5f-4a3b-8c2d-1e0f9a8b7c6d/0123abcd\n";
-        assert_eq!(
-            pod_uid_in_cgroup(systemd).as_deref(),
-            Some("6f1c0a52-4b7e-4d5e-9b1a-0c2d3e4f5a6b")
-        );
-        assert_eq!(
-            pod_uid_in_cgroup(cgroupfs).as_deref(),
-            Some("0a9b8c7d-6e5f-4a3b-8c2d-1e0f9a8b7c6d")
-        );
-        assert_eq!(pod_uid_in_cgroup("0::/user.slice/user-0.slice\n"), None);
-        assert_eq!(pod_uid_in_cgroup("0::/kubepods/podnot-a-uid/x\n"), None);
+/// Records the host PID of a shim process of `container` that knows only
+/// its own (it mapped the region, and a slot holds its in-container PID but
+/// not this host PID). Returns the index in `slots` of the slot it
+/// recorded it in.
+fn record_host_pid(
+    pid: u32,
+    c: usize,
+    container: &Container,
+    slots: &[Slot],
+    proc: &HostProc,
+) -> Option<usize> {
+    if slots.iter().any(|s| s.container == c && s.nvml_pid == pid) {
+        return None;
     }
-
-    #[test]
-    fn maps_lines_name_device_and_inode() {
-        let line =
-            "7f3c2a000000-7f3c2a100000 rw-s 00000000 fd:01 1311013 /var/lib/vgpu/region.cache";
-        assert_eq!(mapped_file(line), Some((libc::makedev(0xfd, 1), 1311013)));
-        assert_eq!(
-            mapped_file("7f3c2a000000-7f3c2a100000 rw-p 00000000 00:00 0 "),
-            None
-        );
-        assert_eq!(mapped_file("garbage"), None);
+    if !proc.mapped_files(pid).contains(&container.file) {
+        return None;
     }
+    let inner = proc.nspid(pid).and_then(|l| l.last().copied());
+    let found = slots
+        .iter()
+        .position(|s| s.container == c && Some(s.pid) == inner && s.nvml_pid != pid)?;
+    container.region.layout().slots[slots[found].index]
+        .host_pid
+        .store(pid, Ordering::Relaxed);
+    Some(found)
 }

@@ -298,6 +298,7 @@ pub fn plan(
         context_reserve: config.context_reserve,
         measure_contexts: config.measure_contexts,
         oversubscribe: config.oversubscribe,
+        device_uuids: uuids.iter().map(|uuid| uuid.to_string()).collect(),
     };
     Ok(RegionPlan {
         holder: holder.clone(),

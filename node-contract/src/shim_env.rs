@@ -583,6 +583,7 @@ mod tests {
             context_reserve: 256 << 20,
             measure_contexts: true,
             oversubscribe: false,
+            device_uuids: Vec::new(),
         }
     }
 

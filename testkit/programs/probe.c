@@ -6,7 +6,10 @@
  * printed as key=value lines on stdout for the Rust tests to check.
  *
  * usage: probe ACCESS COMMAND [ARGS]
- *   ACCESS  linked | dlsym | procaddr
+ *   ACCESS  linked | dlsym | procaddr | elf
+ *           (elf: every entry point read from the loaded driver's own
+ *           dynamic symbol table, never asking dlsym or cuGetProcAddress:
+ *           what a program that means to get past the shim does)
  *   fill CHUNK              allocate CHUNK-byte buffers until refused
  *   kinds                   charge of every counted allocation kind
  *   random ITERATIONS SEED MAX_CHUNK
@@ -24,12 +27,15 @@
  *   primary                 allocations die with the last primary-context
  *                           release (dlsym and procaddr only)
  *   getprocaddress          cuGetProcAddress variant and status semantics
- *   nvml                    NVML memory info and process list (dlopen)
+ *   nvml                    NVML memory info, process list and device 0's
+ *                           UUID (dlopen)
  *   rtld-next               dlsym(RTLD_NEXT) with another interposer loaded
  */
 #define _GNU_SOURCE
 #include <dlfcn.h>
+#include <elf.h>
 #include <errno.h>
+#include <link.h>
 #include <poll.h>
 #include <signal.h>
 #include <stdint.h>
@@ -140,11 +146,70 @@ static int load_driver(void) {
 static void *driver_handle;
 static GetProcAddressFn get_proc_address;
 
-/* Resolves one function: by its versioned name through dlsym, or by its
- * base name and a CUDA version through cuGetProcAddress. */
+/* The driver as loaded: where it is mapped and its dynamic symbol table,
+ * found by walking the program headers of the loaded objects. */
+static struct {
+    ElfW(Addr) base;
+    const ElfW(Sym) *symbols;
+    const char *names;
+    size_t count;
+} elf_driver;
+
+static int find_driver_object(struct dl_phdr_info *info, size_t size, void *data) {
+    (void)size;
+    (void)data;
+    if (!info->dlpi_name || !strstr(info->dlpi_name, "libcuda.so")) return 0;
+    for (int i = 0; i < info->dlpi_phnum; i++) {
+        if (info->dlpi_phdr[i].p_type != PT_DYNAMIC) continue;
+        const ElfW(Dyn) *dyn = (const ElfW(Dyn) *)(info->dlpi_addr + info->dlpi_phdr[i].p_vaddr);
+        const uint32_t *gnu_hash = NULL;
+        const uint32_t *sysv_hash = NULL;
+        for (; dyn->d_tag != DT_NULL; dyn++) {
+            /* The loader has relocated these to addresses already. */
+            if (dyn->d_tag == DT_SYMTAB) elf_driver.symbols = (const ElfW(Sym) *)dyn->d_un.d_ptr;
+            if (dyn->d_tag == DT_STRTAB) elf_driver.names = (const char *)dyn->d_un.d_ptr;
+            if (dyn->d_tag == DT_GNU_HASH) gnu_hash = (const uint32_t *)dyn->d_un.d_ptr;
+            if (dyn->d_tag == DT_HASH) sysv_hash = (const uint32_t *)dyn->d_un.d_ptr;
+        }
+        if (sysv_hash) {
+            elf_driver.count = sysv_hash[1];
+        } else if (gnu_hash) {
+            /* The highest symbol index any bucket's chain reaches. */
+            uint32_t buckets = gnu_hash[0], offset = gnu_hash[1], bloom = gnu_hash[2];
+            const uint32_t *bucket = gnu_hash + 4 + bloom * (sizeof(ElfW(Addr)) / 4);
+            const uint32_t *chain = bucket + buckets;
+            uint32_t last = 0;
+            for (uint32_t b = 0; b < buckets; b++)
+                if (bucket[b] > last) last = bucket[b];
+            if (last >= offset)
+                while (!(chain[last - offset] & 1)) last++;
+            elf_driver.count = last + 1;
+        }
+        elf_driver.base = info->dlpi_addr;
+        return 1;
+    }
+    return 0;
+}
+
+static void *elf_lookup(const char *name) {
+    for (size_t i = 0; i < elf_driver.count; i++) {
+        const ElfW(Sym) *sym = &elf_driver.symbols[i];
+        if (sym->st_value && ELF64_ST_TYPE(sym->st_info) == STT_FUNC &&
+            strcmp(elf_driver.names + sym->st_name, name) == 0)
+            return (void *)(elf_driver.base + sym->st_value);
+    }
+    return NULL;
+}
+
+/* Resolves one function: by its versioned name through dlsym or the
+ * driver's symbol table, or by its base name and a CUDA version through
+ * cuGetProcAddress. */
 static void *resolve(const char *versioned, const char *base, int cuda_version) {
     if (strcmp(access_mode, "dlsym") == 0) {
         return dlsym(driver_handle, versioned);
+    }
+    if (strcmp(access_mode, "elf") == 0) {
+        return elf_lookup(versioned);
     }
     void *address = NULL;
     int status = -1;
@@ -175,6 +240,12 @@ static int load_driver(void) {
         get_proc_address = (GetProcAddressFn)dlsym(driver_handle, "cuGetProcAddress_v2");
         if (!get_proc_address) {
             fprintf(stderr, "no cuGetProcAddress_v2\n");
+            return -1;
+        }
+    } else if (strcmp(access_mode, "elf") == 0) {
+        dl_iterate_phdr(find_driver_object, NULL);
+        if (!elf_driver.symbols || !elf_driver.names || !elf_driver.count) {
+            fprintf(stderr, "no dynamic symbol table found for libcuda.so.1\n");
             return -1;
         }
     } else if (strcmp(access_mode, "dlsym") != 0) {
@@ -596,6 +667,9 @@ static int cmd_nvml(void) {
     printf("process_pids=");
     for (unsigned i = 0; i < count; i++) printf("%s%u", i ? "," : "", infos[i].pid);
     printf("\n");
+    nvmlReturn_t (*uuid)(nvmlDevice_t, char *, unsigned) = dlsym(nvml, "nvmlDeviceGetUUID");
+    char text[96] = {0};
+    if (uuid && uuid(device, text, sizeof text) == 0) printf("uuid=%s\n", text);
     return 0;
 }
 #endif

@@ -6,6 +6,9 @@
 //! `VGPU_SHIM_LIBRARY` names another build of the shim to test (the README's
 //! test command points it at the shipped glibc-2.17 build).
 //!
+//! [`node_container`] makes a container as a node sets one up (region,
+//! grant and mounts from the node agent's own plan), on the host.
+//!
 //! [`module_graph`] reads a crate's modules and the circles between them,
 //! for the test that keeps every crate's layers pointing one way.
 
@@ -16,6 +19,7 @@ pub mod fault_proxy;
 pub mod kube;
 pub mod module_graph;
 pub mod namespaces;
+pub mod node_container;
 pub mod pending_pods;
 
 use std::collections::HashMap;

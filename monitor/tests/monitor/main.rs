@@ -4,6 +4,7 @@
 //! (which counts its process's threads), `contention` and `arbitration`
 //! (which measure compute shares) keep binaries of their own.
 
+mod backstop;
 #[path = "../common/mod.rs"]
 mod common;
 mod dashboard;

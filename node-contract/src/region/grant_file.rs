@@ -62,9 +62,16 @@ pub struct GrantLayout {
     pub context_reserve: AtomicU64,
     /// The region's path in the container, NUL padded.
     pub region_path: [AtomicU64; REGION_PATH_BYTES / 8],
+    /// The UUID of each GPU granted, in the order the container numbers
+    /// them, NUL padded: how the node tells which of NVML's GPUs a device
+    /// of the grant is, without asking the container.
+    pub device_uuids: [[AtomicU64; UUID_BYTES / 8]; MAX_DEVICES],
     pub reserved: [AtomicU64; 8],
     pub limits: Limits,
 }
+
+/// Bytes of a device UUID a grant holds (NUL padded): NVML's longest.
+pub const UUID_BYTES: usize = 48;
 
 /// Size of a grant file.
 pub const GRANT_BYTES: usize = std::mem::size_of::<GrantLayout>();
@@ -81,6 +88,8 @@ pub struct GrantSettings {
     /// Whether allocations may spill to host memory (each device's swap
     /// allowance is in the limits).
     pub oversubscribe: bool,
+    /// The UUID of each GPU granted, in the container's order.
+    pub device_uuids: Vec<String>,
 }
 
 /// Why a grant could not be used.
@@ -156,6 +165,20 @@ impl Grant {
                 ),
             });
         }
+        if settings.device_uuids.len() > MAX_DEVICES
+            || settings
+                .device_uuids
+                .iter()
+                .any(|uuid| uuid.len() >= UUID_BYTES || uuid.contains('\0'))
+        {
+            return Err(GrantError::Invalid {
+                path: path.to_path_buf(),
+                what: format!(
+                    "device UUIDs {:?}: at most {MAX_DEVICES}, each shorter than {UUID_BYTES} bytes",
+                    settings.device_uuids
+                ),
+            });
+        }
         let existing = match Self::open_writable(path) {
             Ok(grant) => Some(grant),
             Err(GrantError::Io { source, .. }) if source.kind() == io::ErrorKind::NotFound => None,
@@ -220,12 +243,9 @@ impl Grant {
         layout
             .context_reserve
             .store(settings.context_reserve, Ordering::Relaxed);
-        let mut bytes = [0u8; REGION_PATH_BYTES];
-        bytes[..settings.region_path.len()].copy_from_slice(settings.region_path.as_bytes());
-        for (word, chunk) in layout.region_path.iter().zip(bytes.chunks_exact(8)) {
-            let mut raw = [0u8; 8];
-            raw.copy_from_slice(chunk);
-            word.store(u64::from_le_bytes(raw), Ordering::Relaxed);
+        store_text(&layout.region_path, &settings.region_path);
+        for (words, uuid) in layout.device_uuids.iter().zip(&settings.device_uuids) {
+            store_text(words, uuid);
         }
         layout.limits.store(limits);
         layout.limits.start_effective(limits);
@@ -348,22 +368,24 @@ impl Grant {
     /// an absolute path of text is refused.
     pub fn settings(&self) -> Result<GrantSettings, GrantError> {
         let layout = self.layout();
-        let mut bytes = Vec::with_capacity(REGION_PATH_BYTES);
-        for word in &layout.region_path {
-            bytes.extend_from_slice(&word.load(Ordering::Relaxed).to_le_bytes());
-        }
-        let end = bytes.iter().position(|b| *b == 0).unwrap_or(bytes.len());
-        bytes.truncate(end);
-        let region_path = String::from_utf8(bytes)
-            .ok()
+        let region_path = load_text(&layout.region_path)
             .filter(|path| path.starts_with('/'))
             .ok_or_else(|| self.invalid("its region path is not an absolute path".into()))?;
+        let mut device_uuids = Vec::new();
+        for words in &layout.device_uuids {
+            match load_text(words) {
+                Some(uuid) if !uuid.is_empty() => device_uuids.push(uuid),
+                Some(_) => break,
+                None => return Err(self.invalid("a device UUID is not text".into())),
+            }
+        }
         let flags = layout.flags.load(Ordering::Relaxed);
         Ok(GrantSettings {
             region_path,
             context_reserve: layout.context_reserve.load(Ordering::Relaxed),
             measure_contexts: flags & FLAG_MEASURE_CONTEXTS != 0,
             oversubscribe: flags & FLAG_OVERSUBSCRIBE != 0,
+            device_uuids,
         })
     }
 
@@ -394,6 +416,29 @@ impl Grant {
     }
 }
 
+/// Writes `text` into `words`, NUL padded (the caller checked it fits).
+fn store_text(words: &[AtomicU64], text: &str) {
+    let mut bytes = vec![0u8; words.len() * 8];
+    let len = text.len().min(bytes.len());
+    bytes[..len].copy_from_slice(&text.as_bytes()[..len]);
+    for (word, chunk) in words.iter().zip(bytes.chunks_exact(8)) {
+        let mut raw = [0u8; 8];
+        raw.copy_from_slice(chunk);
+        word.store(u64::from_le_bytes(raw), Ordering::Relaxed);
+    }
+}
+
+/// The NUL-padded text in `words`; `None` when it is not UTF-8.
+fn load_text(words: &[AtomicU64]) -> Option<String> {
+    let mut bytes = Vec::with_capacity(words.len() * 8);
+    for word in words {
+        bytes.extend_from_slice(&word.load(Ordering::Relaxed).to_le_bytes());
+    }
+    let end = bytes.iter().position(|b| *b == 0).unwrap_or(bytes.len());
+    bytes.truncate(end);
+    String::from_utf8(bytes).ok()
+}
+
 fn io_error(path: &Path, op: &'static str, source: io::Error) -> GrantError {
     GrantError::Io {
         path: path.to_path_buf(),
@@ -418,6 +463,7 @@ mod tests {
             context_reserve: 256 << 20,
             measure_contexts: true,
             oversubscribe: false,
+            device_uuids: vec!["GPU-5e1f2a3b-0000-4000-8000-000000000001".into()],
         }
     }
 

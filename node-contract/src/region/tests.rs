@@ -336,6 +336,7 @@ fn grant_beside(region_path: &std::path::Path, limits: &RegionLimits) -> Grant {
         context_reserve: 0,
         measure_contexts: false,
         oversubscribe: false,
+        device_uuids: vec!["GPU-a".into()],
     };
     Grant::create(&path, &settings, limits).expect("grant")
 }

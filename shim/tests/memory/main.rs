@@ -3,4 +3,5 @@
 //! own). `compute_share`, which measures shares, keeps a binary of its own.
 
 mod memory_cap;
+mod node_grant;
 mod oversubscribe;

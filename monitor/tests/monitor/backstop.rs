@@ -1,0 +1,119 @@
+//! The memory backstop, end to end: a container the node set up (region,
+//! grant and mounts from the node agent's own plan), on the simulated GPU,
+//! whose NVML counts every process's memory as the driver does. A process
+//! that finds the driver's entry points itself (never asking `dlsym` or
+//! `cuGetProcAddress`, so the shim cannot see its allocations) and holds
+//! more than the container's grant is killed soon after; the container's
+//! shim processes are not.
+
+use crate::common::*;
+use std::io::{BufRead, BufReader};
+use std::os::unix::process::ExitStatusExt;
+use std::process::{Child, Stdio};
+use std::time::{Duration, Instant};
+use vgpu_testkit::node_container::NodeContainer;
+use vgpu_testkit::{key_values, programs_dir, run_ok, Sandbox};
+
+const POD: &str = "7c1d2e3f-4a5b-4c6d-8e9f-0a1b2c3d4e5f";
+
+fn gpu_uuid(sandbox: &Sandbox) -> String {
+    let mut nvml = sandbox.command_without_shim(&programs_dir().join("probe"));
+    nvml.args(["dlsym", "nvml"]);
+    key_values(&run_ok(&mut nvml))
+        .remove("uuid")
+        .expect("the simulated GPU's UUID")
+}
+
+/// Starts `command` and waits for its "ready" line.
+fn until_ready(mut command: std::process::Command) -> Child {
+    let mut child = command
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .expect("spawn");
+    let stdout = child.stdout.take().expect("stdout");
+    let ready = BufReader::new(stdout)
+        .lines()
+        .map_while(Result::ok)
+        .any(|line| line == "ready");
+    assert!(ready, "the program never held its memory");
+    child
+}
+
+/// A node container of 1 GiB on an 8 GiB simulated GPU, one of its shim
+/// processes holding 512 MiB, and the monitor over it with `args`.
+fn setup(name: &str, args: &[&str]) -> (Sandbox, HostDir, NodeContainer, Child, MonitorProcess) {
+    let sandbox = Sandbox::new(name, 1, "8Gi");
+    let uuid = gpu_uuid(&sandbox);
+    let host = HostDir::new(name);
+    let node = NodeContainer::prepare(&host.root, POD, "main", &[(&uuid, 1 << 30, 30)]);
+    let shim = until_ready(node.wrap(&sandbox.probe("dlsym", &["hold", &(512 * MIB).to_string()])));
+    let mut all = vec!["--no-kubernetes"];
+    all.extend_from_slice(args);
+    let monitor = MonitorProcess::on_simulated_gpu(&sandbox, &host, &all);
+    let container = [("pod", POD), ("container", "main")];
+    monitor.wait_for_metrics(Duration::from_secs(15), |samples| {
+        (value(samples, "vgpu_container_gpu_memory_bytes", &container) >= Some((512 * MIB) as f64))
+            .then_some(())
+    });
+    (sandbox, host, node, shim, monitor)
+}
+
+/// The attacker: 3 GiB held through entry points from the driver's own
+/// symbol table, in the same container.
+fn attacker(sandbox: &Sandbox, node: &NodeContainer) -> Child {
+    until_ready(node.wrap(&sandbox.probe("elf", &["hold", &(3072 * MIB).to_string()])))
+}
+
+#[test]
+fn a_process_that_finds_the_driver_itself_is_killed_soon_after_it_passes_its_grant() {
+    let (sandbox, _host, node, mut shim, monitor) = setup("backstop-kill", &[]);
+    let mut attacker = attacker(&sandbox, &node);
+    let holding = Instant::now();
+    let status = wait_for(Duration::from_secs(10), || {
+        attacker.try_wait().expect("wait")
+    })
+    .unwrap_or_else(|| panic!("not killed within 10 s:\n{}", monitor.log()));
+    let took = holding.elapsed();
+    assert_eq!(status.signal(), Some(libc::SIGKILL), "{status}");
+    // Three passes of 100 ms over the cap, from its first sample.
+    assert!(took < Duration::from_millis(1500), "killed after {took:?}");
+    eprintln!("killed {took:?} after it held its memory");
+    let container = [("pod", POD), ("container", "main")];
+    monitor.wait_for_metrics(Duration::from_secs(10), |samples| {
+        (value(samples, "vgpu_container_over_cap_kills_total", &container) == Some(1.0))
+            .then_some(())
+    });
+    let log = monitor.log();
+    assert!(
+        log.contains(&format!("process {} killed", attacker.id())),
+        "{log}"
+    );
+    assert!(
+        log.contains("of which the vgpu shim charged 0 MiB"),
+        "{log}"
+    );
+    // The shim's own process, within the grant, runs on.
+    assert!(shim.try_wait().expect("wait").is_none(), "{log}");
+    drop(shim.stdin.take());
+    assert!(shim.wait().expect("exit").success());
+}
+
+#[test]
+fn with_action_report_the_process_is_reported_and_left_running() {
+    let (sandbox, _host, node, mut shim, monitor) =
+        setup("backstop-report", &["--over-cap-action", "report"]);
+    let mut attacker = attacker(&sandbox, &node);
+    wait_for(Duration::from_secs(10), || {
+        monitor.log().contains("reported only").then_some(())
+    })
+    .unwrap_or_else(|| panic!("not reported:\n{}", monitor.log()));
+    assert!(attacker.try_wait().expect("wait").is_none(), "left running");
+    let log = monitor.log();
+    assert_eq!(log.matches("reported only").count(), 1, "once:\n{log}");
+    for child in [&mut attacker, &mut shim] {
+        drop(child.stdin.take());
+        assert!(child.wait().expect("exit").success());
+    }
+}
