@@ -94,9 +94,17 @@ impl NodeContainer {
         &self.plan.grant_host
     }
 
+    /// Gives `command` the environment the plan gives the container, over
+    /// what it had (as kubelet gives a container its device plugin's).
+    pub fn give_env(&self, command: &mut Command) {
+        for (key, value) in &self.plan.envs {
+            command.env(key, value);
+        }
+    }
+
     /// `command` as a process of this container: in a mount namespace of
-    /// its own with the plan's mounts, and the environment the plan gives
-    /// (on top of the command's own, which wins).
+    /// its own with the plan's mounts, and the command's own environment
+    /// (give it the plan's with [`Self::give_env`]).
     pub fn wrap(&self, command: &Command) -> Command {
         // Each mount: host path, container path, "ro" or "rw".
         let script = r#"set -e
@@ -133,9 +141,6 @@ exec "$@""#;
             .args(command.get_args())
             .env_clear()
             .env("PATH", "/usr/local/sbin:/usr/sbin:/usr/bin:/sbin:/bin");
-        for (key, value) in &self.plan.envs {
-            wrapped.env(key, value);
-        }
         for (key, value) in command.get_envs() {
             match value {
                 Some(value) => wrapped.env(key, value),

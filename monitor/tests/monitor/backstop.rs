@@ -48,7 +48,9 @@ fn setup(name: &str, args: &[&str]) -> (Sandbox, HostDir, NodeContainer, Child, 
     let uuid = gpu_uuid(&sandbox);
     let host = HostDir::new(name);
     let node = NodeContainer::prepare(&host.root, POD, "main", &[(&uuid, 1 << 30, 30)]);
-    let shim = until_ready(node.wrap(&sandbox.probe("dlsym", &["hold", &(512 * MIB).to_string()])));
+    let mut holder = sandbox.probe("dlsym", &["hold", &(512 * MIB).to_string()]);
+    node.give_env(&mut holder);
+    let shim = until_ready(node.wrap(&holder));
     let mut all = vec!["--no-kubernetes"];
     all.extend_from_slice(args);
     let monitor = MonitorProcess::on_simulated_gpu(&sandbox, &host, &all);
@@ -63,7 +65,9 @@ fn setup(name: &str, args: &[&str]) -> (Sandbox, HostDir, NodeContainer, Child, 
 /// The attacker: 3 GiB held through entry points from the driver's own
 /// symbol table, in the same container.
 fn attacker(sandbox: &Sandbox, node: &NodeContainer) -> Child {
-    until_ready(node.wrap(&sandbox.probe("elf", &["hold", &(3072 * MIB).to_string()])))
+    let mut attacker = sandbox.probe("elf", &["hold", &(3072 * MIB).to_string()]);
+    node.give_env(&mut attacker);
+    until_ready(node.wrap(&attacker))
 }
 
 #[test]

@@ -39,6 +39,7 @@ fn container(name: &str) -> (Sandbox, NodeContainer) {
 /// command changed by `attack` first.
 fn fill(sandbox: &Sandbox, node: &NodeContainer, attack: impl FnOnce(&mut Command)) -> i128 {
     let mut command = sandbox.probe("dlsym", &["fill", CHUNK]);
+    node.give_env(&mut command);
     attack(&mut command);
     let values = key_values(&run_ok(&mut node.wrap(&command)));
     assert_eq!(
@@ -132,7 +133,8 @@ fn the_environment_may_lower_the_cap_for_its_process() {
 fn a_grant_that_cannot_be_read_fails_closed() {
     let (sandbox, node) = container("unreadable");
     std::fs::write(node.grant(), b"not a grant").expect("overwrite the grant");
-    let command = sandbox.probe("dlsym", &["fill", CHUNK]);
+    let mut command = sandbox.probe("dlsym", &["fill", CHUNK]);
+    node.give_env(&mut command);
     let output = node.wrap(&command).output().expect("run");
     let values = key_values(&output);
     assert!(
