@@ -574,6 +574,97 @@ def test_root_in_a_container_cannot_take_the_shim_away(real_cluster):
     assert "Unconfined" in refused.stderr and "container main" in refused.stderr, refused.stderr
 
 
+# Root in a vGPU container (1 GiB granted) tries every way out of its cap
+# the shim's inputs gave it: each fill reports what it got. Then a program
+# that finds the driver's entry points itself holds 3 GiB; it must be
+# killed by the node's monitor (its exit status and how long it held).
+WAYS_OUT_SCRIPT = """
+fill() { name=$1; shift; "$@" probe dlsym fill 268435456 > /tmp/$name.out 2>/tmp/$name.err || true;
+         echo "${name}_allocated=$(sed -n 's/^allocated=//p' /tmp/$name.out)";
+         echo "${name}_refusal=$(sed -n 's/^refusal=//p' /tmp/$name.out)"; }
+fill unset env -i PATH=$PATH
+fill own_region env CUDA_DEVICE_MEMORY_SHARED_CACHE=/tmp/mine CUDA_DEVICE_MEMORY_LIMIT=6g CUDA_DEVICE_MEMORY_LIMIT_0=6g
+echo own_region_file=$(test -e /tmp/mine && echo made || echo none)
+fill reserve env VGPU_CONTEXT_RESERVE=0 GPU_CORE_UTILIZATION_POLICY=disable
+vgpu-region-forge --lift > /tmp/forge.out 2>&1 && echo lifted=$(sed -n 's/^lifted=//p' /tmp/forge.out)
+fill rewritten env
+mkfifo /tmp/hold
+probe elf hold 3221225472 < /tmp/hold > /tmp/elf.out 2>/tmp/elf.err &
+held=$!
+exec 3> /tmp/hold
+until grep -q ready /tmp/elf.out 2>/dev/null; do
+    kill -0 $held 2>/dev/null || break
+    sleep 0.02
+done
+start=$(date +%s%N)
+status=0
+wait $held || status=$?
+echo elf_held_ms=$(( ($(date +%s%N) - start) / 1000000 ))
+echo elf_status=$status
+echo done=1
+sleep infinity
+"""
+
+
+def test_root_in_a_container_gets_no_more_than_its_grant_whatever_its_processes_do(real_cluster):
+    """The node, not the process, holds the limits: with the shim's
+    variables unset (`env -i`), a region and limits of its own, a context
+    reserve of 0 and the `disable` policy, its region's limits lifted from
+    inside, each program in a real container granted 1 GiB is refused at
+    its cap; one that finds the driver's entry points in its symbol table
+    (the shim never sees its allocations) and holds 3 GiB is killed by the
+    chart's monitor within a second, with a Warning Event on its pod."""
+    cluster, node = real_cluster.cluster, real_cluster.node
+    namespace = "tenant-ways"
+    limits = {"nvidia.com/gpu": "1", "nvidia.com/gpumem": "1024", "nvidia.com/gpucores": "30"}
+    pod = workload_pod("escaper", namespace, ["/bin/sh", "-c", WAYS_OUT_SCRIPT], limits)
+    found = real_cluster.run_pod(pod)
+    assert found["status"]["phase"] == "Running", json.dumps(found["status"], indent=1)
+
+    def log():
+        return node.container_log(namespace, "escaper", "main")
+    text = wait_for("the escaper's report", lambda: "done=1" in log() and log(), timeout=120, log=real_cluster.logs)
+    seen = report(text)
+    print("\nways out of a 1 GiB grant in a real container: " + ", ".join(
+        f"{name} {int(seen.get(name + '_allocated') or 0) // MIB} MiB"
+        for name in ("unset", "own_region", "reserve", "rewritten"))
+        + f"; the program with its own entry points: exit {seen.get('elf_status')} after "
+          f"{seen.get('elf_held_ms')} ms holding 3 GiB")
+    for name in ("unset", "own_region", "reserve", "rewritten"):
+        assert seen.get(f"{name}_refusal") == "2", (name, text)
+        assert 0 < int(seen[f"{name}_allocated"]) <= 1024 * MIB, (name, text)
+    assert seen.get("own_region_file") == "none", text
+    assert seen.get("lifted") == "1", text
+    # Killed (SIGKILL: the shell says 137) by the monitor, not refused.
+    assert seen.get("elf_status") == "137", text
+    assert int(seen["elf_held_ms"]) < 1500, text
+    events = kubectl_json(cluster, "get", "events", "-n", namespace,
+                          "--field-selector", "involvedObject.name=escaper")["items"]
+    assert any(e["type"] == "Warning" and e["reason"] == "GPUMemoryOverCapKilled" for e in events), events
+    kills = container_figure(real_cluster.metrics(), "vgpu_container_over_cap_kills_total", namespace, "escaper")
+    assert kills == 1, kills
+    cluster.kubectl("delete", "pod", "escaper", "-n", namespace, "--wait=true", "--timeout=60s")
+
+
+def test_a_container_launching_with_cuda_launch_blocking_is_held_at_its_share(real_cluster):
+    """`CUDA_LAUNCH_BLOCKING=1` makes every launch return once its kernel
+    has finished; a loop of 1 ms kernels at `gpucores: 30` is still held
+    near 30 % of the device, as the node's monitor reads it through NVML."""
+    cluster, node = real_cluster.cluster, real_cluster.node
+    pod = workload_pod("blocking", "team-blocking", ["workload", "burst", "k1ms", "60"],
+                       {"nvidia.com/gpu": "1", "nvidia.com/gpumem": "1024", "nvidia.com/gpucores": "30"})
+    pod["spec"]["containers"][0]["env"] = [{"name": "CUDA_LAUNCH_BLOCKING", "value": "1"}]
+    found = real_cluster.run_pod(pod)
+    assert found["status"]["phase"] == "Running", json.dumps(found["status"], indent=1)
+    wait_for("the workload ready", lambda: "ready" in node.container_log("team-blocking", "blocking", "main"),
+             timeout=30, log=real_cluster.logs)
+    achieved, uncapped = measured_share(real_cluster, node, "team-blocking", "blocking", 0.30)
+    print(f"\ngpucores 30 with CUDA_LAUNCH_BLOCKING=1 in a real container: {achieved:.3f} of the device "
+          f"(uncapped beside it: {uncapped:.3f})")
+    assert_share("gpucores 30, CUDA_LAUNCH_BLOCKING=1", 100 * achieved, 30, 100 * uncapped, tolerance=8)
+    cluster.kubectl("delete", "pod", "blocking", "-n", "team-blocking", "--wait=true", "--timeout=60s")
+
+
 def node_inventory(cluster: ControlPlane, node: RealNode) -> dict:
     """The GPU inventory the device plugin published on `node`."""
     return json.loads(kubectl_json(cluster, "get", "node", node.name)["metadata"]["annotations"]["vgpu.io/node-gpus"])

@@ -2,4 +2,5 @@
 //! test binary (each release test binary costs a thin-LTO link of its own).
 
 mod api_server;
+mod front_page;
 mod module_graph;

@@ -281,6 +281,10 @@ DRA nodes. */ -}}
     {{- if $monitor.hamiMetricNames }}
     - --hami-metric-names
     {{- end }}
+    # The backstop: a container whose processes hold more of a GPU than
+    # its grant (as NVML counts it), shim or not.
+    - --over-cap-action={{ $monitor.overCapAction }}
+    - --over-cap-margin={{ $monitor.overCapMargin }}
     - --log-level={{ $monitor.logLevel }}
   env:
     - name: NODE_NAME
@@ -313,6 +317,12 @@ DRA nodes. */ -}}
     allowPrivilegeEscalation: false
     capabilities:
       drop: [ALL]
+      {{- if eq $monitor.overCapAction "kill" }}
+      # To kill, in the host's PID namespace, a container's process that
+      # holds more of a GPU than the container's grant (processes of other
+      # users too).
+      add: [KILL]
+      {{- end }}
   resources:
     {{- toYaml $monitor.resources | nindent 12 }}
   volumeMounts:
