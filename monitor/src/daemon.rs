@@ -68,6 +68,8 @@ pub struct Monitor {
     over_cap_kills: HashMap<String, u64>,
     /// Processes that could not be signalled (each reported once).
     signal_failures: HashSet<u32>,
+    /// Who each GPU process belongs to, as found in earlier passes.
+    owner_cache: unenforced::OwnerCache,
 }
 
 impl Monitor {
@@ -108,6 +110,7 @@ impl Monitor {
             memory_backstop: MemoryBackstop::new(memory_rule),
             over_cap_kills: HashMap::new(),
             signal_failures: HashSet::new(),
+            owner_cache: unenforced::OwnerCache::new(),
         }
     }
 
@@ -158,6 +161,10 @@ impl Monitor {
         let started = Instant::now();
         let now = monotonic_ns();
         let scan = self.discovery.rescan(started);
+        if !scan.added.is_empty() || !scan.removed.is_empty() {
+            // A process's region may be new: find every owner again.
+            self.owner_cache.clear();
+        }
         for key in &scan.removed {
             self.janitor.forget(key);
             self.reported.region_removed(key);
@@ -360,7 +367,11 @@ impl Monitor {
     /// breach kills the process that took the container there (or is
     /// reported), logged, counted and recorded as a Warning Event.
     fn hold_memory(&mut self, collected: &Collected, assessment: &mut Assessment) {
-        let (caps, pod_of) = granted_caps(self.discovery.regions(), &assessment.restores);
+        let (caps, pod_of) = granted_caps(
+            self.discovery.regions(),
+            &assessment.restores,
+            collected.api_state == ApiState::Disabled,
+        );
         let breaches =
             self.memory_backstop
                 .judge(&assessment.uses, &caps, &pod_of, collected.started);
@@ -479,6 +490,7 @@ impl Monitor {
                 &containers,
                 &self.host_proc,
                 self.config.memory_rule.margin_per_process,
+                &mut self.owner_cache,
             )
         };
         if census.host_pids_recorded > 0 {

@@ -21,7 +21,7 @@
 
 use crate::host_proc::HostProc;
 use crate::owners::{Owner, Owners};
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
 use std::sync::atomic::Ordering;
 use vgpu_node_contract::region::{Region, MAX_DEVICES, MAX_SLOTS};
 use vgpu_nvml_host::GpuSample;
@@ -84,6 +84,12 @@ struct Slot {
     nvml_pid: u32,
 }
 
+/// The owners of the processes seen in earlier passes, by host PID: a
+/// process keeps its pod, mounts and regions for its life, so `/proc` is
+/// read once per process rather than every pass. Kept only for the PIDs
+/// NVML still lists, and to be cleared whenever the regions change.
+pub type OwnerCache = HashMap<u32, Owner>;
+
 /// Compares the GPUs' processes with what the containers' shims charged.
 /// `margin` is what a process may hold beyond its charge (a context's
 /// memory outside any allocation).
@@ -92,6 +98,7 @@ pub fn census(
     containers: &[Container],
     proc: &HostProc,
     margin: u64,
+    cache: &mut OwnerCache,
 ) -> Census {
     let owners = Owners::new(containers.iter().map(|c| (c.key, c.pod_uid)));
     let mut slots = Vec::new();
@@ -111,15 +118,10 @@ pub fn census(
     let mut recorded: HashSet<u32> = HashSet::new();
     for gpu in gpus {
         for process in &gpu.compute_processes {
-            let mut owner = owners.owner_of(process.pid, proc);
-            if owner == Owner::Unknown {
-                // A process of no pod (the host's: on a workstation, `vgpu
-                // run`'s) belongs to the region it maps, if any.
-                let files = proc.mapped_files(process.pid);
-                if let Some(mapped) = containers.iter().find(|c| files.contains(&c.file)) {
-                    owner = Owner::Region(mapped.key.to_string());
-                }
-            }
+            let owner = cache
+                .entry(process.pid)
+                .or_insert_with(|| owner_of(process.pid, &owners, containers, &slots, proc))
+                .clone();
             let own = match &owner {
                 Owner::Region(key) => containers.iter().position(|c| c.key == key),
                 _ => None,
@@ -161,7 +163,51 @@ pub fn census(
             });
         }
     }
+    let listed: HashSet<u32> = gpus
+        .iter()
+        .flat_map(|gpu| gpu.compute_processes.iter().map(|p| p.pid))
+        .collect();
+    cache.retain(|pid, _| listed.contains(pid));
     census
+}
+
+/// Who process `pid` belongs to ([`Owners`]). A process of no pod is the
+/// host's (on a workstation, `vgpu run`'s; no tenant's, whose processes are
+/// all in their pod's cgroup): it belongs to the region it maps, if any,
+/// else to the region mapped by a process of its PID namespace (not the
+/// host's own), as the other processes of a `vgpu run` container are.
+fn owner_of(
+    pid: u32,
+    owners: &Owners,
+    containers: &[Container],
+    slots: &[Slot],
+    proc: &HostProc,
+) -> Owner {
+    let owner = owners.owner_of(pid, proc);
+    if owner != Owner::Unknown {
+        return owner;
+    }
+    let files = proc.mapped_files(pid);
+    if let Some(mapped) = containers.iter().find(|c| files.contains(&c.file)) {
+        return Owner::Region(mapped.key.to_string());
+    }
+    let Some(namespace) = proc.pid_namespace(pid) else {
+        return Owner::Unknown;
+    };
+    if proc.pid_namespace(1).as_ref() == Some(&namespace) {
+        return Owner::Unknown;
+    }
+    slots
+        .iter()
+        .find(|s| {
+            proc.pid_namespace(s.nvml_pid).as_ref() == Some(&namespace)
+                && proc
+                    .mapped_files(s.nvml_pid)
+                    .contains(&containers[s.container].file)
+        })
+        .map_or(Owner::Unknown, |s| {
+            Owner::Region(containers[s.container].key.to_string())
+        })
 }
 
 /// What the slots of `container` naming `pid` charged on the GPU `uuid`.
