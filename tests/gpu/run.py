@@ -34,6 +34,7 @@ import platform
 import re
 import selectors
 import shutil
+import signal
 import socket
 import statistics
 import subprocess
@@ -50,7 +51,7 @@ from xml.etree import ElementTree
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent.parent
 PROGRAMS = HERE / "programs"
-CUDA_PROGRAMS = ("fill", "kernels", "oversubscribe")
+CUDA_PROGRAMS = ("fill", "kernels", "oversubscribe", "bypass")
 # Where a build leaves the shim; the glibc-floor build (what ships) first.
 LIBRARY_CANDIDATES = (
     REPO / "target/x86_64-unknown-linux-gnu/release/libvgpu.so",
@@ -686,6 +687,50 @@ def check_killed(suite: Suite) -> None:
                   verdict(took >= held - 256 and device_peak <= cap))
 
 
+def check_backstop(suite: Suite) -> None:
+    """A program that allocates through cuMemAlloc_v2 found in the driver's
+    own symbol table (no interposer sees it) takes its container past its
+    cap; vgpu's node monitor, reading NVML, kills it. Measured outside both:
+    nvidia-smi's process list, polled until the process is gone."""
+    cap = suite.cap_mib
+    check = "a program that finds cuMemAlloc in the driver's symbol table, past its container's cap"
+    target = "killed (SIGKILL) by vgpu-monitor within 2 s, gone from nvidia-smi"
+    for library in suite.libraries[1:]:
+        suite.not_supported(check, target, library, "no node monitor in this library")
+    if suite.tools.monitor is None:
+        suite.add(check, target, suite.ours.label, "no vgpu-monitor binary: name it with --monitor", "error")
+        return
+    bypass = suite.cuda("bypass", "--chunk-mib", 256, "--ceiling-mib", 2 * cap)
+    with NodeMonitor(suite, "backstop", arbitration=False) as node:
+        child = suite.start(bypass, suite.shim_env(suite.ours, cap_mib=cap, region=node.region("bypass")))
+        try:
+            child.wait_ready()
+            child.go()
+            went = time.monotonic()
+            held = child.result()["allocated"] // MIB
+            peak, gone_after = 0, None
+            while time.monotonic() - went < 10:
+                node.check_alive()
+                apps = parse_compute_apps(suite.command(
+                    ["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
+                    suite.plain_env()))
+                if child.pid not in apps:
+                    gone_after = time.monotonic() - went
+                    break
+                peak = max(peak, apps[child.pid])
+                time.sleep(0.1)  # nvidia-smi's own sampling interval, not a wait for anything
+            status = child.process.wait(10) if gone_after is not None else None
+        finally:
+            child.kill()
+    killed = status == -signal.SIGKILL
+    measured = (f"held {held} MiB ({peak} MiB in nvidia-smi) under a {cap} MiB cap; "
+                + (f"gone {gone_after:.2f} s after it started allocating, exit {status}" if gone_after is not None
+                   else "still running after 10 s"))
+    suite.add(check, target, suite.ours.label, measured,
+              verdict(killed and gone_after is not None and gone_after <= 2 and held > cap))
+
+
+# ---------------------------------------------------------------- compute
 # ---------------------------------------------------------------- compute
 
 
@@ -741,6 +786,17 @@ def check_compute(suite: Suite) -> None:
             capped = suite.together([(matmul, suite.shim_env(library, share=share))])
             share_row(suite, f"matmul loop alone at {share} %", library.label, share, capped.results[0]["rate"],
                       uncapped, capped.utilization, time_share=capped.utilization)
+
+    # CUDA_LAUNCH_BLOCKING=1: every launch returns once its kernel has
+    # finished, so a launch call holds its whole kernel.
+    blocking = suite.together([(matmul, suite.plain_env(CUDA_LAUNCH_BLOCKING="1"))])
+    reference_row(suite, "matmul loop with CUDA_LAUNCH_BLOCKING=1 without limits", blocking.results[0]["rate"],
+                  "products", blocking.utilization)
+    for library in suite.libraries:
+        capped = suite.together([(matmul, suite.shim_env(library, share=30, CUDA_LAUNCH_BLOCKING="1"))])
+        share_row(suite, "matmul loop with CUDA_LAUNCH_BLOCKING=1 at 30 %", library.label, 30,
+                  capped.results[0]["rate"], blocking.results[0]["rate"], capped.utilization,
+                  time_share=capped.utilization)
 
     for library in suite.libraries:
         pair = suite.together([(matmul, suite.shim_env(library, share=30)),
@@ -1351,6 +1407,7 @@ CHECKS = {
     "static-cudart": (check_static_cudart, "an nvcc program with static cudart is capped"),
     "processes": (check_processes, f"{RACERS} processes of one container allocate at once under its cap"),
     "killed": (check_killed, "a process killed holding memory gives the cap back"),
+    "backstop": (check_backstop, "a program past the shim and its cap is killed by vgpu-monitor (nvidia-smi)"),
     "compute": (check_compute, "compute shares: matmul 25/50/75, 30/70, four at 25, graph, 20 and 5 us kernels"),
     "resize": (check_resize, "limits changed while running: share 50/20/70 %, cap 8 -> 4 GiB, a cap below use"),
     "oversubscribe": (check_oversubscribe, "1.5x the cap through host memory, bandwidth"),
