@@ -37,7 +37,7 @@ pub const RING_CAPACITY: u64 = 65_536;
 const MAGIC: u64 = 0x5349_4d47_5055_0001;
 /// 2: device records gained the last holder and the switch counters.
 /// 3: the header gained the XID generation (a futex word).
-const LAYOUT_VERSION: u32 = 3;
+const LAYOUT_VERSION: u32 = 4;
 const PAGE: u64 = 4096;
 /// Slot liveness lock bytes live far beyond the end of the file.
 const LOCK_BASE: i64 = 1 << 40;
@@ -118,6 +118,11 @@ pub struct SlotRecord {
     /// for NVML). PID-namespace inodes fit 32 bits.
     pub pid_namespace: AtomicU32,
     pub claimed_realtime_us: AtomicU64,
+    /// When the owner started, in clock ticks after boot (`/proc/<pid>/stat`,
+    /// the same in every namespace): with its own PID, how a reader that may
+    /// not read the owner's namespace (no `CAP_SYS_PTRACE`, as a node
+    /// monitor with every capability dropped) still finds it.
+    pub start_ticks: AtomicU64,
     pub used: [AtomicU64; MAX_DEVICES],
     /// Kernel time this process ever scheduled per device (ns; updated with
     /// the device's ring, under its mutex).
@@ -234,6 +239,7 @@ pub struct Shared {
     reclaim: Mutex<()>,
     pid: u32,
     pid_namespace: u32,
+    start_ticks: u64,
     /// The machine's device index of each of this process's devices.
     visible: Vec<usize>,
 }
@@ -441,6 +447,7 @@ impl Shared {
             .store(clock::realtime_us(), Ordering::Release);
         rec.pid_namespace
             .store(self.pid_namespace, Ordering::Release);
+        rec.start_ticks.store(self.start_ticks, Ordering::Release);
         rec.pid.store(self.pid, Ordering::Release);
         self.own_slot.store(index, Ordering::Release);
         drop(guard);
@@ -887,7 +894,11 @@ impl Shared {
             }
             let used = rec.used[device].load(Ordering::Acquire);
             if used > 0 || rec.contexts[device].load(Ordering::Acquire) > 0 {
-                recorded.push((pid, rec.pid_namespace.load(Ordering::Acquire)));
+                recorded.push(crate::pids::Recorded {
+                    pid,
+                    namespace: rec.pid_namespace.load(Ordering::Acquire),
+                    start_ticks: rec.start_ticks.load(Ordering::Acquire),
+                });
                 used_bytes.push(used);
             }
         }
@@ -1267,6 +1278,7 @@ fn open(cfg: &Config) -> Result<Shared, StateError> {
             // SAFETY: getpid has no preconditions.
             pid: unsafe { libc::getpid() } as u32,
             pid_namespace: crate::pids::own_namespace().unwrap_or(0),
+            start_ticks: crate::pids::start_ticks("self").unwrap_or(0),
             visible: cfg.visible.clone(),
         };
         if shared.header().magic.load(Ordering::Acquire) != MAGIC {

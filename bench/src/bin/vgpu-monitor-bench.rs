@@ -10,13 +10,17 @@
 //! Defaults: 100 containers x 8 GPUs. Regions are real region files in a
 //! temporary host directory, each with a live process slot charging memory
 //! on every GPU. When the simulated GPU (`libsimgpu.so`) sits next to this
-//! binary, NVML figures come from it (8 simulated GPUs); otherwise host GPU
+//! binary, NVML figures come from it (8 simulated GPUs), and one real
+//! process per container holds 64 MiB on one of them, so NVML lists a GPU
+//! process per container for the monitor to find an owner for and hold to
+//! its grant (`--no-gpu-processes` leaves them out); otherwise host GPU
 //! figures are left out.
 
 use anyhow::Context;
-use std::io::{Read, Write};
+use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{SocketAddr, TcpStream};
 use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 use vgpu_monitor::daemon::{Monitor, MonitorConfig};
@@ -24,7 +28,10 @@ use vgpu_monitor::names::PodDirectory;
 use vgpu_node_contract::region::{MemoryKind, Region, RegionLimits};
 
 fn main() -> anyhow::Result<()> {
-    let mut args = std::env::args().skip(1);
+    let with_processes = !std::env::args().any(|a| a == "--no-gpu-processes");
+    let mut args = std::env::args()
+        .skip(1)
+        .filter(|a| a != "--no-gpu-processes");
     let containers: usize = args.next().map(|a| a.parse()).transpose()?.unwrap_or(100);
     let gpus: usize = args.next().map(|a| a.parse()).transpose()?.unwrap_or(8);
     anyhow::ensure!(gpus <= 16, "at most 16 GPUs per container");
@@ -33,7 +40,7 @@ fn main() -> anyhow::Result<()> {
     let _ = std::fs::remove_dir_all(&root);
     let hosts = root.join("containers");
     std::fs::create_dir_all(&hosts).context("bench directory")?;
-    let result = run(&root, &hosts, containers, gpus);
+    let result = run(&root, &hosts, containers, gpus, with_processes);
     let _ = std::fs::remove_dir_all(&root);
     result
 }
@@ -56,7 +63,52 @@ fn simulated_nvml(root: &Path, gpus: usize) -> Option<PathBuf> {
     Some(alias)
 }
 
-fn run(root: &Path, hosts: &Path, containers: usize, gpus: usize) -> anyhow::Result<()> {
+/// One process per container, each holding 64 MiB on one simulated GPU
+/// (the containers' GPUs in turn), ready when this returns.
+fn gpu_processes(root: &Path, containers: usize, gpus: usize) -> anyhow::Result<Vec<Child>> {
+    let probe = vgpu_testkit::programs_dir().join("probe");
+    let lib_dir = root.join("lib");
+    let library = std::env::current_exe()?
+        .parent()
+        .context("the bench's folder")?
+        .join("libsimgpu.so");
+    let cuda = lib_dir.join("libcuda.so.1");
+    if !cuda.exists() {
+        std::os::unix::fs::symlink(&library, &cuda)?;
+    }
+    let mut children = Vec::with_capacity(containers);
+    for index in 0..containers {
+        let mut child = Command::new(&probe)
+            .args(["dlsym", "hold", &(64u64 << 20).to_string()])
+            .env_clear()
+            .env("LD_LIBRARY_PATH", &lib_dir)
+            .env("SIMGPU_DEVICES", gpus.to_string())
+            .env("SIMGPU_MEMORY", "80Gi")
+            .env("SIMGPU_STATE", root.join("simgpu.state"))
+            .env("SIMGPU_VISIBLE_DEVICES", (index % gpus).to_string())
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .with_context(|| format!("starting {}", probe.display()))?;
+        let stdout = child.stdout.take().context("the process's output")?;
+        let ready = BufReader::new(stdout)
+            .lines()
+            .map_while(Result::ok)
+            .any(|line| line == "ready");
+        anyhow::ensure!(ready, "GPU process {index} never held its memory");
+        children.push(child);
+    }
+    Ok(children)
+}
+
+fn run(
+    root: &Path,
+    hosts: &Path,
+    containers: usize,
+    gpus: usize,
+    with_processes: bool,
+) -> anyhow::Result<()> {
     let nvml = simulated_nvml(root, gpus);
     let mut config = MonitorConfig::for_root(hosts.to_path_buf());
     config.nvml = nvml.clone().map(Some);
@@ -112,6 +164,11 @@ fn run(root: &Path, hosts: &Path, containers: usize, gpus: usize) -> anyhow::Res
         regions.push(region);
     }
 
+    let mut processes = if with_processes && nvml.is_some() {
+        gpu_processes(root, containers, gpus)?
+    } else {
+        Vec::new()
+    };
     let mut tick_times = Vec::new();
     for _ in 0..50 {
         let started = Instant::now();
@@ -153,13 +210,14 @@ fn run(root: &Path, hosts: &Path, containers: usize, gpus: usize) -> anyhow::Res
     let hami = serve_figures(hosts, nvml.as_deref(), true, containers)?;
 
     println!(
-        "vgpu-monitor: {containers} containers x {gpus} GPUs ({} container devices; NVML: {})",
+        "vgpu-monitor: {containers} containers x {gpus} GPUs ({} container devices; NVML: {}; {} GPU processes in NVML's lists)",
         containers * gpus,
         if nvml.is_some() {
             "simulated GPU"
         } else {
             "none"
-        }
+        },
+        processes.len()
     );
     println!(
         "exposition: {} series / {} KiB by default, {} series / {} KiB with --hami-metric-names",
@@ -199,6 +257,10 @@ fn run(root: &Path, hosts: &Path, containers: usize, gpus: usize) -> anyhow::Res
         hami.rss_kib as f64 / 1024.0
     );
     drop(regions);
+    for child in &mut processes {
+        drop(child.stdin.take());
+        let _ = child.wait();
+    }
     Ok(())
 }
 
