@@ -141,7 +141,9 @@ pub enum Entry {
 }
 
 /// Opens a region for reading, refusing symlinks as the monitor does (a
-/// container can write its own directory).
+/// container could once write its own directory), with the node's grant
+/// beside it where there is one (the limits enforced, and the effective
+/// shares the monitor writes, are the grant's).
 pub(crate) fn open(path: &Path) -> Result<Region, ShowError> {
     let meta = std::fs::symlink_metadata(path).map_err(|source| {
         ShowError::Region(RegionError::Io {
@@ -153,7 +155,13 @@ pub(crate) fn open(path: &Path) -> Result<Region, ShowError> {
     if !meta.is_file() {
         return Err(ShowError::NotRegular(path.to_path_buf()));
     }
-    Ok(Region::open_existing(path)?)
+    let mut region = Region::open_existing(path)?;
+    if let Some(dir) = path.parent() {
+        region
+            .attach_grant_beside(dir, false)
+            .map_err(RegionError::from)?;
+    }
+    Ok(region)
 }
 
 /// Reads the region at `path`.

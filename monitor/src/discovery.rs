@@ -23,8 +23,7 @@ use thiserror::Error;
 use vgpu_node_contract::claim_owner::{
     self, ClaimOwner, ClaimRecordError, CLAIM_DIR_PREFIX, CLAIM_OWNER_FILE,
 };
-use vgpu_node_contract::region::grant_file::GRANT_FILE;
-use vgpu_node_contract::region::{Grant, GrantError, Region, RegionError, REGION_BYTES};
+use vgpu_node_contract::region::{Region, RegionError, REGION_BYTES};
 
 /// How long a file that could not be used is left alone if it does not change.
 pub const REJECT_RETRY: Duration = Duration::from_secs(60);
@@ -435,31 +434,23 @@ fn identity_of(path: &Path) -> std::io::Result<FileIdentity> {
 
 /// Attaches the node's grant beside the region, when there is one: its
 /// limits are then the region's, and the monitor writes its effective
-/// shares there. Returns the grant's device UUIDs (empty without a grant).
-fn attach_grant(region: Region, dir: &Path) -> (Region, Vec<String>) {
-    let path = dir.join(GRANT_FILE);
-    match Grant::open_writable(&path) {
-        Ok(grant) => match grant.settings() {
-            Ok(settings) => (region.with_grant(grant), settings.device_uuids),
-            Err(error) => {
-                tracing::warn!(
-                    error = &error as &dyn std::error::Error,
-                    "the region's own limits are read instead"
-                );
-                (region, Vec::new())
-            }
-        },
-        Err(GrantError::Io { source, .. }) if source.kind() == std::io::ErrorKind::NotFound => {
-            (region, Vec::new())
-        }
-        Err(error) => {
-            tracing::warn!(
-                error = &error as &dyn std::error::Error,
-                "the region's own limits are read instead"
-            );
-            (region, Vec::new())
-        }
+/// shares there. Returns the grant's device UUIDs (empty without a grant,
+/// or with one that cannot be read, which is logged: the region's own
+/// limits are then read).
+fn attach_grant(mut region: Region, dir: &Path) -> (Region, Vec<String>) {
+    match region.attach_grant_beside(dir, true) {
+        Ok(_) => {}
+        Err(error) => tracing::warn!(
+            error = &error as &dyn std::error::Error,
+            "the region's own limits are read instead"
+        ),
     }
+    let uuids = region
+        .grant()
+        .and_then(|grant| grant.settings().ok())
+        .map(|settings| settings.device_uuids)
+        .unwrap_or_default();
+    (region, uuids)
 }
 
 /// Opens a region without following a symlink in its last component: the

@@ -403,6 +403,32 @@ impl Region {
         self
     }
 
+    /// Attaches the node's grant that lies beside the region in `dir` (its
+    /// directory on the host, [`super::grant_file::GRANT_FILE`]), when
+    /// there is one: what the node's own tools read a region with, since
+    /// its limits are the grant's. `writable`: mapped to be changed (the
+    /// monitor's effective shares, a resize). Returns whether a grant was
+    /// there; none leaves the region as it was (a workstation's region has
+    /// none), and so does a grant that cannot be read (the error).
+    pub fn attach_grant_beside(&mut self, dir: &Path, writable: bool) -> Result<bool, GrantError> {
+        let path = dir.join(super::grant_file::GRANT_FILE);
+        let opened = if writable {
+            Grant::open_writable(&path)
+        } else {
+            Grant::open_read_only(&path)
+        };
+        match opened {
+            Ok(grant) => {
+                self.grant = Some(grant);
+                Ok(true)
+            }
+            Err(GrantError::Io { source, .. }) if source.kind() == io::ErrorKind::NotFound => {
+                Ok(false)
+            }
+            Err(error) => Err(error),
+        }
+    }
+
     /// The node's grant, when one is attached.
     pub fn grant(&self) -> Option<&Grant> {
         self.grant.as_ref()

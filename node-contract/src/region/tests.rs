@@ -420,3 +420,29 @@ fn a_ceiling_lowers_the_cap_and_never_raises_it() {
     assert_eq!(lower_cap(UNCAPPED, UNCAPPED), UNCAPPED);
     let _ = std::fs::remove_file(&path);
 }
+
+#[test]
+fn a_grant_beside_the_region_is_attached_and_none_leaves_it_as_it_was() {
+    let dir = std::env::temp_dir().join(format!("vgpu-region-beside-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).expect("dir");
+    let path = dir.join("region.cache");
+    let mut region = Region::open_or_create(&path, &limits(1000)).expect("create");
+    assert!(!region.attach_grant_beside(&dir, false).expect("none there"));
+    assert!(region.grant().is_none());
+    let settings = GrantSettings {
+        region_path: "/usr/local/vgpu/container/region.cache".into(),
+        context_reserve: 0,
+        measure_contexts: false,
+        oversubscribe: false,
+        device_uuids: vec!["GPU-a".into()],
+    };
+    drop(Grant::create(&dir.join(grant_file::GRANT_FILE), &settings, &limits(500)).expect("grant"));
+    assert!(region.attach_grant_beside(&dir, false).expect("there"));
+    assert_eq!(region.device_limit(0), 500, "the grant's limits");
+    std::fs::write(dir.join(grant_file::GRANT_FILE), b"no grant").expect("overwrite");
+    let mut other = Region::open_existing(&path).expect("open");
+    assert!(other.attach_grant_beside(&dir, true).is_err());
+    assert_eq!(other.device_limit(0), 1000, "left as it was");
+    let _ = std::fs::remove_dir_all(&dir);
+}
