@@ -25,7 +25,7 @@ use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
-use vgpu_node_contract::region::{monotonic_ns, MAX_DEVICES, SHARE_FULL, SHARE_UNLIMITED};
+use vgpu_node_contract::region::{monotonic_ns, SHARE_FULL, SHARE_UNLIMITED};
 use vgpu_nvml_host::{GpuSample, Sampler};
 
 pub use crate::config::MonitorConfig;
@@ -367,8 +367,22 @@ impl Monitor {
     /// breach kills the process that took the container there (or is
     /// reported), logged, counted and recorded as a Warning Event.
     fn hold_memory(&mut self, collected: &Collected, assessment: &mut Assessment) {
+        // Only the regions whose containers (or pods) have a process on a
+        // GPU need their caps.
+        let owned: HashSet<&str> = assessment
+            .uses
+            .iter()
+            .filter_map(|u| match &u.owner {
+                Owner::Region(key) => Some(key.as_str()),
+                Owner::Pod(uid) => Some(uid.as_str()),
+                Owner::Unknown => None,
+            })
+            .collect();
         let (caps, pod_of) = granted_caps(
-            self.discovery.regions(),
+            self.discovery.regions().filter(|r| {
+                owned.contains(r.key.as_str())
+                    || r.pod_uid.as_deref().is_some_and(|uid| owned.contains(uid))
+            }),
             &assessment.restores,
             collected.api_state == ApiState::Disabled,
         );
@@ -476,13 +490,7 @@ impl Monitor {
                     pod_uid: r.pod_uid.as_deref(),
                     region: r.region(),
                     file: (r.identity.device, r.identity.inode),
-                    uuids: if r.grant_uuids.is_empty() {
-                        (0..MAX_DEVICES)
-                            .map_while(|device| r.region().device_uuid(device))
-                            .collect()
-                    } else {
-                        r.grant_uuids.clone()
-                    },
+                    grant_uuids: &r.grant_uuids,
                 })
                 .collect();
             unenforced::census(

@@ -22,6 +22,7 @@
 use crate::host_proc::HostProc;
 use crate::owners::{Owner, Owners};
 use std::collections::{HashMap, HashSet};
+use std::path::PathBuf;
 use std::sync::atomic::Ordering;
 use vgpu_node_contract::region::{Region, MAX_DEVICES, MAX_SLOTS};
 use vgpu_nvml_host::GpuSample;
@@ -34,9 +35,20 @@ pub struct Container<'a> {
     pub region: &'a Region,
     /// The region file's device and inode, to recognise processes that map it.
     pub file: (u64, u64),
-    /// The UUID of each of the region's devices, in its order: the node's
-    /// grant's where there is one.
-    pub uuids: Vec<String>,
+    /// The UUID of each of the region's devices, in its order, as the
+    /// node's grant names them (empty without a grant: the UUIDs its shim
+    /// recorded are read instead).
+    pub grant_uuids: &'a [String],
+}
+
+impl Container<'_> {
+    /// The region's device index of GPU `uuid`.
+    fn device_of(&self, uuid: &str) -> Option<usize> {
+        if !self.grant_uuids.is_empty() {
+            return self.grant_uuids.iter().position(|u| u == uuid);
+        }
+        (0..MAX_DEVICES).find(|&device| self.region.device_uuid(device).as_deref() == Some(uuid))
+    }
 }
 
 /// A process using a GPU without the shim.
@@ -90,6 +102,13 @@ struct Slot {
 /// NVML still lists, and to be cleared whenever the regions change.
 pub type OwnerCache = HashMap<u32, Owner>;
 
+/// Owners looked up in `/proc` in one pass at most (a few reads each); the
+/// processes past it are left to the next passes, neither judged nor
+/// reported meanwhile, so that many processes appearing at once (a burst of
+/// pods) spread their cost over passes instead of stalling one: 100 at once
+/// are all placed within 7 passes (700 ms).
+pub const OWNER_LOOKUPS_PER_PASS: usize = 16;
+
 /// Compares the GPUs' processes with what the containers' shims charged.
 /// `margin` is what a process may hold beyond its charge (a context's
 /// memory outside any allocation).
@@ -100,7 +119,9 @@ pub fn census(
     margin: u64,
     cache: &mut OwnerCache,
 ) -> Census {
-    let owners = Owners::new(containers.iter().map(|c| (c.key, c.pod_uid)));
+    // Built only when a process's owner is not remembered.
+    let mut owners: Option<Owners> = None;
+    let mut namespaces: Option<HashMap<PathBuf, usize>> = None;
     let mut slots = Vec::new();
     for (c, container) in containers.iter().enumerate() {
         let layout = container.region.layout();
@@ -116,12 +137,29 @@ pub fn census(
     }
     let mut census = Census::default();
     let mut recorded: HashSet<u32> = HashSet::new();
+    let mut lookups = 0;
     for gpu in gpus {
         for process in &gpu.compute_processes {
-            let owner = cache
-                .entry(process.pid)
-                .or_insert_with(|| owner_of(process.pid, &owners, containers, &slots, proc))
-                .clone();
+            let owner = match cache.get(&process.pid) {
+                Some(owner) => owner.clone(),
+                None if lookups >= OWNER_LOOKUPS_PER_PASS => continue,
+                None => {
+                    lookups += 1;
+                    let owners = owners.get_or_insert_with(|| {
+                        Owners::new(containers.iter().map(|c| (c.key, c.pod_uid)))
+                    });
+                    let owner = owner_of(
+                        process.pid,
+                        owners,
+                        containers,
+                        &slots,
+                        &mut namespaces,
+                        proc,
+                    );
+                    cache.insert(process.pid, owner.clone());
+                    owner
+                }
+            };
             let own = match &owner {
                 Owner::Region(key) => containers.iter().position(|c| c.key == key),
                 _ => None,
@@ -176,11 +214,14 @@ pub fn census(
 /// all in their pod's cgroup): it belongs to the region it maps, if any,
 /// else to the region mapped by a process of its PID namespace (not the
 /// host's own), as the other processes of a `vgpu run` container are.
+/// `namespaces` (the PID namespace of each region's processes) is read
+/// once, when first needed.
 fn owner_of(
     pid: u32,
     owners: &Owners,
     containers: &[Container],
     slots: &[Slot],
+    namespaces: &mut Option<HashMap<PathBuf, usize>>,
     proc: &HostProc,
 ) -> Owner {
     let owner = owners.owner_of(pid, proc);
@@ -197,27 +238,30 @@ fn owner_of(
     if proc.pid_namespace(1).as_ref() == Some(&namespace) {
         return Owner::Unknown;
     }
-    slots
-        .iter()
-        .find(|s| {
-            proc.pid_namespace(s.nvml_pid).as_ref() == Some(&namespace)
+    let namespaces = namespaces.get_or_insert_with(|| {
+        let mut found = HashMap::new();
+        for slot in slots {
+            let Some(namespace) = proc.pid_namespace(slot.nvml_pid) else {
+                continue;
+            };
+            if !found.contains_key(&namespace)
                 && proc
-                    .mapped_files(s.nvml_pid)
-                    .contains(&containers[s.container].file)
-        })
-        .map_or(Owner::Unknown, |s| {
-            Owner::Region(containers[s.container].key.to_string())
-        })
+                    .mapped_files(slot.nvml_pid)
+                    .contains(&containers[slot.container].file)
+            {
+                found.insert(namespace, slot.container);
+            }
+        }
+        found
+    });
+    namespaces.get(&namespace).map_or(Owner::Unknown, |&c| {
+        Owner::Region(containers[c].key.to_string())
+    })
 }
 
 /// What the slots of `container` naming `pid` charged on the GPU `uuid`.
 fn charged_to(pid: u32, container: &Container, c: usize, slots: &[Slot], uuid: &str) -> u64 {
-    let Some(device) = container
-        .uuids
-        .iter()
-        .position(|u| u == uuid)
-        .filter(|d| *d < MAX_DEVICES)
-    else {
+    let Some(device) = container.device_of(uuid).filter(|d| *d < MAX_DEVICES) else {
         return 0;
     };
     let layout = container.region.layout();

@@ -63,6 +63,11 @@ pub struct Region {
     /// The node's grant, whose limits are the ones enforced, where the
     /// region belongs to a container a node set up.
     grant: Option<Grant>,
+    /// The limits enforced: the grant's where one is attached, else the
+    /// region's own. Both are mappings this Region owns, which never move
+    /// while it lives; kept as a pointer so the hot path reads it without
+    /// a branch.
+    enforced: NonNull<Limits>,
 }
 
 // SAFETY: the mapping is shared memory made only of atomics and a
@@ -323,6 +328,11 @@ impl Region {
             fd: AtomicI32::new(file.into_raw_fd()),
             path: path.to_path_buf(),
             grant: None,
+            // SAFETY: `base` is a live mapping of a whole RegionLayout; the
+            // field's address is formed without reading it.
+            enforced: unsafe {
+                NonNull::new_unchecked(std::ptr::addr_of_mut!((*base.as_ptr()).limits))
+            },
         })
     }
 
@@ -399,6 +409,7 @@ impl Region {
     /// container a node set up, whose own copy of the limits the container
     /// can write.
     pub fn with_grant(mut self, grant: Grant) -> Self {
+        self.enforced = NonNull::from(grant.limits());
         self.grant = Some(grant);
         self
     }
@@ -419,6 +430,7 @@ impl Region {
         };
         match opened {
             Ok(grant) => {
+                self.enforced = NonNull::from(grant.limits());
                 self.grant = Some(grant);
                 Ok(true)
             }
@@ -438,10 +450,10 @@ impl Region {
     /// region's own.
     #[inline(always)]
     pub fn enforced_limits(&self) -> &Limits {
-        match &self.grant {
-            Some(grant) => grant.limits(),
-            None => &self.layout().limits,
-        }
+        // SAFETY: `enforced` points into the region's own mapping or the
+        // attached grant's, both alive as long as `self`; every field is an
+        // atomic.
+        unsafe { self.enforced.as_ref() }
     }
 
     /// The enforced limits, to change them (the node monitor's effective
