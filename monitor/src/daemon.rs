@@ -7,11 +7,11 @@
 
 use crate::arbitration::{arbitrate, Contender};
 use crate::assess::{
-    assess_region, process_util_by_uuid, record_event, record_normal_event, Assessment,
-    PassContext, Seen, Tracks,
+    assess_region, granted_caps, process_util_by_uuid, record_event, record_normal_event,
+    Assessment, PassContext, Seen, Tracks,
 };
 use crate::backstop::signal::{signal_owned, SignalError};
-use crate::backstop::{granted_caps, Breach, MemoryBackstop, OverCapAction};
+use crate::backstop::{Breach, MemoryBackstop, OverCapAction};
 use crate::cleanup::{self, Janitor, Reaper, Verdict};
 use crate::discovery::Discovery;
 use crate::events::{EventRecorder, PodRef};

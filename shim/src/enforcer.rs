@@ -13,7 +13,9 @@
 //! there but cannot be read fails closed, so no process of such a
 //! container runs without its limits. Where there is no grant (a
 //! workstation: `vgpu run`, or HAMi-core's variables alone) the
-//! environment is the configuration.
+//! environment is the configuration, unless the region it names has the
+//! node's grant beside it (a node-prepared region used from the host),
+//! whose limits then apply.
 
 use crate::context_size;
 use crate::driver::cuda as real;
@@ -187,7 +189,13 @@ impl Enforcer {
             // The node made the region: a process only attaches to it.
             Some(grant) => Region::open_existing(path)?.with_grant(grant),
             None => {
-                let region = Region::open_or_create(path, &limits)?;
+                let mut region = Region::open_or_create(path, &limits)?;
+                // A region a node prepared, used where its mounts are not
+                // (a host process given the region's path): its grant
+                // beside it holds the limits, as for the node's own tools.
+                if let Some(dir) = path.parent() {
+                    region.attach_grant_beside(dir, false)?;
+                }
                 let stored = region.limits();
                 if stored.memory_limit != limits.memory_limit || stored.sm_limit != limits.sm_limit
                 {

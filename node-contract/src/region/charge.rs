@@ -1,7 +1,7 @@
 //! Charging and returning device memory and swap against the caps.
 
+use super::file::{Region, RegionError};
 use super::layout::{MemoryKind, UNCAPPED};
-use super::{Region, RegionError};
 use std::sync::atomic::Ordering;
 use thiserror::Error;
 

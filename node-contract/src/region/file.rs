@@ -1,9 +1,9 @@
 //! Opening, creating, mapping and checking a region file.
 
+use super::clock::monotonic_ns;
 use super::grant_file::{Grant, GrantError};
 use super::layout::*;
 use super::limits::RegionLimits;
-use super::monotonic_ns;
 use std::fs::{File, OpenOptions};
 use std::io;
 use std::os::fd::{AsRawFd, FromRawFd, IntoRawFd};

@@ -46,7 +46,7 @@ pub struct SharedMutex {
 /// A region holds one copy, which its creator writes: on a workstation
 /// (`vgpu run`, or HAMi-core's variables alone) that copy is what the shim
 /// enforces. In a container a node set up, the node's grant file
-/// ([`super::grant`]) holds the copy that is enforced, in a file the
+/// ([`super::grant_file`]) holds the copy that is enforced, in a file the
 /// container can only read; the region's own copy then only tells the
 /// container what it was granted, and the node monitor puts it back if a
 /// process of the container rewrites it.

@@ -2,8 +2,8 @@
 //! locks that tell a live owner from a dead one.
 
 use super::file::io_error;
+use super::file::{Region, RegionError};
 use super::layout::LIVENESS_LOCK_BASE;
-use super::{Region, RegionError};
 use std::io;
 use std::sync::atomic::Ordering;
 use std::time::Duration;

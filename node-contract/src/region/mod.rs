@@ -39,30 +39,20 @@
 //! than reinterpreted.
 
 mod charge;
+mod clock;
 mod file;
 pub mod grant_file;
 pub mod layout;
 pub mod limits;
+mod limits_in_force;
 mod lock;
 mod slots;
 #[cfg(test)]
 mod tests;
 
 pub use charge::{lower_cap, CapExceeded};
+pub use clock::monotonic_ns;
 pub use file::{Region, RegionError};
 pub use grant_file::{Grant, GrantError, GrantSettings};
 pub use layout::*;
 pub use limits::{BelowUse, RegionLimits, UtilizationPolicy, DEFAULT_PRIORITY};
-
-/// `CLOCK_MONOTONIC` in nanoseconds, the clock compute budgets use.
-pub fn monotonic_ns() -> u64 {
-    let mut now = libc::timespec {
-        tv_sec: 0,
-        tv_nsec: 0,
-    };
-    // SAFETY: valid out-pointer.
-    unsafe {
-        libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut now);
-    }
-    now.tv_sec as u64 * 1_000_000_000 + now.tv_nsec as u64
-}

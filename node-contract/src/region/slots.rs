@@ -1,8 +1,8 @@
 //! Process slots: claimed by each process that uses the GPU, returned
 //! (with their memory) when it exits or dies.
 
+use super::file::{Region, RegionError};
 use super::layout::{MAX_SLOTS, STATE_ACTIVE, STATE_FREE};
-use super::{Region, RegionError};
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 

@@ -194,7 +194,8 @@ fn check_container(
         "{who}"
     );
 
-    // Mounts: the shim, ld.so.preload, and its own directory.
+    // Mounts: the shim, ld.so.preload, its own region file and the node's
+    // grant (read-only), never the directory holding them.
     let uid = pod.metadata.uid.as_deref().expect("uid");
     let host_dir = run
         .node
@@ -206,10 +207,17 @@ fn check_container(
         .map(|m| (m.container_path.as_str(), m))
         .collect();
     assert_eq!(
-        mounts["/usr/local/vgpu/container"].host_path,
-        host_dir.display().to_string(),
+        mounts["/usr/local/vgpu/container/region.cache"].host_path,
+        host_dir.join("region.cache").display().to_string(),
         "{who}"
     );
+    assert!(!mounts["/usr/local/vgpu/container/region.cache"].read_only);
+    assert_eq!(
+        mounts["/usr/local/vgpu/grant"].host_path,
+        host_dir.join("grant").display().to_string(),
+        "{who}"
+    );
+    assert!(mounts["/usr/local/vgpu/grant"].read_only);
     assert!(mounts["/usr/local/vgpu/libvgpu.so"].read_only);
     assert_eq!(
         mounts["/etc/ld.so.preload"].host_path,

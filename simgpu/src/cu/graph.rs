@@ -46,20 +46,6 @@ thread_local! {
     static THREAD_MODE: Cell<CUstreamCaptureMode> = const { Cell::new(CU_STREAM_CAPTURE_MODE_GLOBAL) };
 }
 
-/// A stream's capture status and capture id.
-pub(crate) fn capture_status(stream: CUstream) -> Result<(CUstreamCaptureStatus, u64), CUresult> {
-    let inner = lock();
-    let (sref, _, _) = inner.stream(stream)?;
-    Ok(match inner.capture_of(sref) {
-        Some(id) => match inner.captures.get(&id) {
-            Some(c) if c.invalidated => (CU_STREAM_CAPTURE_STATUS_INVALIDATED, id),
-            Some(_) => (CU_STREAM_CAPTURE_STATUS_ACTIVE, id),
-            None => (CU_STREAM_CAPTURE_STATUS_NONE, 0),
-        },
-        None => (CU_STREAM_CAPTURE_STATUS_NONE, 0),
-    })
-}
-
 fn begin_capture(stream: CUstream, mode: CUstreamCaptureMode) -> Result<(), CUresult> {
     check_init()?;
     if !(CU_STREAM_CAPTURE_MODE_GLOBAL..=CU_STREAM_CAPTURE_MODE_RELAXED).contains(&mode) {
@@ -140,7 +126,7 @@ fn capture_info(
     stream: CUstream,
 ) -> Result<(CUstreamCaptureStatus, u64, u64, Option<*const u64>), CUresult> {
     check_init()?;
-    let (status, id) = capture_status(stream)?;
+    let (status, id) = super::stream::capture_status(stream)?;
     let inner = lock();
     match inner.captures.get(&id) {
         Some(c) if status != CU_STREAM_CAPTURE_STATUS_NONE => {

@@ -214,7 +214,7 @@ twin!(cuStreamGetCtx, cuStreamGetCtx_ptsz, (stream: CUstream, pctx: *mut CUconte
 
 twin!(cuStreamIsCapturing, cuStreamIsCapturing_ptsz, (stream: CUstream, status: *mut CUstreamCaptureStatus) {
     check_init()?;
-    let (st, _) = super::graph::capture_status(stream)?;
+    let (st, _) = capture_status(stream)?;
     // SAFETY: C API out-pointer.
     unsafe { out(status, st) }
 });
@@ -444,4 +444,18 @@ cuda_fn! {
             .map(|_| ())
             .ok_or(CUDA_ERROR_INVALID_HANDLE)
     }
+}
+
+/// A stream's capture status and capture id.
+pub(crate) fn capture_status(stream: CUstream) -> Result<(CUstreamCaptureStatus, u64), CUresult> {
+    let inner = lock();
+    let (sref, _, _) = inner.stream(stream)?;
+    Ok(match inner.capture_of(sref) {
+        Some(id) => match inner.captures.get(&id) {
+            Some(c) if c.invalidated => (CU_STREAM_CAPTURE_STATUS_INVALIDATED, id),
+            Some(_) => (CU_STREAM_CAPTURE_STATUS_ACTIVE, id),
+            None => (CU_STREAM_CAPTURE_STATUS_NONE, 0),
+        },
+        None => (CU_STREAM_CAPTURE_STATUS_NONE, 0),
+    })
 }
