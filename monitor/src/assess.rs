@@ -21,11 +21,12 @@ use crate::names::{ApiState, PodDirectory, PodRecord};
 use crate::reported::Reported;
 use crate::unenforced::{ProcessUse, Unenforced};
 use std::collections::HashMap;
+use std::sync::atomic::Ordering;
 use vgpu_cluster::decision::DeviceGrant;
 use vgpu_node_contract::region::limits::granted::{device_order, region_limits};
 use vgpu_node_contract::region::UtilizationPolicy;
 use vgpu_node_contract::region::DEFAULT_PRIORITY;
-use vgpu_node_contract::region::{RegionLimits, MAX_DEVICES, SHARE_FULL};
+use vgpu_node_contract::region::{RegionLimits, MAX_DEVICES, SHARE_FULL, SHARE_UNLIMITED};
 use vgpu_nvml_host::GpuSample;
 
 /// What is remembered of each container device between passes, by
@@ -343,23 +344,35 @@ fn record(
     }
 }
 
-/// Each region's memory cap on each GPU, as the node granted it (region
-/// key and GPU UUID to bytes), and each region's pod (region key to pod
-/// UID): from the node's grant where the region has one, else from the
-/// pod's decision (`restores`). A region with neither is held by its own
-/// limits only where they are the only record there is (`regions_are_the_record`:
-/// a monitor with no API, beside `vgpu run` on a workstation, whose
-/// regions record the GPUs their shim used); elsewhere by nothing here.
-pub fn granted_caps<'a>(
+/// What the node granted each region on each GPU, keyed by region key and
+/// GPU UUID, and each region's pod.
+#[derive(Debug, Default)]
+pub struct Granted {
+    /// Memory caps in bytes ([`vgpu_node_contract::region::UNCAPPED`]: none).
+    pub caps: HashMap<(String, String), u64>,
+    /// Compute shares in percent (0: none): the configured share, or the
+    /// effective one the monitor lent it where that is more.
+    pub shares: HashMap<(String, String), u32>,
+    /// Region key to its pod's UID.
+    pub pod_of: HashMap<String, String>,
+}
+
+/// Each region's memory cap and compute share on each GPU, as the node
+/// granted them, and each region's pod: from the node's grant where the
+/// region has one, else from the pod's decision (`restores`). A region
+/// with neither is held by its own limits only where they are the only
+/// record there is (`regions_are_the_record`: a monitor with no API,
+/// beside `vgpu run` on a workstation, whose regions record the GPUs their
+/// shim used); elsewhere by nothing here.
+pub fn granted<'a>(
     regions: impl Iterator<Item = &'a ContainerRegion>,
     restores: &[Restore],
     regions_are_the_record: bool,
-) -> (HashMap<(String, String), u64>, HashMap<String, String>) {
-    let mut caps = HashMap::new();
-    let mut pod_of = HashMap::new();
+) -> Granted {
+    let mut granted = Granted::default();
     for region in regions {
         if let Some(uid) = &region.pod_uid {
-            pod_of.insert(region.key.clone(), uid.clone());
+            granted.pod_of.insert(region.key.clone(), uid.clone());
         }
         let recorded: Vec<String>;
         let (uuids, limits) = if region.region().grant().is_some() {
@@ -374,15 +387,31 @@ pub fn granted_caps<'a>(
         } else {
             continue;
         };
-        for (device, uuid) in uuids.iter().enumerate().take(limits.memory_limit.len()) {
+        let uncapped_compute =
+            UtilizationPolicy::from_u32(limits.policy) == Some(UtilizationPolicy::Disable);
+        // The share the monitor lent counts only from a grant: a region
+        // without one is the container's to write.
+        let lent = region
+            .region()
+            .grant()
+            .is_some()
+            .then(|| region.region().enforced_limits());
+        for (device, uuid) in uuids.iter().enumerate().take(MAX_DEVICES) {
             if uuid.is_empty() {
                 continue;
             }
-            caps.insert(
-                (region.key.clone(), uuid.clone()),
-                limits.memory_limit[device],
-            );
+            let id = (region.key.clone(), uuid.clone());
+            granted.caps.insert(id.clone(), limits.memory_limit[device]);
+            let effective =
+                lent.map(|limits| limits.devices[device].sm_effective.load(Ordering::Acquire));
+            let share = match (limits.sm_limit[device], effective) {
+                (0, _) | (_, Some(SHARE_UNLIMITED)) => 0,
+                _ if uncapped_compute => 0,
+                (share, Some(effective)) => share.max(effective.div_ceil(SHARE_FULL / 100)),
+                (share, None) => share,
+            };
+            granted.shares.insert(id, share);
         }
     }
-    (caps, pod_of)
+    granted
 }

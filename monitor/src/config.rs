@@ -1,6 +1,6 @@
 //! What the monitor does, as the binary's options or a test set it.
 
-use crate::backstop::MemoryRule;
+use crate::backstop::{ComputeRule, MemoryRule};
 use crate::discovery::DiscoveryConfig;
 use std::path::PathBuf;
 use std::time::Duration;
@@ -34,6 +34,9 @@ pub struct MonitorConfig {
     /// When a container's processes hold more of a GPU than it was
     /// granted, as NVML counts it, and what is done.
     pub memory_rule: MemoryRule,
+    /// When a container's processes take more of a GPU's time than its
+    /// share, as NVML measures it, and what is done.
+    pub compute_rule: ComputeRule,
 }
 
 impl MonitorConfig {
@@ -55,6 +58,7 @@ impl MonitorConfig {
             node: NodeLimits::default(),
             restore: true,
             memory_rule: MemoryRule::default(),
+            compute_rule: ComputeRule::default(),
         }
     }
 }

@@ -31,6 +31,8 @@
 //! | `vgpu_container_unenforced_processes`, `_memory_bytes` | gauge | processes of the container on a GPU holding more than the shim charged them (without the shim, or past it), and their memory (per container) |
 //! | `vgpu_container_gpu_memory_bytes` | gauge | device memory its processes hold as the driver counts it (NVML), shim or not (per container) |
 //! | `vgpu_container_over_cap_kills_total` | counter | its processes the backstop killed for holding more than its cap (per container) |
+//! | `vgpu_container_over_share_total` | counter | times it began taking more of a GPU's time than its share while another container used the GPU (its GPU processes paused in a duty cycle, or reported) (per container) |
+//! | `vgpu_container_over_share_kills_total` | counter | its processes the backstop killed for taking more than its share when pausing was not enough (per container) |
 //!
 //! Achieved utilization is the device time the container's launches were
 //! *granted* (the shim's token bucket charges each launch its measured
@@ -94,6 +96,12 @@ pub struct ContainerSummary {
     /// Processes of the container the backstop killed for holding more
     /// than the container's cap.
     pub over_cap_kills: u64,
+    /// Times the container began taking more than its compute share while
+    /// another container used its GPU (its processes paused, or reported).
+    pub compute_pauses: u64,
+    /// Processes of the container the backstop killed for taking more than
+    /// its share when pausing was not enough.
+    pub over_share_kills: u64,
 }
 
 /// Everything one pass of the monitor learnt.
@@ -371,6 +379,20 @@ pub fn render(snapshot: &Snapshot, hami_names: bool) -> Vec<u8> {
         Counter,
         &container_pool,
         |i| Some(snapshot.containers[i].over_cap_kills as f64),
+    );
+    w.family(
+        "vgpu_container_over_share_total",
+        "Times the container began taking more of a GPU's time than its share while another container used the GPU.",
+        Counter,
+        &container_pool,
+        |i| Some(snapshot.containers[i].compute_pauses as f64),
+    );
+    w.family(
+        "vgpu_container_over_share_kills_total",
+        "Processes of the container killed for taking more of a GPU's time than its share when pausing was not enough.",
+        Counter,
+        &container_pool,
+        |i| Some(snapshot.containers[i].over_share_kills as f64),
     );
 
     // Per physical GPU.
@@ -736,6 +758,8 @@ mod tests {
                 limits_restored: 3,
                 gpu_memory_bytes: 1536,
                 over_cap_kills: 2,
+                compute_pauses: 3,
+                over_share_kills: 1,
             }],
             gpus: vec![GpuSample {
                 index: 0,
@@ -766,6 +790,8 @@ mod tests {
             r#"vgpu_container_limits_restored_total{namespace="ns",pod="p",container="c"} 3"#.to_string(),
             r#"vgpu_container_gpu_memory_bytes{namespace="ns",pod="p",container="c"} 1536"#.to_string(),
             r#"vgpu_container_over_cap_kills_total{namespace="ns",pod="p",container="c"} 2"#.to_string(),
+            r#"vgpu_container_over_share_total{namespace="ns",pod="p",container="c"} 3"#.to_string(),
+            r#"vgpu_container_over_share_kills_total{namespace="ns",pod="p",container="c"} 1"#.to_string(),
             format!("vgpu_container_memory_over_cap_bytes{labels} 77"),
             r#"vgpu_container_unenforced_memory_bytes{namespace="ns",pod="p",container="c"} 512"#.to_string(),
             r#"vgpu_gpu_unenforced_processes{device_index="0",device_uuid="GPU-a",model="Sim"} 0"#.to_string(),

@@ -1,6 +1,6 @@
 //! Command-line options of `vgpu-monitor`.
 
-use crate::backstop::{MemoryRule, OverCapAction};
+use crate::backstop::{ComputeRule, MemoryRule, OverCapAction};
 use crate::config::MonitorConfig;
 use crate::discovery::DiscoveryConfig;
 use crate::names::ApiSource;
@@ -107,7 +107,12 @@ pub struct Options {
     /// its grant, as the driver counts it (NVML), for three passes in a
     /// row, shim or not: `kill` the process that took it there (the one
     /// holding most beyond what the shim charged it), or only `report` it
-    /// (log, metric and Warning Event either way).
+    /// (log, metric and Warning Event either way). The same for compute:
+    /// with `kill`, a container that takes more of a GPU's time than its
+    /// share while another container uses the GPU has its GPU processes
+    /// paused until it has paid the time back, and its busiest process
+    /// killed when pausing is not enough; with `report`, it is only
+    /// reported.
     #[arg(long, default_value = "kill", value_name = "ACTION")]
     pub over_cap_action: OverCapAction,
 
@@ -116,6 +121,13 @@ pub struct Options {
     /// that is no allocation the shim charges (a context's own memory).
     #[arg(long, default_value = "256Mi", value_name = "SIZE", value_parser = size)]
     pub over_cap_margin: u64,
+
+    /// Percentage points of a GPU's time a container may take above its
+    /// share (as the driver measures it) before it owes time: more than
+    /// the shim's own limiter may be off by.
+    #[arg(long, default_value_t = 5, value_name = "POINTS",
+          value_parser = clap::value_parser!(u32).range(0..=100))]
+    pub over_share_tolerance: u32,
 
     /// The extended resource the GPUs are advertised as (give the device
     /// plugin's `--resource-name`). With the flags below: how pods'
@@ -197,6 +209,11 @@ impl Options {
                 margin_per_process: self.over_cap_margin,
                 action: self.over_cap_action,
                 ..MemoryRule::default()
+            },
+            compute_rule: ComputeRule {
+                tolerance_percent: self.over_share_tolerance,
+                action: self.over_cap_action,
+                ..ComputeRule::default()
             },
         }
     }

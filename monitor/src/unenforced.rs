@@ -63,7 +63,7 @@ pub struct Unenforced {
     pub container: Option<String>,
 }
 
-/// One process's memory on one GPU, with its owner.
+/// One process's use of one GPU, with its owner.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct ProcessUse {
     pub gpu_uuid: String,
@@ -74,6 +74,9 @@ pub struct ProcessUse {
     pub used_bytes: u64,
     /// What its container's shim charged to it on that GPU (0: none).
     pub charged_bytes: u64,
+    /// Percent of the GPU's time its kernels ran over NVML's window (0
+    /// when the driver does not say).
+    pub sm_percent: u32,
 }
 
 /// What one pass found.
@@ -198,6 +201,11 @@ pub fn census(
                 owner,
                 used_bytes: used,
                 charged_bytes: charged,
+                sm_percent: gpu
+                    .process_sm_percent
+                    .get(&process.pid)
+                    .copied()
+                    .unwrap_or(0),
             });
         }
     }

@@ -146,6 +146,9 @@ const ORPHAN_TICKET_NS: u64 = 1_000_000_000;
 /// How long a thread waiting for the device sleeps before it checks
 /// whether the holder or the ticket being served belongs to a dead process.
 const OCCUPANCY_CHECK_NS: i64 = 10_000_000;
+/// How long a reader of a device's ring waits for its mutex before it reads
+/// without it (see `Shared::lock_record_to_read`).
+const READER_PATIENCE_NS: u64 = 20_000_000;
 
 /// One kernel execution on a device's timeline.
 #[repr(C)]
@@ -153,8 +156,11 @@ const OCCUPANCY_CHECK_NS: i64 = 10_000_000;
 pub struct KernelRecord {
     pub start_ns: u64,
     pub end_ns: u64,
+    /// The launching process's PID in its own namespace.
     pub pid: u32,
-    _pad: u32,
+    /// Its slot plus one (0: unknown), so that a reader in another PID
+    /// namespace can name it as it sees it ([`Shared::busy_between`]).
+    pub slot: u32,
 }
 
 fn round_up(value: u64, to: u64) -> u64 {
@@ -550,6 +556,41 @@ impl Shared {
         })
     }
 
+    /// Locks device `device`'s mutex to read the ring, for at most
+    /// [`READER_PATIENCE_NS`]: past that the holder is a process stopped
+    /// inside its launch (a node monitor pausing it, a debugger), which a
+    /// real driver's readers (NVML) never wait for, and the ring is read
+    /// without the lock (`None`): a record being written may be missed.
+    fn lock_record_to_read(&self, device: usize) -> Result<Option<DeviceGuard<'_>>, StateError> {
+        let mutex = self.record(device).mutex.get();
+        let mut deadline = libc::timespec {
+            tv_sec: 0,
+            tv_nsec: 0,
+        };
+        // SAFETY: a valid out-pointer; CLOCK_REALTIME is what
+        // pthread_mutex_timedlock measures its deadline on.
+        unsafe { libc::clock_gettime(libc::CLOCK_REALTIME, &mut deadline) };
+        let nanos = deadline.tv_nsec as u64 + READER_PATIENCE_NS;
+        deadline.tv_sec += (nanos / 1_000_000_000) as libc::time_t;
+        deadline.tv_nsec = (nanos % 1_000_000_000) as libc::c_long;
+        // SAFETY: the mutex was initialised (pshared, robust) when the file was.
+        let rc = unsafe { libc::pthread_mutex_timedlock(mutex, &deadline) };
+        match rc {
+            0 => {}
+            libc::EOWNERDEAD => {
+                // As in `lock_record`.
+                // SAFETY: we own the mutex after EOWNERDEAD.
+                unsafe { libc::pthread_mutex_consistent(mutex) };
+            }
+            libc::ETIMEDOUT => return Ok(None),
+            e => return Err(StateError::Lock(e)),
+        }
+        Ok(Some(DeviceGuard {
+            mutex,
+            _shared: self,
+        }))
+    }
+
     /// Queues a kernel of `duration_ns` on `device`: it starts when the
     /// device is free, now, and `not_before_ns` (its stream's last work) all
     /// hold, and occupies the device exclusively. Returns (start, end).
@@ -574,7 +615,7 @@ impl Shared {
                 start_ns: start,
                 end_ns: end,
                 pid: self.pid,
-                _pad: 0,
+                slot: slot as u32 + 1,
             };
             // SAFETY: the index is below RING_CAPACITY, inside this device's
             // ring, and we hold the device mutex that guards the ring.
@@ -721,7 +762,7 @@ impl Shared {
             start_ns: start,
             end_ns: end.max(start),
             pid: self.pid,
-            _pad: 0,
+            slot: slot as u32 + 1,
         };
         // SAFETY: the index is below RING_CAPACITY, inside this device's
         // ring, and we hold the device mutex that guards the ring.
@@ -814,7 +855,7 @@ impl Shared {
             return Ok(0);
         }
         let rec = self.record(device);
-        let _guard = self.lock_record(device)?;
+        let _guard = self.lock_record_to_read(device)?;
         let scheduled = match pid {
             None => rec.busy_ns.load(Ordering::Acquire),
             Some(p) => (0..MAX_SLOTS)
@@ -853,8 +894,10 @@ impl Shared {
         if to_ns <= from_ns {
             return Ok(busy);
         }
+        // (PID in its namespace, slot + 1, ns) of each launcher.
+        let mut by_launcher: Vec<(u32, u32, u64)> = Vec::new();
         let rec = self.record(device);
-        let _guard = self.lock_record(device)?;
+        let guard = self.lock_record_to_read(device)?;
         let head = rec.ring_head.load(Ordering::Acquire);
         let count = head.min(RING_CAPACITY);
         for k in 0..count {
@@ -870,13 +913,56 @@ impl Shared {
             if end > start {
                 let ns = end - start;
                 busy.total_ns += ns;
-                match busy.per_pid.iter_mut().find(|(pid, _)| *pid == r.pid) {
-                    Some(entry) => entry.1 += ns,
-                    None => busy.per_pid.push((r.pid, ns)),
+                match by_launcher
+                    .iter_mut()
+                    .find(|(pid, slot, _)| (*pid, *slot) == (r.pid, r.slot))
+                {
+                    Some(entry) => entry.2 += ns,
+                    None => by_launcher.push((r.pid, r.slot, ns)),
                 }
             }
         }
+        // The ring is read; naming may read /proc, which other processes'
+        // launches need not wait for.
+        drop(guard);
+        // Named as this reader sees each process (as NVML names them by
+        // host PID): through the slot that launched, while it still holds
+        // the same process.
+        let recorded: Vec<crate::pids::Recorded> = by_launcher
+            .iter()
+            .map(|&(pid, slot, _)| self.recorded_launcher(pid, slot))
+            .collect();
+        let seen = crate::pids::as_seen_here(&recorded);
+        for (here, (_, _, ns)) in seen.into_iter().zip(by_launcher) {
+            match busy.per_pid.iter_mut().find(|(pid, _)| *pid == here) {
+                Some(entry) => entry.1 += ns,
+                None => busy.per_pid.push((here, ns)),
+            }
+        }
         Ok(busy)
+    }
+
+    /// The process with PID `pid` (in its own namespace) that launched from
+    /// `slot` (plus one), as [`crate::pids`] can find it: with its
+    /// namespace and start time while the slot is still its own.
+    fn recorded_launcher(&self, pid: u32, slot: u32) -> crate::pids::Recorded {
+        let unknown = crate::pids::Recorded {
+            pid,
+            namespace: 0,
+            start_ticks: 0,
+        };
+        let Some(index) = (slot as usize).checked_sub(1).filter(|&i| i < MAX_SLOTS) else {
+            return unknown;
+        };
+        let rec = self.slot(index);
+        if rec.pid.load(Ordering::Acquire) != pid {
+            return unknown;
+        }
+        crate::pids::Recorded {
+            pid,
+            namespace: rec.pid_namespace.load(Ordering::Acquire),
+            start_ticks: rec.start_ticks.load(Ordering::Acquire),
+        }
     }
 
     /// Live processes on `device`: (pid, used bytes), after reclaiming dead

@@ -386,12 +386,13 @@ def test_accounts_can_do_what_their_binaries_need():
         assert rules_allow(objects, node_sa, "", resource, verb), (resource, verb)
     assert node["spec"]["template"]["spec"]["hostPID"] is True
     # The backstop kills, in the host's PID namespace, a process past its
-    # container's grant: CAP_KILL and nothing else; with "report" not even
-    # that.
+    # container's grant, and pauses (SIGSTOP) and resumes one past its
+    # share: CAP_KILL and nothing else; with "report" not even that.
     monitor = next(c for c in node["spec"]["template"]["spec"]["containers"] if c["name"] == "monitor")
     assert monitor["securityContext"]["capabilities"] == {"drop": ["ALL"], "add": ["KILL"]}
     assert "--over-cap-action=kill" in monitor["args"]
-    reporting = render({"node": {"monitor": {"overCapAction": "report"}}})
+    assert "--over-share-tolerance=5" in monitor["args"]
+    reporting = render({"node": {"monitor": {"overCapAction": "report", "overShareTolerance": 3}}})
     monitor = next(
         c
         for c in find(reporting, "DaemonSet", "-node")["spec"]["template"]["spec"]["containers"]
@@ -399,6 +400,7 @@ def test_accounts_can_do_what_their_binaries_need():
     )
     assert monitor["securityContext"]["capabilities"] == {"drop": ["ALL"]}
     assert "--over-cap-action=report" in monitor["args"]
+    assert "--over-share-tolerance=3" in monitor["args"]
     # Extender: watch pods, nodes and quotas, record decisions, bind.
     for resource, verb in [
         ("pods", "list"),

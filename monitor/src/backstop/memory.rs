@@ -13,6 +13,7 @@
 //! was charged nothing), then the largest. A killed process is left out of
 //! the sums for [`SIGNALLED_GRACE`], while the driver may still list it.
 
+use super::groups::{by_owner, Group};
 use crate::owners::Owner;
 use crate::unenforced::ProcessUse;
 use std::collections::{HashMap, HashSet};
@@ -157,52 +158,22 @@ impl MemoryBackstop {
             .filter(|u| !self.signalled.contains_key(&u.pid))
             .collect();
         // Every owner and GPU with a cap, and the processes it answers for.
-        let mut groups: HashMap<(Owner, String), (u64, Vec<&ProcessUse>)> = HashMap::new();
-        for use_ in &live {
-            match &use_.owner {
-                Owner::Region(key) => {
-                    let Some(&cap) = caps.get(&(key.clone(), use_.gpu_uuid.clone())) else {
-                        continue;
-                    };
-                    groups
-                        .entry((use_.owner.clone(), use_.gpu_uuid.clone()))
-                        .or_insert((cap, Vec::new()))
-                        .1
-                        .push(use_);
-                }
-                Owner::Pod(uid) => {
-                    let id = (use_.owner.clone(), use_.gpu_uuid.clone());
-                    if groups.contains_key(&id) {
-                        continue;
-                    }
-                    let caps_of_pod: Vec<u64> = pod_of
-                        .iter()
-                        .filter(|(_, pod)| *pod == uid)
-                        .filter_map(|(key, _)| caps.get(&(key.clone(), use_.gpu_uuid.clone())))
-                        .copied()
-                        .collect();
-                    if caps_of_pod.is_empty() || caps_of_pod.contains(&UNCAPPED) {
-                        continue;
-                    }
-                    let members = live
-                        .iter()
-                        .copied()
-                        .filter(|u| u.gpu_uuid == use_.gpu_uuid)
-                        .filter(|u| match &u.owner {
-                            Owner::Pod(other) => other == uid,
-                            Owner::Region(key) => pod_of.get(key) == Some(uid),
-                            Owner::Unknown => false,
-                        })
-                        .collect();
-                    let cap = caps_of_pod.iter().fold(0u64, |a, b| a.saturating_add(*b));
-                    groups.insert(id, (cap, members));
-                }
-                Owner::Unknown => {}
+        let groups = by_owner(&live, caps, pod_of, |caps| {
+            if caps.contains(&UNCAPPED) {
+                return None;
             }
-        }
+            Some(caps.iter().fold(0u64, |a, b| a.saturating_add(*b)))
+        });
         let mut breaches = Vec::new();
         let mut over_now = HashSet::new();
-        for ((owner, gpu_uuid), (cap, members)) in groups {
+        for (
+            (owner, gpu_uuid),
+            Group {
+                granted: cap,
+                members,
+            },
+        ) in groups
+        {
             if cap == UNCAPPED {
                 continue;
             }
@@ -267,6 +238,7 @@ mod tests {
             owner,
             used_bytes: used_mib * MIB,
             charged_bytes: charged_mib * MIB,
+            sm_percent: 0,
         }
     }
 

@@ -282,9 +282,11 @@ DRA nodes. */ -}}
     - --hami-metric-names
     {{- end }}
     # The backstop: a container whose processes hold more of a GPU than
-    # its grant (as NVML counts it), shim or not.
+    # its grant (as NVML counts it), or take more of its time than their
+    # share while another container uses it, shim or not.
     - --over-cap-action={{ $monitor.overCapAction }}
     - --over-cap-margin={{ $monitor.overCapMargin }}
+    - --over-share-tolerance={{ $monitor.overShareTolerance }}
     - --log-level={{ $monitor.logLevel }}
   env:
     - name: NODE_NAME

@@ -1,24 +1,23 @@
 //! The monitor's pass, in four stages: collect (rescan the containers
 //! folder, sample the GPUs), assess each region ([`crate::assess`]) and
 //! find GPU processes no region accounts for, act (put back limits
-//! changed from inside, hold every container to its memory cap from NVML's
-//! accounting ([`crate::backstop`]), decide and write effective shares,
+//! changed from inside, hold every container to its memory cap and
+//! compute share from NVML's accounting ([`backstops`]), decide and write effective shares,
 //! clean up), and publish a snapshot for `/metrics`.
 
 use crate::arbitration::{arbitrate, Contender};
 use crate::assess::{
-    assess_region, granted_caps, process_util_by_uuid, record_event, record_normal_event,
-    Assessment, PassContext, Seen, Tracks,
+    assess_region, process_util_by_uuid, record_event, record_normal_event, Assessment,
+    PassContext, Seen, Tracks,
 };
-use crate::backstop::signal::{signal_owned, SignalError};
-use crate::backstop::{Breach, MemoryBackstop, OverCapAction};
+use crate::backstop::{ComputeBackstop, MemoryBackstop};
 use crate::cleanup::{self, Janitor, Reaper, Verdict};
 use crate::discovery::Discovery;
 use crate::events::{EventRecorder, PodRef};
 use crate::host_proc::HostProc;
 use crate::metrics::{ContainerDevice, Snapshot};
 use crate::names::{ApiState, PodDirectory, Presence};
-use crate::owners::{Owner, Owners};
+use crate::owners::Owner;
 use crate::reported::{ProcessId, Reported};
 use crate::unenforced::{self, Container};
 use std::collections::{BTreeMap, HashMap, HashSet};
@@ -27,6 +26,8 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 use vgpu_node_contract::region::{monotonic_ns, SHARE_FULL, SHARE_UNLIMITED};
 use vgpu_nvml_host::{GpuSample, Sampler};
+
+mod backstops;
 
 pub use crate::config::MonitorConfig;
 pub use crate::shared::Shared;
@@ -66,6 +67,12 @@ pub struct Monitor {
     memory_backstop: MemoryBackstop,
     /// Processes killed for a container's cap, by region key.
     over_cap_kills: HashMap<String, u64>,
+    compute_backstop: ComputeBackstop,
+    /// Episodes of a container over its share (paused or reported), by
+    /// region key.
+    compute_pauses: HashMap<String, u64>,
+    /// Processes killed for a container's share, by region key.
+    over_share_kills: HashMap<String, u64>,
     /// Processes that could not be signalled (each reported once).
     signal_failures: HashSet<u32>,
     /// Who each GPU process belongs to, as found in earlier passes.
@@ -91,6 +98,7 @@ impl Monitor {
         };
         let shared = Arc::new(Shared::new(config.hami_names, config.interval));
         let memory_rule = config.memory_rule;
+        let compute_rule = config.compute_rule;
         Self {
             discovery: Discovery::new(config.discovery.clone()),
             reaper: Reaper::new(config.cleanup_grace.unwrap_or(Duration::MAX)),
@@ -109,6 +117,9 @@ impl Monitor {
             writes: 0,
             memory_backstop: MemoryBackstop::new(memory_rule),
             over_cap_kills: HashMap::new(),
+            compute_backstop: ComputeBackstop::new(compute_rule),
+            compute_pauses: HashMap::new(),
+            over_share_kills: HashMap::new(),
             signal_failures: HashSet::new(),
             owner_cache: unenforced::OwnerCache::new(),
         }
@@ -134,7 +145,8 @@ impl Monitor {
     }
 
     /// Runs passes every `interval` until `stop`, then gives every
-    /// container it changed its configured share back.
+    /// container it changed its configured share back and resumes every
+    /// process it paused.
     pub fn run(mut self, stop: &AtomicBool) {
         while !stop.load(Ordering::Acquire) {
             let started = Instant::now();
@@ -145,6 +157,7 @@ impl Monitor {
             }
         }
         self.restore_shares();
+        self.resume_paused();
     }
 
     /// One pass.
@@ -244,17 +257,32 @@ impl Monitor {
     /// longer there.
     fn act(&mut self, collected: &Collected, assessment: &mut Assessment) {
         self.restore_limits(assessment);
-        self.hold_memory(collected, assessment);
+        self.hold_grants(collected, assessment);
         if self.config.arbitration {
             // The contention rule weighs what the containers achieved
-            // against how busy NVML saw each GPU.
+            // against how busy NVML saw each GPU with their work: the time
+            // of processes no shim meters (unenforced) is no loss between
+            // the containers, and would read as one.
+            let unmetered: HashSet<(&str, u32)> = assessment
+                .unenforced
+                .iter()
+                .map(|u| (u.gpu_uuid.as_str(), u.pid))
+                .collect();
+            let mut unmetered_percent: HashMap<&str, u32> = HashMap::new();
+            for u in &assessment.uses {
+                if unmetered.contains(&(u.gpu_uuid.as_str(), u.pid)) {
+                    *unmetered_percent.entry(u.gpu_uuid.as_str()).or_insert(0) += u.sm_percent;
+                }
+            }
             let busy: HashMap<&str, u32> = collected
                 .gpus
                 .iter()
                 .filter_map(|g| {
+                    let busy = (g.utilization? * f64::from(SHARE_FULL)).round() as u32;
+                    let unmetered = unmetered_percent.get(g.uuid.as_str()).copied().unwrap_or(0);
                     Some((
                         g.uuid.as_str(),
-                        (g.utilization? * f64::from(SHARE_FULL)).round() as u32,
+                        busy.saturating_sub(unmetered.min(100) * (SHARE_FULL / 100)),
                     ))
                 })
                 .collect();
@@ -360,122 +388,6 @@ impl Monitor {
             .retain(|(key, _), _| live_keys.contains(key.as_str()));
         self.reported.keep_live(&live_keys);
         self.reaper.retain(&live_keys);
-    }
-
-    /// Holds every container to the memory its node granted, from what
-    /// NVML says its processes hold ([`crate::backstop::memory`]): a
-    /// breach kills the process that took the container there (or is
-    /// reported), logged, counted and recorded as a Warning Event.
-    fn hold_memory(&mut self, collected: &Collected, assessment: &mut Assessment) {
-        // Only the regions whose containers (or pods) have a process on a
-        // GPU need their caps.
-        let owned: HashSet<&str> = assessment
-            .uses
-            .iter()
-            .filter_map(|u| match &u.owner {
-                Owner::Region(key) => Some(key.as_str()),
-                Owner::Pod(uid) => Some(uid.as_str()),
-                Owner::Unknown => None,
-            })
-            .collect();
-        let (caps, pod_of) = granted_caps(
-            self.discovery.regions().filter(|r| {
-                owned.contains(r.key.as_str())
-                    || r.pod_uid.as_deref().is_some_and(|uid| owned.contains(uid))
-            }),
-            &assessment.restores,
-            collected.api_state == ApiState::Disabled,
-        );
-        let breaches =
-            self.memory_backstop
-                .judge(&assessment.uses, &caps, &pod_of, collected.started);
-        if !breaches.is_empty() {
-            let owners = Owners::new(
-                self.discovery
-                    .regions()
-                    .map(|r| (r.key.as_str(), r.pod_uid.as_deref())),
-            );
-            for breach in breaches {
-                self.act_on_breach(&breach, &owners, &pod_of, collected.started);
-            }
-        }
-        for (key, &index) in &assessment.container_index {
-            if let Some(summary) = assessment.containers.get_mut(index) {
-                summary.over_cap_kills = self.over_cap_kills.get(key).copied().unwrap_or(0);
-            }
-        }
-    }
-
-    fn act_on_breach(
-        &mut self,
-        breach: &Breach,
-        owners: &Owners,
-        pod_of: &HashMap<String, String>,
-        now: Instant,
-    ) {
-        let key = match &breach.owner {
-            Owner::Region(key) => Some(key.as_str()),
-            Owner::Pod(uid) => pod_of
-                .iter()
-                .find(|(_, pod)| *pod == uid)
-                .map(|(key, _)| key.as_str()),
-            Owner::Unknown => None,
-        };
-        let whose = match (&breach.owner, key) {
-            (Owner::Region(key), _) => format!("container {key}"),
-            (Owner::Pod(uid), _) => format!("pod {uid}"),
-            (Owner::Unknown, _) => "a process of no pod".to_string(),
-        };
-        let over = format!(
-            "{whose} holds {} MiB of GPU {} as the driver counts it, over its cap of {} MiB (and {} MiB for its processes' contexts)",
-            breach.used_bytes >> 20,
-            breach.gpu_uuid,
-            breach.cap_bytes >> 20,
-            (breach.allowed_bytes - breach.cap_bytes) >> 20,
-        );
-        let (reason, message) = match (breach.action, breach.victim) {
-            (OverCapAction::Kill, Some(victim)) => {
-                let proc = &self.host_proc;
-                let still_owned = |pid| owners.owner_of(pid, proc) == breach.owner;
-                match signal_owned(victim.pid, still_owned, libc::SIGKILL) {
-                    Ok(()) => {
-                        self.memory_backstop.signalled(victim.pid, now);
-                        if let Some(key) = key {
-                            *self.over_cap_kills.entry(key.to_string()).or_insert(0) += 1;
-                        }
-                        (
-                            "GPUMemoryOverCapKilled",
-                            format!(
-                                "{over}: process {} killed (it held {} MiB, of which the vgpu shim charged {} MiB)",
-                                victim.pid,
-                                victim.used_bytes >> 20,
-                                victim.charged_bytes >> 20
-                            ),
-                        )
-                    }
-                    Err(SignalError::Gone { .. }) => return,
-                    // Told once per process: the breach stands every pass.
-                    Err(_) if !self.signal_failures.insert(victim.pid) => return,
-                    Err(error) => (
-                        "GPUMemoryOverCap",
-                        format!(
-                            "{over}: process {} could not be killed: {error}",
-                            victim.pid
-                        ),
-                    ),
-                }
-            }
-            _ => ("GPUMemoryOverCap", format!("{over}: reported only")),
-        };
-        tracing::warn!("{message}");
-        let region = key.and_then(|key| self.discovery.get(key));
-        if let Some(region) = region {
-            let pod = region
-                .pod_uid
-                .as_deref()
-                .and_then(|uid| self.pods.lookup(uid));
-            record_event(self.events.as_ref(), &pod, region, reason, message);
-        }
     }
 
     /// GPU processes no live slot accounts for; each new one is logged
