@@ -730,6 +730,40 @@ def check_backstop(suite: Suite) -> None:
               verdict(killed and gone_after is not None and gone_after <= 2 and held > cap))
 
 
+def check_compute_backstop(suite: Suite) -> None:
+    """A program in a 30 % container that launches its kernels through
+    cuLaunchKernel found in the driver's symbol table (no interposer sees
+    them) runs beside a 50 % container under the shim; vgpu's node monitor,
+    reading NVML's per-process utilization, pauses the hog until it has
+    paid its time back. Each part of the device's time is NVML's
+    utilization over the window split by the two programs' kernel rates."""
+    check = "beside a 30 % program that launches past the shim, the 50 % container's part of the device's time"
+    target = f"at least 47 %; the hog at most {30 + 5 + SHARE_BAND:g} %"
+    for library in suite.libraries[1:]:
+        suite.not_supported(check, target, library, "no node monitor in this library")
+    if suite.tools.monitor is None:
+        suite.add(check, target, suite.ours.label, "no vgpu-monitor binary: name it with --monitor", "error")
+        return
+    seconds = WINDOW_SECONDS + 4  # the monitor's window needs a second to see the pair
+    hog = suite.cuda("bypass", "spin", "--kernel-us", 1000, "--seconds", seconds)
+    neighbour = suite.cuda("kernels", "spin", "--kernel-us", 1000, "--seconds", seconds)
+    with NodeMonitor(suite, "compute-backstop", arbitration=True) as node:
+        pair = suite.together([
+            (hog, suite.shim_env(suite.ours, share=30, region=node.region("hog"))),
+            (neighbour, suite.shim_env(suite.ours, share=50, region=node.region("neighbour")))])
+        node.check_alive()
+        paused = "paused until it has paid the time back" in Path(node.log.name).read_text()
+    rates = [r["rate"] for r in pair.results]
+    hog_part, neighbour_part = split_by_rate(pair.utilization, rates)
+    if hog_part is None or neighbour_part is None:
+        suite.add(check, target, suite.ours.label, "no NVML utilization read", "error")
+        return
+    measured = (f"the neighbour {neighbour_part:.1f} %, the hog {hog_part:.1f} % (NVML utilization "
+                f"{pair.utilization:.0f} %); the hog {'paused' if paused else 'never paused'} by vgpu-monitor")
+    suite.add(check, target, suite.ours.label, measured,
+              verdict(neighbour_part >= 47 and hog_part <= 30 + 5 + SHARE_BAND))
+
+
 # ---------------------------------------------------------------- compute
 # ---------------------------------------------------------------- compute
 
@@ -1408,6 +1442,8 @@ CHECKS = {
     "processes": (check_processes, f"{RACERS} processes of one container allocate at once under its cap"),
     "killed": (check_killed, "a process killed holding memory gives the cap back"),
     "backstop": (check_backstop, "a program past the shim and its cap is killed by vgpu-monitor (nvidia-smi)"),
+    "compute-backstop": (check_compute_backstop,
+                         "a program launching past the shim beside a 50 % container is paused by vgpu-monitor"),
     "compute": (check_compute, "compute shares: matmul 25/50/75, 30/70, four at 25, graph, 20 and 5 us kernels"),
     "resize": (check_resize, "limits changed while running: share 50/20/70 %, cap 8 -> 4 GiB, a cap below use"),
     "oversubscribe": (check_oversubscribe, "1.5x the cap through host memory, bandwidth"),

@@ -1,14 +1,19 @@
 // bypass: a program that means to get past an interposer. The runtime is
 // brought up as usual (any preloaded library sees that), then device memory
-// is allocated through cuMemAlloc_v2 found in the loaded driver's own
-// dynamic symbol table: never asking dlsym or cuGetProcAddress, so no
-// interposer sees the allocations. Only the node (the driver's own
-// accounting, read through NVML) can hold it to its container's cap.
+// is allocated, or kernels launched, through cuMemAlloc_v2 or cuLaunchKernel
+// found in the loaded driver's own dynamic symbol table: never asking
+// dlsym or cuGetProcAddress, so no interposer sees them. Only the node (the
+// driver's own accounting, read through NVML) can hold it to its
+// container's cap and share.
 //
 //   bypass --chunk-mib N --ceiling-mib M
+//   bypass spin --kernel-us U --seconds S
 //
-// Prints "ready" once the runtime is up, allocates on "go", prints one
-// JSON line and keeps the memory until stdin closes (or it is killed).
+// Prints "ready" once the runtime is up, then on "go" allocates (and prints
+// one JSON line, keeping the memory until stdin closes or it is killed),
+// or launches bursts of 32 kernels of U us, each burst synchronized, for S
+// seconds, then prints one JSON line ({"steps", "seconds", "rate"}: kernels
+// a second) and waits for stdin to close.
 #include <dlfcn.h>
 #include <elf.h>
 #include <link.h>
@@ -18,6 +23,17 @@
 #include "protocol.cuh"
 
 typedef int (*MemAlloc)(unsigned long long *, size_t);
+typedef int (*LaunchKernel)(void *, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned,
+                            void *, void **, void **);
+
+// Spins on the GPU's nanosecond clock for `ns`.
+__global__ void spin(unsigned long long ns) {
+    unsigned long long start, now;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(start));
+    do {
+        asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
+    } while (now - start < ns);
+}
 
 namespace {
 
@@ -71,7 +87,53 @@ void *lookup(const char *name) {
 
 }  // namespace
 
+// Bursts of 32 spin kernels launched past any interposer, for `seconds`.
+int spin_past_the_shim(int argc, char **argv) {
+    double seconds = number_option(argc, argv, "--seconds", nullptr);
+    auto ns = (unsigned long long)(number_option(argc, argv, "--kernel-us", nullptr) * 1000.0);
+    CHECK(cudaFree(nullptr));
+    dl_iterate_phdr(find_driver, nullptr);
+    auto launch = reinterpret_cast<LaunchKernel>(driver.count ? lookup("cuLaunchKernel") : nullptr);
+    if (!launch) {
+        std::fprintf(stderr, "cuLaunchKernel not found in the loaded driver's symbol table\n");
+        return 2;
+    }
+    cudaFunction_t function;
+    CHECK(cudaGetFuncBySymbol(&function, reinterpret_cast<const void *>(spin)));
+    cudaStream_t stream;
+    CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+    int device = 0, blocks = 0;
+    CHECK(cudaGetDevice(&device));
+    CHECK(cudaDeviceGetAttribute(&blocks, cudaDevAttrMultiProcessorCount, device));
+    void *args[] = {&ns};
+    auto burst = [&] {
+        for (int i = 0; i < 32; i++) {
+            int rc = launch(reinterpret_cast<void *>(function), blocks, 1, 1, 32, 1, 1, 0, stream, args, nullptr);
+            if (rc != 0) {
+                std::fprintf(stderr, "cuLaunchKernel failed: %d\n", rc);
+                std::exit(1);
+            }
+        }
+        CHECK(cudaStreamSynchronize(stream));
+    };
+    burst();  // warm-up
+    ready_then_wait_for_go();
+    double start = seconds_now();
+    long long done = 0;
+    while (seconds_now() < start + seconds) {
+        burst();
+        done += 32;
+    }
+    double elapsed = seconds_now() - start;
+    char json[256];
+    std::snprintf(json, sizeof json, "{\"steps\": %lld, \"seconds\": %.6f, \"rate\": %.3f}", done, elapsed,
+                  done / elapsed);
+    report_and_hold(json);
+    return 0;
+}
+
 int main(int argc, char **argv) {
+    if (argc > 1 && std::strcmp(argv[1], "spin") == 0) return spin_past_the_shim(argc - 1, argv + 1);
     const size_t mib = 1 << 20;
     size_t chunk = (size_t)number_option(argc, argv, "--chunk-mib", nullptr) * mib;
     size_t ceiling = (size_t)number_option(argc, argv, "--ceiling-mib", nullptr) * mib;
