@@ -6,7 +6,8 @@
 //!   container (a container without `CAP_SYS_ADMIN` cannot mount, and a
 //!   process that `chroot`s away hides its mounts rather than forging one);
 //! - its PID namespace and its PIDs in each namespace;
-//! - the files it maps.
+//! - the files it maps;
+//! - whether it is stopped.
 
 use std::collections::HashSet;
 use std::path::PathBuf;
@@ -55,6 +56,12 @@ impl HostProc {
         grant_dir_in_mountinfo(&self.read(pid, "mountinfo")?)
     }
 
+    /// Whether the process is stopped by a signal (state `T`).
+    pub fn is_stopped(&self, pid: u32) -> bool {
+        self.read(pid, "stat")
+            .is_some_and(|stat| state_in_stat(&stat) == Some('T'))
+    }
+
     /// `(device, inode)` of every file the process maps.
     pub fn mapped_files(&self, pid: u32) -> HashSet<(u64, u64)> {
         self.read(pid, "maps")
@@ -74,6 +81,12 @@ pub fn mapped_file(line: &str) -> Option<(u64, u64)> {
         u64::from_str_radix(minor, 16).ok()?,
     );
     (inode != 0).then_some((libc::makedev(major as u32, minor as u32), inode))
+}
+
+/// The state letter of a `/proc/<pid>/stat` line: the field after the
+/// name, which may itself hold spaces and parentheses.
+pub fn state_in_stat(stat: &str) -> Option<char> {
+    stat[stat.rfind(')')? + 1..].trim_start().chars().next()
 }
 
 /// The pod UID kubelet puts in a container's cgroup path, if any (either
@@ -117,6 +130,13 @@ pub fn grant_dir_in_mountinfo(mountinfo: &str) -> Option<String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_state_is_read_past_a_name_with_spaces_and_parentheses() {
+        assert_eq!(state_in_stat("42 (a (b) c) T 1 42 42 0"), Some('T'));
+        assert_eq!(state_in_stat("7 (sleep) S 1 7 7 0"), Some('S'));
+        assert_eq!(state_in_stat("7 no name"), None);
+    }
 
     #[test]
     fn pod_uids_come_from_either_cgroup_driver() {

@@ -30,6 +30,7 @@
 //! | `vgpu_container_limits_restored_total` | counter | times its region's limits were changed from inside and restored (per container) |
 //! | `vgpu_container_unenforced_processes`, `_memory_bytes` | gauge | processes of the container on a GPU holding more than the shim charged them (without the shim, or past it), and their memory (per container) |
 //! | `vgpu_container_gpu_memory_bytes` | gauge | device memory its processes hold as the driver counts it (NVML), shim or not (per container) |
+//! | `vgpu_container_gpu_time_ratio` | gauge | device time its processes' kernels took over NVML's window per wall time, summed over its GPUs, shim or not (per container) |
 //! | `vgpu_container_over_cap_kills_total` | counter | its processes the backstop killed for holding more than its cap (per container) |
 //! | `vgpu_container_over_share_total` | counter | times it began taking more of a GPU's time than its share while another container used the GPU (its GPU processes paused in a duty cycle, or reported) (per container) |
 //! | `vgpu_container_over_share_kills_total` | counter | its processes the backstop killed for taking more than its share when pausing was not enough (per container) |
@@ -93,6 +94,9 @@ pub struct ContainerSummary {
     /// Device memory its processes hold, as the driver counts it (NVML),
     /// shim or not.
     pub gpu_memory_bytes: u64,
+    /// Device time its processes' kernels took over NVML's window, per
+    /// wall time, summed over its GPUs, shim or not.
+    pub gpu_time_ratio: f64,
     /// Processes of the container the backstop killed for holding more
     /// than the container's cap.
     pub over_cap_kills: u64,
@@ -372,6 +376,13 @@ pub fn render(snapshot: &Snapshot, hami_names: bool) -> Vec<u8> {
         Gauge,
         &container_pool,
         |i| Some(snapshot.containers[i].gpu_memory_bytes as f64),
+    );
+    w.family(
+        "vgpu_container_gpu_time_ratio",
+        "Device time the container's processes' kernels took over NVML's window per wall time, summed over its GPUs, shim or not.",
+        Gauge,
+        &container_pool,
+        |i| Some(snapshot.containers[i].gpu_time_ratio),
     );
     w.family(
         "vgpu_container_over_cap_kills_total",
@@ -757,6 +768,7 @@ mod tests {
                 unenforced_bytes: 512,
                 limits_restored: 3,
                 gpu_memory_bytes: 1536,
+                gpu_time_ratio: 0.25,
                 over_cap_kills: 2,
                 compute_pauses: 3,
                 over_share_kills: 1,
@@ -789,6 +801,7 @@ mod tests {
             r#"vgpu_container_unenforced_processes{namespace="ns",pod="p",container="c"} 1"#.to_string(),
             r#"vgpu_container_limits_restored_total{namespace="ns",pod="p",container="c"} 3"#.to_string(),
             r#"vgpu_container_gpu_memory_bytes{namespace="ns",pod="p",container="c"} 1536"#.to_string(),
+            r#"vgpu_container_gpu_time_ratio{namespace="ns",pod="p",container="c"} 0.25"#.to_string(),
             r#"vgpu_container_over_cap_kills_total{namespace="ns",pod="p",container="c"} 2"#.to_string(),
             r#"vgpu_container_over_share_total{namespace="ns",pod="p",container="c"} 3"#.to_string(),
             r#"vgpu_container_over_share_kills_total{namespace="ns",pod="p",container="c"} 1"#.to_string(),

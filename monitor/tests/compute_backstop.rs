@@ -1,8 +1,10 @@
 //! The compute backstop, end to end: two containers the node set up
 //! (region, grant and mounts from the node agent's own plan) on one
-//! simulated GPU, a hog granted 30 % whose process runs without the shim
-//! (nothing holds it to its share but the monitor) and a neighbour granted
-//! 50 % under the shim. Shares are the simulated driver's own record of
+//! simulated GPU, a hog granted 30 % whose process has the shim loaded but
+//! launches through entry points it read from the driver's own symbol
+//! table (`WORKLOAD_DRIVER=elf`: the shim sees none of its work, nothing
+//! holds it to its share but the monitor) and a neighbour granted 50 %
+//! under the shim. Shares are the simulated driver's own record of
 //! device time over 10 s, once the backstop has had 2 s to take hold.
 //!
 //! With the monitor pausing the hog until it has paid its time back, the
@@ -64,8 +66,9 @@ fn gpu_uuid(sandbox: &Sandbox) -> String {
 /// How the hog runs.
 #[derive(Clone, Copy, Debug)]
 enum Hog {
-    /// The container's own process, the node's preload not given.
-    WithoutShim,
+    /// The node's preload given, every entry point read from the driver's
+    /// symbol table.
+    PastTheShim,
     /// As the node gives it: held by the shim.
     UnderShim,
 }
@@ -77,7 +80,7 @@ struct Outcome {
     hog_process: Workload,
 }
 
-/// The hog (`pattern` of `kernel`s, without the shim) and the neighbour
+/// The hog (`pattern` of `kernel`s, past the shim) and the neighbour
 /// (`sync k1ms` under the shim) side by side under a monitor with `args`;
 /// their shares of the device over [`WINDOW`] after [`SETTLE`].
 fn hog_beside_neighbour(
@@ -102,14 +105,11 @@ fn hog_beside_neighbour(
     let monitor = MonitorProcess::on_simulated_gpu(&sandbox, &host, &all);
     let seconds = (SETTLE + WINDOW).as_secs_f64() + 5.0;
     let workload = programs_dir().join("workload");
-    let mut hog_command = match hog {
-        Hog::WithoutShim => sandbox.command_without_shim(&workload),
-        Hog::UnderShim => {
-            let mut command = sandbox.command(&workload);
-            hog_container.give_env(&mut command);
-            command
-        }
-    };
+    let mut hog_command = sandbox.command(&workload);
+    hog_container.give_env(&mut hog_command);
+    if let Hog::PastTheShim = hog {
+        hog_command.env("WORKLOAD_DRIVER", "elf");
+    }
     hog_command.args(Workload::args(pattern, kernel, seconds, 1));
     let hog_process = Workload::spawn(&mut hog_container.wrap(&hog_command));
     let mut neighbour_command = sandbox.command(&workload);
@@ -136,7 +136,7 @@ fn hog_beside_neighbour(
     }
 }
 
-/// The hog without the shim, held by the monitor, beside the neighbour:
+/// The hog past the shim, held by the monitor, beside the neighbour:
 /// the hog is held to its share and tolerance, the neighbour keeps
 /// `neighbour_keeps`, and only the hog was paused.
 fn the_hog_is_held_to_its_share(name: &str, pattern: &str, kernel: &str, neighbour_keeps: f64) {
@@ -145,14 +145,14 @@ fn the_hog_is_held_to_its_share(name: &str, pattern: &str, kernel: &str, neighbo
     // the record (`VGPU_COMPARE_SHIM=1 ... -- --nocapture`).
     let beside_shim = std::env::var_os("VGPU_COMPARE_SHIM")
         .map(|_| hog_beside_neighbour(name, Hog::UnderShim, pattern, kernel, &[]).neighbour);
-    let outcome = hog_beside_neighbour(name, Hog::WithoutShim, pattern, kernel, &[]);
+    let outcome = hog_beside_neighbour(name, Hog::PastTheShim, pattern, kernel, &[]);
     if let Some(beside_shim) = beside_shim {
         eprintln!(
             "{pattern} {kernel}: the neighbour beside the hog held by its shim: {beside_shim:.1} %"
         );
     }
     eprintln!(
-        "{pattern} {kernel}: beside the hog without the shim, the neighbour {:.1} %, the hog {:.1} %",
+        "{pattern} {kernel}: beside the hog past the shim, the neighbour {:.1} %, the hog {:.1} %",
         outcome.neighbour, outcome.hog
     );
     let log = outcome.monitor.log();
@@ -201,7 +201,7 @@ fn with_action_report_the_hog_takes_the_neighbours_time_and_is_reported() {
     let _turn = MACHINE.lock().unwrap_or_else(PoisonError::into_inner);
     let mut outcome = hog_beside_neighbour(
         "compute-hog-report",
-        Hog::WithoutShim,
+        Hog::PastTheShim,
         "burst",
         "k30ms",
         &["--over-cap-action", "report"],
@@ -233,4 +233,38 @@ fn with_action_report_the_hog_takes_the_neighbours_time_and_is_reported() {
             .is_none(),
         "left running"
     );
+}
+
+/// A monitor killed while it had a process paused leaves it stopped; the
+/// next one resumes it when it first sees it.
+#[test]
+fn a_process_left_paused_by_a_monitor_before_is_resumed() {
+    let _turn = MACHINE.lock().unwrap_or_else(PoisonError::into_inner);
+    let name = "compute-leftover";
+    let sandbox = Sandbox::new(name, 1, "8Gi");
+    let uuid = gpu_uuid(&sandbox);
+    let host = HostDir::new(name);
+    let container = NodeContainer::prepare(&host.root, HOG_POD, "hog", &[(&uuid, 1 << 30, 30)]);
+    let mut command = sandbox.command(&programs_dir().join("workload"));
+    command.args(Workload::args("sync", "k1ms", 30.0, 1));
+    container.give_env(&mut command);
+    let process = Workload::spawn(&mut container.wrap(&command));
+    let pid = process.child.id();
+    let stopped = || {
+        std::fs::read_to_string(format!("/proc/{pid}/stat"))
+            .ok()
+            .and_then(|stat| {
+                let state = stat[stat.rfind(')')? + 1..].trim_start().chars().next()?;
+                Some(state == 'T')
+            })
+            .unwrap_or(false)
+    };
+    // SAFETY: a child of this test, alive (it printed ready).
+    assert_eq!(unsafe { libc::kill(pid as i32, libc::SIGSTOP) }, 0);
+    wait_for(Duration::from_secs(5), || stopped().then_some(()))
+        .expect("the process stopped");
+    let monitor = MonitorProcess::on_simulated_gpu(&sandbox, &host, &["--no-kubernetes"]);
+    wait_for(Duration::from_secs(15), || (!stopped()).then_some(()))
+        .unwrap_or_else(|| panic!("still stopped:\n{}", monitor.log()));
+    assert!(monitor.log().contains("found stopped"), "{}", monitor.log());
 }

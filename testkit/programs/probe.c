@@ -46,6 +46,7 @@
 #include <unistd.h>
 
 #include "cuda_minimal.h"
+#include "driver_symbols.h"
 
 typedef CUresult (*GetProcAddressFn)(const char *, void **, int, unsigned long long, int *);
 
@@ -146,61 +147,6 @@ static int load_driver(void) {
 static void *driver_handle;
 static GetProcAddressFn get_proc_address;
 
-/* The driver as loaded: where it is mapped and its dynamic symbol table,
- * found by walking the program headers of the loaded objects. */
-static struct {
-    ElfW(Addr) base;
-    const ElfW(Sym) *symbols;
-    const char *names;
-    size_t count;
-} elf_driver;
-
-static int find_driver_object(struct dl_phdr_info *info, size_t size, void *data) {
-    (void)size;
-    (void)data;
-    if (!info->dlpi_name || !strstr(info->dlpi_name, "libcuda.so")) return 0;
-    for (int i = 0; i < info->dlpi_phnum; i++) {
-        if (info->dlpi_phdr[i].p_type != PT_DYNAMIC) continue;
-        const ElfW(Dyn) *dyn = (const ElfW(Dyn) *)(info->dlpi_addr + info->dlpi_phdr[i].p_vaddr);
-        const uint32_t *gnu_hash = NULL;
-        const uint32_t *sysv_hash = NULL;
-        for (; dyn->d_tag != DT_NULL; dyn++) {
-            /* The loader has relocated these to addresses already. */
-            if (dyn->d_tag == DT_SYMTAB) elf_driver.symbols = (const ElfW(Sym) *)dyn->d_un.d_ptr;
-            if (dyn->d_tag == DT_STRTAB) elf_driver.names = (const char *)dyn->d_un.d_ptr;
-            if (dyn->d_tag == DT_GNU_HASH) gnu_hash = (const uint32_t *)dyn->d_un.d_ptr;
-            if (dyn->d_tag == DT_HASH) sysv_hash = (const uint32_t *)dyn->d_un.d_ptr;
-        }
-        if (sysv_hash) {
-            elf_driver.count = sysv_hash[1];
-        } else if (gnu_hash) {
-            /* The highest symbol index any bucket's chain reaches. */
-            uint32_t buckets = gnu_hash[0], offset = gnu_hash[1], bloom = gnu_hash[2];
-            const uint32_t *bucket = gnu_hash + 4 + bloom * (sizeof(ElfW(Addr)) / 4);
-            const uint32_t *chain = bucket + buckets;
-            uint32_t last = 0;
-            for (uint32_t b = 0; b < buckets; b++)
-                if (bucket[b] > last) last = bucket[b];
-            if (last >= offset)
-                while (!(chain[last - offset] & 1)) last++;
-            elf_driver.count = last + 1;
-        }
-        elf_driver.base = info->dlpi_addr;
-        return 1;
-    }
-    return 0;
-}
-
-static void *elf_lookup(const char *name) {
-    for (size_t i = 0; i < elf_driver.count; i++) {
-        const ElfW(Sym) *sym = &elf_driver.symbols[i];
-        if (sym->st_value && ELF64_ST_TYPE(sym->st_info) == STT_FUNC &&
-            strcmp(elf_driver.names + sym->st_name, name) == 0)
-            return (void *)(elf_driver.base + sym->st_value);
-    }
-    return NULL;
-}
-
 /* Resolves one function: by its versioned name through dlsym or the
  * driver's symbol table, or by its base name and a CUDA version through
  * cuGetProcAddress. */
@@ -243,8 +189,7 @@ static int load_driver(void) {
             return -1;
         }
     } else if (strcmp(access_mode, "elf") == 0) {
-        dl_iterate_phdr(find_driver_object, NULL);
-        if (!elf_driver.symbols || !elf_driver.names || !elf_driver.count) {
+        if (!find_driver_symbols()) {
             fprintf(stderr, "no dynamic symbol table found for libcuda.so.1\n");
             return -1;
         }

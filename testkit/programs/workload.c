@@ -16,7 +16,10 @@
  * for SECONDS and prints launches=N. With WORKLOAD_EVERY_SECOND set, the
  * first device's thread also prints "second=K kernels=N" after each whole
  * second (K from 1), for shares that change while it runs. The driver is
- * reached through dlsym so the shim, when preloaded, sees every call. */
+ * reached through dlsym so the shim, when preloaded, sees every call; with
+ * WORKLOAD_DRIVER=elf every entry point is read from the loaded driver's
+ * own symbol table instead (driver_symbols.h), so no interposer sees any:
+ * a program that means to get past the shim. */
 #define _GNU_SOURCE
 #include <dlfcn.h>
 #include <pthread.h>
@@ -26,6 +29,7 @@
 #include <time.h>
 
 #include "cuda_minimal.h"
+#include "driver_symbols.h"
 
 typedef void *CUgraph;
 typedef void *CUgraphExec;
@@ -87,8 +91,11 @@ static double now_s(void) {
     return (double)t.tv_sec + (double)t.tv_nsec * 1e-9;
 }
 
+/* Entry points from the driver's symbol table (WORKLOAD_DRIVER=elf). */
+static int from_symbol_table;
+
 static void *need(void *handle, const char *name) {
-    void *address = dlsym(handle, name);
+    void *address = from_symbol_table ? elf_lookup(name) : dlsym(handle, name);
     if (!address) {
         fprintf(stderr, "missing %s\n", name);
         exit(2);
@@ -170,6 +177,17 @@ int main(int argc, char **argv) {
     void *driver = dlopen("libcuda.so.1", RTLD_NOW);
     if (!driver) {
         fprintf(stderr, "dlopen: %s\n", dlerror());
+        return 2;
+    }
+    const char *access = getenv("WORKLOAD_DRIVER");
+    if (access && strcmp(access, "elf") == 0) {
+        from_symbol_table = 1;
+        if (!find_driver_symbols()) {
+            fprintf(stderr, "no dynamic symbol table found for libcuda.so.1\n");
+            return 2;
+        }
+    } else if (access && *access && strcmp(access, "dlsym") != 0) {
+        fprintf(stderr, "bad WORKLOAD_DRIVER=%s: expected dlsym or elf\n", access);
         return 2;
     }
     Init = need(driver, "cuInit");

@@ -673,6 +673,62 @@ def test_a_container_launching_with_cuda_launch_blocking_is_held_at_its_share(re
     cluster.kubectl("delete", "pod", "blocking", "-n", "team-blocking", "--wait=true", "--timeout=60s")
 
 
+def test_a_program_past_the_shim_is_held_to_its_share_beside_a_neighbour(real_cluster):
+    """A program in a `gpucores: 30` pod that reads every driver entry point
+    from the driver's own symbol table (the shim, preloaded, sees none of
+    its launches) runs bursts of short kernels beside a `gpucores: 50` pod
+    under the shim, on the same GPU. The chart's monitor pauses it until
+    it has paid its time back, with a Warning Event on its pod; each pod's
+    device time, as the monitor reads it through NVML (not from the shim),
+    over 8 s."""
+    cluster, node = real_cluster.cluster, real_cluster.node
+    namespace = "tenant-hog"
+    cluster.kubectl("create", "namespace", namespace)
+    uuid = node_inventory(cluster, node)["gpus"][0]["uuid"]
+    hog = workload_pod("hog", namespace, ["/bin/sh", "-c", "WORKLOAD_DRIVER=elf exec workload burst k20us 3600"],
+                       {"nvidia.com/gpu": "1", "nvidia.com/gpumem": "1024", "nvidia.com/gpucores": "30"})
+    neighbour = workload_pod("neighbour", namespace, ["workload", "sync", "k1ms", "3600"],
+                             {"nvidia.com/gpu": "1", "nvidia.com/gpumem": "1024", "nvidia.com/gpucores": "50"})
+    try:
+        for pod in (neighbour, hog):
+            pod["metadata"]["annotations"] = {"nvidia.com/use-gpuuuid": uuid}
+            found = real_cluster.run_pod(pod)
+            assert found["status"]["phase"] == "Running", json.dumps(found["status"], indent=1)
+        for name in ("neighbour", "hog"):
+            wait_for(f"the {name} ready", lambda name=name: "ready" in node.container_log(namespace, name, "main"),
+                     timeout=30, log=real_cluster.logs)
+
+        def paused():
+            events = kubectl_json(cluster, "get", "events", "-n", namespace,
+                                  "--field-selector", "involvedObject.name=hog")["items"]
+            return [e for e in events if e["type"] == "Warning" and e["reason"] == "GPUComputeOverShare"]
+        events = wait_for("the hog paused by the monitor", paused, timeout=30, log=real_cluster.logs)
+        assert "paused until it has paid the time back" in events[0]["message"], events
+        time.sleep(2)  # the backstop's first pauses, out of the window measured
+        readings: dict[str, list[float]] = {"hog": [], "neighbour": []}
+        started = time.monotonic()
+        while time.monotonic() - started < 8:
+            text = real_cluster.metrics(node)
+            for name, values in readings.items():
+                value = container_figure(text, "vgpu_container_gpu_time_ratio", namespace, name)
+                if value is not None:
+                    values.append(value)
+            time.sleep(0.5)  # a sampling interval, not a wait for anything
+        assert readings["hog"] and readings["neighbour"], readings
+        hog_part, neighbour_part = (statistics.median(readings[name]) for name in ("hog", "neighbour"))
+        print(f"\na program past the shim at gpucores 30 beside a 50 % pod in real containers: the hog "
+              f"{hog_part:.3f}, the neighbour {neighbour_part:.3f} of the device (medians of the monitor's "
+              f"NVML readings over 8 s)")
+        assert hog_part <= 0.40, readings
+        assert neighbour_part >= 0.40, readings
+        assert container_figure(real_cluster.metrics(node), "vgpu_container_over_share_total",
+                                namespace, "hog") >= 1
+        assert container_figure(real_cluster.metrics(node), "vgpu_container_over_share_total",
+                                namespace, "neighbour") == 0
+    finally:
+        cluster.kubectl("delete", "namespace", namespace, "--wait=true", "--timeout=120s", check=False)
+
+
 def node_inventory(cluster: ControlPlane, node: RealNode) -> dict:
     """The GPU inventory the device plugin published on `node`."""
     return json.loads(kubectl_json(cluster, "get", "node", node.name)["metadata"]["annotations"]["vgpu.io/node-gpus"])

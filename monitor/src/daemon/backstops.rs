@@ -8,8 +8,14 @@ use crate::backstop::signal::{signal_owned, SignalError};
 use crate::backstop::{Breach, ComputeVerdict, OverCapAction, OwnerTime};
 use crate::names::ApiState;
 use crate::owners::{Owner, Owners};
+use crate::unenforced::ProcessUse;
 use std::collections::{HashMap, HashSet};
-use std::time::Instant;
+use std::time::{Duration, Instant};
+
+/// How long after it starts the monitor resumes GPU processes it finds
+/// stopped: long enough for every process to have been placed (owners are
+/// looked up 16 a pass).
+const LEFTOVERS_FOR: Duration = Duration::from_secs(30);
 
 impl Monitor {
     /// Holds every container to what its node granted, from NVML's
@@ -156,6 +162,7 @@ impl Monitor {
             past_limit,
             ..
         } = verdict;
+        self.resume_leftovers(&assessment.uses, owners, collected.started);
         for (pid, owner) in resume {
             let proc = &self.host_proc;
             let still_owned = |pid| owners.owner_of(pid, proc) == owner;
@@ -223,6 +230,37 @@ impl Monitor {
                 _ => ("GPUComputeOverShare", format!("{over}: reported only")),
             };
             self.tell(key, reason, message);
+        }
+    }
+
+    /// In the monitor's first [`LEFTOVERS_FOR`]: resumes each container
+    /// GPU process found stopped when it is first seen, which a monitor
+    /// before this one may have paused and could not resume (it was
+    /// killed). Only then, so that a container's own job control is not
+    /// fought afterwards.
+    fn resume_leftovers(&mut self, uses: &[ProcessUse], owners: &Owners, now: Instant) {
+        let until = *self.leftovers_until.get_or_insert(now + LEFTOVERS_FOR);
+        if now >= until {
+            self.leftovers_checked = HashSet::new();
+            return;
+        }
+        for use_ in uses {
+            if use_.owner == Owner::Unknown
+                || !self.leftovers_checked.insert(use_.pid)
+                || self.compute_backstop.paused().any(|(pid, _)| pid == use_.pid)
+                || !self.host_proc.is_stopped(use_.pid)
+            {
+                continue;
+            }
+            let proc = &self.host_proc;
+            let still_owned = |pid| owners.owner_of(pid, proc) == use_.owner;
+            match signal_owned(use_.pid, still_owned, libc::SIGCONT) {
+                Ok(()) => tracing::info!(
+                    "resumed GPU process {} found stopped (a monitor before this one may have paused it)",
+                    use_.pid
+                ),
+                Err(error) => tracing::debug!("process {} not resumed: {error}", use_.pid),
+            }
         }
     }
 

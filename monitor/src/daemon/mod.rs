@@ -73,6 +73,10 @@ pub struct Monitor {
     compute_pauses: HashMap<String, u64>,
     /// Processes killed for a container's share, by region key.
     over_share_kills: HashMap<String, u64>,
+    /// Until when GPU processes found stopped are resumed (set on the
+    /// first pass), and those checked so far.
+    leftovers_until: Option<Instant>,
+    leftovers_checked: HashSet<u32>,
     /// Processes that could not be signalled (each reported once).
     signal_failures: HashSet<u32>,
     /// Who each GPU process belongs to, as found in earlier passes.
@@ -120,6 +124,8 @@ impl Monitor {
             compute_backstop: ComputeBackstop::new(compute_rule),
             compute_pauses: HashMap::new(),
             over_share_kills: HashMap::new(),
+            leftovers_until: None,
+            leftovers_checked: HashSet::new(),
             signal_failures: HashSet::new(),
             owner_cache: unenforced::OwnerCache::new(),
         }
@@ -234,6 +240,7 @@ impl Monitor {
             {
                 summary.gpu_memory_bytes =
                     summary.gpu_memory_bytes.saturating_add(process.used_bytes);
+                summary.gpu_time_ratio += f64::from(process.sm_percent) / 100.0;
             }
         }
         for process in &assessment.unenforced {
