@@ -247,7 +247,10 @@ impl Monitor {
         for use_ in uses {
             if use_.owner == Owner::Unknown
                 || !self.leftovers_checked.insert(use_.pid)
-                || self.compute_backstop.paused().any(|(pid, _)| pid == use_.pid)
+                || self
+                    .compute_backstop
+                    .paused()
+                    .any(|(pid, _)| pid == use_.pid)
                 || !self.host_proc.is_stopped(use_.pid)
             {
                 continue;
