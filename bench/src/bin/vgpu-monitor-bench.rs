@@ -46,9 +46,8 @@ fn main() -> anyhow::Result<()> {
         .filter(|a| a != "--no-gpu-processes");
     let count = |name: &str, given: Option<String>, default: usize| -> anyhow::Result<usize> {
         given.map_or(Ok(default), |text| {
-            text.parse().with_context(|| {
-                format!("{name} must be a whole number, not {text:?}\n\n{USAGE}")
-            })
+            text.parse()
+                .with_context(|| format!("{name} must be a whole number, not {text:?}\n\n{USAGE}"))
         })
     };
     let containers = count("CONTAINERS", args.next(), 100)?;
