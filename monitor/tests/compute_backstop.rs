@@ -31,7 +31,7 @@ use std::sync::{Mutex, PoisonError};
 use std::time::Duration;
 use vgpu_testkit::compute::{process_share, BusyMeter, Workload};
 use vgpu_testkit::node_container::NodeContainer;
-use vgpu_testkit::{key_values, programs_dir, run_ok, Sandbox};
+use vgpu_testkit::{programs_dir, Sandbox};
 
 const HOG_POD: &str = "0a1b2c3d-1111-4c6d-8e9f-0a1b2c3d4e5f";
 const NEIGHBOUR_POD: &str = "0a1b2c3d-2222-4c6d-8e9f-0a1b2c3d4e5f";
@@ -55,14 +55,6 @@ const HOG_HELD: f64 = 40.0;
 /// The cases take the machine in turns: a neighbour short of CPU falls
 /// short of its share whatever the hog does.
 static MACHINE: Mutex<()> = Mutex::new(());
-
-fn gpu_uuid(sandbox: &Sandbox) -> String {
-    let mut nvml = sandbox.command_without_shim(&programs_dir().join("probe"));
-    nvml.args(["dlsym", "nvml"]);
-    key_values(&run_ok(&mut nvml))
-        .remove("uuid")
-        .expect("the simulated GPU's UUID")
-}
 
 /// How the hog runs.
 #[derive(Clone, Copy, Debug)]
@@ -95,7 +87,7 @@ fn hog_beside_neighbour(
     args: &[&str],
 ) -> Outcome {
     let sandbox = Sandbox::new(name, 1, "8Gi");
-    let uuid = gpu_uuid(&sandbox);
+    let uuid = sandbox.gpu_uuid();
     let host = HostDir::new(name);
     let hog_container = NodeContainer::prepare(&host.root, HOG_POD, "hog", &[(&uuid, 1 << 30, 30)]);
     let neighbour = NodeContainer::prepare(
@@ -248,7 +240,7 @@ fn a_process_left_paused_by_a_monitor_before_is_resumed() {
     let _turn = MACHINE.lock().unwrap_or_else(PoisonError::into_inner);
     let name = "compute-leftover";
     let sandbox = Sandbox::new(name, 1, "8Gi");
-    let uuid = gpu_uuid(&sandbox);
+    let uuid = sandbox.gpu_uuid();
     let host = HostDir::new(name);
     let container = NodeContainer::prepare(&host.root, HOG_POD, "hog", &[(&uuid, 1 << 30, 30)]);
     let mut command = sandbox.command(&programs_dir().join("workload"));

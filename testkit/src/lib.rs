@@ -224,6 +224,15 @@ impl Sandbox {
         command
     }
 
+    /// The UUID of the sandbox's first simulated GPU, as NVML names it.
+    pub fn gpu_uuid(&self) -> String {
+        let mut nvml = self.command_without_shim(&programs_dir().join("probe"));
+        nvml.args(["dlsym", "nvml"]);
+        key_values(&run_ok(&mut nvml))
+            .remove("uuid")
+            .expect("the simulated GPU's UUID")
+    }
+
     /// `probe ACCESS ARGS...` (the linked build for the `linked` access mode).
     pub fn probe(&self, access: &str, args: &[&str]) -> Command {
         let program = if access == "linked" {

@@ -12,17 +12,9 @@ use std::os::unix::process::ExitStatusExt;
 use std::process::{Child, Stdio};
 use std::time::{Duration, Instant};
 use vgpu_testkit::node_container::NodeContainer;
-use vgpu_testkit::{key_values, programs_dir, run_ok, Sandbox};
+use vgpu_testkit::Sandbox;
 
 const POD: &str = "7c1d2e3f-4a5b-4c6d-8e9f-0a1b2c3d4e5f";
-
-fn gpu_uuid(sandbox: &Sandbox) -> String {
-    let mut nvml = sandbox.command_without_shim(&programs_dir().join("probe"));
-    nvml.args(["dlsym", "nvml"]);
-    key_values(&run_ok(&mut nvml))
-        .remove("uuid")
-        .expect("the simulated GPU's UUID")
-}
 
 /// Starts `command` and waits for its "ready" line.
 fn until_ready(mut command: std::process::Command) -> Child {
@@ -45,7 +37,7 @@ fn until_ready(mut command: std::process::Command) -> Child {
 /// processes holding 512 MiB, and the monitor over it with `args`.
 fn setup(name: &str, args: &[&str]) -> (Sandbox, HostDir, NodeContainer, Child, MonitorProcess) {
     let sandbox = Sandbox::new(name, 1, "8Gi");
-    let uuid = gpu_uuid(&sandbox);
+    let uuid = sandbox.gpu_uuid();
     let host = HostDir::new(name);
     let node = NodeContainer::prepare(&host.root, POD, "main", &[(&uuid, 1 << 30, 30)]);
     let mut holder = sandbox.probe("dlsym", &["hold", &(512 * MIB).to_string()]);

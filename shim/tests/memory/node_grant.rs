@@ -18,18 +18,10 @@ const CHUNK: &str = "67108864";
 const CHUNKS_UNDER_THE_GRANT: i128 = 15;
 
 /// The simulated GPU's UUID, as NVML gives it.
-fn gpu_uuid(sandbox: &Sandbox) -> String {
-    let mut nvml = sandbox.command_without_shim(&programs_dir().join("probe"));
-    nvml.args(["dlsym", "nvml"]);
-    key_values(&run_ok(&mut nvml))
-        .remove("uuid")
-        .expect("the simulated GPU's UUID")
-}
-
 /// A sandbox and a container the node prepared on its GPU: 1 GiB, 30 %.
 fn container(name: &str) -> (Sandbox, NodeContainer) {
     let sandbox = Sandbox::new(name, 1, "8Gi");
-    let uuid = gpu_uuid(&sandbox);
+    let uuid = sandbox.gpu_uuid();
     let root = unique_temp_dir(&format!("{name}-containers"));
     let node = NodeContainer::prepare(&root, POD, "main", &[(&uuid, 1 << 30, 30)]);
     (sandbox, node)
