@@ -55,15 +55,7 @@ static SETUP_NANOS: AtomicU64 = AtomicU64::new(0);
 static SETUP_CPU_NANOS: AtomicU64 = AtomicU64::new(0);
 
 fn thread_cpu_nanos() -> u64 {
-    let mut now = libc::timespec {
-        tv_sec: 0,
-        tv_nsec: 0,
-    };
-    // SAFETY: valid out-pointer.
-    unsafe {
-        libc::clock_gettime(libc::CLOCK_THREAD_CPUTIME_ID, &mut now);
-    }
-    now.tv_sec as u64 * 1_000_000_000 + now.tv_nsec as u64
+    vgpu_node_contract::region::clock_ns(libc::CLOCK_THREAD_CPUTIME_ID)
 }
 
 /// The process's mode, initialising it on first use.

@@ -51,7 +51,7 @@ mod slots;
 mod tests;
 
 pub use charge::{lower_cap, CapExceeded};
-pub use clock::monotonic_ns;
+pub use clock::{clock_ns, monotonic_ns};
 pub use file::{Region, RegionError};
 pub use grant_file::{Grant, GrantError, GrantSettings};
 pub use layout::*;
