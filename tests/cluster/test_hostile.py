@@ -111,6 +111,29 @@ def refused_by_policy(done, *words: str) -> None:
         assert word in done.stderr, done.stderr
 
 
+def patch_status(hostile, identity: Path, node: str, patch: dict):
+    """A merge patch of `node`'s status as `identity` (a kubeconfig with a
+    token), sent as is: kubectl's patch reads the object first, which a
+    node agent's role (patch only) does not allow."""
+    user = json.loads(identity.read_text())["users"][0]["user"]
+    cluster = hostile.cc.cluster
+    script = """
+import json, ssl, sys, urllib.error, urllib.request
+url, ca, token, body = sys.argv[1:]
+request = urllib.request.Request(url, data=body.encode(), method="PATCH", headers={
+    "Authorization": "Bearer " + token, "Content-Type": "application/merge-patch+json"})
+try:
+    with urllib.request.urlopen(request, timeout=10, context=ssl.create_default_context(cafile=ca)) as answer:
+        print(answer.status)
+except urllib.error.HTTPError as error:
+    print(error.code)
+    print(error.read().decode(), file=sys.stderr)
+"""
+    return subprocess.run(cluster.command([
+        sys.executable, "-c", script, f"{cluster.server}/api/v1/nodes/{node}/status", str(cluster.pki / "ca.crt"),
+        user["token"], json.dumps(patch)]), check=False, capture_output=True, text=True, timeout=60)
+
+
 def agent_token(cc: ChartCluster, node: str) -> str:
     """The token kubelet mounted into the node agent's pod on `node`: the
     credentials its device plugin and monitor use."""
@@ -414,6 +437,88 @@ def test_a_node_agent_cannot_write_another_nodes_node_or_lease(hostile):
     assert holder == "node-1"
 
 
+def test_a_tenant_cannot_switch_vgpu_admission_off_for_its_own_namespace(hostile):
+    """A namespace owner whose Role grants `*` on `*` in its namespace (as
+    self-service platforms give) may write that Namespace object itself:
+    labelling it vgpu.io/webhook=ignore would turn off vgpu's webhook, the
+    API server's policies on its vGPU pods and the extender's checks at
+    placement. Only a cluster administrator sets or removes vgpu's labels."""
+    cluster = hostile.cc.cluster
+    cluster.kubectl("create", "serviceaccount", "root", "-n", TENANT)
+    cluster.kubectl("create", "-f", "-", input=json.dumps({
+        "apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role",
+        "metadata": {"name": "everything", "namespace": TENANT},
+        "rules": [{"apiGroups": ["*"], "resources": ["*"], "verbs": ["*"]}]}))
+    cluster.kubectl("create", "rolebinding", "root", "--role=everything", f"--serviceaccount={TENANT}:root",
+                    "-n", TENANT)
+    root = cluster.token_kubeconfig(TENANT, "root", hostile.workdir / "root.kubeconfig")
+    # The Role reaches the namespace's own object: other labels go through.
+    done = hostile.kubectl(root, "label", "namespace", TENANT, "team=ml")
+    assert done.returncode == 0, done.stderr
+    for label in ("vgpu.io/webhook=ignore", "vgpu.io/anything=else"):
+        refused_by_policy(hostile.kubectl(root, "label", "namespace", TENANT, label), "cluster administrator")
+    labels = kubectl_json(cluster, "get", "namespace", TENANT)["metadata"]["labels"]
+    assert labels["team"] == "ml" and not any(k.startswith("vgpu.io/") for k in labels), labels
+    # A cluster administrator sets it and removes it; the tenant cannot
+    # remove it either.
+    cluster.kubectl("label", "namespace", TENANT, "vgpu.io/webhook=ignore")
+    try:
+        refused_by_policy(hostile.kubectl(root, "label", "namespace", TENANT, "vgpu.io/webhook-"),
+                          "cluster administrator")
+        assert kubectl_json(cluster, "get", "namespace", TENANT)["metadata"]["labels"]["vgpu.io/webhook"] == "ignore"
+    finally:
+        cluster.kubectl("label", "namespace", TENANT, "vgpu.io/webhook-")
+    assert "vgpu.io/webhook" not in kubectl_json(cluster, "get", "namespace", TENANT)["metadata"]["labels"]
+
+
+def test_a_node_agent_changes_only_vgpus_annotations_and_share_capacities_of_its_own_node(hostile):
+    """A node agent's role may patch any Node and its status (RBAC cannot
+    name a node): of its own Node it changes vgpu's annotations and the
+    share resources' capacities, nothing else: not a label (those under
+    node-restriction.kubernetes.io/ place pods that trust them), a taint,
+    another annotation, the addresses or the GPU count kubelet reports."""
+    cluster = hostile.cc.cluster
+    before = kubectl_json(cluster, "get", "node", "node-1")
+    agent = hostile.agent_1
+    attacks = {
+        "a label": ["label", "node", "node-1", "node-restriction.kubernetes.io/trusted=yes"],
+        "a taint": ["taint", "node", "node-1", "dedicated=tenant:NoSchedule"],
+        "another annotation": ["annotate", "node", "node-1", "team=stolen"],
+    }
+    for what, args in attacks.items():
+        done = hostile.kubectl(agent, *args)
+        assert done.returncode != 0, f"{what}: the API server accepted it:\n{done.stdout}"
+        assert "ValidatingAdmissionPolicy" in done.stderr and "node-1" in done.stderr, (what, done.stderr)
+    status_attacks = {
+        "the addresses": {"status": {"addresses": [{"type": "InternalIP", "address": "10.9.9.9"}]}},
+        "the GPU count": {"status": {"capacity": {"nvidia.com/gpu": "64"}, "allocatable": {"nvidia.com/gpu": "64"}}},
+        "a condition": {"status": {"conditions": [{"type": "Ready", "status": "False", "reason": "Stolen"}]}},
+        "a label through the status": {"metadata": {"labels": {"stolen": "yes"}}},
+    }
+    for what, patch in status_attacks.items():
+        done = patch_status(hostile, agent, "node-1", patch)
+        assert done.returncode == 0, done.stderr
+        assert done.stdout.strip() == "403", f"{what}: the API server answered {done.stdout}"
+        assert "ValidatingAdmissionPolicy" in done.stderr and "node-1" in done.stderr, (what, done.stderr)
+    after = kubectl_json(cluster, "get", "node", "node-1")
+    for field in ("labels", "annotations"):
+        assert after["metadata"].get(field) == before["metadata"].get(field), field
+    assert after["spec"] == before["spec"]
+    assert after["status"]["addresses"] == before["status"]["addresses"]
+    assert after["status"]["capacity"].get("nvidia.com/gpu") == before["status"]["capacity"].get("nvidia.com/gpu")
+    def ready(node):
+        return [(c["status"], c.get("reason")) for c in node["status"]["conditions"] if c["type"] == "Ready"]
+    assert ready(after) == ready(before)
+    # What the device plugin writes still goes through: its inventory and
+    # the share resources' capacities (written again as they are).
+    inventory = before["metadata"]["annotations"]["vgpu.io/node-gpus"]
+    done = hostile.kubectl(agent, "annotate", "--overwrite", "node", "node-1", f"vgpu.io/node-gpus={inventory}")
+    assert done.returncode == 0, done.stderr
+    shares = {name: before["status"]["capacity"][name] for name in ("nvidia.com/gpumem", "nvidia.com/gpucores")}
+    done = patch_status(hostile, agent, "node-1", {"status": {"capacity": shares, "allocatable": shares}})
+    assert (done.returncode, done.stdout.strip()) == (0, "200"), done.stderr
+
+
 def test_what_vgpu_and_the_tenant_do_still_works(hostile):
     cluster = hostile.cc.cluster
     # The extender placed both pods and recorded each decision for the
@@ -450,7 +555,7 @@ def test_what_vgpu_and_the_tenant_do_still_works(hostile):
         cluster, "get", "validatingadmissionpolicies", "-l", f"app.kubernetes.io/instance={RELEASE}")["items"]}
     # (vgpu-confinement: the webhook's refusals, the API server's own on 1.36.)
     assert set(policies) == {f"{RELEASE}-pod-records", f"{RELEASE}-binding-records", f"{RELEASE}-node-agents",
-                             f"{RELEASE}-vgpu-confinement"}
+                             f"{RELEASE}-namespace-labels", f"{RELEASE}-vgpu-confinement"}
 
     def checked():
         current = kubectl_json(cluster, "get", "validatingadmissionpolicies",
