@@ -70,6 +70,7 @@ class Hostile:
         self.cc = cc
         self.workdir = workdir
         self.tenant = Path()
+        self.root = Path()
         self.agent_1 = Path()
 
     def kubectl(self, identity: Path, *args: str, input: str | None = None):
@@ -159,6 +160,16 @@ def hostile(tmp_path_factory):
         cluster.kubectl("create", "rolebinding", "owner", "--clusterrole=admin",
                         f"--serviceaccount={TENANT}:owner", "-n", TENANT)
         world.tenant = cluster.token_kubeconfig(TENANT, "owner", workdir / "tenant.kubeconfig")
+        # The same namespace's owner as self-service platforms make it: a
+        # Role granting every verb on every resource there.
+        cluster.kubectl("create", "serviceaccount", "root", "-n", TENANT)
+        cluster.kubectl("create", "-f", "-", input=json.dumps({
+            "apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role",
+            "metadata": {"name": "everything", "namespace": TENANT},
+            "rules": [{"apiGroups": ["*"], "resources": ["*"], "verbs": ["*"]}]}))
+        cluster.kubectl("create", "rolebinding", "root", "--role=everything", f"--serviceaccount={TENANT}:root",
+                        "-n", TENANT)
+        world.root = cluster.token_kubeconfig(TENANT, "root", workdir / "root.kubeconfig")
         world.agent_1 = workdir / "agent-1.kubeconfig"
         world.agent_1.write_text(kubeconfig(cluster.server, cluster.pki, {"token": agent_token(cc, "node-1")}))
 
@@ -444,14 +455,7 @@ def test_a_tenant_cannot_switch_vgpu_admission_off_for_its_own_namespace(hostile
     API server's policies on its vGPU pods and the extender's checks at
     placement. Only a cluster administrator sets or removes vgpu's labels."""
     cluster = hostile.cc.cluster
-    cluster.kubectl("create", "serviceaccount", "root", "-n", TENANT)
-    cluster.kubectl("create", "-f", "-", input=json.dumps({
-        "apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role",
-        "metadata": {"name": "everything", "namespace": TENANT},
-        "rules": [{"apiGroups": ["*"], "resources": ["*"], "verbs": ["*"]}]}))
-    cluster.kubectl("create", "rolebinding", "root", "--role=everything", f"--serviceaccount={TENANT}:root",
-                    "-n", TENANT)
-    root = cluster.token_kubeconfig(TENANT, "root", hostile.workdir / "root.kubeconfig")
+    root = hostile.root
     # The Role reaches the namespace's own object: other labels go through.
     done = hostile.kubectl(root, "label", "namespace", TENANT, "team=ml")
     assert done.returncode == 0, done.stderr
@@ -469,6 +473,25 @@ def test_a_tenant_cannot_switch_vgpu_admission_off_for_its_own_namespace(hostile
     finally:
         cluster.kubectl("label", "namespace", TENANT, "vgpu.io/webhook-")
     assert "vgpu.io/webhook" not in kubectl_json(cluster, "get", "namespace", TENANT)["metadata"]["labels"]
+
+
+def test_a_tenant_cannot_end_its_running_vgpu_pod_by_its_own_word(hostile):
+    """A pod that ended (Succeeded or Failed) no longer holds its GPUs in
+    the extender's books. A tenant allowed to write pods/status (its Role
+    grants `*`) marking its running pod Succeeded would have that room sold
+    again while the pod runs on: only the pod's node (kubelet) and
+    cluster-wide controllers end a vGPU pod."""
+    for phase in ("Succeeded", "Failed"):
+        forged = hostile.kubectl(hostile.root, "patch", "pod", "own-1", "-n", TENANT, "--subresource=status",
+                                 "--type=merge", "-p", json.dumps({"status": {"phase": phase}}))
+        refused_by_policy(forged, "node-1")
+    assert hostile.pod("own-1")["status"]["phase"] == "Running"
+    # Its other status writes (a condition of its own) still go through.
+    done = hostile.kubectl(hostile.root, "patch", "pod", "own-1", "-n", TENANT, "--subresource=status",
+                           "--type=strategic", "-p", json.dumps({"status": {"conditions": [
+                               {"type": "example.com/Warm", "status": "True"}]}}))
+    assert done.returncode == 0, done.stderr
+    assert hostile.pod("own-1")["status"]["phase"] == "Running"
 
 
 def test_a_node_agent_changes_only_vgpus_annotations_and_share_capacities_of_its_own_node(hostile):
@@ -555,7 +578,7 @@ def test_what_vgpu_and_the_tenant_do_still_works(hostile):
         cluster, "get", "validatingadmissionpolicies", "-l", f"app.kubernetes.io/instance={RELEASE}")["items"]}
     # (vgpu-confinement: the webhook's refusals, the API server's own on 1.36.)
     assert set(policies) == {f"{RELEASE}-pod-records", f"{RELEASE}-binding-records", f"{RELEASE}-node-agents",
-                             f"{RELEASE}-namespace-labels", f"{RELEASE}-vgpu-confinement"}
+                             f"{RELEASE}-namespace-labels", f"{RELEASE}-pod-phase", f"{RELEASE}-vgpu-confinement"}
 
     def checked():
         current = kubectl_json(cluster, "get", "validatingadmissionpolicies",
