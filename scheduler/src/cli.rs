@@ -1,6 +1,7 @@
 //! Command-line flags.
 
 use crate::admission::mutate::AdmissionPolicy;
+use crate::admission::reach::GuardedPaths;
 use crate::api::ApiSource;
 use crate::extender::config::{Limits, PlacementConfinement};
 use crate::extender::Config;
@@ -272,6 +273,15 @@ pub struct Cli {
     #[arg(long)]
     pub allow_privileged_vgpu: bool,
 
+    /// vgpu's folder on the nodes (the chart's hostDir). Admission (and
+    /// placement, with --confine-at-placement) refuses a pod given vGPUs
+    /// whose hostPath volume mounts it, anything in it or a folder holding
+    /// it, or the node's /proc: from there it could rewrite other
+    /// containers' regions and grants or the shim.
+    #[arg(long, default_value = crate::admission::reach::DEFAULT_HOST_DIR, value_name = "PATH",
+          value_parser = absolute_path)]
+    pub node_host_dir: String,
+
     /// Check again at placement what admission enforces on vGPU
     /// containers, and place no pod that never went through it (created
     /// before vgpu's admission was in force: before the install, in the
@@ -355,6 +365,7 @@ impl Cli {
                 scheduler_alias: Some(self.scheduler_alias.trim().to_string())
                     .filter(|alias| !alias.is_empty()),
                 opportunistic_class: self.opportunistic_priority_class.0.clone(),
+                guarded_paths: GuardedPaths::new(&self.node_host_dir),
             },
             limits: self.limits(),
             // The verbs on loopback reach kube-scheduler in the pod only
@@ -466,6 +477,19 @@ fn parse_priority_class(text: &str) -> Result<PriorityClassFlag, PriorityClassEr
             value: value.to_string(),
         })?;
     Ok(PriorityClassFlag(Some((name.to_string(), value))))
+}
+
+/// A `--node-host-dir` that is not an absolute path.
+#[derive(Clone, Debug, Error, PartialEq, Eq)]
+#[error("{0:?} is not an absolute path (the chart's hostDir, e.g. /usr/local/vgpu)")]
+pub struct NotAbsolute(String);
+
+fn absolute_path(text: &str) -> Result<String, NotAbsolute> {
+    if text.starts_with('/') {
+        Ok(text.to_string())
+    } else {
+        Err(NotAbsolute(text.to_string()))
+    }
 }
 
 #[cfg(test)]

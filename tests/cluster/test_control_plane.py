@@ -606,6 +606,19 @@ def admission_corpus() -> list[dict]:
         pod("pod-unconfined", [container("a", gpu, seccompProfile={"type": "RuntimeDefault"}), container("b", gpu)],
             securityContext={"seccompProfile": {"type": "Unconfined"}}),
         pod("unconfined-sidecar", [container("main", gpu), container("tool", seccompProfile={"type": "Unconfined"})]),
+        pod("sys-admin", [container("main", gpu, capabilities={"add": ["CHOWN", "SYS_ADMIN"]})]),
+        pod("baseline-capabilities", [container("main", gpu, capabilities={"add": ["NET_BIND_SERVICE"]}),
+                                      container("mesh", capabilities={"add": ["NET_ADMIN", "NET_RAW"]})]),
+        pod("proc-unmasked", [container("main", gpu, procMount="Unmasked")], hostUsers=False),
+        pod("host-pid", [container("main", gpu)], hostPID=True),
+        pod("host-ipc", [container("main", gpu)], hostIPC=True),
+        pod("host-vgpu-dir", [container("main", gpu)],
+            volumes=[{"name": "data", "hostPath": {"path": "/data"}},
+                     {"name": "regions", "hostPath": {"path": "//usr/local/./vgpu/containers"}}]),
+        pod("host-root", [container("main", gpu)], volumes=[{"name": "root", "hostPath": {"path": "/"}}]),
+        pod("host-proc", [container("main", gpu)], volumes=[{"name": "proc", "hostPath": {"path": "/proc/1"}}]),
+        pod("host-data", [container("main", gpu)],
+            volumes=[{"name": "data", "hostPath": {"path": "/usr/local/vgpu2"}}]),
         pod("own-scheduler", [container("main", gpu)], schedulerName="team-scheduler"),
         pod("default-scheduler", [container("main", gpu)], schedulerName="default-scheduler"),
         pod("on-a-node", [container("main", gpu)], nodeName="gpu-node-9"),
@@ -678,6 +691,17 @@ def test_the_api_server_admits_vgpu_pods_as_the_webhook_does_without_calling_it(
             assert by_webhook["privileged"]["refused"].startswith("container main asks for vGPUs and is privileged")
             assert by_webhook["pod-unconfined"]["refused"].startswith("container b asks for vGPUs and runs seccomp "
                                                                       "Unconfined"), by_webhook["pod-unconfined"]
+            for name, words in {"sys-admin": "container main asks for vGPUs and adds the capability SYS_ADMIN",
+                                "proc-unmasked": "container main asks for vGPUs and mounts /proc Unmasked",
+                                "host-pid": "the pod asks for vGPUs and sets hostPID",
+                                "host-ipc": "the pod asks for vGPUs and sets hostIPC",
+                                "host-vgpu-dir": "its volume regions mounts the node's //usr/local/./vgpu/containers, "
+                                                 "which overlaps /usr/local/vgpu",
+                                "host-root": "its volume root mounts the node's /, which overlaps /usr/local/vgpu",
+                                "host-proc": "its volume proc mounts the node's /proc/1, which overlaps /proc"}.items():
+                assert words in by_webhook[name].get("refused", ""), (name, by_webhook[name])
+            for name in ("baseline-capabilities", "host-data"):
+                assert by_webhook[name]["schedulerName"] == "vgpu-scheduler", (name, by_webhook[name])
             assert by_webhook["no-gpu"]["schedulerName"] == "default-scheduler"
             assert by_webhook["own-scheduler"]["schedulerName"] == "team-scheduler"
             assert by_webhook["elastic"]["containers"][0][2]["limits"]["nvidia.com/gpu"] == "1"

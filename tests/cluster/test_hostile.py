@@ -494,6 +494,47 @@ def test_a_tenant_cannot_end_its_running_vgpu_pod_by_its_own_word(hostile):
     assert hostile.pod("own-1")["status"]["phase"] == "Running"
 
 
+def test_a_tenant_cannot_give_its_vgpu_pod_the_reach_to_undo_the_shim_or_touch_its_neighbours(hostile):
+    """Beyond privileged and Unconfined (refused before), a vGPU pod asks
+    for nothing that reaches past the shim or into other containers' vGPU
+    state on its node: a capability beyond Pod Security's baseline
+    (SYS_ADMIN unmounts the preload file even under RuntimeDefault),
+    /proc unmasked, the node's PID or IPC namespace, a hostPath onto vgpu's
+    folder (the regions and grants), a folder holding it, or the node's
+    /proc. A sidecar without vGPUs keeps what it asks for."""
+    def with_spec(name: str, container: dict | None = None, **spec) -> str:
+        pod = vgpu_pod(name)
+        pod["spec"]["containers"][0].update(container or {})
+        pod["spec"].update(spec)
+        return json.dumps(pod)
+    attacks = {
+        "sys-admin": (with_spec("sys-admin", {"securityContext": {"capabilities": {"add": ["SYS_ADMIN"]}}}),
+                      "adds the capability SYS_ADMIN"),
+        "unmasked": (with_spec("unmasked", {"securityContext": {"procMount": "Unmasked"}}, hostUsers=False),
+                     "mounts /proc Unmasked"),
+        "host-pid": (with_spec("host-pid", hostPID=True), "sets hostPID"),
+        "host-ipc": (with_spec("host-ipc", hostIPC=True), "sets hostIPC"),
+        "regions": (with_spec("regions", volumes=[{"name": "r", "hostPath": {"path": "/usr/local/vgpu/containers"}}]),
+                    "overlaps /usr/local/vgpu"),
+        "usr": (with_spec("usr", volumes=[{"name": "r", "hostPath": {"path": "/usr"}}]), "overlaps /usr/local/vgpu"),
+        "proc": (with_spec("proc", volumes=[{"name": "p", "hostPath": {"path": "/proc"}}]), "overlaps /proc"),
+    }
+    for name, (pod, words) in attacks.items():
+        done = hostile.kubectl(hostile.root, "create", "-f", "-", input=pod)
+        assert done.returncode != 0, f"{name}: the API server accepted it:\n{done.stdout}"
+        assert "ValidatingAdmissionPolicy" in done.stderr and words in done.stderr, (name, done.stderr)
+    # What a well-behaved vGPU pod asks for still goes: a baseline
+    # capability, a sidecar's own, a hostPath elsewhere (a server-side dry
+    # run: nothing is kept).
+    fine = with_spec("fine", {"securityContext": {"capabilities": {"add": ["NET_BIND_SERVICE"]}}},
+                     volumes=[{"name": "data", "hostPath": {"path": "/data"}}])
+    fine = json.loads(fine)
+    fine["spec"]["containers"].append({"name": "mesh", "image": "cuda:test", "command": ["/usr/bin/sleep", "3600"],
+                                       "securityContext": {"capabilities": {"add": ["NET_ADMIN", "NET_RAW"]}}})
+    done = hostile.kubectl(hostile.root, "create", "--dry-run=server", "-f", "-", input=json.dumps(fine))
+    assert done.returncode == 0, done.stderr
+
+
 def test_a_node_agent_changes_only_vgpus_annotations_and_share_capacities_of_its_own_node(hostile):
     """A node agent's role may patch any Node and its status (RBAC cannot
     name a node): of its own Node it changes vgpu's annotations and the

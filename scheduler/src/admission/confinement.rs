@@ -12,6 +12,9 @@
 //! placement checks all three again before it records a decision
 //! ([`crate::extender::scheduler::Scheduler::confinement_refusal`]).
 
+use crate::admission::reach::{
+    added_capability, guarded_host_path, host_namespace, unmasked_proc, GuardedPaths,
+};
 use crate::admission::seccomp::{unconfined_vgpu_container, unprofiled_vgpu_container};
 use crate::vocabulary::claims::claim_uses;
 use crate::vocabulary::kubeshare::LABEL_PREFIX;
@@ -28,6 +31,18 @@ pub enum Breach {
     Unconfined(String),
     #[error("container {0} asks for vGPUs and names no seccomp profile, nor does its pod: it could make a user namespace, mount over /etc/ld.so.preload there and run programs outside vgpu's memory cap and compute share; vgpu's admission gives such a container RuntimeDefault")]
     Unprofiled(String),
+    #[error("container {0} asks for vGPUs and adds the capability {1}: beyond Pod Security's baseline set, a capability (SYS_ADMIN above all) lets it unmount the shim's preload file or hide the node's mounts and run programs outside vgpu's memory cap and compute share; drop it")]
+    Capability(String, String),
+    #[error("container {0} asks for vGPUs and mounts /proc Unmasked: it could reach what the container runtime hides of the node and take the shim away; use the Default procMount")]
+    UnmaskedProc(String),
+    #[error("the pod asks for vGPUs and sets {0}: sharing the node's namespaces, its processes could reach other containers' processes and the vGPU regions they map; drop {0}")]
+    HostNamespace(&'static str),
+    #[error("the pod asks for vGPUs and its volume {volume} mounts the node's {path}, which overlaps {guarded}: from there its containers could rewrite vgpu's files (other containers' regions and grants, the shim) or reach the node's processes; mount another path")]
+    HostPath {
+        volume: String,
+        path: String,
+        guarded: String,
+    },
 }
 
 /// Which containers of a pod are given vGPUs: those asking for vGPU
@@ -72,42 +87,90 @@ impl<'a> VgpuContainers<'a> {
     }
 }
 
-/// The name of a privileged container of `pod` given vGPUs.
-fn privileged_vgpu_container(pod: &Pod, given: &VgpuContainers<'_>) -> Option<String> {
-    let spec = pod.spec.as_ref()?;
-    spec.containers
-        .iter()
-        .chain(spec.init_containers.iter().flatten())
-        .find(|container| {
-            let privileged = container
-                .security_context
-                .as_ref()
-                .and_then(|context| context.privileged)
-                .unwrap_or(false);
-            privileged && given.contains(container)
-        })
-        .map(|container| container.name.clone())
+/// Every container of `pod`, init containers after the others.
+fn all_containers(pod: &Pod) -> impl Iterator<Item = &Container> {
+    pod.spec.iter().flat_map(|spec| {
+        spec.containers
+            .iter()
+            .chain(spec.init_containers.iter().flatten())
+    })
 }
 
-/// What admission refuses in `pod`: a container given vGPUs that is
-/// privileged, else one that runs `Unconfined`.
-pub fn refused_at_admission(pod: &Pod, names: &ResourceNames) -> Option<Breach> {
-    refused_among(pod, &VgpuContainers::of(pod, names))
+/// The first container of `pod` given vGPUs that `breaks` names a breach
+/// of.
+fn first_vgpu_container(
+    pod: &Pod,
+    given: &VgpuContainers<'_>,
+    breaks: impl Fn(&Container) -> Option<Breach>,
+) -> Option<Breach> {
+    all_containers(pod)
+        .filter(|container| given.contains(container))
+        .find_map(breaks)
+}
+
+/// What admission refuses in `pod` (see [`refused_among`]).
+pub fn refused_at_admission(
+    pod: &Pod,
+    names: &ResourceNames,
+    guarded: &GuardedPaths,
+) -> Option<Breach> {
+    refused_among(pod, &VgpuContainers::of(pod, names), guarded)
 }
 
 /// What placement refuses in `pod`: what admission refuses, else a
 /// container given vGPUs that runs with no seccomp profile (admission would
 /// have given it one).
-pub fn unconfined_for_placement(pod: &Pod, names: &ResourceNames) -> Option<Breach> {
+pub fn unconfined_for_placement(
+    pod: &Pod,
+    names: &ResourceNames,
+    guarded: &GuardedPaths,
+) -> Option<Breach> {
     let given = VgpuContainers::of(pod, names);
-    refused_among(pod, &given)
+    refused_among(pod, &given, guarded)
         .or_else(|| unprofiled_vgpu_container(pod, |c| given.contains(c)).map(Breach::Unprofiled))
 }
 
-fn refused_among(pod: &Pod, given: &VgpuContainers<'_>) -> Option<Breach> {
-    privileged_vgpu_container(pod, given)
-        .map(Breach::Privileged)
-        .or_else(|| unconfined_vgpu_container(pod, |c| given.contains(c)).map(Breach::Unconfined))
+/// The first of, in this order (the chart's policy in the API server asks
+/// in the same order, so both name the same breach): a container given
+/// vGPUs that is privileged, runs `Unconfined`, adds a capability beyond
+/// the baseline or mounts `/proc` unmasked; the pod sharing a node
+/// namespace or mounting a guarded path of the node, where it has a
+/// container given vGPUs.
+fn refused_among(pod: &Pod, given: &VgpuContainers<'_>, guarded: &GuardedPaths) -> Option<Breach> {
+    let privileged = |container: &Container| {
+        let context = container.security_context.as_ref();
+        context
+            .and_then(|context| context.privileged)
+            .unwrap_or(false)
+            .then(|| Breach::Privileged(container.name.clone()))
+    };
+    let capability = |container: &Container| {
+        added_capability(container).map(|added| Breach::Capability(container.name.clone(), added))
+    };
+    let unmasked = |container: &Container| {
+        unmasked_proc(container).then(|| Breach::UnmaskedProc(container.name.clone()))
+    };
+    if let Some(breach) = first_vgpu_container(pod, given, privileged) {
+        return Some(breach);
+    }
+    if let Some(name) = unconfined_vgpu_container(pod, |c| given.contains(c)) {
+        return Some(Breach::Unconfined(name));
+    }
+    if let Some(breach) = first_vgpu_container(pod, given, capability)
+        .or_else(|| first_vgpu_container(pod, given, unmasked))
+    {
+        return Some(breach);
+    }
+    if !all_containers(pod).any(|container| given.contains(container)) {
+        return None;
+    }
+    host_namespace(pod).map(Breach::HostNamespace).or_else(|| {
+        guarded_host_path(pod, guarded).map(|(volume, path, guarded)| Breach::HostPath {
+            volume,
+            path,
+            guarded,
+        })
+    })
 }
 
 #[cfg(test)]
@@ -131,11 +194,11 @@ mod tests {
                 "seccompProfile": {"type": "RuntimeDefault"}}},
         ]}}));
         assert_eq!(
-            refused_at_admission(&privileged, &names),
+            refused_at_admission(&privileged, &names, &GuardedPaths::default()),
             Some(Breach::Privileged("main".into()))
         );
         assert_eq!(
-            unconfined_for_placement(&privileged, &names),
+            unconfined_for_placement(&privileged, &names, &GuardedPaths::default()),
             Some(Breach::Privileged("main".into()))
         );
 
@@ -144,7 +207,7 @@ mod tests {
             "containers": [{"name": "main", "resources": gpu()}],
         }}));
         assert_eq!(
-            unconfined_for_placement(&unconfined, &names),
+            unconfined_for_placement(&unconfined, &names, &GuardedPaths::default()),
             Some(Breach::Unconfined("main".into()))
         );
 
@@ -153,8 +216,12 @@ mod tests {
         let unprofiled = pod(json!({"spec": {"initContainers": [
             {"name": "warm", "resources": gpu()},
         ], "containers": [{"name": "main"}]}}));
-        assert_eq!(refused_at_admission(&unprofiled, &names), None);
-        let breach = unconfined_for_placement(&unprofiled, &names).expect("refused");
+        assert_eq!(
+            refused_at_admission(&unprofiled, &names, &GuardedPaths::default()),
+            None
+        );
+        let breach = unconfined_for_placement(&unprofiled, &names, &GuardedPaths::default())
+            .expect("refused");
         assert_eq!(breach, Breach::Unprofiled("warm".into()));
         assert!(
             breach
@@ -172,12 +239,82 @@ mod tests {
             {"name": "net", "securityContext": {"privileged": true}},
             {"name": "tool", "securityContext": {"seccompProfile": {"type": "Unconfined"}}},
         ]}}));
-        assert_eq!(unconfined_for_placement(&confined, &names), None);
+        assert_eq!(
+            unconfined_for_placement(&confined, &names, &GuardedPaths::default()),
+            None
+        );
         let by_pod = pod(json!({"spec": {
             "securityContext": {"seccompProfile": {"type": "Localhost", "localhostProfile": "p.json"}},
             "containers": [{"name": "main", "resources": gpu()}],
         }}));
-        assert_eq!(unconfined_for_placement(&by_pod, &names), None);
+        assert_eq!(
+            unconfined_for_placement(&by_pod, &names, &GuardedPaths::default()),
+            None
+        );
+    }
+
+    #[test]
+    fn capabilities_proc_host_namespaces_and_guarded_paths_are_refused_in_that_order() {
+        let names = ResourceNames::default();
+        let guarded = GuardedPaths::default();
+        let refused = |value| refused_at_admission(&pod(value), &names, &guarded);
+        let everything = json!({"spec": {
+        "hostPID": true,
+        "volumes": [{"name": "vgpu", "hostPath": {"path": "/usr/local/vgpu"}}],
+        "containers": [
+            {"name": "main", "resources": gpu(), "securityContext": {
+                "procMount": "Unmasked", "capabilities": {"add": ["SYS_ADMIN"]}}},
+        ]}});
+        assert_eq!(
+            refused(everything.clone()),
+            Some(Breach::Capability("main".into(), "SYS_ADMIN".into()))
+        );
+        let mut unmasked = everything.clone();
+        unmasked["spec"]["containers"][0]["securityContext"]
+            .as_object_mut()
+            .expect("context")
+            .remove("capabilities");
+        assert_eq!(
+            refused(unmasked.clone()),
+            Some(Breach::UnmaskedProc("main".into()))
+        );
+        let mut host = unmasked;
+        host["spec"]["containers"][0]
+            .as_object_mut()
+            .expect("container")
+            .remove("securityContext");
+        assert_eq!(
+            refused(host.clone()),
+            Some(Breach::HostNamespace("hostPID"))
+        );
+        host["spec"]["hostPID"] = json!(false);
+        let breach = refused(host.clone()).expect("refused");
+        assert_eq!(
+            breach,
+            Breach::HostPath {
+                volume: "vgpu".into(),
+                path: "/usr/local/vgpu".into(),
+                guarded: "/usr/local/vgpu".into()
+            }
+        );
+        assert!(
+            breach
+                .to_string()
+                .contains("mounts the node's /usr/local/vgpu"),
+            "{breach}"
+        );
+        // The same pod without a vGPU is no business of vgpu's; a sidecar
+        // without vGPUs adds what it needs.
+        host["spec"]["containers"][0]
+            .as_object_mut()
+            .expect("container")
+            .remove("resources");
+        assert_eq!(refused(host), None);
+        let sidecar = json!({"spec": {"containers": [
+            {"name": "main", "resources": gpu()},
+            {"name": "mesh", "securityContext": {"capabilities": {"add": ["NET_ADMIN", "NET_RAW"]}}},
+        ]}});
+        assert_eq!(refused(sidecar), None);
     }
 
     #[test]
@@ -188,7 +325,7 @@ mod tests {
             "spec": {"containers": [{"name": "main", "securityContext": {"privileged": true}}, {"name": "log"}]},
         }));
         assert_eq!(
-            refused_at_admission(&labelled, &names),
+            refused_at_admission(&labelled, &names, &GuardedPaths::default()),
             Some(Breach::Privileged("main".into()))
         );
         let given = VgpuContainers::of(&labelled, &names);
@@ -204,7 +341,7 @@ mod tests {
             "spec": {"containers": [{"name": "main", "securityContext": {"privileged": true}}]},
         }));
         assert_eq!(
-            unconfined_for_placement(&claimed, &names),
+            unconfined_for_placement(&claimed, &names, &GuardedPaths::default()),
             Some(Breach::Privileged("main".into()))
         );
     }

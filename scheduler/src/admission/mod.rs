@@ -8,6 +8,8 @@
 //! - [`look_up`]: the claims a pod names, read from the API.
 //! - [`kubeshare`]: KubeShare's labels turned into vgpu's requests.
 //! - [`seccomp`]: the seccomp profile of containers given vGPUs.
+//! - [`reach`]: the capabilities, node namespaces and node paths a pod
+//!   given vGPUs may not ask for.
 //! - [`confinement`]: what keeps containers given vGPUs in the shim's
 //!   reach, checked at admission and again at placement.
 //! - [`quota`]: a pod its namespace's quota on vGPU resources cannot take.
@@ -22,5 +24,6 @@ pub mod look_up;
 pub mod mutate;
 pub mod patch;
 pub mod quota;
+pub mod reach;
 pub mod review;
 pub mod seccomp;

@@ -29,6 +29,7 @@ use crate::admission::kubeshare::kubeshare_patch;
 use crate::admission::look_up::{ClaimAnswers, ClaimLookUpError};
 use crate::admission::patch::resource_patch;
 use crate::admission::quota::{quota_refusal, AdmissionQuota};
+use crate::admission::reach::GuardedPaths;
 use crate::admission::review::{Review, WebhookReply};
 use crate::admission::seccomp::runtime_default_patch;
 use crate::bounded::read_pod;
@@ -78,6 +79,8 @@ pub struct AdmissionPolicy {
     pub scheduler_alias: Option<String>,
     /// The PriorityClass (name, value) opportunistic pods are given.
     pub opportunistic_class: Option<(String, i32)>,
+    /// The node's paths no pod given vGPUs may mount.
+    pub guarded_paths: GuardedPaths,
 }
 
 /// Why a pod being created is refused (422, with this as the message).
@@ -157,7 +160,7 @@ pub fn mutate(
         .transpose();
     let refused = match &pod {
         Ok(Some(pod)) if creating && !policy.allow_privileged => {
-            refused_at_admission(pod, names).map(|breach| breach.to_string())
+            refused_at_admission(pod, names, &policy.guarded_paths).map(|breach| breach.to_string())
         }
         _ => None,
     };

@@ -120,7 +120,11 @@ impl Scheduler {
     /// not skip. Such a pod never went through admission.
     pub(super) fn confinement_refusal(&self, pod: &Pod) -> Option<UnconfinedPod> {
         self.config.placement_confinement.as_ref()?;
-        let breach = unconfined_for_placement(pod, &self.config.resources)?;
+        let breach = unconfined_for_placement(
+            pod,
+            &self.config.resources,
+            &self.config.admission.guarded_paths,
+        )?;
         let namespace = pod.metadata.namespace.as_deref().unwrap_or("");
         if self.state.read().skipped_namespaces().skips(namespace) {
             return None;
