@@ -512,7 +512,8 @@ def named_accounts(policy):
 def test_admission_policies_keep_vgpus_records_to_vgpus_accounts():
     objects = render({"dra": {"enabled": True}}, namespace="vgpu-system")
     found = policies(objects)
-    assert sorted(found) == ["vgpu-binding-records", "vgpu-node-agents", "vgpu-pod-records"]
+    assert sorted(found) == ["vgpu-binding-records", "vgpu-namespace-labels", "vgpu-node-agents",
+                             "vgpu-pod-phase", "vgpu-pod-records"]
     for policy in found.values():
         assert policy.get("bound"), policy["metadata"]["name"]
         # Refused when an expression cannot be evaluated (too costly, or a
@@ -532,6 +533,16 @@ def test_admission_policies_keep_vgpus_records_to_vgpus_accounts():
     pod_rules = {(("",), r, op) for r in ("pods", "pods/status") for op in ("CREATE", "UPDATE")}
     assert pod_rules <= rules(found["vgpu-pod-records"])
     assert rules(found["vgpu-binding-records"]) == {(("",), "pods/binding", "CREATE"), (("",), "bindings", "CREATE")}
+    # A namespace's vgpu.io/ labels, through every write that carries labels;
+    # a pod's phase, through its status.
+    assert rules(found["vgpu-namespace-labels"]) == {
+        (("",), r, op) for r in ("namespaces", "namespaces/status", "namespaces/finalize") for op in ("CREATE", "UPDATE")}
+    assert rules(found["vgpu-pod-phase"]) == {(("",), "pods/status", "UPDATE")}
+    # Who may do either is asked of the API server's authorizer with no
+    # namespace: a RoleBinding in the tenant's namespace never answers.
+    for name in ("vgpu-namespace-labels", "vgpu-pod-phase"):
+        checks = " ".join(expressions(found[name]))
+        assert "authorizer.group('')" in checks and ".namespace(" not in checks, name
     agents = {(groups, resource) for groups, resource, _ in rules(found["vgpu-node-agents"])}
     assert agents == {
         (("",), "nodes"),
