@@ -12,6 +12,7 @@ use std::path::PathBuf;
 use std::time::Duration;
 use thiserror::Error;
 use vgpu_cluster::policy::{GpuPolicy, NodePolicy};
+use vgpu_cluster::requests::priority::HighPriorityClasses;
 use vgpu_cluster::requests::RequestDefaultFlags;
 use vgpu_cluster::resources::ShareResourceFlags;
 
@@ -273,6 +274,14 @@ pub struct Cli {
     #[arg(long)]
     pub allow_privileged_vgpu: bool,
 
+    /// A PriorityClass whose pods may run vGPU containers above the default
+    /// priority (nvidia.com/priority 0), which pauses other pods' vGPUs on
+    /// the same GPU while they run; repeatable. Any other pod that asks
+    /// for it runs at the default priority, told so by a Warning Event.
+    /// None by default: a pod's own word is not enough.
+    #[arg(long = "high-priority-class", value_name = "NAME")]
+    pub high_priority_classes: Vec<String>,
+
     /// vgpu's folder on the nodes (the chart's hostDir). Admission (and
     /// placement, with --confine-at-placement) refuses a pod given vGPUs
     /// whose hostPath volume mounts it, anything in it or a folder holding
@@ -366,6 +375,9 @@ impl Cli {
                     .filter(|alias| !alias.is_empty()),
                 opportunistic_class: self.opportunistic_priority_class.0.clone(),
                 guarded_paths: GuardedPaths::new(&self.node_host_dir),
+                high_priority_classes: HighPriorityClasses::new(
+                    self.high_priority_classes.iter().cloned(),
+                ),
             },
             limits: self.limits(),
             // The verbs on loopback reach kube-scheduler in the pod only

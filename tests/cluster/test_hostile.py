@@ -61,6 +61,7 @@ RELEASE = "vgpu"
 NODE_ACCOUNT = f"{RELEASE}-node"
 DECISION = "vgpu.io/decision"
 ALLOCATED = "vgpu.io/allocated"
+HIGH_CLASS = "vgpu-inference"
 
 
 class Hostile:
@@ -151,7 +152,11 @@ def agent_token(cc: ChartCluster, node: str) -> str:
 def hostile(tmp_path_factory):
     started = time.monotonic()
     workdir = tmp_path_factory.mktemp("hostile")
-    with ChartCluster(workdir, nodes=2, gpus=1) as cc:
+    # The PriorityClass pods may run vGPUs above the default priority with
+    # (a chart from before the setting runs without it).
+    values = (chartcluster.CHART / "values.yaml").read_text()
+    helm_args = ("--set", f"scheduler.highPriorityClasses={{{HIGH_CLASS}}}") if "highPriorityClasses" in values else ()
+    with ChartCluster(workdir, nodes=2, gpus=1, helm_args=helm_args) as cc:
         up = time.monotonic() - started
         world = Hostile(cc, workdir)
         cluster = cc.cluster
@@ -535,6 +540,48 @@ def test_a_tenant_cannot_give_its_vgpu_pod_the_reach_to_undo_the_shim_or_touch_i
     assert done.returncode == 0, done.stderr
 
 
+def test_a_tenant_asking_for_the_top_priority_runs_at_the_default_unless_its_class_allows(hostile):
+    """nvidia.com/priority: 0 makes the node monitor pause every
+    default-priority container of other pods on the GPU while it runs. A
+    pod's own word is not enough: the pod runs at the default priority
+    (its decision grants none), warned at creation and by a Warning Event;
+    a pod of a PriorityClass the chart names keeps it."""
+    cluster = hostile.cc.cluster
+    cluster.kubectl("create", "-f", "-", input=json.dumps({
+        "apiVersion": "scheduling.k8s.io/v1", "kind": "PriorityClass",
+        "metadata": {"name": HIGH_CLASS}, "value": 1000}))
+
+    def top_priority_pod(name: str, **spec) -> str:
+        pod = vgpu_pod(name)
+        pod["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/priority"] = "0"
+        pod["spec"].update(spec)
+        return json.dumps(pod)
+
+    def decided(name: str) -> dict:
+        return wait_for(f"{name} decided", lambda: json.loads(hostile.annotations(name).get(DECISION, "null")),
+                        timeout=60, log=hostile.cc.logs)
+
+    try:
+        loud = hostile.kubectl(hostile.root, "create", "-f", "-", input=top_priority_pod("loud"))
+        assert loud.returncode == 0, loud.stderr
+        assert "Warning:" in loud.stderr and "its containers main (0) run at the default priority" in loud.stderr, \
+            loud.stderr
+        assert decided("loud")["containers"][0].get("priority") is None
+        events = wait_for("the GPUPriorityLowered Event", lambda: [
+            e for e in kubectl_json(cluster, "get", "events", "-n", TENANT)["items"]
+            if e["involvedObject"]["name"] == "loud" and e["reason"] == "GPUPriorityLowered"], log=hostile.cc.logs)
+        assert events[0]["type"] == "Warning" and "PriorityClasses in scheduler.highPriorityClasses" in \
+            events[0]["message"], events[0]
+        allowed = hostile.kubectl(hostile.root, "create", "-f", "-",
+                                  input=top_priority_pod("allowed", priorityClassName=HIGH_CLASS))
+        assert allowed.returncode == 0, allowed.stderr
+        assert "default priority" not in allowed.stderr, allowed.stderr
+        assert decided("allowed")["containers"][0]["priority"] == 0
+    finally:
+        hostile.kubectl(hostile.root, "delete", "pod", "loud", "allowed", "-n", TENANT, "--ignore-not-found",
+                        "--wait=false")
+
+
 def test_a_node_agent_changes_only_vgpus_annotations_and_share_capacities_of_its_own_node(hostile):
     """A node agent's role may patch any Node and its status (RBAC cannot
     name a node): of its own Node it changes vgpu's annotations and the
@@ -619,7 +666,8 @@ def test_what_vgpu_and_the_tenant_do_still_works(hostile):
         cluster, "get", "validatingadmissionpolicies", "-l", f"app.kubernetes.io/instance={RELEASE}")["items"]}
     # (vgpu-confinement: the webhook's refusals, the API server's own on 1.36.)
     assert set(policies) == {f"{RELEASE}-pod-records", f"{RELEASE}-binding-records", f"{RELEASE}-node-agents",
-                             f"{RELEASE}-namespace-labels", f"{RELEASE}-pod-phase", f"{RELEASE}-vgpu-confinement"}
+                             f"{RELEASE}-namespace-labels", f"{RELEASE}-pod-phase", f"{RELEASE}-vgpu-confinement",
+                             f"{RELEASE}-vgpu-priority"}
 
     def checked():
         current = kubectl_json(cluster, "get", "validatingadmissionpolicies",

@@ -8,13 +8,16 @@
 //! pod's admission order, exactly the requested number of distinct GPUs,
 //! each with the requested memory on that GPU (never 0, which a region
 //! reads as uncapped), the requested compute share (capped at 100), a burst
-//! only where the pod asks for one, and the requested priority. The check
+//! only where the pod asks for one, and the requested priority or a less
+//! important one (the default, where the pod may not run above it:
+//! [`super::priority`]). The check
 //! holds a decision to that, with the same reading of the pod
 //! ([`super::parse_pod`]) and the GPUs as the node publishes them.
 //! [`within_request`] cuts a decision down to the same bounds: what the node
 //! monitor restores, whatever the annotation says.
 
 use super::pod_request::{ContainerRequest, MemoryRequest, PodRequest};
+use super::priority::no_more_important;
 use crate::decision::{ContainerDecision, Decision, DeviceGrant, InventoryGpu};
 use thiserror::Error;
 
@@ -65,7 +68,7 @@ pub enum GrantError {
         decided: u32,
         asked: String,
     },
-    #[error("container {container}: priority {decided} granted, the pod asks for {asked}")]
+    #[error("container {container}: priority {decided} granted, more important than the {asked} the pod asks for")]
     Priority {
         container: String,
         decided: String,
@@ -132,7 +135,7 @@ fn check_container(
             requested: asked.count,
         });
     }
-    if container.priority != asked.priority {
+    if !no_more_important(container.priority, asked.priority) {
         return Err(GrantError::Priority {
             container: name(),
             decided: optional(container.priority),
@@ -214,7 +217,8 @@ fn check_grant(
 /// [`check_grants`]: only the pod's GPU-using containers, at most the asked
 /// number of distinct GPUs each, at most the asked memory (0 becomes it),
 /// at most the asked share (0 becomes it where a share was asked), a burst
-/// only up to the pod's, and the asked priority. A decision the extender
+/// only up to the pod's, and a priority no more important than the asked
+/// one. A decision the extender
 /// wrote comes back unchanged. `offered(uuid)` is a GPU's offered memory
 /// where known; without it a percentage or the whole GPU bounds nothing.
 pub fn within_request(
@@ -244,7 +248,11 @@ pub fn within_request(
                 name: container.name.clone(),
                 init: asked.kind.is_init(),
                 devices,
-                priority: asked.priority,
+                priority: if no_more_important(container.priority, asked.priority) {
+                    container.priority
+                } else {
+                    asked.priority
+                },
             })
         })
         .collect();
@@ -446,7 +454,7 @@ mod tests {
     }
 
     #[test]
-    fn another_priority_is_refused() {
+    fn a_more_important_priority_is_refused_a_less_important_one_granted() {
         let (mut request, mut decision) = hami();
         decision.containers[0].priority = Some(i32::MIN);
         assert!(matches!(
@@ -457,6 +465,18 @@ mod tests {
         assert!(check_grants(&decision, &request, &gpus()).is_err());
         decision.containers[0].priority = Some(1);
         assert_eq!(check_grants(&decision, &request, &gpus()), Ok(()));
+        // The pod asks for 0 (above the default); the extender granted the
+        // default, as it does for a pod whose PriorityClass may not run
+        // above it. The monitor restores the default, not the 0 asked.
+        request.containers[0].priority = Some(0);
+        decision.containers[0].priority = None;
+        assert_eq!(check_grants(&decision, &request, &gpus()), Ok(()));
+        let restored = within_request(&decision, &request, |_| None);
+        assert_eq!(restored.containers[0].priority, None);
+        decision.containers[0].priority = Some(-1);
+        assert!(check_grants(&decision, &request, &gpus()).is_err());
+        let restored = within_request(&decision, &request, |_| None);
+        assert_eq!(restored.containers[0].priority, Some(0));
     }
 
     #[test]

@@ -16,10 +16,12 @@
 //! - [`pod_request`]: the request, once read.
 //! - [`parse`]: reading it, and the reasons a request cannot be served.
 //! - [`grant_check`]: whether a decision grants no more than the request.
+//! - [`priority`]: who runs above the default priority.
 
 pub mod grant_check;
 pub mod parse;
 pub mod pod_request;
+pub mod priority;
 #[cfg(test)]
 mod tests;
 

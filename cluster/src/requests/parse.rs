@@ -65,6 +65,10 @@ pub fn parse_pod(
 ) -> Result<PodRequest, RequestError> {
     let mut request = PodRequest {
         seed: identity_seed(pod),
+        priority_class: pod
+            .spec
+            .as_ref()
+            .and_then(|spec| spec.priority_class_name.clone()),
         ..PodRequest::default()
     };
     if let Some(spec) = &pod.spec {

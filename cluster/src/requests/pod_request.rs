@@ -216,6 +216,10 @@ pub struct PodRequest {
     /// Drawn from the pod's identity: what the `random` GPU policy draws
     /// by, the same in every verb for the same pod.
     pub seed: u64,
+    /// The pod's PriorityClass (`spec.priorityClassName`), which decides
+    /// whether it may run above the default priority
+    /// ([`super::priority`]).
+    pub priority_class: Option<String>,
 }
 
 impl PodRequest {

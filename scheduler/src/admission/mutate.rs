@@ -42,7 +42,10 @@ use serde_json::value::RawValue;
 use serde_json::{json, Value};
 use thiserror::Error;
 use vgpu_cluster::report::with_causes;
-use vgpu_cluster::requests::{asks_for_vgpu, elastic_count_to_add, ResourceNames};
+use vgpu_cluster::requests::priority::HighPriorityClasses;
+use vgpu_cluster::requests::{
+    asks_for_vgpu, elastic_count_to_add, parse_pod, RequestDefaults, ResourceNames,
+};
 
 /// The scheduler name kube-scheduler uses when a pod names none.
 const DEFAULT_SCHEDULER: &str = "default-scheduler";
@@ -81,6 +84,10 @@ pub struct AdmissionPolicy {
     pub opportunistic_class: Option<(String, i32)>,
     /// The node's paths no pod given vGPUs may mount.
     pub guarded_paths: GuardedPaths,
+    /// The PriorityClasses whose pods may run vGPU containers above the
+    /// default priority ([`vgpu_cluster::requests::priority`]); admission
+    /// warns any other pod that asks to.
+    pub high_priority_classes: HighPriorityClasses,
 }
 
 /// Why a pod being created is refused (422, with this as the message).
@@ -217,6 +224,17 @@ pub fn mutate(
                 patch.extend(kubeshare);
                 response.warnings.extend(warning);
             }
+            // Where the pod asks to run above the default priority and may
+            // not, it is placed at the default: said now, and again by an
+            // Event when it is bound.
+            let lowered = parse_pod(&pod, names, &RequestDefaults::default())
+                .ok()
+                .and_then(|request| {
+                    policy
+                        .high_priority_classes
+                        .lowered(&request, &names.priority)
+                });
+            response.warnings.extend(lowered);
             let aliased = policy.scheduler_alias.is_some()
                 && pod.spec.as_ref().is_some_and(|spec| {
                     spec.node_name.is_none()

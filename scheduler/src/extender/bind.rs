@@ -354,6 +354,7 @@ impl Scheduler {
             .bind_with_decision(namespace, name, &read, node, &decision_json)
             .await
         else {
+            self.tell_lowered_priorities(api, &decided, request).await;
             return Ok(summarize(&decided));
         };
         let error = |source| BindError::Bind {
@@ -386,6 +387,26 @@ impl Scheduler {
                 );
                 Err(error(source))
             }
+        }
+    }
+
+    /// Where the pod asked to run above the default priority and was
+    /// granted the default: logs it and records a Warning Event on the pod
+    /// (best effort: the pod is bound whatever becomes of the Event).
+    async fn tell_lowered_priorities(&self, api: &KubeApi, pod: &Pod, request: &PodRequest) {
+        let Some(message) = self.rules.lowered_priorities(request) else {
+            return;
+        };
+        let key = crate::placement::rules::pod_key(pod);
+        tracing::warn!("pod {key}: {message}");
+        if let Err(error) = api
+            .record_event(pod, "Warning", "GPUPriorityLowered", &message)
+            .await
+        {
+            tracing::warn!(
+                error = &error as &dyn std::error::Error,
+                "pod {key}: recording its GPUPriorityLowered Event failed"
+            );
         }
     }
 

@@ -151,6 +151,7 @@ impl Config {
             node_policy: self.node_policy,
             node_lease_grace: self.node_lease_grace,
             unbound_grace: self.unbound_grace,
+            high_priority_classes: self.admission.high_priority_classes.clone(),
         }
     }
 }

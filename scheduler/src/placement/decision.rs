@@ -41,7 +41,7 @@ impl Snapshot<'_> {
                             })
                         })
                         .collect(),
-                    priority: container.priority,
+                    priority: self.rules.granted_priority(request, container.priority),
                 }
             })
             .collect();

@@ -5,6 +5,7 @@ use k8s_openapi::api::core::v1::Pod;
 use std::time::Duration;
 use thiserror::Error;
 use vgpu_cluster::policy::{GpuPolicy, NodePolicy};
+use vgpu_cluster::requests::priority::HighPriorityClasses;
 use vgpu_cluster::requests::{parse_pod, PodRequest, RequestDefaults, RequestError, ResourceNames};
 
 /// Grace beyond a node Lease's duration unless configured otherwise.
@@ -27,6 +28,10 @@ pub struct Rules {
     pub node_lease_grace: Duration,
     /// How long a decision whose pod is not bound yet keeps its node busy.
     pub unbound_grace: Duration,
+    /// The PriorityClasses whose pods may run vGPU containers above the
+    /// default priority; any other pod's containers are granted the
+    /// default ([`vgpu_cluster::requests::priority`]).
+    pub high_priority_classes: HighPriorityClasses,
 }
 
 impl Default for Rules {
@@ -38,6 +43,7 @@ impl Default for Rules {
             node_policy: NodePolicy::default(),
             node_lease_grace: DEFAULT_NODE_LEASE_GRACE,
             unbound_grace: DEFAULT_UNBOUND_GRACE,
+            high_priority_classes: HighPriorityClasses::default(),
         }
     }
 }
@@ -86,6 +92,21 @@ impl Rules {
             pod: pod_key(pod),
             source,
         })
+    }
+}
+
+impl Rules {
+    /// The priority `container` of `request` is granted.
+    pub fn granted_priority(&self, request: &PodRequest, asked: Option<i32>) -> Option<i32> {
+        self.high_priority_classes
+            .grant(asked, request.priority_class.as_deref())
+    }
+
+    /// Why the containers of `request` that ask to run above the default
+    /// priority are granted the default, if any is.
+    pub fn lowered_priorities(&self, request: &PodRequest) -> Option<String> {
+        self.high_priority_classes
+            .lowered(request, &self.resources.priority)
     }
 }
 
