@@ -564,9 +564,9 @@ def test_a_tenant_asking_for_the_top_priority_runs_at_the_default_unless_its_cla
     try:
         loud = hostile.kubectl(hostile.root, "create", "-f", "-", input=top_priority_pod("loud"))
         assert loud.returncode == 0, loud.stderr
+        assert decided("loud")["containers"][0].get("priority") is None
         assert "Warning:" in loud.stderr and "its containers main (0) run at the default priority" in loud.stderr, \
             loud.stderr
-        assert decided("loud")["containers"][0].get("priority") is None
         events = wait_for("the GPUPriorityLowered Event", lambda: [
             e for e in kubectl_json(cluster, "get", "events", "-n", TENANT)["items"]
             if e["involvedObject"]["name"] == "loud" and e["reason"] == "GPUPriorityLowered"], log=hostile.cc.logs)

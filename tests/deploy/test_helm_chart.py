@@ -536,7 +536,8 @@ def test_admission_policies_keep_vgpus_records_to_vgpus_accounts():
     # A namespace's vgpu.io/ labels, through every write that carries labels;
     # a pod's phase, through its status.
     assert rules(found["vgpu-namespace-labels"]) == {
-        (("",), r, op) for r in ("namespaces", "namespaces/status", "namespaces/finalize") for op in ("CREATE", "UPDATE")}
+        (("",), r, op) for r in ("namespaces", "namespaces/status", "namespaces/finalize")
+        for op in ("CREATE", "UPDATE")}
     assert rules(found["vgpu-pod-phase"]) == {(("",), "pods/status", "UPDATE")}
     # Who may do either is asked of the API server's authorizer with no
     # namespace: a RoleBinding in the tenant's namespace never answers.

@@ -39,6 +39,8 @@ from nodenet import TestNetwork  # noqa: E402
 from placement import count  # noqa: E402
 
 CHART = REPO / "deploy/helm/vgpu"
+# The PriorityClass whose pods may run vGPUs above the default priority.
+IMPORTANT_CLASS = "vgpu-test-important"
 TARGET = images.TARGET
 WORKLOADS_IMAGE = "localhost/vgpu-workloads:test"
 MIB = 1 << 20
@@ -204,7 +206,8 @@ def real_cluster(tmp_path_factory):
             "apiVersion": "node.k8s.io/v1", "kind": "RuntimeClass", "metadata": {"name": "nvidia"},
             "handler": "nvidia"}))
         cluster.helm("install", "vgpu", str(CHART), "-n", RELEASE_NAMESPACE, "--create-namespace",
-                     "--set", "image.pullPolicy=Never", "--set", "dra.enabled=true")
+                     "--set", "image.pullPolicy=Never", "--set", "dra.enabled=true",
+                     "--set", f"scheduler.highPriorityClasses={{{IMPORTANT_CLASS}}}")
 
         def registered():
             plugin = kubectl_json(cluster, "get", "node", nodes[0].name)
@@ -891,8 +894,13 @@ def test_a_monitor_killed_while_it_paused_a_container_gives_its_share_back(real_
     uuid = node_inventory(cluster, node)["gpus"][0]["uuid"]
     limits = {"nvidia.com/gpu": "1", "nvidia.com/gpumem": "1024", "nvidia.com/gpucores": "30"}
     background = workload_pod("background", namespace, ["workload", "sync", "k1ms", "3600"], limits)
+    # Above the default only as a pod of a PriorityClass the chart names.
+    cluster.kubectl("apply", "-f", "-", input=json.dumps({
+        "apiVersion": "scheduling.k8s.io/v1", "kind": "PriorityClass", "metadata": {"name": IMPORTANT_CLASS},
+        "value": 1000}))
     important = workload_pod("important", namespace, ["workload", "sync", "k1ms", "3600"],
                              dict(limits, **{"nvidia.com/priority": "0"}))
+    important["spec"]["priorityClassName"] = IMPORTANT_CLASS
     for pod in (background, important):
         pod["metadata"]["annotations"] = {"nvidia.com/use-gpuuuid": uuid}
         found = real_cluster.run_pod(pod)

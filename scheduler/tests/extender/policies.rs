@@ -4,6 +4,8 @@
 use crate::harness::*;
 use serde_json::json;
 use vgpu_cluster::policy::{GpuPolicy, NodePolicy};
+use vgpu_cluster::requests::priority::HighPriorityClasses;
+use vgpu_scheduler::admission::mutate::AdmissionPolicy;
 use vgpu_scheduler::extender::Config;
 
 /// One node, three A10s: GPU 0 has 1 container (12 GiB, 40 %), GPU 1 has
@@ -323,7 +325,9 @@ async fn init_sidecar_and_regular_containers_get_one_decision_in_admission_order
     let main = &decision.containers[2];
     assert_eq!(main.devices.len(), 2);
     assert_ne!(main.devices[0].uuid, main.devices[1].uuid);
-    assert_eq!(main.priority, Some(0));
+    // Priority 0 (above the default) is the pod's own word, and no
+    // PriorityClass may run above the default here: the default.
+    assert_eq!(main.priority, None);
     assert!(main
         .devices
         .iter()
@@ -638,4 +642,51 @@ async fn cordoned_gpus_get_no_new_pods_until_uncordoned() {
     // Uncordoned: GPU 0 again, its running pod still counted (1 task).
     h.put_node(node("n1", &gpus)).await;
     assert_eq!(gpu_chosen(&h, "after", &[]).await, uuid("n1", 0));
+}
+
+#[tokio::test]
+async fn only_pods_of_a_named_priority_class_run_above_the_default_priority() {
+    let h = Harness::start(Config {
+        admission: AdmissionPolicy {
+            high_priority_classes: HighPriorityClasses::new(["inference".to_string()]),
+            ..AdmissionPolicy::default()
+        },
+        ..test_config()
+    })
+    .await;
+    h.put_node(node("n1", &[gpu("NVIDIA A10", 16)])).await;
+    let classes: kube::Api<k8s_openapi::api::scheduling::v1::PriorityClass> =
+        kube::Api::all(h.api.client().clone());
+    for (name, value) in [("inference", 1000), ("batch", 10)] {
+        let class = serde_json::from_value(json!({"metadata": {"name": name}, "value": value}))
+            .expect("a PriorityClass");
+        classes
+            .create(&kube::api::PostParams::default(), &class)
+            .await
+            .expect("PriorityClass created");
+    }
+    let mut asking = vgpu("main", 1, 1024, 30);
+    asking.limits.push(("nvidia.com/priority", "0".into()));
+    let mut granted = Vec::new();
+    for (name, class) in [
+        ("plain", None),
+        ("batch", Some("batch")),
+        ("inference", Some("inference")),
+    ] {
+        let mut value = pod(name, std::slice::from_ref(&asking), &[]);
+        if let Some(class) = class {
+            value["spec"]["priorityClassName"] = json!(class);
+            // The API server computes it from the class.
+            if let Some(spec) = value["spec"].as_object_mut() {
+                spec.remove("priority");
+            }
+        }
+        let created = h.create_pod(value).await;
+        let decision = h.schedule_and_allocate(&created).await;
+        granted.push((name, decision.containers[0].priority));
+    }
+    assert_eq!(
+        granted,
+        vec![("plain", None), ("batch", None), ("inference", Some(0))]
+    );
 }
