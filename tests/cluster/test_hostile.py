@@ -489,7 +489,7 @@ def test_a_tenant_cannot_end_its_running_vgpu_pod_by_its_own_word(hostile):
     for phase in ("Succeeded", "Failed"):
         forged = hostile.kubectl(hostile.root, "patch", "pod", "own-1", "-n", TENANT, "--subresource=status",
                                  "--type=merge", "-p", json.dumps({"status": {"phase": phase}}))
-        refused_by_policy(forged, "node-1")
+        refused_by_policy(forged, "on node node-1: only that node's kubelet")
     assert hostile.pod("own-1")["status"]["phase"] == "Running"
     # Its other status writes (a condition of its own) still go through.
     done = hostile.kubectl(hostile.root, "patch", "pod", "own-1", "-n", TENANT, "--subresource=status",
@@ -582,6 +582,45 @@ def test_a_tenant_asking_for_the_top_priority_runs_at_the_default_unless_its_cla
                         "--wait=false")
 
 
+def test_a_tenant_cannot_name_gpus_itself_in_a_pods_spec(hostile):
+    """Under NVIDIA's container runtime (its default accepts the variable in
+    unprivileged containers), NVIDIA_VISIBLE_DEVICES=all in a container's
+    environment gives it every GPU of its node without the shim: a pod that
+    asks for no vGPU meets no other admission of vgpu's. No pod's spec
+    names GPUs itself: not a plain pod, not a vGPU container, not through a
+    ConfigMap reference, not an ephemeral container added to a running
+    pod. (A variable set in an image or through envFrom is the node's to
+    refuse: the toolkit's setting, deploy/README.md.)"""
+    def plain(name: str, env: list[dict], gpu: bool = False) -> str:
+        pod = vgpu_pod(name)
+        container = pod["spec"]["containers"][0]
+        if not gpu:
+            del container["resources"]
+        container["env"] = env
+        return json.dumps(pod)
+    attacks = {
+        "no vGPU, every GPU": plain("all-gpus", [{"name": "NVIDIA_VISIBLE_DEVICES", "value": "all"}]),
+        "a vGPU container naming more": plain("more-gpus", [{"name": "NVIDIA_VISIBLE_DEVICES", "value": "0,1"}],
+                                              gpu=True),
+        "from a ConfigMap": plain("from-map", [{"name": "NVIDIA_VISIBLE_DEVICES", "valueFrom": {
+            "configMapKeyRef": {"name": "gpus", "key": "visible"}}}]),
+    }
+    for what, pod in attacks.items():
+        done = hostile.kubectl(hostile.root, "create", "-f", "-", input=pod)
+        assert done.returncode != 0, f"{what}: the API server accepted it:\n{done.stdout}"
+        assert "ValidatingAdmissionPolicy" in done.stderr and "sets NVIDIA_VISIBLE_DEVICES" in done.stderr, \
+            (what, done.stderr)
+    debug = hostile.kubectl(hostile.root, "debug", "own-1", "-n", TENANT, "--image=cuda:test", "--container=dbg",
+                            "--env=NVIDIA_VISIBLE_DEVICES=all", "--", "/usr/bin/true")
+    assert debug.returncode != 0, f"the ephemeral container was added:\n{debug.stdout}"
+    assert "sets NVIDIA_VISIBLE_DEVICES" in debug.stderr, debug.stderr
+    assert not hostile.pod("own-1")["spec"].get("ephemeralContainers")
+    # Asking for no GPU in those words is no one's business.
+    done = hostile.kubectl(hostile.root, "create", "--dry-run=server", "-f", "-",
+                           input=plain("none", [{"name": "NVIDIA_VISIBLE_DEVICES", "value": "void"}]))
+    assert done.returncode == 0, done.stderr
+
+
 def test_a_node_agent_changes_only_vgpus_annotations_and_share_capacities_of_its_own_node(hostile):
     """A node agent's role may patch any Node and its status (RBAC cannot
     name a node): of its own Node it changes vgpu's annotations and the
@@ -599,7 +638,8 @@ def test_a_node_agent_changes_only_vgpus_annotations_and_share_capacities_of_its
     for what, args in attacks.items():
         done = hostile.kubectl(agent, *args)
         assert done.returncode != 0, f"{what}: the API server accepted it:\n{done.stdout}"
-        assert "ValidatingAdmissionPolicy" in done.stderr and "node-1" in done.stderr, (what, done.stderr)
+        assert "ValidatingAdmissionPolicy" in done.stderr and "node-1 changes only the vgpu.io/ annotations" in \
+            done.stderr, (what, done.stderr)
     status_attacks = {
         "the addresses": {"status": {"addresses": [{"type": "InternalIP", "address": "10.9.9.9"}]}},
         "the GPU count": {"status": {"capacity": {"nvidia.com/gpu": "64"}, "allocatable": {"nvidia.com/gpu": "64"}}},
@@ -610,7 +650,8 @@ def test_a_node_agent_changes_only_vgpus_annotations_and_share_capacities_of_its
         done = patch_status(hostile, agent, "node-1", patch)
         assert done.returncode == 0, done.stderr
         assert done.stdout.strip() == "403", f"{what}: the API server answered {done.stdout}"
-        assert "ValidatingAdmissionPolicy" in done.stderr and "node-1" in done.stderr, (what, done.stderr)
+        assert "ValidatingAdmissionPolicy" in done.stderr and "node-1 changes only the capacity and allocatable" in \
+            done.stderr, (what, done.stderr)
     after = kubectl_json(cluster, "get", "node", "node-1")
     for field in ("labels", "annotations"):
         assert after["metadata"].get(field) == before["metadata"].get(field), field
@@ -620,14 +661,19 @@ def test_a_node_agent_changes_only_vgpus_annotations_and_share_capacities_of_its
     def ready(node):
         return [(c["status"], c.get("reason")) for c in node["status"]["conditions"] if c["type"] == "Ready"]
     assert ready(after) == ready(before)
-    # What the device plugin writes still goes through: its inventory and
-    # the share resources' capacities (written again as they are).
-    inventory = before["metadata"]["annotations"]["vgpu.io/node-gpus"]
-    done = hostile.kubectl(agent, "annotate", "--overwrite", "node", "node-1", f"vgpu.io/node-gpus={inventory}")
-    assert done.returncode == 0, done.stderr
-    shares = {name: before["status"]["capacity"][name] for name in ("nvidia.com/gpumem", "nvidia.com/gpucores")}
-    done = patch_status(hostile, agent, "node-1", {"status": {"capacity": shares, "allocatable": shares}})
-    assert (done.returncode, done.stdout.strip()) == (0, "200"), done.stderr
+    # What the device plugin writes still goes through: vgpu's annotations
+    # and the share resources' capacities (each changed, then put back).
+    for value in ("vgpu.io/written-by-the-agent=yes", "vgpu.io/written-by-the-agent-"):
+        done = hostile.kubectl(agent, "annotate", "--overwrite", "node", "node-1", value)
+        assert done.returncode == 0, done.stderr
+    assert "vgpu.io/written-by-the-agent" not in kubectl_json(cluster, "get", "node", "node-1")["metadata"][
+        "annotations"]
+    cores = before["status"]["capacity"]["nvidia.com/gpucores"]
+    for value in (str(int(cores) - 1), cores):
+        shares = {"nvidia.com/gpucores": value}
+        done = patch_status(hostile, agent, "node-1", {"status": {"capacity": shares, "allocatable": shares}})
+        assert (done.returncode, done.stdout.strip()) == (0, "200"), done.stderr
+        assert kubectl_json(cluster, "get", "node", "node-1")["status"]["capacity"]["nvidia.com/gpucores"] == value
 
 
 def test_what_vgpu_and_the_tenant_do_still_works(hostile):
@@ -666,7 +712,8 @@ def test_what_vgpu_and_the_tenant_do_still_works(hostile):
         cluster, "get", "validatingadmissionpolicies", "-l", f"app.kubernetes.io/instance={RELEASE}")["items"]}
     # (vgpu-confinement: the webhook's refusals, the API server's own on 1.36.)
     assert set(policies) == {f"{RELEASE}-pod-records", f"{RELEASE}-binding-records", f"{RELEASE}-node-agents",
-                             f"{RELEASE}-namespace-labels", f"{RELEASE}-pod-phase", f"{RELEASE}-vgpu-confinement",
+                             f"{RELEASE}-namespace-labels", f"{RELEASE}-pod-phase", f"{RELEASE}-gpu-variable",
+                             f"{RELEASE}-vgpu-confinement",
                              f"{RELEASE}-vgpu-priority"}
 
     def checked():

@@ -512,8 +512,8 @@ def named_accounts(policy):
 def test_admission_policies_keep_vgpus_records_to_vgpus_accounts():
     objects = render({"dra": {"enabled": True}}, namespace="vgpu-system")
     found = policies(objects)
-    assert sorted(found) == ["vgpu-binding-records", "vgpu-namespace-labels", "vgpu-node-agents",
-                             "vgpu-pod-phase", "vgpu-pod-records"]
+    assert sorted(found) == ["vgpu-binding-records", "vgpu-gpu-variable", "vgpu-namespace-labels",
+                             "vgpu-node-agents", "vgpu-pod-phase", "vgpu-pod-records"]
     for policy in found.values():
         assert policy.get("bound"), policy["metadata"]["name"]
         # Refused when an expression cannot be evaluated (too costly, or a
@@ -539,6 +539,16 @@ def test_admission_policies_keep_vgpus_records_to_vgpus_accounts():
         (("",), r, op) for r in ("namespaces", "namespaces/status", "namespaces/finalize")
         for op in ("CREATE", "UPDATE")}
     assert rules(found["vgpu-pod-phase"]) == {(("",), "pods/status", "UPDATE")}
+    # Pods naming GPUs themselves: on creation, and ephemeral containers
+    # added later; the release's own namespace (its node agents name every
+    # GPU) and the ones named are left out.
+    assert rules(found["vgpu-gpu-variable"]) == {(("",), "pods", "CREATE"),
+                                                 (("",), "pods/ephemeralcontainers", "UPDATE")}
+    (left_out,) = found["vgpu-gpu-variable"]["spec"]["matchConstraints"]["namespaceSelector"]["matchExpressions"]
+    assert left_out["values"] == ["vgpu-system"]
+    named = policies(render({"admissionPolicy": {"gpuVariableNamespaces": ["gpu-operator"]}}, namespace="vgpu-system"))
+    (left_out,) = named["vgpu-gpu-variable"]["spec"]["matchConstraints"]["namespaceSelector"]["matchExpressions"]
+    assert left_out["values"] == ["vgpu-system", "gpu-operator"]
     # Who may do either is asked of the API server's authorizer with no
     # namespace: a RoleBinding in the tenant's namespace never answers.
     for name in ("vgpu-namespace-labels", "vgpu-pod-phase"):
