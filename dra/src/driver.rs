@@ -500,6 +500,9 @@ mod tests {
                 ),
                 (grant.as_str(), "/usr/local/vgpu/grant", true),
                 (preload.as_str(), "/etc/ld.so.preload", true),
+                // The claim's GPU, for a runtime that takes a container's
+                // GPUs from mounts only.
+                ("/dev/null", "/var/run/nvidia-container-devices/GPU-0", true),
             ]
         );
 

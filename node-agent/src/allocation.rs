@@ -17,7 +17,7 @@
 use std::collections::BTreeMap;
 use std::fmt;
 use std::os::unix::fs::PermissionsExt;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use thiserror::Error;
 use vgpu_cluster::decision::{DeviceGrant, InventoryGpu};
 use vgpu_cluster::file_error::{io_error, FileError};
@@ -38,6 +38,18 @@ pub use vgpu_node_contract::shim_env::ENV_DEVICE_ORDER;
 
 /// Path of `ld.so.preload` in a container.
 pub const CONTAINER_PRELOAD: &str = "/etc/ld.so.preload";
+
+/// Where NVIDIA's container runtime reads a container's GPUs from mounts
+/// (its `accept-nvidia-visible-devices-as-volume-mounts`): one mount of
+/// `/dev/null` here per GPU, named by its UUID. A node whose toolkit
+/// ignores `NVIDIA_VISIBLE_DEVICES` in unprivileged containers
+/// (`accept-nvidia-visible-devices-envvar-when-unprivileged = false`, so
+/// that no container names GPUs of its own in its image or spec) gives a
+/// container only the GPUs mounted here, which only the node grants.
+pub const DEVICE_LIST_DIR: &str = "/var/run/nvidia-container-devices";
+
+/// What each device-list mount is a bind of.
+const DEVICE_LIST_SOURCE: &str = "/dev/null";
 
 /// Where things are, on the host and in containers, and the node-wide
 /// settings written into every container's environment.
@@ -292,6 +304,13 @@ pub fn plan(
             read_only: true,
         });
     }
+    // The same GPUs as the variable names, for a runtime that reads them
+    // from mounts (and ignores the variable).
+    mounts.extend(uuids.iter().map(|uuid| Mount {
+        host_path: PathBuf::from(DEVICE_LIST_SOURCE),
+        container_path: Path::new(DEVICE_LIST_DIR).join(uuid),
+        read_only: true,
+    }));
 
     let grant = GrantSettings {
         region_path: config.region_path.clone(),
@@ -499,6 +518,17 @@ mod tests {
                     Path::new("/base/ld.so.preload"),
                     true
                 ),
+                // The GPUs the variable names, in its order, as mounts.
+                (
+                    Path::new("/var/run/nvidia-container-devices/GPU-0"),
+                    Path::new("/dev/null"),
+                    true
+                ),
+                (
+                    Path::new("/var/run/nvidia-container-devices/GPU-1"),
+                    Path::new("/dev/null"),
+                    true
+                ),
             ]
         );
     }
@@ -536,7 +566,22 @@ mod tests {
         assert_eq!(env("CUDA_TASK_PRIORITY"), None);
         assert_eq!(plan.limits.swap_limit[0], 8 << 30);
         assert_eq!(plan.limits.policy, UtilizationPolicy::Force as u32);
-        assert_eq!(plan.mounts.len(), 3, "no preload mount");
+        // The library, the region, the grant (no preload mount) and the
+        // one GPU's device-list mount.
+        assert_eq!(plan.mounts.len(), 4, "no preload mount");
+        let device = &plan.mounts[3];
+        assert_eq!(
+            (
+                device.host_path.as_path(),
+                device.container_path.as_path(),
+                device.read_only
+            ),
+            (
+                Path::new("/dev/null"),
+                Path::new("/var/run/nvidia-container-devices/GPU-0"),
+                true
+            )
+        );
     }
 
     #[test]

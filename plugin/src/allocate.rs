@@ -129,6 +129,9 @@ mod tests {
                     true
                 ),
                 ("/etc/ld.so.preload", "/base/ld.so.preload", true),
+                // Its GPU again, for a runtime that takes a container's
+                // GPUs from mounts only.
+                ("/var/run/nvidia-container-devices/GPU-0", "/dev/null", true),
             ]
         );
         assert_eq!(

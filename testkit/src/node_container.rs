@@ -9,7 +9,7 @@
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use vgpu_cluster::decision::{DeviceGrant, InventoryGpu};
-use vgpu_node_agent::allocation::{self, Grants, Holder, RegionPlan, Settings};
+use vgpu_node_agent::allocation::{self, Grants, Holder, RegionPlan, Settings, DEVICE_LIST_DIR};
 use vgpu_node_contract::region::limits::scaling::MemoryScaling;
 use vgpu_node_contract::region::UtilizationPolicy;
 
@@ -129,7 +129,15 @@ exec "$@""#;
             script,
             "sh",
         ]);
-        for mount in &self.plan.mounts {
+        // The device-list mounts are the container runtime's to read (the
+        // GPUs it gives the container), nothing the container's programs
+        // use: outside /usr/local they would land on the host's own /var/run.
+        let for_programs = self
+            .plan
+            .mounts
+            .iter()
+            .filter(|mount| !mount.container_path.starts_with(DEVICE_LIST_DIR));
+        for mount in for_programs {
             wrapped
                 .arg(&mount.host_path)
                 .arg(&mount.container_path)

@@ -113,12 +113,15 @@ class Buildah:
         return name
 
     def assemble(self, name: str, base: str, files: dict[str, pathlib.Path], entrypoint: list[str] | None = None,
-                 user: str | None = None) -> str:
+                 user: str | None = None, env: dict[str, str] | None = None) -> str:
         """An image `name` of `base` ("scratch" for none) with `files` ({path
-        in the image: file here}) added, executable as they are."""
+        in the image: file here}) added, executable as they are, and `env`
+        in its configuration (as a Dockerfile's ENV)."""
         container = self("from", "--pull-never", base).strip()
         for inside, outside in files.items():
             self("copy", container, str(outside), inside)
+        for key, value in (env or {}).items():
+            self("config", "--env", f"{key}={value}", container)
         if entrypoint:
             self("config", "--entrypoint", json.dumps(entrypoint), container)
         if user:

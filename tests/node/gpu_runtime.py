@@ -3,9 +3,10 @@
 given to containers the way NVIDIA's container runtime gives the real one.
 
 containerd calls this in runc's place (`BinaryName`) with runc's own
-arguments. On `create` of a container whose environment names GPUs
-(`NVIDIA_VISIBLE_DEVICES`, as the device plugin and the chart's node agent
-set it), it edits the bundle's OCI config before runc reads it: the driver
+arguments. On `create` of a container that gets GPUs (named by
+`NVIDIA_VISIBLE_DEVICES` or, as the toolkit reads them when told to, by
+mounts under /var/run/nvidia-container-devices: see `requested`), it edits
+the bundle's OCI config before runc reads it: the driver
 (`libsimgpu.so`) mounted read-only as `libcuda.so.1` and
 `libnvidia-ml.so.1` where Debian keeps libraries, the node's simulated-GPU
 state folder mounted (every container on the node shares one device
@@ -16,7 +17,10 @@ unchanged.
     gpu_runtime.py SETTINGS.json RUNC-ARGUMENTS...
 
 SETTINGS.json: {"runc": path, "driver": libsimgpu.so, "state_dir": folder,
-"library_dir": in the container, "env": {SIMGPU_*: value}}.
+"library_dir": in the container, "env": {SIMGPU_*: value},
+"accept_envvar_unprivileged": bool (default true, as the toolkit's),
+"accept_volume_mounts": bool (default false)}, read at every `create`, so a
+test may change the toolkit's settings while the node runs.
 """
 
 from __future__ import annotations
@@ -27,6 +31,8 @@ import sys
 
 # NVIDIA_VISIBLE_DEVICES values that ask for no GPU.
 NO_GPU = {"", "void", "none"}
+# Where the toolkit reads a container's GPUs from mounts, one per GPU.
+DEVICE_LIST_DIR = "/var/run/nvidia-container-devices"
 # runc options that take a value (so the subcommand is found after them).
 VALUED_GLOBAL_OPTIONS = {"--root", "--log", "--log-format", "--criu", "--rootless"}
 
@@ -54,11 +60,31 @@ def bundle_of(arguments: list[str]) -> str:
     return os.getcwd()
 
 
+def requested(config: dict, settings: dict) -> str:
+    """The GPUs a container gets, as NVIDIA's runtime reads them under the
+    toolkit's two settings: with `accept_volume_mounts`
+    (accept-nvidia-visible-devices-as-volume-mounts, default off), the
+    names of the mounts under DEVICE_LIST_DIR, if any; else
+    NVIDIA_VISIBLE_DEVICES, in a privileged container (every capability:
+    CAP_SYS_ADMIN among them) or where `accept_envvar_unprivileged`
+    (accept-nvidia-visible-devices-envvar-when-unprivileged, default on)."""
+    if settings.get("accept_volume_mounts", False):
+        listed = [os.path.basename(mount["destination"].rstrip("/")) for mount in config.get("mounts", [])
+                  if os.path.dirname(mount.get("destination", "").rstrip("/")) == DEVICE_LIST_DIR]
+        if listed:
+            return ",".join(listed)
+    process = config.get("process", {})
+    privileged = "CAP_SYS_ADMIN" in process.get("capabilities", {}).get("bounding", [])
+    if not (privileged or settings.get("accept_envvar_unprivileged", True)):
+        return ""
+    values = dict(entry.split("=", 1) for entry in process.get("env", []) if "=" in entry)
+    return values.get("NVIDIA_VISIBLE_DEVICES", "").strip()
+
+
 def give_gpus(config: dict, settings: dict) -> bool:
-    """Adds the driver to `config` when its process asks for GPUs."""
+    """Adds the driver to `config` when its process gets GPUs."""
     env = config.get("process", {}).get("env", [])
-    values = dict(entry.split("=", 1) for entry in env if "=" in entry)
-    visible = values.get("NVIDIA_VISIBLE_DEVICES", "").strip()
+    visible = requested(config, settings)
     if visible.lower() in NO_GPU:
         return False
     mounts = config.setdefault("mounts", [])

@@ -43,6 +43,7 @@ CHART = REPO / "deploy/helm/vgpu"
 IMPORTANT_CLASS = "vgpu-test-important"
 TARGET = images.TARGET
 WORKLOADS_IMAGE = "localhost/vgpu-workloads:test"
+CUDA_ENV_IMAGE = "localhost/vgpu-workloads-cuda-env:test"
 MIB = 1 << 20
 
 
@@ -92,7 +93,11 @@ def build_images(folder: Path, kube_scheduler: Path, kube_version: str) -> list[
     forge = TARGET / "vgpu-region-forge"
     buildah.assemble(WORKLOADS_IMAGE, base, {"/usr/local/bin/probe": probe, "/usr/local/bin/workload": workload,
                                              "/usr/local/bin/vgpu-region-forge": forge})
-    names = [chart_image(), f"registry.k8s.io/kube-scheduler:{kube_version}", PAUSE_IMAGE, WORKLOADS_IMAGE]
+    # The same, with the variable CUDA's base images set in their own
+    # environment.
+    buildah.assemble(CUDA_ENV_IMAGE, WORKLOADS_IMAGE, {}, env={"NVIDIA_VISIBLE_DEVICES": "all"})
+    names = [chart_image(), f"registry.k8s.io/kube-scheduler:{kube_version}", PAUSE_IMAGE, WORKLOADS_IMAGE,
+             CUDA_ENV_IMAGE]
     archives = [buildah.export(name, folder / f"image-{index}.tar") for index, name in enumerate(names)]
     # buildah's vfs storage keeps a whole copy of every layer (2.6 GB):
     # only the archives are needed from here.
@@ -1104,3 +1109,75 @@ def test_five_vgpu_pods_created_at_once_each_get_their_own_limits_from_the_real_
     print(f"\nfive pods at once on one GPU of a real node: each region holds its own cap and share; "
           f"{told_apart} Allocate call(s) matched among several pending pods by the real kubelet's PodResources API")
     cluster.kubectl("delete", "namespace", namespace, "--wait=true", "--timeout=120s")
+
+
+def test_a_container_gets_only_the_gpus_its_node_grants_whatever_it_names(real_cluster):
+    """NVIDIA's runtime gives a container the GPUs its NVIDIA_VISIBLE_DEVICES
+    names, by the toolkit's default even in an unprivileged container: a
+    pod that asks for no vGPU but has the variable from a ConfigMap
+    (envFrom, which admission cannot read) or from its image (CUDA's base
+    images set `all`) gets the driver and every GPU of its node, with no
+    shim. With the toolkit set as deploy/README.md says (the variable
+    ignored in unprivileged containers, the GPUs read from mounts), neither
+    gets a GPU; a vGPU container whose image names every GPU gets the one
+    its node granted (the device plugin's mount), and vgpu's node agent,
+    started afresh, still sees the node's GPUs (its own mount)."""
+    cluster, node = real_cluster.cluster, real_cluster.node
+    namespace = "tenant-gpus"
+    cluster.kubectl("create", "namespace", namespace)
+    cluster.kubectl("create", "configmap", "gpus", "-n", namespace, "--from-literal=NVIDIA_VISIBLE_DEVICES=all")
+    show = ["sh", "-c", "echo visible=$SIMGPU_VISIBLE_DEVICES; "
+            "if [ -e /usr/lib/x86_64-linux-gnu/libcuda.so.1 ]; then echo driver=yes; else echo driver=no; fi"]
+
+    def seen(name: str, image: str = WORKLOADS_IMAGE, env_from: bool = False, limits: dict | None = None) -> dict:
+        pod = workload_pod(name, namespace, show, limits or {})
+        spec = pod["spec"]
+        spec["restartPolicy"] = "Never"
+        spec["nodeSelector"] = {"kubernetes.io/hostname": node.name}
+        spec["containers"][0]["image"] = image
+        if not limits:
+            del spec["containers"][0]["resources"]
+        if env_from:
+            spec["containers"][0]["envFrom"] = [{"configMapRef": {"name": "gpus"}}]
+        cluster.kubectl("create", "-f", "-", input=json.dumps(pod))
+        wait_for(f"{name} done", lambda: kubectl_json(cluster, "get", "pod", name, "-n", namespace)["status"].get(
+            "phase") in ("Succeeded", "Failed"), timeout=120, log=real_cluster.logs)
+        text = node.container_log(namespace, name, "main")
+        return dict(line.split("=", 1) for line in text.splitlines() if "=" in line)
+
+    settings_path = node.workdir / "gpu-runtime.json"
+    default = settings_path.read_text()
+    try:
+        # The toolkit's default: the variable is taken from anywhere.
+        assert seen("env-from-default", env_from=True) == {"visible": "all", "driver": "yes"}
+        # As deploy/README.md says to set it.
+        settings_path.write_text(json.dumps({**json.loads(default), "accept_envvar_unprivileged": False,
+                                             "accept_volume_mounts": True}))
+        assert seen("env-from", env_from=True) == {"visible": "", "driver": "no"}
+        assert seen("image-env", image=CUDA_ENV_IMAGE) == {"visible": "", "driver": "no"}
+        granted = seen("granted", image=CUDA_ENV_IMAGE, limits={"nvidia.com/gpu": "1", "nvidia.com/gpumem": "1024"})
+        decision = json.loads(kubectl_json(cluster, "get", "pod", "granted", "-n", namespace)["metadata"][
+            "annotations"]["vgpu.io/decision"])
+        assert granted == {"visible": decision["containers"][0]["devices"][0]["uuid"], "driver": "yes"}
+        # vgpu's own node agent, started under these settings, still sees
+        # every GPU of its node (and publishes them).
+        agents = kubectl_json(cluster, "get", "pods", "-n", RELEASE_NAMESPACE, "-l", "vgpu.io/monitor=true",
+                              "--field-selector", f"spec.nodeName={node.name}")["items"]
+        before = {agent["metadata"]["uid"] for agent in agents}
+        cluster.kubectl("delete", "pod", "-n", RELEASE_NAMESPACE, *[a["metadata"]["name"] for a in agents],
+                        "--wait=true", "--timeout=60s")
+
+        def restarted_and_ready():
+            pods = kubectl_json(cluster, "get", "pods", "-n", RELEASE_NAMESPACE, "-l", "vgpu.io/monitor=true",
+                                "--field-selector", f"spec.nodeName={node.name}")["items"]
+            return [p for p in pods if p["metadata"]["uid"] not in before and any(
+                c["type"] == "Ready" and c["status"] == "True" for c in p["status"].get("conditions", []))]
+        wait_for("node-1's agent restarted and ready", restarted_and_ready, timeout=120, log=real_cluster.logs)
+        def every_gpu_measured():
+            text = real_cluster.metrics(node)
+            totals = [line for line in text.splitlines() if line.startswith("vgpu_gpu_memory_total_bytes{")]
+            return totals if len(totals) == len(node_inventory(cluster, node)["gpus"]) == 2 else None
+        wait_for("the new monitor measuring both GPUs", every_gpu_measured, timeout=60, log=real_cluster.logs)
+    finally:
+        settings_path.write_text(default)
+        cluster.kubectl("delete", "namespace", namespace, "--wait=true", "--timeout=120s")

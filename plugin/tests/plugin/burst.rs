@@ -223,6 +223,18 @@ fn check_container(
         mounts["/etc/ld.so.preload"].host_path,
         run.node.preload.display().to_string()
     );
+    // Each granted GPU, for a runtime that reads a container's GPUs from
+    // mounts, and no other.
+    let listed: Vec<&str> = mounts
+        .keys()
+        .filter_map(|path| path.strip_prefix("/var/run/nvidia-container-devices/"))
+        .collect();
+    let mut granted: Vec<&str> = grants
+        .iter()
+        .map(|(_, grant)| grant.uuid.as_str())
+        .collect();
+    granted.sort_unstable();
+    assert_eq!(listed, granted, "{who}");
     assert!(
         dirs.lock()
             .expect("dirs")

@@ -330,4 +330,8 @@ DRA nodes. */ -}}
   volumeMounts:
     - name: vgpu-host
       mountPath: /host/vgpu
+    # Every GPU, for a toolkit that reads them from mounts only.
+    - name: all-gpus
+      mountPath: /var/run/nvidia-container-devices/all
+      readOnly: true
 {{- end }}
