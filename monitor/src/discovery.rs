@@ -11,6 +11,12 @@
 //! checked, every value read is clamped, and a file that cannot be used
 //! costs one log line (repeated only when the file changes, or every
 //! [`REJECT_RETRY`]).
+//!
+//! A region of a container the node set up (its grant beside it) that its
+//! container grew, shrank or scribbled over is repaired
+//! ([`Region::repair`]) and opened again: a container cannot fill the
+//! node's disk through the one host file it may write, nor leave its
+//! grant's backstops by breaking its region.
 
 use crate::guard::{GuardError, Guarded};
 use std::collections::{BTreeMap, HashMap};
@@ -23,7 +29,8 @@ use thiserror::Error;
 use vgpu_node_contract::claim_owner::{
     self, ClaimOwner, ClaimRecordError, CLAIM_DIR_PREFIX, CLAIM_OWNER_FILE,
 };
-use vgpu_node_contract::region::{Region, RegionError, REGION_BYTES};
+use vgpu_node_contract::region::grant_file::GRANT_FILE;
+use vgpu_node_contract::region::{FileExtent, Grant, Region, RegionError, Repaired, REGION_BYTES};
 
 /// How long a file that could not be used is left alone if it does not change.
 pub const REJECT_RETRY: Duration = Duration::from_secs(60);
@@ -54,10 +61,11 @@ pub enum DiscoveryError {
     },
     #[error("{path} is not a regular file (symlinks and special files are refused)")]
     NotRegular { path: PathBuf },
-    #[error("{path} is {actual} bytes, a region is {expected}")]
+    #[error("{path} is {actual} bytes ({allocated} on disk), a region is {expected}")]
     WrongSize {
         path: PathBuf,
         actual: u64,
+        allocated: u64,
         expected: u64,
     },
     #[error("{path}")]
@@ -80,7 +88,19 @@ pub struct FileIdentity {
     pub device: u64,
     pub inode: u64,
     pub size: u64,
+    /// What the file takes on disk (`st_blocks` in bytes).
+    pub allocated: u64,
     pub modified_ns: i128,
+}
+
+impl FileIdentity {
+    /// The file's size and what it takes on disk.
+    pub fn extent(&self) -> FileExtent {
+        FileExtent {
+            size: self.size,
+            allocated: self.allocated,
+        }
+    }
 }
 
 /// The owner of a DRA claim's region directory, if `name` is one and its
@@ -182,6 +202,9 @@ pub struct ScanReport {
     pub removed: Vec<String>,
     /// Files refused in this pass (each also logged).
     pub refused: usize,
+    /// Regions their containers had damaged, repaired in this pass (each
+    /// also logged), by key.
+    pub repaired: Vec<(String, Repaired)>,
 }
 
 struct Rejected {
@@ -199,6 +222,8 @@ pub struct Discovery {
     overflow_logged: bool,
     /// Files refused since start (a counter for the metrics).
     pub refused_total: u64,
+    /// Regions repaired since start (a counter for the metrics).
+    pub repaired_total: u64,
 }
 
 impl Discovery {
@@ -210,6 +235,7 @@ impl Discovery {
             root_error_logged: false,
             overflow_logged: false,
             refused_total: 0,
+            repaired_total: 0,
         }
     }
 
@@ -283,7 +309,7 @@ impl Discovery {
                     Ok(now_identity) => {
                         now_identity.device != r.identity.device
                             || now_identity.inode != r.identity.inode
-                            || now_identity.size != REGION_BYTES as u64
+                            || !now_identity.extent().intact()
                     }
                     Err(_) => true,
                 }
@@ -325,6 +351,10 @@ impl Discovery {
                 // No region file yet (the container has not started its
                 // first GPU process): not an error, look again next pass.
                 continue;
+            }
+            if let Some(repaired) = repair_if_damaged(&name, &dir, &path) {
+                self.repaired_total = self.repaired_total.saturating_add(1);
+                report.repaired.push((name.clone(), repaired));
             }
             match open_region(&path) {
                 Ok((region, guard, identity)) => {
@@ -428,8 +458,29 @@ fn identity_of(path: &Path) -> std::io::Result<FileIdentity> {
         device: meta.dev(),
         inode: meta.ino(),
         size: meta.size(),
+        allocated: meta.blocks().saturating_mul(512),
         modified_ns: i128::from(meta.mtime()) * 1_000_000_000 + i128::from(meta.mtime_nsec()),
     })
+}
+
+/// Repairs the region at `path` when its container damaged it (grown,
+/// shrunk, holding more disk than a region, or no longer a region's
+/// header), where the node set the container up: its grant in `dir` reads.
+/// A region without a grant (a workstation's) is left as it is. Returns
+/// what was repaired (the caller tells it); a failure is logged.
+fn repair_if_damaged(key: &str, dir: &Path, path: &Path) -> Option<Repaired> {
+    let grant = Grant::open_read_only(&dir.join(GRANT_FILE)).ok()?;
+    match Region::repair(path, &grant.limits().load()) {
+        Ok(Some((_, repaired))) => Some(repaired),
+        Ok(None) => None,
+        Err(error) => {
+            tracing::warn!(
+                error = &error as &dyn std::error::Error,
+                "region {key}: cannot repair it"
+            );
+            None
+        }
+    }
 }
 
 /// Attaches the node's grant beside the region, when there is one: its
@@ -489,10 +540,11 @@ pub fn open_region(path: &Path) -> Result<(Region, Guarded, FileIdentity), Disco
             path: path.to_path_buf(),
         });
     }
-    if meta.len() != REGION_BYTES as u64 {
+    if !FileExtent::from(&meta).intact() {
         return Err(DiscoveryError::WrongSize {
             path: path.to_path_buf(),
             actual: meta.len(),
+            allocated: meta.blocks().saturating_mul(512),
             expected: REGION_BYTES as u64,
         });
     }
@@ -502,6 +554,7 @@ pub fn open_region(path: &Path) -> Result<(Region, Guarded, FileIdentity), Disco
         device: meta.dev(),
         inode: meta.ino(),
         size: meta.len(),
+        allocated: meta.blocks().saturating_mul(512),
         modified_ns: i128::from(meta.mtime()) * 1_000_000_000 + i128::from(meta.mtime_nsec()),
     };
     let through = PathBuf::from(format!("/proc/self/fd/{}", file.as_raw_fd()));

@@ -52,6 +52,7 @@
 //! no live slot of any region accounts for: running without the shim).
 //!
 //! The monitor itself: `vgpu_monitor_regions`, `vgpu_monitor_regions_refused_total`,
+//! `vgpu_monitor_regions_repaired_total`,
 //! `vgpu_monitor_slots_reclaimed_total`, `vgpu_monitor_reclaims_held_total`,
 //! `vgpu_monitor_cleanup_sweeps_total`,
 //! `vgpu_monitor_kubernetes_api_up`,
@@ -119,6 +120,8 @@ pub struct Snapshot {
     pub unenforced: Vec<Unenforced>,
     pub regions: usize,
     pub refused_total: u64,
+    /// Regions their containers damaged, repaired by the monitor.
+    pub repaired_total: u64,
     pub reclaimed_total: u64,
     /// Reclaims given up because a region's mutex stayed held.
     pub reclaims_held_total: u64,
@@ -489,6 +492,12 @@ pub fn render(snapshot: &Snapshot, hami_names: bool) -> Vec<u8> {
         "Region files refused (wrong size, magic, version or kind of file).",
         Counter,
         snapshot.refused_total as f64,
+    );
+    w.single(
+        "vgpu_monitor_regions_repaired_total",
+        "Region files their containers grew, shrank or overwrote, repaired by the monitor.",
+        Counter,
+        snapshot.repaired_total as f64,
     );
     w.single(
         "vgpu_monitor_slots_reclaimed_total",

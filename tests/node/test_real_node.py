@@ -582,20 +582,9 @@ def test_root_in_a_container_cannot_take_the_shim_away(real_cluster):
     assert "Unconfined" in refused.stderr and "container main" in refused.stderr, refused.stderr
 
 
-# Root in a vGPU container (1 GiB granted) tries every way out of its cap
-# the shim's inputs gave it: each fill reports what it got. Then a program
-# that finds the driver's entry points itself holds 3 GiB; it must be
-# killed by the node's monitor (its exit status and how long it held).
-WAYS_OUT_SCRIPT = """
-fill() { name=$1; shift; "$@" probe dlsym fill 268435456 > /tmp/$name.out 2>/tmp/$name.err || true;
-         echo "${name}_allocated=$(sed -n 's/^allocated=//p' /tmp/$name.out)";
-         echo "${name}_refusal=$(sed -n 's/^refusal=//p' /tmp/$name.out)"; }
-fill unset env -i PATH=$PATH
-fill own_region env CUDA_DEVICE_MEMORY_SHARED_CACHE=/tmp/mine CUDA_DEVICE_MEMORY_LIMIT=6g CUDA_DEVICE_MEMORY_LIMIT_0=6g
-echo own_region_file=$(test -e /tmp/mine && echo made || echo none)
-fill reserve env VGPU_CONTEXT_RESERVE=0 GPU_CORE_UTILIZATION_POLICY=disable
-vgpu-region-forge --lift > /tmp/forge.out 2>&1 && echo lifted=$(sed -n 's/^lifted=//p' /tmp/forge.out)
-fill rewritten env
+# Holds 3 GiB through the driver's entry points from its symbol table (the
+# shim never sees it), reports how long it held and how it ended.
+ELF_HOLD_SCRIPT = """
 mkfifo /tmp/hold
 probe elf hold 3221225472 < /tmp/hold > /tmp/elf.out 2>/tmp/elf.err &
 held=$!
@@ -613,6 +602,22 @@ echo done=1
 sleep infinity
 """
 
+# Root in a vGPU container (1 GiB granted) tries every way out of its cap
+# the shim's inputs gave it: each fill reports what it got. Then a program
+# that finds the driver's entry points itself holds 3 GiB; it must be
+# killed by the node's monitor (its exit status and how long it held).
+WAYS_OUT_SCRIPT = """
+fill() { name=$1; shift; "$@" probe dlsym fill 268435456 > /tmp/$name.out 2>/tmp/$name.err || true;
+         echo "${name}_allocated=$(sed -n 's/^allocated=//p' /tmp/$name.out)";
+         echo "${name}_refusal=$(sed -n 's/^refusal=//p' /tmp/$name.out)"; }
+fill unset env -i PATH=$PATH
+fill own_region env CUDA_DEVICE_MEMORY_SHARED_CACHE=/tmp/mine CUDA_DEVICE_MEMORY_LIMIT=6g CUDA_DEVICE_MEMORY_LIMIT_0=6g
+echo own_region_file=$(test -e /tmp/mine && echo made || echo none)
+fill reserve env VGPU_CONTEXT_RESERVE=0 GPU_CORE_UTILIZATION_POLICY=disable
+vgpu-region-forge --lift > /tmp/forge.out 2>&1 && echo lifted=$(sed -n 's/^lifted=//p' /tmp/forge.out)
+fill rewritten env
+""" + ELF_HOLD_SCRIPT
+
 
 def test_root_in_a_container_gets_no_more_than_its_grant_whatever_its_processes_do(real_cluster):
     """The node, not the process, holds the limits: with the shim's
@@ -628,6 +633,55 @@ def test_root_in_a_container_gets_no_more_than_its_grant_whatever_its_processes_
     pod = workload_pod("escaper", namespace, ["/bin/sh", "-c", WAYS_OUT_SCRIPT], limits)
     try:
         escaped(real_cluster, pod)
+    finally:
+        cluster.kubectl("delete", "namespace", namespace, "--wait=true", "--timeout=120s", check=False)
+
+
+# Root in a vGPU container grows its region, the one host file it may
+# write: 256 MiB written past its end, 256 MiB preallocated beyond it with
+# its size left alone. Then the 3 GiB past the shim.
+GROW_SCRIPT = """
+region=/usr/local/vgpu/container/region.cache
+dd if=/dev/zero of=$region bs=1M seek=1 count=256 conv=notrunc,fsync 2>/tmp/dd.err; echo grew=$?
+fallocate --keep-size --offset 0 --length 256MiB $region 2>/tmp/fallocate.err; echo swollen=$?
+""" + ELF_HOLD_SCRIPT
+
+
+def test_root_in_a_container_growing_its_region_fills_no_disk_and_keeps_its_grant(real_cluster):
+    """Root in a real container granted 1 GiB grows its region file (which
+    lies on the node's disk) by 256 MiB past its end and 256 MiB of blocks
+    beyond it, then holds 3 GiB past the shim. The chart's monitor repairs
+    the file to a region's size and disk within passes, says so in a
+    Warning Event, and still holds the container to its grant: the 3 GiB
+    process is killed."""
+    cluster, node = real_cluster.cluster, real_cluster.node
+    namespace = "tenant-grow"
+    limits = {"nvidia.com/gpu": "1", "nvidia.com/gpumem": "1024"}
+    pod = workload_pod("escaper", namespace, ["/bin/sh", "-c", GROW_SCRIPT], limits)
+    try:
+        found = real_cluster.run_pod(pod)
+        assert found["status"]["phase"] == "Running", json.dumps(found["status"], indent=1)
+
+        def log():
+            return node.container_log(namespace, "escaper", "main")
+        text = wait_for("the grower's report", lambda: "done=1" in log() and log(), timeout=120,
+                        log=real_cluster.logs)
+        seen = report(text)
+        uid = found["metadata"]["uid"]
+        path = node.host / "usr/local/vgpu/containers" / f"{uid}_main" / "region.cache"
+        stat = path.stat()
+        repaired = monitor_figure(real_cluster.metrics(node), "vgpu_monitor_regions_repaired_total")
+        print(f"\na region grown from a real container (dd {seen.get('grew')}, fallocate {seen.get('swollen')}): "
+              f"now {stat.st_size} bytes, {stat.st_blocks * 512} on disk; {repaired} repair(s); the 3 GiB "
+              f"process: exit {seen.get('elf_status')} after {seen.get('elf_held_ms')} ms")
+        assert seen.get("grew") == "0" and seen.get("swollen") == "0", text
+        assert stat.st_size < MIB and stat.st_blocks * 512 <= 2 * MIB, (stat.st_size, stat.st_blocks)
+        assert repaired is not None and repaired >= 2, repaired
+        assert seen.get("elf_status") == "137", text
+        events = kubectl_json(cluster, "get", "events", "-n", namespace,
+                              "--field-selector", "involvedObject.name=escaper")["items"]
+        reasons = {e["reason"] for e in events if e["type"] == "Warning"}
+        assert {"GPURegionRepaired", "GPUMemoryOverCapKilled"} <= reasons, events
     finally:
         cluster.kubectl("delete", "namespace", namespace, "--wait=true", "--timeout=120s", check=False)
 

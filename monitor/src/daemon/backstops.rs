@@ -286,7 +286,7 @@ impl Monitor {
 
     /// Logs `message` and records it as a Warning Event on the pod of the
     /// container `key`, when known.
-    fn tell(&self, key: Option<&str>, reason: &str, message: String) {
+    pub(super) fn tell(&self, key: Option<&str>, reason: &str, message: String) {
         tracing::warn!("{message}");
         let Some(region) = key.and_then(|key| self.discovery.get(key)) else {
             return;

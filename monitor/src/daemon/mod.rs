@@ -188,6 +188,20 @@ impl Monitor {
             self.janitor.forget(key);
             self.reported.region_removed(key);
         }
+        for (key, repaired) in &scan.repaired {
+            let found = repaired.found;
+            self.tell(
+                Some(key),
+                "GPURegionRepaired",
+                format!(
+                    "region {key}: its container damaged the region file ({} bytes long, {} bytes on disk{}); repaired to a {} byte region, its grant holds as before",
+                    found.size,
+                    found.allocated,
+                    if repaired.reinitialised { ", its header overwritten" } else { "" },
+                    vgpu_node_contract::region::REGION_BYTES,
+                ),
+            );
+        }
         let gpus = self.sample_gpus();
         // What each GPU offers bounds decisions asking for a share of its
         // memory (names.rs).
@@ -311,6 +325,7 @@ impl Monitor {
             unenforced: assessment.unenforced,
             regions: self.discovery.len(),
             refused_total: self.discovery.refused_total,
+            repaired_total: self.discovery.repaired_total,
             reclaimed_total: self.janitor.reclaimed.load(Ordering::Relaxed),
             reclaims_held_total: self.janitor.held_total.load(Ordering::Relaxed),
             sweeps_total: self.sweeps,

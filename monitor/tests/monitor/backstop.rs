@@ -113,3 +113,62 @@ fn with_action_report_the_process_is_reported_and_left_running() {
         assert!(child.wait().expect("exit").success());
     }
 }
+
+/// The one host file a container may write is its region. Its root grows
+/// it, past its end and with blocks preallocated beyond it, to fill the
+/// node's disk; a region the node cannot read would also take the
+/// container out of its grant's backstops. The monitor repairs it within
+/// passes, tells it as an Event, and the container's processes are held to
+/// their grant as before.
+#[test]
+fn a_region_its_container_grows_is_repaired_and_the_container_still_held() {
+    use std::io::{Seek, SeekFrom, Write};
+    use std::os::fd::AsRawFd;
+    use vgpu_node_contract::region::{FileExtent, REGION_BYTES};
+    let (sandbox, _host, node, mut shim, monitor) = setup("backstop-region", &[]);
+    let extent = || FileExtent::from(&std::fs::metadata(node.region()).expect("stat"));
+    let mut region = std::fs::OpenOptions::new()
+        .write(true)
+        .open(node.region())
+        .expect("the container's own region, writable");
+    region
+        .seek(SeekFrom::Start(REGION_BYTES as u64 + MIB))
+        .expect("seek");
+    region
+        .write_all(&vec![7u8; 64 * MIB as usize])
+        .expect("write");
+    region.sync_all().expect("sync");
+    let grown = Instant::now();
+    // Past the shim, over the grant, while the region is grown.
+    let mut attacker = attacker(&sandbox, &node);
+    let status = wait_for(Duration::from_secs(10), || {
+        attacker.try_wait().expect("wait")
+    })
+    .unwrap_or_else(|| panic!("not killed within 10 s:\n{}", monitor.log()));
+    assert_eq!(status.signal(), Some(libc::SIGKILL), "{status}");
+    wait_for(Duration::from_secs(5), || extent().intact().then_some(()))
+        .unwrap_or_else(|| panic!("still {:?}:\n{}", extent(), monitor.log()));
+    eprintln!("killed and repaired {:?} after it grew", grown.elapsed());
+
+    // Blocks past the end, the size left alone.
+    // SAFETY: fallocate on a file this test opened.
+    let rc = unsafe { libc::fallocate(region.as_raw_fd(), libc::FALLOC_FL_KEEP_SIZE, 0, 64 << 20) };
+    assert_eq!(rc, 0, "{}", std::io::Error::last_os_error());
+    assert_eq!(extent().size, REGION_BYTES as u64);
+    wait_for(Duration::from_secs(5), || extent().intact().then_some(()))
+        .unwrap_or_else(|| panic!("still {:?}:\n{}", extent(), monitor.log()));
+    monitor.wait_for_metrics(Duration::from_secs(10), |samples| {
+        (value(samples, "vgpu_monitor_regions_repaired_total", &[]) == Some(2.0)).then_some(())
+    });
+    let log = monitor.log();
+    assert_eq!(
+        log.matches("its container damaged the region file").count(),
+        2,
+        "{log}"
+    );
+    // The shim's own process kept its region (the header was never
+    // touched) and runs on within its grant.
+    assert!(shim.try_wait().expect("wait").is_none(), "{log}");
+    drop(shim.stdin.take());
+    assert!(shim.wait().expect("exit").success());
+}

@@ -254,7 +254,7 @@ impl Region {
         Ok(region)
     }
 
-    fn initialise(&self, limits: &RegionLimits, fresh: bool) -> Result<(), RegionError> {
+    pub(super) fn initialise(&self, limits: &RegionLimits, fresh: bool) -> Result<(), RegionError> {
         let layout = self.layout();
         if !fresh {
             // A dead creator may have left partial state: start from zero.
@@ -302,7 +302,7 @@ impl Region {
         Ok(())
     }
 
-    fn map(file: File, path: &Path) -> Result<Self, RegionError> {
+    pub(super) fn map(file: File, path: &Path) -> Result<Self, RegionError> {
         // SAFETY: mapping a file we opened read-write, with the exact length
         // the caller checked or set; MAP_SHARED so all processes see one copy.
         let ptr = unsafe {
@@ -343,7 +343,7 @@ impl Region {
         unsafe { File::from_raw_fd(fd) }
     }
 
-    fn validate(&self) -> Result<(), RegionError> {
+    pub(super) fn validate(&self) -> Result<(), RegionError> {
         let header = &self.layout().header;
         let magic = header.magic.load(Ordering::Relaxed);
         if magic != MAGIC {

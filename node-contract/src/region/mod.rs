@@ -32,7 +32,8 @@
 //! The format is [`layout`]; opening and mapping a file, [`file`]; the
 //! locks, [`lock`]; process slots, [`slots`]; charges against the caps,
 //! [`charge`]; the limits and the one conversion from a grant to them,
-//! [`limits`]; the node's grant, [`grant_file`].
+//! [`limits`]; the node's grant, [`grant_file`]; the node's repair of a
+//! region its container damaged, [`repair`].
 //!
 //! The layout is fixed-size; the header carries magic, version and size
 //! so a foreign, truncated or older file is refused with a clear error rather
@@ -46,6 +47,7 @@ pub mod layout;
 pub mod limits;
 mod limits_in_force;
 mod lock;
+mod repair;
 mod slots;
 #[cfg(test)]
 mod tests;
@@ -56,3 +58,4 @@ pub use file::{Region, RegionError};
 pub use grant_file::{Grant, GrantError, GrantSettings};
 pub use layout::*;
 pub use limits::{BelowUse, RegionLimits, UtilizationPolicy, DEFAULT_PRIORITY};
+pub use repair::{FileExtent, Repaired, REGION_DISK_ALLOWANCE};

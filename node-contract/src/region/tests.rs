@@ -446,3 +446,71 @@ fn a_grant_beside_the_region_is_attached_and_none_leaves_it_as_it_was() {
     assert_eq!(other.device_limit(0), 1000, "left as it was");
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// The file's extent as `stat` gives it.
+fn extent(path: &std::path::Path) -> FileExtent {
+    FileExtent::from(&std::fs::metadata(path).expect("stat"))
+}
+
+#[test]
+fn a_region_grown_shrunk_or_scribbled_over_is_repaired_and_an_intact_one_left_alone() {
+    use std::io::{Seek, SeekFrom, Write};
+    use std::os::fd::AsRawFd;
+    let path = temp_path("repair");
+    let granted = limits(1 << 30);
+    let region = Region::open_or_create(&path, &granted).expect("create");
+    let slot = region.claim_slot(1, 0).expect("slot");
+    assert_eq!(
+        region.reserve(slot, 0, MemoryKind::Data, 600).expect("io"),
+        Ok(())
+    );
+    drop(region);
+    assert!(extent(&path).intact(), "{:?}", extent(&path));
+    assert!(Region::repair(&path, &granted).expect("repair").is_none());
+
+    // Written past its end: 16 MiB on disk.
+    let mut file = std::fs::OpenOptions::new()
+        .write(true)
+        .open(&path)
+        .expect("open");
+    file.seek(SeekFrom::Start(REGION_BYTES as u64 + (1 << 20)))
+        .expect("seek");
+    file.write_all(&vec![7u8; 16 << 20]).expect("write");
+    file.sync_all().expect("sync");
+    assert!(!extent(&path).intact());
+    let (region, repaired) = Region::repair(&path, &granted)
+        .expect("repair")
+        .expect("was grown");
+    assert!(repaired.found.allocated >= 16 << 20, "{repaired:?}");
+    assert!(!repaired.reinitialised, "the header was untouched");
+    assert!(extent(&path).intact(), "{:?}", extent(&path));
+    assert_eq!(region.device_used(0), 600, "its accounting kept");
+    drop(region);
+
+    // Blocks preallocated past its end, its size unchanged.
+    // SAFETY: fallocate on an fd we own.
+    let rc = unsafe { libc::fallocate(file.as_raw_fd(), libc::FALLOC_FL_KEEP_SIZE, 0, 16 << 20) };
+    assert_eq!(rc, 0, "{}", std::io::Error::last_os_error());
+    let swollen = extent(&path);
+    assert_eq!(swollen.size, REGION_BYTES as u64);
+    assert!(swollen.allocated >= 16 << 20, "{swollen:?}");
+    let (_, repaired) = Region::repair(&path, &granted)
+        .expect("repair")
+        .expect("was swollen");
+    assert_eq!(repaired.found, swollen);
+    assert!(extent(&path).intact(), "{:?}", extent(&path));
+
+    // Emptied, then scribbled over at the right size.
+    file.set_len(0).expect("truncate");
+    file.set_len(REGION_BYTES as u64).expect("extend");
+    file.seek(SeekFrom::Start(0)).expect("seek");
+    file.write_all(&[0xa5u8; 4096]).expect("write");
+    let (region, repaired) = Region::repair(&path, &granted)
+        .expect("repair")
+        .expect("was scribbled over");
+    assert!(repaired.reinitialised);
+    assert_eq!(region.limits(), granted.as_stored());
+    drop(region);
+    Region::open_existing(&path).expect("a region again");
+    let _ = std::fs::remove_file(&path);
+}

@@ -183,7 +183,7 @@ func (d *draNode) containerEdits(pod *v1.Pod, container *v1.Container) ([]string
 			for _, option := range mount.Options {
 				readOnly = readOnly || option == "ro"
 			}
-			mounts = append(mounts, imageMount{Kind: "bind", Source: filepath.Join(d.hostRoot, mount.HostPath),
+			mounts = append(mounts, imageMount{Kind: "bind", Source: hostSource(d.hostRoot, mount.HostPath),
 				Target: mount.ContainerPath, ReadOnly: readOnly})
 		}
 	}

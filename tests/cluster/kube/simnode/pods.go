@@ -677,7 +677,7 @@ func (w *podWorker) containerSpec(ctx context.Context, pod *v1.Pod, c *container
 	}
 	if given != nil {
 		for _, mount := range given.mounts {
-			mounts = append(mounts, imageMount{Kind: "bind", Source: filepath.Join(cfg.hostRoot, mount.HostPath),
+			mounts = append(mounts, imageMount{Kind: "bind", Source: hostSource(cfg.hostRoot, mount.HostPath),
 				Target: mount.ContainerPath, ReadOnly: mount.ReadOnly})
 		}
 		for _, device := range given.devices {

@@ -73,11 +73,27 @@ func modeOf(mode *int32) os.FileMode {
 	return os.FileMode(*mode)
 }
 
+// hostSource is where the node's host path `path` lies on this machine:
+// under the node's host root, but for devices (`/dev/...`), which a
+// simulated node shares with the machine (vgpu's grants mount /dev/null at
+// each GPU's device-list path, as NVIDIA's toolkit reads them).
+func hostSource(hostRoot, path string) string {
+	clean := filepath.Clean("/" + path)
+	if strings.HasPrefix(clean, "/dev/") {
+		return clean
+	}
+	return filepath.Join(hostRoot, path)
+}
+
 func hostPathVolume(c *config, source *v1.HostPathVolumeSource) (string, error) {
-	path := filepath.Join(c.hostRoot, source.Path)
+	path := hostSource(c.hostRoot, source.Path)
 	kind := ptr.Deref(source.Type, v1.HostPathUnset)
 	info, err := os.Stat(path)
 	switch kind {
+	case v1.HostPathCharDev:
+		if err != nil || info.Mode()&os.ModeCharDevice == 0 {
+			return "", fmt.Errorf("hostPath type check failed: %s is not a character device", source.Path)
+		}
 	case v1.HostPathDirectoryOrCreate:
 		if os.IsNotExist(err) {
 			return path, os.MkdirAll(path, 0o755)
