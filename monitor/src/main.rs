@@ -79,12 +79,17 @@ async fn run(options: Options) -> anyhow::Result<()> {
         .spawn(move || monitor.run(&stop_loop))
         .context("starting the monitor loop")?;
 
-    let served = vgpu_monitor::server::serve(listener, shared, shutdown_signal()).await;
+    vgpu_monitor::server::serve(
+        listener,
+        shared,
+        &options.connection_limits(),
+        shutdown_signal(),
+    )
+    .await;
     stop.store(true, Ordering::Release);
     if loop_thread.join().is_err() {
         tracing::error!("the monitor loop panicked");
     }
-    served.context("serving HTTP")?;
     tracing::info!("stopped");
     Ok(())
 }

@@ -39,6 +39,19 @@ pub struct Options {
     #[arg(long, default_value = "0.0.0.0:31992", value_name = "ADDR:PORT")]
     pub listen: SocketAddr,
 
+    /// Connections open at once on `--listen` (a host port any pod of the
+    /// node can reach); one more is closed as soon as it is accepted.
+    /// Each waits at most 10 s for its request, 120 s idle, and lives at
+    /// most 300 s.
+    #[arg(long, default_value_t = 64, value_parser = clap::value_parser!(u32).range(1..=65536), value_name = "N")]
+    pub max_connections: u32,
+
+    /// Connections open at once from one address (at most
+    /// `--max-connections`): Prometheus, kubelet's probes and `vgpu top`
+    /// keep one or two each, so no pod can hold them all.
+    #[arg(long, default_value_t = 8, value_parser = clap::value_parser!(u32).range(1..=65536), value_name = "N")]
+    pub max_connections_per_client: u32,
+
     /// Host directory holding one directory per container, named
     /// `<podUID>_<container>` (the device plugin creates them).
     #[arg(long, default_value = "/usr/local/vgpu/containers", value_name = "DIR")]
@@ -183,6 +196,16 @@ pub struct Options {
 }
 
 impl Options {
+    /// What `--listen` allows its connections.
+    pub fn connection_limits(&self) -> vgpu_served::ConnectionLimits {
+        let max = self.max_connections as usize;
+        vgpu_served::ConnectionLimits {
+            max_connections: max,
+            max_connections_per_client: (self.max_connections_per_client as usize).min(max),
+            ..vgpu_served::ConnectionLimits::default()
+        }
+    }
+
     /// The monitor's configuration.
     pub fn monitor_config(&self) -> MonitorConfig {
         MonitorConfig {

@@ -1,5 +1,7 @@
 //! The HTTP endpoints: `GET /metrics` (Prometheus text format) and
-//! `GET /healthz` (200 while the monitor's loop is running).
+//! `GET /healthz` (200 while the monitor's loop is running), served within
+//! connection limits ([`vgpu_served`]): the port is open to every pod of
+//! the node.
 
 use crate::shared::Shared;
 use axum::http::{header, StatusCode};
@@ -8,6 +10,7 @@ use axum::routing::get;
 use axum::Router;
 use std::future::Future;
 use std::sync::Arc;
+use vgpu_served::ConnectionLimits;
 
 /// The monitor's routes.
 pub fn router(shared: Arc<Shared>) -> Router {
@@ -50,13 +53,13 @@ async fn healthz(
     }
 }
 
-/// Serves the routes on `listener` until `shutdown` completes.
+/// Serves the routes on `listener` within `limits` until `shutdown`
+/// completes.
 pub async fn serve(
     listener: tokio::net::TcpListener,
     shared: Arc<Shared>,
-    shutdown: impl Future<Output = ()> + Send + 'static,
-) -> std::io::Result<()> {
-    axum::serve(listener, router(shared))
-        .with_graceful_shutdown(shutdown)
-        .await
+    limits: &ConnectionLimits,
+    shutdown: impl Future<Output = ()>,
+) {
+    vgpu_served::serve(listener, router(shared), None, limits, shutdown).await;
 }

@@ -148,7 +148,10 @@ pub struct Cli {
     pub write_timeout_seconds: u64,
 
     /// Connections open at once on each listener; one more is closed as
-    /// soon as it is accepted.
+    /// soon as it is accepted, unless its client holds fewer than the
+    /// client holding the most: it then takes the place of that one's
+    /// oldest connection, so pods of many addresses cannot starve the API
+    /// server's calls.
     #[arg(long, default_value_t = 1024, value_name = "N",
           value_parser = clap::value_parser!(u32).range(1..=65536))]
     pub max_connections: u32,

@@ -7,6 +7,7 @@
 mod backstop;
 #[path = "../common/mod.rs"]
 mod common;
+mod connections;
 mod dashboard;
 mod hostile;
 mod kubernetes;

@@ -106,18 +106,33 @@ pub struct Limits {
     pub max_connection_age: Duration,
 }
 
+impl Limits {
+    /// What each listener allows its connections.
+    pub fn connections(&self) -> vgpu_served::ConnectionLimits {
+        vgpu_served::ConnectionLimits {
+            header_timeout: self.header_timeout,
+            idle_timeout: self.idle_timeout,
+            write_timeout: self.write_timeout,
+            max_connections: self.max_connections,
+            max_connections_per_client: self.max_connections_per_client,
+            max_connection_age: self.max_connection_age,
+        }
+    }
+}
+
 impl Default for Limits {
     fn default() -> Self {
+        let connections = vgpu_served::ConnectionLimits::default();
         Self {
             max_body_bytes: DEFAULT_MAX_BODY_BYTES,
-            header_timeout: Duration::from_secs(10),
-            idle_timeout: Duration::from_secs(120),
+            header_timeout: connections.header_timeout,
+            idle_timeout: connections.idle_timeout,
             body_timeout: Duration::from_secs(10),
-            write_timeout: Duration::from_secs(10),
-            max_connections: 1024,
-            max_connections_per_client: 256,
+            write_timeout: connections.write_timeout,
+            max_connections: connections.max_connections,
+            max_connections_per_client: connections.max_connections_per_client,
             max_watches: 64,
-            max_connection_age: Duration::from_secs(300),
+            max_connection_age: connections.max_connection_age,
         }
     }
 }

@@ -74,10 +74,8 @@ pub enum ServerError {
 }
 
 /// Whether the client of a connection presented a certificate that a
-/// client CA signed ([`CertificateFiles::server_config_verifying_clients`]):
-/// put by the server into each request of a TLS connection.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct ClientCertified(pub bool);
+/// client CA signed ([`CertificateFiles::server_config_verifying_clients`]).
+pub use vgpu_served::ClientCertified;
 
 /// Loads a PEM certificate chain and private key for HTTPS, served as
 /// they are now (for a certificate that follows its files, see

@@ -1164,6 +1164,45 @@ async fn one_client_cannot_hold_every_connection() {
     }
 }
 
+#[tokio::test]
+async fn clients_of_many_addresses_cannot_take_every_connection() {
+    let h = limited(Limits {
+        max_connections: 8,
+        max_connections_per_client: 3,
+        ..Limits::default()
+    })
+    .await;
+    let addr = h.running().local_addr;
+    // Four of the tenant's pods (127.0.0.3-6) hold every connection they
+    // may: more than the listener has. 127.0.0.2 is the API server.
+    let mut held = Vec::new();
+    for last in 3..7 {
+        for _ in 0..3 {
+            let socket = tokio::net::TcpSocket::new_v4().expect("socket");
+            socket
+                .bind(SocketAddr::new(IpAddr::from([127, 0, 0, last]), 0))
+                .expect("bind");
+            let mut stream = socket.connect(addr).await.expect("connect");
+            // Closed already where the listener had no room for it.
+            let _ = stream.write_all(b"GET /healthz HTTP/1.1\r\n").await;
+            held.push(stream);
+        }
+    }
+    // Before: the listener's 8 were the pods', and the API server's calls
+    // were closed unanswered for as long as they held them.
+    let api_server = IpAddr::from([127, 0, 0, 2]);
+    for _ in 0..3 {
+        assert_eq!(
+            request_from(api_server, addr, "/healthz")
+                .await
+                .map(|a| a.0),
+            Some(200),
+            "a client holding fewer gets the place of the oldest connection of one holding the most"
+        );
+    }
+    drop(held);
+}
+
 /// kube-scheduler's filter and bind for a new pod `name` over `client`
 /// (then the device plugin's allocation); how long each call took.
 async fn place(
