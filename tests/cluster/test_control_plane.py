@@ -772,8 +772,8 @@ def test_the_charts_admission_in_the_api_server_follows_its_values(cluster):
     """`helm template` offline: `inProcess: true` on a cluster without
     MutatingAdmissionPolicy fails, naming the value; `auto` there renders
     the webhook for every vGPU pod; with the API, `allowPrivileged` leaves
-    only the scheduler name to set and nothing to refuse; with the webhook
-    off there is no admission at all."""
+    only the scheduler name to set and nothing to refuse (the priority
+    warning stays); with the webhook off there is no admission at all."""
     mutating = "--api-versions=admissionregistration.k8s.io/v1/MutatingAdmissionPolicy"
 
     def template(*args: str) -> list[dict]:
@@ -795,11 +795,18 @@ def test_the_charts_admission_in_the_api_server_follows_its_values(cluster):
     offline = template()
     assert kinds(offline) == [] and webhook_condition(offline) == "asks-for-vgpus"
     served = template(mutating)
+    # The pods' mutation, the confinement and the priority warning.
     assert kinds(served) == ["MutatingAdmissionPolicy", "MutatingAdmissionPolicyBinding",
-                             "ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding"]
+                             "ValidatingAdmissionPolicy", "ValidatingAdmissionPolicy",
+                             "ValidatingAdmissionPolicyBinding", "ValidatingAdmissionPolicyBinding"]
     assert webhook_condition(served) == "needs-the-extender"
     allowed = template(mutating, "--set", "scheduler.webhook.allowPrivileged=true")
-    assert kinds(allowed) == ["MutatingAdmissionPolicy", "MutatingAdmissionPolicyBinding"]
+    assert kinds(allowed) == ["MutatingAdmissionPolicy", "MutatingAdmissionPolicyBinding",
+                              "ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding"]
+    # Nothing refused: what validates only warns of the priority.
+    (warning,) = [item for item in allowed if item["kind"] == "ValidatingAdmissionPolicyBinding"
+                  and item["metadata"]["name"].startswith("t-vgpu-vgpu-")]
+    assert warning["metadata"]["name"] == "t-vgpu-vgpu-priority" and warning["spec"]["validationActions"] == ["Warn"]
     policy = next(item for item in allowed if item["kind"] == "MutatingAdmissionPolicy")
     (mutation,) = policy["spec"]["mutations"]
     assert "schedulerName" in mutation["jsonPatch"]["expression"]
