@@ -1049,6 +1049,17 @@ async fn connections_and_watches_are_limited_and_queries_cannot_overflow() {
     assert!(String::from_utf8_lossy(&event).contains("\"n1\""));
 }
 
+/// A connection from `source` (an address of this machine) holding half a
+/// request's headers; the server may have closed it already, where it had
+/// no room for it.
+async fn half_request_from(source: IpAddr, addr: SocketAddr) -> TcpStream {
+    let socket = tokio::net::TcpSocket::new_v4().expect("socket");
+    socket.bind(SocketAddr::new(source, 0)).expect("bind");
+    let mut stream = socket.connect(addr).await.expect("connect");
+    let _ = stream.write_all(b"GET /healthz HTTP/1.1\r\n").await;
+    stream
+}
+
 /// One request on a connection of its own from `source` (an address of
 /// this machine); `None` when the server closed it without an answer.
 async fn request_from(source: IpAddr, addr: SocketAddr, path: &str) -> Option<(u16, String)> {
@@ -1128,14 +1139,7 @@ async fn one_client_cannot_hold_every_connection() {
     let api_server = IpAddr::from([127, 0, 0, 2]);
     let mut held = Vec::new();
     for _ in 0..3 {
-        let socket = tokio::net::TcpSocket::new_v4().expect("socket");
-        socket.bind(SocketAddr::new(tenant, 0)).expect("bind");
-        let mut stream = socket.connect(addr).await.expect("connect");
-        stream
-            .write_all(b"GET /healthz HTTP/1.1\r\n")
-            .await
-            .expect("write");
-        held.push(stream);
+        held.push(half_request_from(tenant, addr).await);
     }
     // Before: every connection was the listener's to take by anyone, so
     // this client could have held all 8 (and, by default, all 1,024).
@@ -1178,14 +1182,7 @@ async fn clients_of_many_addresses_cannot_take_every_connection() {
     let mut held = Vec::new();
     for last in 3..7 {
         for _ in 0..3 {
-            let socket = tokio::net::TcpSocket::new_v4().expect("socket");
-            socket
-                .bind(SocketAddr::new(IpAddr::from([127, 0, 0, last]), 0))
-                .expect("bind");
-            let mut stream = socket.connect(addr).await.expect("connect");
-            // Closed already where the listener had no room for it.
-            let _ = stream.write_all(b"GET /healthz HTTP/1.1\r\n").await;
-            held.push(stream);
+            held.push(half_request_from(IpAddr::from([127, 0, 0, last]), addr).await);
         }
     }
     // Before: the listener's 8 were the pods', and the API server's calls
